@@ -1,0 +1,5 @@
+import sys
+
+from redbatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""The HTTP gateway: a Starlette app with one reply listener per process."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from redbatch.api import body
+from redbatch.api.directory import ModelDirectory
+from redbatch.api.errors import (
+    error_response,
+    from_exception,
+    on_http_error,
+    on_redbatch_error,
+    on_unexpected,
+)
+from redbatch.config import GatewayConfig, RedisSettings
+from redbatch.errors import RedbatchError, error_from_code
+from redbatch.producer.client import Client
+from redbatch.redis_conn import async_client
+
+log = logging.getLogger("redbatch.api")
+
+
+class Gateway:
+    """Holds the gateway's producer client and model directory."""
+
+    def __init__(self, config: GatewayConfig, redis: RedisSettings) -> None:
+        self.config = config
+        self.redis_settings = redis
+        self.client = Client(settings=redis, default_timeout_s=config.default_timeout_s,
+                             max_timeout_s=config.max_timeout_s,
+                             max_queue_len=config.max_queue_len,
+                             max_waiters=config.max_waiters,
+                             block_timeout_s=config.block_timeout_s)
+        self._redis = async_client(redis)
+        self.directory = ModelDirectory(self._redis, redis, config.meta_refresh_s)
+
+    async def start(self) -> None:
+        try:
+            await self.client.start()
+        except RedbatchError as exc:  # serve 503s until Redis is back
+            log.warning("gateway started without redis: %s", exc)
+        log.info("gateway using redis at %s", self.redis_settings.safe_url)
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self._redis.aclose()
+
+    async def predict(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        info = await self.directory.get(model)
+        data = body.parse_json(await body.read_body(request, self.config.max_body_bytes))
+        value = body.model_input(data, info)
+        timeout = body.timeout_s(request, data, self.config.default_timeout_s,
+                                 self.config.max_timeout_s)
+        reply = await self.client.predict_reply(model, value, timeout)
+        if not reply.ok:
+            return from_exception(error_from_code(reply.error_code, reply.error_message))
+        content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
+                               option=orjson.OPT_SERIALIZE_NUMPY)
+        return Response(content, media_type="application/json", headers={
+            "x-request-id": reply.id,
+            "x-redbatch-batch-size": str(reply.timings.batch_size),
+            "x-redbatch-queue-wait-ms": f"{reply.timings.queue_wait_ms:.1f}",
+            "x-redbatch-forward-ms": f"{reply.timings.forward_ms:.2f}",
+        })
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"models": await self.directory.listing()})
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        try:
+            live = await self.directory.any_live_worker()
+        except RedbatchError as exc:
+            return error_response(503, exc.code, str(exc), {"Retry-After": "1"})
+        if not live:
+            return error_response(503, "no_workers", "redis is reachable but no worker is live",
+                                  {"Retry-After": "1"})
+        return JSONResponse({"status": "ready"})
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"cannot serialize {type(obj).__name__}")
+
+
+def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None = None
+               ) -> Starlette:
+    """The ASGI app.  ``app.state.gateway`` holds the ``Gateway``."""
+    gateway = Gateway(config or GatewayConfig(), redis or RedisSettings.from_env())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    routes = [
+        Route("/v1/models/{model}/predict", gateway.predict, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/healthz", gateway.healthz, methods=["GET"]),
+        Route("/readyz", gateway.readyz, methods=["GET"]),
+    ]
+    handlers: dict[Any, Any] = {RedbatchError: on_redbatch_error, HTTPException: on_http_error,
+                                Exception: on_unexpected}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,84 @@
+"""What the gateway knows of models: metadata published by workers, cached briefly."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from redbatch import protocol
+from redbatch.config import RedisSettings
+from redbatch.errors import UnknownModel
+from redbatch.redis_conn import translated
+from redbatch.worker.heartbeat import live_workers
+from redbatch.worker.model import TensorSpec
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    input_name: str
+    output_name: str
+    spec: TensorSpec | None
+    meta: dict[str, Any]
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> ModelInfo:
+        spec = TensorSpec.from_json(meta["spec"]) if meta.get("spec") else None
+        return cls(name=meta["name"], input_name=meta.get("input_name", "inputs"),
+                   output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta)
+
+
+class ModelDirectory:
+    """Looks models up in Redis; remembers hits and misses for ``refresh_s``."""
+
+    def __init__(self, redis: aioredis.Redis, settings: RedisSettings, refresh_s: float) -> None:
+        self._redis = redis
+        self._settings = settings
+        self._refresh_s = refresh_s
+        self._cache: dict[str, tuple[float, ModelInfo | None]] = {}
+
+    async def get(self, name: str) -> ModelInfo:
+        """The model's info, or ``UnknownModel`` if no worker ever registered it."""
+        hit = self._cache.get(name)
+        if hit is None or time.monotonic() - hit[0] > self._refresh_s:
+            hit = (time.monotonic(), await self._fetch(name))
+            self._cache[name] = hit
+        if hit[1] is None:
+            raise UnknownModel(f"unknown model {name!r}: no worker serves it")
+        return hit[1]
+
+    async def _fetch(self, name: str) -> ModelInfo | None:
+        protocol.check_model_name(name)
+        async with translated(self._settings):
+            raw = await self._redis.get(protocol.meta_key(name))
+        return ModelInfo.from_meta(orjson.loads(raw)) if raw else None
+
+    async def listing(self) -> list[dict[str, Any]]:
+        """Every known model with its queue depth and live workers."""
+        async with translated(self._settings):
+            names = await self._model_names()
+            return [await self._describe(name) for name in sorted(names)]
+
+    async def _describe(self, name: str) -> dict[str, Any]:
+        raw = await self._redis.get(protocol.meta_key(name))
+        depth = await self._redis.llen(protocol.queue_key(name))
+        workers = await live_workers(self._redis, name)
+        meta = orjson.loads(raw) if raw else {"name": name}
+        return {**meta, "queue_depth": int(depth), "live_workers": len(workers),
+                "workers": workers}
+
+    async def _model_names(self) -> list[str]:
+        raw: Any = await self._redis.zrange(protocol.MODELS_KEY, 0, -1)
+        return [name.decode() for name in raw]
+
+    async def any_live_worker(self) -> bool:
+        async with translated(self._settings):
+            now = protocol.now_ms()
+            for name in await self._model_names():
+                if await self._redis.zcount(protocol.workers_key(name), now, "+inf"):
+                    return True
+        return False

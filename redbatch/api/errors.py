@@ -1,0 +1,67 @@
+"""Every error the gateway returns: a status code and a JSON body, never a traceback."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from redbatch import errors
+
+log = logging.getLogger("redbatch.api")
+
+STATUS: dict[type[errors.RedbatchError], int] = {
+    errors.InvalidPayload: 422,
+    errors.UnknownModel: 404,
+    errors.DeadlineExceeded: 504,
+    errors.QueueFull: 503,
+    errors.RedisUnavailable: 503,
+    errors.ModelError: 500,
+    errors.WorkerCrashed: 502,
+}
+
+
+class BadRequest(errors.RedbatchError):
+    code = "bad_request"
+
+
+class BodyTooLarge(errors.RedbatchError):
+    code = "body_too_large"
+
+
+STATUS[BadRequest] = 400
+STATUS[BodyTooLarge] = 413
+
+
+def error_response(status: int, code: str, message: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
+                        headers=headers)
+
+
+def from_exception(exc: errors.RedbatchError) -> JSONResponse:
+    status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 500)
+    headers = None
+    if status == 503:
+        retry_s = exc.retry_after_s if isinstance(exc, errors.QueueFull) else 1.0
+        headers = {"Retry-After": str(max(1, math.ceil(retry_s)))}
+    return error_response(status, exc.code, str(exc), headers)
+
+
+async def on_redbatch_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, errors.RedbatchError)
+    return from_exception(exc)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    headers = dict(exc.headers) if exc.headers else None
+    return error_response(exc.status_code, "http_error", str(exc.detail), headers)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return error_response(500, "internal", "internal error; see the gateway log")

@@ -1,0 +1,150 @@
+"""``redbatch up | gateway | worker``: flags override ``REDBATCH_*`` env vars."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env
+from redbatch.errors import RedbatchError
+from redbatch.logs import setup_logging
+
+log = logging.getLogger("redbatch")
+DEMO_TARGET = "redbatch.demo:models"
+
+
+def _add_redis(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", help="Redis URL (default: $REDIS_URL)")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
+
+
+def _add_gateway(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="bind address (127.0.0.1; $REDBATCH_HOST)")
+    parser.add_argument("--port", type=int, help="port (8000; $REDBATCH_PORT)")
+    parser.add_argument("--default-timeout-s", type=float, help="deadline when the client "
+                        "sets none (30)")
+    parser.add_argument("--max-timeout-s", type=float, help="longest deadline allowed (60)")
+    parser.add_argument("--max-body-bytes", type=int, help="request body limit (1 MiB)")
+    parser.add_argument("--max-queue-len", type=int, help="cap of each model queue (10000)")
+
+
+def _add_worker(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, help="worker processes (1)")
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:0,cuda:1 (auto)")
+    parser.add_argument("--threads", type=int, help="CPU threads per replica (1)")
+    parser.add_argument("--block-timeout-s", type=float, help="blocking pop timeout (1.0)")
+    parser.add_argument("--lease-ttl-s", type=float, help="worker lease (10)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="redbatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="gateway + workers + demo model, one command")
+    up.add_argument("--models", default=DEMO_TARGET, help=f"MODULE:OBJECT ({DEMO_TARGET})")
+    for add in (_add_redis, _add_gateway, _add_worker):
+        add(up)
+    gateway = sub.add_parser("gateway", help="run the HTTP gateway alone")
+    _add_redis(gateway)
+    _add_gateway(gateway)
+    worker = sub.add_parser("worker", help="run worker processes for MODULE:OBJECT")
+    worker.add_argument("target", help="MODULE:OBJECT: a Model, a list, or a factory")
+    _add_redis(worker)
+    _add_worker(worker)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if v is not None}
+
+
+def _serve_gateway(config: GatewayConfig, redis: RedisSettings) -> None:
+    import uvicorn
+
+    from redbatch.api import create_app
+
+    log.info("gateway listening on http://%s:%d", config.host, config.port)
+    uvicorn.run(create_app(config, redis), host=config.host, port=config.port,
+                log_level="warning", access_log=False)
+
+
+def _stop_event() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def cmd_worker(args: argparse.Namespace, redis: RedisSettings) -> None:
+    from redbatch.worker.loader import load_models
+    from redbatch.worker.pool import Pool
+
+    config = from_env(WorkerConfig, _overrides(args))
+    load_models(args.target)  # fail here, loudly, rather than in every replica
+    pool = Pool(args.target, redis, config, args.log_level or "INFO")
+    stop = _stop_event()
+    pool.start()
+    try:
+        pool.supervise(stop)
+    finally:
+        pool.stop()
+
+
+def cmd_gateway(args: argparse.Namespace, redis: RedisSettings) -> None:
+    _serve_gateway(from_env(GatewayConfig, _overrides(args)), redis)
+
+
+def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
+    from redbatch.embedded import start_embedded
+    from redbatch.worker.pool import Pool
+
+    gateway_config = from_env(GatewayConfig, _overrides(args))
+    worker_config = from_env(WorkerConfig, _overrides(args))
+    embedded = None if redis_url else start_embedded()
+    if redis_url:
+        log.info("using REDIS_URL")
+    redis = RedisSettings.from_env(embedded.url if embedded else redis_url)
+    log.info("redis: %s", redis.safe_url)
+    pool = Pool(args.models, redis, worker_config, args.log_level or "INFO")
+    stop = threading.Event()
+    pool.start()
+    supervisor = threading.Thread(target=pool.supervise, args=(stop,), daemon=True)
+    supervisor.start()
+    try:
+        _serve_gateway(gateway_config, redis)
+    finally:
+        log.info("stopping workers")
+        stop.set()
+        pool.stop()
+        if embedded:
+            embedded.stop()
+        log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    sys.path.insert(0, os.getcwd())
+    redis_url = args.redis_url or os.environ.get("REDIS_URL")
+    try:
+        if args.command == "up":
+            cmd_up(args, redis_url)
+        elif args.command == "gateway":
+            cmd_gateway(args, RedisSettings.from_env(redis_url))
+        else:
+            cmd_worker(args, RedisSettings.from_env(redis_url))
+    except RedbatchError as exc:
+        log.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Encode and decode envelopes: msgpack (default) or JSON, never pickle.
+
+Arrays travel as a one-key map ``{"__tensor__": {"dtype", "shape", "data"}}``
+where ``data`` is the raw little-endian, C-order bytes (msgpack bin, or base64
+text in JSON).  Decoding checks dtype, shape and size, so a hostile entry can
+at worst be rejected with ``InvalidPayload``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+import orjson
+
+from redbatch.errors import InvalidPayload
+from redbatch.protocol import MAX_ENTRY_BYTES, TENSOR_TAG
+
+Format = Literal["msgpack", "json"]
+
+DTYPES: frozenset[str] = frozenset(
+    {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
+)
+MAX_DEPTH = 32
+
+
+def _as_array(obj: Any) -> np.ndarray[Any, Any] | None:
+    if isinstance(obj, np.ndarray):
+        return obj
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "detach"):
+        return np.asarray(obj.detach().cpu().numpy())
+    return None
+
+
+def _tensor_fields(arr: np.ndarray[Any, Any]) -> tuple[str, list[int], bytes]:
+    if arr.dtype.name not in DTYPES:
+        raise InvalidPayload(f"dtype {arr.dtype.name} cannot travel on the wire")
+    little = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return arr.dtype.name, list(arr.shape), little.tobytes()
+
+
+def _default_msgpack(obj: Any) -> Any:
+    arr = _as_array(obj)
+    if arr is not None:
+        dtype, shape, data = _tensor_fields(arr)
+        return {TENSOR_TAG: {"dtype": dtype, "shape": shape, "data": data}}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _default_json(obj: Any) -> Any:
+    arr = _as_array(obj)
+    if arr is not None:
+        dtype, shape, data = _tensor_fields(arr)
+        text = base64.b64encode(data).decode("ascii")
+        return {TENSOR_TAG: {"dtype": dtype, "shape": shape, "data": text}}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def encode(message: Any, fmt: Format = "msgpack") -> bytes:
+    """Encode an envelope (a dict from ``Request.to_wire`` / ``Reply.to_wire``)."""
+    try:
+        if fmt == "json":
+            return orjson.dumps(message, default=_default_json, option=orjson.OPT_SERIALIZE_NUMPY)
+        packed: bytes = msgpack.packb(message, default=_default_msgpack, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError, orjson.JSONEncodeError) as exc:
+        raise InvalidPayload(f"cannot encode message: {exc}") from exc
+    return packed
+
+
+def sniff_format(data: bytes) -> Format:
+    """JSON envelopes start with ``{``; a msgpack map never does."""
+    return "json" if data[:1] == b"{" else "msgpack"
+
+
+def decode(data: bytes) -> Any:
+    """Decode an envelope of either format; raise ``InvalidPayload`` if it is bad."""
+    if len(data) > MAX_ENTRY_BYTES:
+        raise InvalidPayload(f"entry of {len(data)} bytes is over {MAX_ENTRY_BYTES}")
+    try:
+        if sniff_format(data) == "json":
+            return _untag(orjson.loads(data), 0)
+        return msgpack.unpackb(data, raw=False, object_hook=_tensor_hook, strict_map_key=True)
+    except InvalidPayload:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise InvalidPayload(f"undecodable entry: {exc}") from exc
+
+
+def _tensor_hook(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1 and TENSOR_TAG in obj:
+        return array_from_fields(obj[TENSOR_TAG], binary=True)
+    return obj
+
+
+def _untag(obj: Any, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise InvalidPayload(f"message nests deeper than {MAX_DEPTH}")
+    if isinstance(obj, dict):
+        if len(obj) == 1 and TENSOR_TAG in obj:
+            return array_from_fields(obj[TENSOR_TAG], binary=False)
+        return {k: _untag(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_untag(v, depth + 1) for v in obj]
+    return obj
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_DEPTH:
+        raise InvalidPayload("tensor shape must be a list of at most 32 ints")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InvalidPayload(f"tensor shape {shape!r} must hold non-negative ints")
+    return tuple(shape)
+
+
+def _tensor_data(raw: Any, binary: bool) -> bytes:
+    if binary and isinstance(raw, bytes):
+        return raw
+    if not binary and isinstance(raw, str):
+        try:
+            return base64.b64decode(raw, validate=True)
+        except binascii.Error as exc:
+            raise InvalidPayload(f"tensor data is not valid base64: {exc}") from exc
+    raise InvalidPayload("tensor data must be bin (msgpack) or base64 text (JSON)")
+
+
+def array_from_fields(fields: Any, *, binary: bool) -> np.ndarray[Any, Any]:
+    """Build a read-only array from ``{"dtype", "shape", "data"}``, checking each."""
+    if not isinstance(fields, dict):
+        raise InvalidPayload("tensor must be a map of dtype, shape, data")
+    dtype = fields.get("dtype")
+    if dtype not in DTYPES:
+        raise InvalidPayload(f"tensor dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    shape = _check_shape(fields.get("shape"))
+    data = _tensor_data(fields.get("data"), binary)
+    np_dtype = np.dtype(dtype).newbyteorder("<")
+    expected = math.prod(shape) * np_dtype.itemsize
+    if expected != len(data):
+        raise InvalidPayload(f"tensor data has {len(data)} bytes, shape needs {expected}")
+    return np.frombuffer(data, dtype=np_dtype).reshape(shape)

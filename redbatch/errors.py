@@ -1,0 +1,87 @@
+"""One rooted exception tree (httpx style).
+
+Every error that crosses a redbatch boundary is a ``RedbatchError``.  Errors that
+travel on the wire carry a stable ``code`` (see ``redbatch.protocol.ErrorCode``);
+``error_from_code`` turns a reply's error back into the matching exception.
+"""
+
+from __future__ import annotations
+
+
+class RedbatchError(Exception):
+    """Root of every redbatch error."""
+
+    code = "internal"
+
+
+class ConfigError(RedbatchError):
+    """A setting is missing or has a bad value."""
+
+    code = "config_error"
+
+
+class RedisUnavailable(RedbatchError):
+    """Redis could not be reached, or the connection broke mid-command."""
+
+    code = "redis_unavailable"
+
+
+class QueueFull(RedbatchError):
+    """The model's queue is at its cap: retry later."""
+
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(RedbatchError):
+    """The request's deadline passed before a reply arrived."""
+
+    code = "deadline_exceeded"
+
+
+class InvalidPayload(RedbatchError):
+    """The request (or a queue entry) could not be decoded or validated."""
+
+    code = "invalid_payload"
+
+
+class UnknownModel(RedbatchError):
+    """No worker has ever registered a model of this name."""
+
+    code = "unknown_model"
+
+
+class ModelError(RedbatchError):
+    """The model raised, or broke the batch contract (e.g. wrong output length)."""
+
+    code = "model_error"
+
+
+class WorkerCrashed(RedbatchError):
+    """Workers crashed on this request too many times; it was dead-lettered."""
+
+    code = "worker_crashed"
+
+
+_BY_CODE: dict[str, type[RedbatchError]] = {
+    cls.code: cls
+    for cls in (
+        RedbatchError,
+        ConfigError,
+        RedisUnavailable,
+        QueueFull,
+        DeadlineExceeded,
+        InvalidPayload,
+        UnknownModel,
+        ModelError,
+        WorkerCrashed,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> RedbatchError:
+    """Build the exception that a reply's error ``code`` stands for."""
+    return _BY_CODE.get(code, RedbatchError)(message)

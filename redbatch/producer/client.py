@@ -1,0 +1,195 @@
+"""The async producer: enqueue requests and await their replies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from redbatch import codec, lua, protocol
+from redbatch.codec import Format
+from redbatch.config import RedisSettings, check_socket_timeout
+from redbatch.errors import ConfigError, QueueFull, RedbatchError
+from redbatch.producer.listener import ReplyListener
+from redbatch.protocol import Reply, Request
+from redbatch.redis_conn import async_client, translated
+
+log = logging.getLogger("redbatch.producer")
+QUEUE_FULL_RETRY_AFTER_S = 1.0
+ENQUEUE_CHUNK = 1000
+
+
+def _accepted_prefix(counts: list[Any], sizes: list[int]) -> int:
+    """How many entries, in order, were pushed before the first refusal."""
+    total = 0
+    for count, size in zip(counts, sizes, strict=True):
+        total += int(count)
+        if int(count) < size:
+            break
+    return total
+
+
+class Client:
+    """Async client: ``predict``, ``submit`` (a future, like Ray's ``.remote()``) and
+    ``predict_many`` (one pipelined round trip for many requests).
+
+    Use ``async with Client(url) as client`` or call ``start``/``close``; the first
+    request starts a client that was not started.
+    """
+
+    def __init__(self, url: str | None = None, *, settings: RedisSettings | None = None,
+                 default_timeout_s: float = 30.0, max_timeout_s: float = protocol.MAX_TIMEOUT_S,
+                 max_queue_len: int = 10_000, max_waiters: int = 10_000,
+                 block_timeout_s: float = 1.0, fmt: Format = "msgpack") -> None:
+        self.settings = settings or RedisSettings.from_env(url)
+        check_socket_timeout(self.settings, block_timeout_s)
+        if not 0 < default_timeout_s <= max_timeout_s <= protocol.MAX_TIMEOUT_S:
+            raise ConfigError("need 0 < default_timeout_s <= max_timeout_s <= "
+                              f"{protocol.MAX_TIMEOUT_S}")
+        self.default_timeout_s = default_timeout_s
+        self.max_timeout_s = max_timeout_s
+        self.max_queue_len = max_queue_len
+        self.max_waiters = max_waiters
+        self.fmt: Format = fmt
+        self.client_id = protocol.new_id()
+        self.reply_to = protocol.reply_key(self.client_id)
+        self._block_timeout_s = block_timeout_s
+        self._redis: aioredis.Redis | None = None
+        self._listener: ReplyListener | None = None
+        self._start_lock = asyncio.Lock()
+
+    # --- life cycle ---------------------------------------------------------
+    async def start(self) -> None:
+        """Connect (failing fast with ``RedisUnavailable``) and start the listener."""
+        async with self._start_lock:
+            if self._listener is not None:
+                return
+            redis = async_client(self.settings)
+            try:
+                async with translated(self.settings):
+                    await redis.ping()
+            except RedbatchError:
+                await redis.aclose()
+                raise
+            self._redis = redis
+            self._enqueue_script = redis.register_script(lua.ENQUEUE)
+            self._listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
+            self._listener.start()
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.stop()
+            self._listener = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        if self._redis is None:
+            raise RedbatchError("client is not started")
+        return self._redis
+
+    @property
+    def waiting(self) -> int:
+        return self._listener.waiting if self._listener else 0
+
+    # --- requests -----------------------------------------------------------
+    def deadline_ms(self, timeout_s: float | None) -> int:
+        """Absolute deadline: ``timeout_s`` (default if None), capped at the maximum."""
+        chosen = self.default_timeout_s if timeout_s is None else timeout_s
+        chosen = min(max(chosen, 0.0), self.max_timeout_s)
+        return protocol.now_ms() + round(chosen * 1000)
+
+    def _request(self, model: str, inputs: Any, deadline_ms: int, request_id: str | None
+                 ) -> Request:
+        return Request(id=request_id or protocol.new_id(), model=model,
+                       enqueue_ms=protocol.now_ms(), deadline_ms=deadline_ms,
+                       reply_to=self.reply_to, payload=inputs)
+
+    async def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
+                          *, want_reply: bool = False, request_ids: Sequence[str] | None = None
+                          ) -> list[asyncio.Future[Any]]:
+        """Enqueue every input in one round trip; return one future per input.
+
+        A future resolves to the model's output (or, with ``want_reply``, the whole
+        ``Reply``) and raises a typed ``RedbatchError`` otherwise."""
+        if self._listener is None:
+            await self.start()
+        assert self._listener is not None
+        protocol.check_model_name(model)
+        deadline = self.deadline_ms(timeout_s)
+        ids = list(request_ids) if request_ids else [None] * len(inputs)
+        requests = [self._request(model, x, deadline, rid) for x, rid in zip(inputs, ids,
+                                                                              strict=True)]
+        entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
+        if self._listener.waiting + len(requests) > self.max_waiters:
+            raise QueueFull(f"{self._listener.waiting} requests already wait in this process "
+                            f"(max_waiters={self.max_waiters})", QUEUE_FULL_RETRY_AFTER_S)
+        futures = [self._listener.expect(r.id, deadline, want_reply) for r in requests]
+        await self._push(model, requests, entries)
+        return futures
+
+    async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
+        assert self._listener is not None
+        try:
+            pushed = await self._run_enqueue(protocol.queue_key(model), entries)
+        except RedbatchError as exc:
+            for request in requests:
+                self._listener.fail(request.id, exc)
+            raise
+        for request in requests[pushed:]:
+            self._listener.fail(request.id, QueueFull(
+                f"queue of model {model!r} is full (max_queue_len={self.max_queue_len})",
+                QUEUE_FULL_RETRY_AFTER_S))
+
+    async def _run_enqueue(self, queue: str, entries: list[bytes]) -> int:
+        """The ENQUEUE script in chunks (Lua's unpack limit), in one pipeline."""
+        head = [self.max_queue_len, protocol.QUEUE_TTL_S * 1000]
+        chunks = [entries[i:i + ENQUEUE_CHUNK] for i in range(0, len(entries), ENQUEUE_CHUNK)]
+        async with translated(self.settings):
+            if len(chunks) == 1:
+                return int(await self._enqueue_script(keys=[queue], args=[*head, *entries]))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for chunk in chunks:
+                    await self._enqueue_script(keys=[queue], args=[*head, *chunk], client=pipe)
+                counts = await pipe.execute()
+        return _accepted_prefix(counts, [len(c) for c in chunks])
+
+    async def submit(self, model: str, inputs: Any, timeout_s: float | None = None
+                     ) -> asyncio.Future[Any]:
+        """Enqueue one request; the returned future resolves to its output."""
+        (future,) = await self.submit_many(model, [inputs], timeout_s)
+        return future
+
+    async def predict(self, model: str, inputs: Any, timeout_s: float | None = None) -> Any:
+        """Run ``model`` on one input and return its output (or raise a typed error)."""
+        return await (await self.submit(model, inputs, timeout_s))
+
+    async def predict_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
+                            request_id: str | None = None) -> Reply:
+        """Like ``predict`` but return the whole ``Reply`` (timings, error code)."""
+        ids = [request_id] if request_id else None
+        (future,) = await self.submit_many(model, [inputs], timeout_s, want_reply=True,
+                                           request_ids=ids)
+        reply: Reply = await future
+        return reply
+
+    async def predict_many(self, model: str, inputs: Sequence[Any],
+                           timeout_s: float | None = None, *, return_exceptions: bool = False
+                           ) -> list[Any]:
+        """Send many requests in one pipelined round trip; outputs in input order."""
+        futures = await self.submit_many(model, inputs, timeout_s)
+        return list(await asyncio.gather(*futures, return_exceptions=return_exceptions))

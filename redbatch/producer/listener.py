@@ -1,0 +1,113 @@
+"""ONE reply listener per process: blocks on the process's own reply list, drains
+it in bulk, and routes each reply to its waiting future by request id."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from redbatch import codec, protocol
+from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError, error_from_code
+from redbatch.redis_conn import REDIS_ERRORS
+
+log = logging.getLogger("redbatch.producer")
+DRAIN_COUNT = 1024
+BACKOFF_CAP_S = 2.0
+
+
+@dataclass(slots=True)
+class Waiter:
+    future: asyncio.Future[Any]
+    timer: asyncio.TimerHandle
+    want_reply: bool
+
+
+def resolve(future: asyncio.Future[Any], reply: protocol.Reply, want_reply: bool) -> None:
+    """Settle ``future`` with the reply (or its payload / typed error)."""
+    if future.done():
+        return
+    if want_reply:
+        future.set_result(reply)
+    elif reply.ok:
+        future.set_result(reply.payload)
+    else:
+        future.set_exception(error_from_code(reply.error_code, reply.error_message))
+
+
+class ReplyListener:
+    def __init__(self, redis: aioredis.Redis, reply_to: str, block_timeout_s: float) -> None:
+        self._redis = redis
+        self.reply_to = reply_to
+        self._block_timeout_s = block_timeout_s
+        self._waiters: dict[str, Waiter] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="redbatch-reply-listener")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for request_id in list(self._waiters):
+            self.fail(request_id, RedbatchError("client closed before the reply arrived"))
+
+    def expect(self, request_id: str, deadline_ms: int, want_reply: bool) -> asyncio.Future[Any]:
+        """A future for ``request_id`` that fails with DeadlineExceeded at its deadline."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
+        timer = loop.call_later(delay_s, self._expire, request_id)
+        self._waiters[request_id] = Waiter(future, timer, want_reply)
+        return future
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            waiter.timer.cancel()
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+
+    def _expire(self, request_id: str) -> None:
+        self.fail(request_id, DeadlineExceeded(f"no reply to request {request_id} before "
+                                               "its deadline"))
+
+    def dispatch(self, raw: bytes) -> None:
+        try:
+            reply = protocol.reply_from_wire(codec.decode(raw))
+        except InvalidPayload as exc:
+            log.warning("dropped an undecodable reply on %s: %s", self.reply_to, exc)
+            return
+        waiter = self._waiters.pop(reply.id, None)
+        if waiter is None:
+            return  # its caller already gave up (deadline) or never waited
+        waiter.timer.cancel()
+        resolve(waiter.future, reply, waiter.want_reply)
+
+    async def _pop(self) -> list[bytes]:
+        result: Any = await self._redis.blmpop(self._block_timeout_s, 1, self.reply_to,
+                                          direction="LEFT", count=DRAIN_COUNT)
+        return list(result[1]) if result else []
+
+    async def _run(self) -> None:
+        backoff_s = 0.05
+        while True:
+            try:
+                for raw in await self._pop():
+                    self.dispatch(raw)
+                backoff_s = 0.05
+            except REDIS_ERRORS as exc:
+                log.warning("reply listener: redis unavailable (%s); retrying in %.2f s",
+                            exc, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, BACKOFF_CAP_S)

@@ -1,0 +1,236 @@
+"""The wire protocol: every Redis key, TTL and message field, in one place.
+
+See ``docs/protocol.md`` for the language-neutral description.  All keys of one
+model share the Redis Cluster hash tag ``{<model>}``; a reply list is tagged by
+its client id.  Times are absolute epoch milliseconds (``*_ms``) or durations
+with their unit in the name (``*_s``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from redbatch.errors import InvalidPayload
+
+PROTOCOL_VERSION: Final = 1
+PREFIX: Final = "rb"
+
+# --- TTLs and limits ----------------------------------------------------------
+QUEUE_TTL_S: Final = 3600  # refreshed by every push
+INFLIGHT_TTL_S: Final = 3600  # refreshed by every claim
+REPLY_TTL_S: Final = 120  # refreshed by every reply pushed to the list
+META_TTL_S: Final = 24 * 3600  # refreshed by worker heartbeats
+WORKERS_TTL_S: Final = 600  # refreshed by worker heartbeats
+DEAD_LETTER_TTL_S: Final = 7 * 24 * 3600  # refreshed by every dead letter
+DEAD_LETTER_MAX: Final = 10_000  # the list keeps the newest entries only
+MAX_TIMEOUT_S: Final = 600.0  # no deadline may be further out than this
+MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
+MAX_REPLY_TO_LEN: Final = 200
+
+MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")
+
+# --- message fields -----------------------------------------------------------
+F_VERSION: Final = "v"
+F_ID: Final = "id"
+F_MODEL: Final = "model"
+F_ENQUEUE_MS: Final = "enqueue_ms"
+F_DEADLINE_MS: Final = "deadline_ms"
+F_REPLY_TO: Final = "reply_to"
+F_ATTEMPT: Final = "attempt"
+F_PAYLOAD: Final = "payload"
+F_OK: Final = "ok"
+F_ERROR: Final = "error"
+F_CODE: Final = "code"
+F_MESSAGE: Final = "message"
+F_TIMINGS: Final = "timings"
+F_QUEUE_WAIT_MS: Final = "queue_wait_ms"
+F_BATCH_SIZE: Final = "batch_size"
+F_FORWARD_MS: Final = "forward_ms"
+F_WORKER_ID: Final = "worker_id"
+TENSOR_TAG: Final = "__tensor__"
+
+
+# --- keys ---------------------------------------------------------------------
+def check_model_name(model: str) -> str:
+    """Return ``model`` if it is a legal model name, else raise ``InvalidPayload``."""
+    if not isinstance(model, str) or not MODEL_NAME_RE.match(model):
+        raise InvalidPayload(f"invalid model name {model!r}: use 1-64 of [A-Za-z0-9_.-]")
+    return model
+
+
+def queue_key(model: str) -> str:
+    return f"{PREFIX}:{{{model}}}:queue"
+
+
+def inflight_key(model: str, worker_id: str) -> str:
+    return f"{PREFIX}:{{{model}}}:inflight:{worker_id}"
+
+
+def workers_key(model: str) -> str:
+    """Sorted set: worker id -> lease expiry (epoch ms)."""
+    return f"{PREFIX}:{{{model}}}:workers"
+
+
+def worker_info_key(model: str) -> str:
+    """Hash: worker id -> JSON description (device, pid, host)."""
+    return f"{PREFIX}:{{{model}}}:worker_info"
+
+
+def meta_key(model: str) -> str:
+    """String: the model's JSON metadata (input spec, batching policy)."""
+    return f"{PREFIX}:{{{model}}}:meta"
+
+
+def dead_letter_key(model: str) -> str:
+    return f"{PREFIX}:{{{model}}}:dead"
+
+
+MODELS_KEY: Final = f"{PREFIX}:models"  # sorted set: model -> last heartbeat (epoch ms)
+
+
+def reply_key(client_id: str) -> str:
+    return f"{PREFIX}:reply:{{{client_id}}}"
+
+
+# --- time and ids ---------------------------------------------------------------
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+# --- envelopes ------------------------------------------------------------------
+@dataclass(slots=True)
+class Request:
+    """One inference request, as it sits in a model's queue."""
+
+    id: str
+    model: str
+    enqueue_ms: int
+    deadline_ms: int
+    reply_to: str
+    payload: Any
+    attempt: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            F_VERSION: PROTOCOL_VERSION,
+            F_ID: self.id,
+            F_MODEL: self.model,
+            F_ENQUEUE_MS: self.enqueue_ms,
+            F_DEADLINE_MS: self.deadline_ms,
+            F_REPLY_TO: self.reply_to,
+            F_ATTEMPT: self.attempt,
+            F_PAYLOAD: self.payload,
+        }
+
+
+@dataclass(slots=True)
+class Timings:
+    queue_wait_ms: float = 0.0
+    batch_size: int = 0
+    forward_ms: float = 0.0
+    worker_id: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            F_QUEUE_WAIT_MS: self.queue_wait_ms,
+            F_BATCH_SIZE: self.batch_size,
+            F_FORWARD_MS: self.forward_ms,
+            F_WORKER_ID: self.worker_id,
+        }
+
+
+@dataclass(slots=True)
+class Reply:
+    """The answer to one request: a payload, or an error code and message."""
+
+    id: str
+    ok: bool
+    payload: Any = None
+    error_code: str = ""
+    error_message: str = ""
+    timings: Timings = field(default_factory=Timings)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {F_VERSION: PROTOCOL_VERSION, F_ID: self.id, F_OK: self.ok}
+        if self.ok:
+            wire[F_PAYLOAD] = self.payload
+        else:
+            wire[F_ERROR] = {F_CODE: self.error_code, F_MESSAGE: self.error_message}
+        wire[F_TIMINGS] = self.timings.to_wire()
+        return wire
+
+
+def _field(wire: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = wire.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise InvalidPayload(f"field {name!r} is missing or not {_kind_name(kind)}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _check_version(wire: Any) -> dict[str, Any]:
+    if not isinstance(wire, dict):
+        raise InvalidPayload("envelope is not a map")
+    if wire.get(F_VERSION) != PROTOCOL_VERSION:
+        raise InvalidPayload(f"unsupported protocol version {wire.get(F_VERSION)!r}")
+    return wire
+
+
+def request_from_wire(wire: Any) -> Request:
+    """Validate a decoded request envelope; raise ``InvalidPayload`` if it is bad."""
+    wire = _check_version(wire)
+    reply_to = _field(wire, F_REPLY_TO, str)
+    if not REPLY_TO_RE.match(reply_to):
+        raise InvalidPayload("reply_to must match rb:reply:<id>")
+    if F_PAYLOAD not in wire:
+        raise InvalidPayload("field 'payload' is missing")
+    return Request(
+        id=_checked_id(_field(wire, F_ID, str)),
+        model=check_model_name(_field(wire, F_MODEL, str)),
+        enqueue_ms=_field(wire, F_ENQUEUE_MS, int),
+        deadline_ms=_field(wire, F_DEADLINE_MS, int),
+        reply_to=reply_to,
+        attempt=_field(wire, F_ATTEMPT, int),
+        payload=wire[F_PAYLOAD],
+    )
+
+
+def _checked_id(request_id: str) -> str:
+    if not 1 <= len(request_id) <= 128:
+        raise InvalidPayload("field 'id' must be 1-128 characters")
+    return request_id
+
+
+def reply_from_wire(wire: Any) -> Reply:
+    """Validate a decoded reply envelope."""
+    wire = _check_version(wire)
+    timings = wire.get(F_TIMINGS) or {}
+    reply = Reply(
+        id=_field(wire, F_ID, str),
+        ok=bool(wire.get(F_OK)),
+        payload=wire.get(F_PAYLOAD),
+        timings=Timings(
+            queue_wait_ms=float(timings.get(F_QUEUE_WAIT_MS, 0.0)),
+            batch_size=int(timings.get(F_BATCH_SIZE, 0)),
+            forward_ms=float(timings.get(F_FORWARD_MS, 0.0)),
+            worker_id=str(timings.get(F_WORKER_ID, "")),
+        ),
+    )
+    if not reply.ok:
+        error = wire.get(F_ERROR) or {}
+        reply.error_code = str(error.get(F_CODE, "internal"))
+        reply.error_message = str(error.get(F_MESSAGE, ""))
+    return reply

@@ -1,0 +1,70 @@
+"""Redis clients with timeouts on, and the translation of redis errors.
+
+Every socket timeout is longer than any blocking command we issue (checked by
+``config.check_socket_timeout``), so a dead connection is noticed and a
+blocking pop is never cut short by its own socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from redbatch.config import RedisSettings
+from redbatch.errors import RedisUnavailable
+
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def _retry() -> Retry:
+    # One quick retry covers a reset idle connection; more would delay failing fast.
+    return Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)
+
+
+def async_client(settings: RedisSettings, max_connections: int = 64) -> aioredis.Redis:
+    """An asyncio client (bytes replies) with connect and socket timeouts."""
+    return aioredis.Redis.from_url(
+        settings.url,
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=settings.connect_timeout_s,
+        max_connections=max_connections,
+        retry=_retry(),
+        health_check_interval=30,
+    )
+
+
+def sync_client(settings: RedisSettings) -> redis.Redis:
+    return redis.Redis.from_url(
+        settings.url,
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=settings.connect_timeout_s,
+        retry=_retry(),
+        health_check_interval=30,
+    )
+
+
+def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable:
+    return RedisUnavailable(f"redis at {settings.safe_url} unavailable: {type(exc).__name__}: "
+                            f"{exc}")
+
+
+@asynccontextmanager
+async def translated(settings: RedisSettings) -> AsyncIterator[None]:
+    """Turn redis connection and timeout errors into ``RedisUnavailable``."""
+    try:
+        yield
+    except REDIS_ERRORS as exc:
+        raise unavailable(settings, exc) from exc
+
+
+@contextmanager
+def translated_sync(settings: RedisSettings) -> Iterator[None]:
+    try:
+        yield
+    except REDIS_ERRORS as exc:
+        raise unavailable(settings, exc) from exc

@@ -1,0 +1,8 @@
+"""The worker side: batch formation, the model contract, torch helpers, the pool."""
+
+from redbatch.worker.model import Model, TensorSpec, batch
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.pool import Pool
+from redbatch.worker.process import Worker
+
+__all__ = ["BatchPolicy", "Model", "Pool", "TensorSpec", "Worker", "batch"]

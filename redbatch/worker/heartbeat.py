@@ -1,0 +1,63 @@
+"""Worker registration and heartbeats: who serves which model, on what device."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from redbatch import protocol
+from redbatch.worker.model import Model
+
+
+def worker_info(worker_id: str, device: str) -> bytes:
+    return orjson.dumps({"worker_id": worker_id, "device": device, "pid": os.getpid(),
+                         "host": socket.gethostname(), "started_ms": protocol.now_ms()})
+
+
+async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str, info: bytes,
+               lease_ttl_s: float) -> None:
+    """Renew this worker's lease and its models' metadata in one round trip."""
+    now = protocol.now_ms()
+    lease_until = now + round(lease_ttl_s * 1000)
+    async with redis.pipeline(transaction=False) as pipe:
+        for model in models:
+            _beat_model(pipe, model, worker_id, info, now, lease_until)
+        pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
+        pipe.expire(protocol.MODELS_KEY, protocol.META_TTL_S)
+        await pipe.execute()
+
+
+def _beat_model(pipe: Any, model: Model, worker_id: str, info: bytes, now: int,
+                lease_until: int) -> None:
+    workers = protocol.workers_key(model.name)
+    infos = protocol.worker_info_key(model.name)
+    pipe.zadd(workers, {worker_id: lease_until})
+    pipe.zremrangebyscore(workers, "-inf", now)
+    pipe.expire(workers, protocol.WORKERS_TTL_S)
+    pipe.hset(infos, worker_id, info)
+    pipe.expire(infos, protocol.WORKERS_TTL_S)
+    pipe.set(protocol.meta_key(model.name), orjson.dumps(model.meta()),
+             ex=protocol.META_TTL_S)
+
+
+async def leave(redis: aioredis.Redis, models: list[Model], worker_id: str) -> None:
+    """Deregister on a clean stop, so live-worker counts drop at once."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for model in models:
+            pipe.zrem(protocol.workers_key(model.name), worker_id)
+            pipe.hdel(protocol.worker_info_key(model.name), worker_id)
+        await pipe.execute()
+
+
+async def live_workers(redis: aioredis.Redis, model: str) -> list[dict[str, Any]]:
+    """Workers whose lease has not expired, with their info."""
+    ids: Any = await redis.zrangebyscore(protocol.workers_key(model), protocol.now_ms(), "+inf")
+    if not ids:
+        return []
+    infos: Any = await redis.hmget(protocol.worker_info_key(model), ids)
+    return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
+            for wid, raw in zip(ids, infos, strict=True)]

@@ -1,0 +1,47 @@
+"""Find the models a worker serves from a ``MODULE:OBJECT`` string."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+from redbatch.errors import ConfigError
+from redbatch.worker.model import Model
+
+
+def load_models(target: str) -> list[Model]:
+    """``OBJECT`` may be a Model, a list of Models, or a zero-argument callable that
+    returns either (called in the worker process, after it was spawned)."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"worker target {target!r} must look like MODULE:OBJECT")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return _as_models(obj, target)
+
+
+def _as_models(obj: Any, target: str) -> list[Model]:
+    if isinstance(obj, Model):
+        return [obj]
+    if isinstance(obj, Iterable) and not isinstance(obj, str | bytes):
+        models = list(obj)
+        if models and all(isinstance(m, Model) for m in models):
+            return _unique(models, target)
+    elif callable(obj):
+        return _as_models(obj(), target)
+    raise ConfigError(f"{target!r} is not a Model, a list of Models, or a factory of them")
+
+
+def _unique(models: list[Model], target: str) -> list[Model]:
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{target!r} names a model twice: {names}")
+    return models

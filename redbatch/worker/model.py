@@ -1,0 +1,132 @@
+"""The model contract, modelled on Ray Serve's ``@serve.batch``.
+
+A batch function takes a list of inputs (or, with ``stack=True``, one stacked
+array) and returns a list, array or tensor of the same length.  ``@batch``
+turns such a function into a ``Model``; ``Model.loader`` builds the function
+inside the worker process instead, on the device the worker was given.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from redbatch import protocol
+from redbatch.codec import DTYPES
+from redbatch.errors import ConfigError, InvalidPayload
+from redbatch.worker.policy import BatchPolicy
+
+BatchFn = Callable[[Any], Any]
+Loader = Callable[[str], BatchFn]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One request's input: a dtype and a shape, ``None`` for a free dimension."""
+
+    dtype: str = "float32"
+    shape: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"TensorSpec dtype {self.dtype!r} not in {sorted(DTYPES)}")
+
+    def check(self, value: Any) -> np.ndarray[Any, Any]:
+        """Convert ``value`` (nested lists or an array) to this spec, or raise."""
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError) as exc:
+            raise InvalidPayload(f"input is not a rectangular array: {exc}") from exc
+        self._check_kind(arr)
+        self._check_shape(arr.shape)
+        return arr.astype(self.dtype, copy=False)
+
+    def _check_kind(self, arr: np.ndarray[Any, Any]) -> None:
+        if arr.dtype.kind not in "biuf":
+            raise InvalidPayload(f"input must be numbers, got {arr.dtype.kind!r} data")
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+            raise InvalidPayload("input holds NaN or infinity")
+        if np.dtype(self.dtype).kind in "iub" and arr.dtype.kind == "f":
+            raise InvalidPayload(f"input must be integers for dtype {self.dtype}")
+
+    def _check_shape(self, shape: tuple[int, ...]) -> None:
+        ok = len(shape) == len(self.shape) and all(
+            want is None or want == got for want, got in zip(self.shape, shape, strict=True))
+        if not ok:
+            want_text = "(" + ", ".join("*" if d is None else str(d) for d in self.shape) + ")"
+            raise InvalidPayload(f"input shape {tuple(shape)} does not match {want_text}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": [-1 if d is None else d for d in self.shape]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorSpec:
+        shape = tuple(None if d == -1 else int(d) for d in data["shape"])
+        return cls(dtype=str(data["dtype"]), shape=shape)
+
+
+@dataclass
+class Model:
+    """A named batch function plus how to batch it and what its inputs look like."""
+
+    name: str
+    fn: BatchFn | None = None
+    policy: BatchPolicy = field(default_factory=BatchPolicy)
+    spec: TensorSpec | None = None
+    input_name: str = "inputs"
+    output_name: str = "outputs"
+    stack: bool = False
+    loader: Loader | None = None
+
+    def __post_init__(self) -> None:
+        protocol.check_model_name(self.name)
+        if (self.fn is None) == (self.loader is None):
+            raise ConfigError(f"model {self.name!r} needs exactly one of fn or loader")
+
+    @property
+    def is_async(self) -> bool:
+        return self.fn is not None and inspect.iscoroutinefunction(self.fn)
+
+    def bind(self, device: str) -> BatchFn:
+        """The batch function to run on ``device`` (builds it if there is a loader)."""
+        if self.loader is not None:
+            return self.loader(device)
+        assert self.fn is not None
+        return self.fn
+
+    def __call__(self, items: Sequence[Any]) -> Any:
+        """Call the batch function directly, as ``@serve.batch`` methods can be."""
+        return self.bind("cpu")(list(items))
+
+    def meta(self) -> dict[str, Any]:
+        """What gateways need to know: published to ``meta_key(name)`` by workers."""
+        return {
+            "name": self.name,
+            "input_name": self.input_name,
+            "output_name": self.output_name,
+            "spec": self.spec.to_json() if self.spec else None,
+            "policy": self.policy.to_json(),
+        }
+
+
+def batch(*, name: str | None = None, max_batch_size: int = 32,
+          batch_wait_timeout_s: float = 0.005, stride_s: float = 0.0,
+          allow_small_batch: bool = True, spec: TensorSpec | None = None,
+          input_name: str = "inputs", output_name: str = "outputs", stack: bool = False
+          ) -> Callable[[BatchFn], Model]:
+    """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
+
+    The knobs are Ray's; ``timeout_s`` is spelled ``batch_wait_timeout_s`` here (use
+    ``BatchPolicy.from_mapping`` for the ``{max_batch_size, timeout_s, stride_s,
+    allow_small_batch}`` spelling)."""
+    policy = BatchPolicy(max_batch_size, batch_wait_timeout_s, stride_s, allow_small_batch)
+
+    def wrap(fn: BatchFn) -> Model:
+        return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,
+                     spec=spec, input_name=input_name, output_name=output_name, stack=stack)
+
+    return wrap

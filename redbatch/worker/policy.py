@@ -1,0 +1,67 @@
+"""Batching policy: how many requests make a batch, and how long to wait for them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redbatch.errors import ConfigError
+
+_ALIASES = {"timeout_s": "batch_wait_timeout_s"}
+_KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch"}
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """``@serve.batch``-style knobs.
+
+    * ``max_batch_size``: most requests in one forward pass.
+    * ``batch_wait_timeout_s``: the batch window.  With ``allow_small_batch`` (the
+      default, Ray Serve's rule) the window opens when the *oldest* claimed request
+      was enqueued, so a request that already waited in the queue is not held back
+      further.  0 means opportunistic: take what is queued now and go.
+    * ``allow_small_batch=False``: wait for a full batch for the whole window,
+      counted from when this worker claimed the batch's first request.
+    * ``stride_s``: least time between two batch pops of one worker (0 = continuous).
+    """
+
+    max_batch_size: int = 32
+    batch_wait_timeout_s: float = 0.005
+    stride_s: float = 0.0
+    allow_small_batch: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_batch_size <= 65536:
+            raise ConfigError(f"max_batch_size must be 1..65536, got {self.max_batch_size}")
+        if not 0 <= self.batch_wait_timeout_s <= 60:
+            raise ConfigError("batch_wait_timeout_s (timeout_s) must be 0..60 s, got "
+                              f"{self.batch_wait_timeout_s}")
+        if not 0 <= self.stride_s <= 60:
+            raise ConfigError(f"stride_s must be 0..60 s, got {self.stride_s}")
+
+    @classmethod
+    def from_mapping(cls, knobs: Mapping[str, Any]) -> BatchPolicy:
+        """Accept Ray's names and the ``{max_batch_size, timeout_s, stride_s,
+        allow_small_batch}`` config spelling; unknown keys are an error."""
+        values: dict[str, Any] = {}
+        for key, value in knobs.items():
+            name = _ALIASES.get(key, key)
+            if name not in _KNOWN:
+                raise ConfigError(f"unknown batching option {key!r}; known: "
+                                  f"{sorted(_KNOWN | set(_ALIASES))}")
+            values[name] = value
+        return cls(**values)
+
+    def window_end_ms(self, oldest_enqueue_ms: int, claimed_ms: int) -> int:
+        """Epoch ms at which the batch must run even if it is not full."""
+        anchor = oldest_enqueue_ms if self.allow_small_batch else claimed_ms
+        return anchor + round(self.batch_wait_timeout_s * 1000)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_batch_size": self.max_batch_size,
+            "batch_wait_timeout_s": self.batch_wait_timeout_s,
+            "stride_s": self.stride_s,
+            "allow_small_batch": self.allow_small_batch,
+        }

@@ -1,0 +1,77 @@
+"""Torch helpers: stack inputs, move them to the device, run under inference
+mode, and split the outputs back per request.  torch is imported lazily, so a
+worker serving plain Python models never loads it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from redbatch.worker.model import BatchFn, Model, TensorSpec
+from redbatch.worker.policy import BatchPolicy
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def stack_inputs(items: Sequence[Any]) -> Any:
+    """Stack numpy arrays or tensors (one per request) into one batch tensor."""
+    import torch
+
+    if items and isinstance(items[0], torch.Tensor):
+        return torch.stack(list(items))
+    return torch.from_numpy(np.stack([np.asarray(item) for item in items]))
+
+
+def to_device(batch: Any, device: str) -> Any:
+    """Copy to ``device``; on CUDA through pinned memory with a non-blocking copy."""
+    if device.startswith("cuda"):
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
+
+
+def split_outputs(outputs: Any, n: int) -> list[Any]:
+    """One numpy array per request from a batched tensor (or the list as it is)."""
+    import torch
+
+    if isinstance(outputs, torch.Tensor):
+        if outputs.ndim == 0 or outputs.shape[0] != n:
+            shape = tuple(outputs.shape)
+            raise ValueError(f"model returned a tensor of shape {shape} for a batch of {n}")
+        return list(outputs.detach().cpu().numpy())
+    return list(outputs)
+
+
+def torch_batch_fn(module: Callable[[Any], Any], device: str) -> BatchFn:
+    """Wrap a module (already on ``device``) as a list-in/list-out batch function."""
+    import torch
+
+    def run(items: list[Any]) -> list[Any]:
+        with torch.inference_mode():
+            outputs = module(to_device(stack_inputs(items), device))
+        return split_outputs(outputs, len(items))
+
+    return run
+
+
+def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec,
+                policy: BatchPolicy | None = None, *, input_name: str = "inputs",
+                output_name: str = "outputs") -> Model:
+    """A ``Model`` whose ``build()`` returns a torch module, built inside the worker
+    process, moved to its device and put in eval mode."""
+
+    def load(device: str) -> BatchFn:
+        resolved = resolve_device(device)
+        module = build().to(resolved).eval()
+        return torch_batch_fn(module, resolved)
+
+    return Model(name=name, loader=load, policy=policy or BatchPolicy(), spec=spec,
+                 input_name=input_name, output_name=output_name)
