@@ -68,7 +68,7 @@ def encode(message: Any, fmt: Format = "msgpack") -> bytes:
     """Encode an envelope (a dict from ``Request.to_wire`` / ``Reply.to_wire``)."""
     try:
         if fmt == "json":
-            return orjson.dumps(message, default=_default_json, option=orjson.OPT_SERIALIZE_NUMPY)
+            return orjson.dumps(message, default=_default_json)
         packed: bytes = msgpack.packb(message, default=_default_msgpack, use_bin_type=True)
     except (TypeError, ValueError, OverflowError, orjson.JSONEncodeError) as exc:
         raise InvalidPayload(f"cannot encode message: {exc}") from exc

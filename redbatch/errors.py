@@ -1,7 +1,7 @@
 """One rooted exception tree (httpx style).
 
 Every error that crosses a redbatch boundary is a ``RedbatchError``.  Errors that
-travel on the wire carry a stable ``code`` (see ``redbatch.protocol.ErrorCode``);
+travel on the wire carry a stable ``code`` (listed in ``docs/protocol.md``);
 ``error_from_code`` turns a reply's error back into the matching exception.
 """
 

@@ -29,7 +29,6 @@ DEAD_LETTER_TTL_S: Final = 7 * 24 * 3600  # refreshed by every dead letter
 DEAD_LETTER_MAX: Final = 10_000  # the list keeps the newest entries only
 MAX_TIMEOUT_S: Final = 600.0  # no deadline may be further out than this
 MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
-MAX_REPLY_TO_LEN: Final = 200
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")
@@ -58,7 +57,7 @@ TENSOR_TAG: Final = "__tensor__"
 # --- keys ---------------------------------------------------------------------
 def check_model_name(model: str) -> str:
     """Return ``model`` if it is a legal model name, else raise ``InvalidPayload``."""
-    if not isinstance(model, str) or not MODEL_NAME_RE.match(model):
+    if not isinstance(model, str) or not MODEL_NAME_RE.fullmatch(model):
         raise InvalidPayload(f"invalid model name {model!r}: use 1-64 of [A-Za-z0-9_.-]")
     return model
 
@@ -184,8 +183,9 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 def _check_version(wire: Any) -> dict[str, Any]:
     if not isinstance(wire, dict):
         raise InvalidPayload("envelope is not a map")
-    if wire.get(F_VERSION) != PROTOCOL_VERSION:
-        raise InvalidPayload(f"unsupported protocol version {wire.get(F_VERSION)!r}")
+    version = wire.get(F_VERSION)
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise InvalidPayload(f"unsupported protocol version {version!r}")
     return wire
 
 
@@ -193,7 +193,7 @@ def request_from_wire(wire: Any) -> Request:
     """Validate a decoded request envelope; raise ``InvalidPayload`` if it is bad."""
     wire = _check_version(wire)
     reply_to = _field(wire, F_REPLY_TO, str)
-    if not REPLY_TO_RE.match(reply_to):
+    if not REPLY_TO_RE.fullmatch(reply_to):
         raise InvalidPayload("reply_to must match rb:reply:<id>")
     if F_PAYLOAD not in wire:
         raise InvalidPayload("field 'payload' is missing")

@@ -45,6 +45,7 @@ class ReplyListener:
         self._block_timeout_s = block_timeout_s
         self._waiters: dict[str, Waiter] = {}
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def waiting(self) -> int:
@@ -52,9 +53,11 @@ class ReplyListener:
 
     def start(self) -> None:
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.create_task(self._run(), name="redbatch-reply-listener")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -101,12 +104,14 @@ class ReplyListener:
 
     async def _run(self) -> None:
         backoff_s = 0.05
-        while True:
+        while not self._stopping:
             try:
                 for raw in await self._pop():
                     self.dispatch(raw)
                 backoff_s = 0.05
             except REDIS_ERRORS as exc:
+                if self._stopping:  # redis-py may turn our cancel into a connection error
+                    return
                 log.warning("reply listener: redis unavailable (%s); retrying in %.2f s",
                             exc, backoff_s)
                 await asyncio.sleep(backoff_s)

@@ -23,13 +23,16 @@ SERVER_TIMER_SLACK_S = 0.11  # a blocked client's timeout may fire up to 1/hz s 
 
 
 def peek_enqueue_ms(raw: bytes, fallback_ms: int) -> int:
-    """Read an entry's enqueue time without validating the rest of it."""
+    """Read an entry's enqueue time without validating the rest of it, never later than
+    ``fallback_ms`` (the claim time)."""
     try:
         wire: Any = orjson.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw)
         value = wire.get(protocol.F_ENQUEUE_MS) if isinstance(wire, dict) else None
     except Exception:  # a bad entry is rejected later, by the decode step
         return fallback_ms
-    return value if isinstance(value, int) and not isinstance(value, bool) else fallback_ms
+    if isinstance(value, int) and not isinstance(value, bool):
+        return min(value, fallback_ms)  # a producer clock ahead of ours must not hold a batch
+    return fallback_ms
 
 
 class Claimer:

@@ -44,10 +44,10 @@ def _loose_reply_target(raw: bytes) -> tuple[str, str, Format] | None:
     try:
         wire = codec.decode(raw)
         request_id, reply_to = wire[protocol.F_ID], wire[protocol.F_REPLY_TO]
-    except (RedbatchError, KeyError, TypeError):
+    except Exception:  # any shape of garbage: there is simply no one to tell
         return None
     if isinstance(request_id, str) and isinstance(reply_to, str) and \
-            protocol.REPLY_TO_RE.match(reply_to) and 0 < len(request_id) <= 128:
+            protocol.REPLY_TO_RE.fullmatch(reply_to) and 0 < len(request_id) <= 128:
         return request_id, reply_to, codec.sniff_format(raw)
     return None
 
@@ -128,8 +128,8 @@ class BatchRunner:
         """Run the batch function off the event loop; check the batch contract."""
         if not inputs:
             return []
-        arg: Any = np.stack(inputs) if self.model.stack else inputs
         try:
+            arg: Any = np.stack(inputs) if self.model.stack else inputs
             if self.model.is_async:
                 outputs = await self._fn(arg)
             else:

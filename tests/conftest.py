@@ -1,0 +1,204 @@
+"""Shared fixtures: real redis-server processes on free ports, workers, gateways.
+
+* ``redis_server_factory()`` starts a private ``redis-server`` (killable, restartable).
+* ``redis_url`` is a clean database on the session's server, flushed after each test.
+* ``start_worker(models)`` runs an in-process ``Worker`` (asyncio task) for a test.
+* ``spawn(cmd)`` runs a real subprocess and kills it (and logs it) at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from redbatch.config import RedisSettings, WorkerConfig
+from redbatch.worker.model import Model
+from redbatch.worker.process import Worker
+
+ROOT = Path(__file__).resolve().parent.parent
+REDIS_BIN = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server on a free port that a test may kill and restart."""
+
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rb-test-redis-"))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        assert REDIS_BIN, "redis-server is not installed (scripts/test installs it)"
+        self.proc = subprocess.Popen(
+            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+
+@pytest.fixture(scope="session")
+def redis_server_factory() -> Iterator[Callable[[], RedisServer]]:
+    servers: list[RedisServer] = []
+
+    def make() -> RedisServer:
+        server = RedisServer().start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.kill()
+        shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def session_redis(redis_server_factory: Callable[[], RedisServer]) -> RedisServer:
+    return redis_server_factory()
+
+
+@pytest.fixture
+def redis_url(session_redis: RedisServer) -> Iterator[str]:
+    client = session_redis.client()
+    client.flushall()
+    yield session_redis.url
+    client.flushall()
+    client.close()
+
+
+@pytest.fixture
+def raw_redis(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    yield client
+    client.close()
+
+
+FAST_WORKER = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=2.0)
+
+
+@pytest.fixture
+async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Worker]]:
+    """Run ``Worker(models)`` as a task on the test's loop; stopped at teardown."""
+    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    def start(models: list[Model], url: str | None = None,
+              config: WorkerConfig = FAST_WORKER) -> Worker:
+        worker = Worker(models, RedisSettings(url or redis_url), config)
+        stop = asyncio.Event()
+        running.append((stop, asyncio.create_task(worker.run(stop))))
+        return worker
+
+    yield start
+    for stop, task in running:
+        stop.set()
+    for _stop, task in running:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("REDIS_URL", None)
+    return env
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[str]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    """Start a subprocess (output to a log file); SIGTERM, then SIGKILL at teardown."""
+    procs: list[Proc] = []
+
+    def run(args: list[str], env: dict[str, str] | None = None, name: str = "proc") -> Proc:
+        log_path = tmp_path / f"{name}-{len(procs)}.log"
+        out = log_path.open("w")
+        popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                 env=env or test_env(), cwd=ROOT, start_new_session=True)
+        proc = Proc(popen, log_path)
+        procs.append(proc)
+        return proc
+
+    yield run
+    for proc in procs:
+        if proc.popen.poll() is None:
+            os.killpg(proc.popen.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(5)
+
+
+def redbatch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "redbatch", *args]
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: Proc | None = None) -> None:
+    """Wait until ``url`` answers 200 (e.g. /readyz), or fail with the process log."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            pytest.fail(f"process exited early:\n{proc.log()}")
+        try:
+            last = httpx.get(url, timeout=1.0)
+            if last.status_code == 200:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    pytest.fail(f"{url} not ready in {timeout_s} s (last: {last})\n"
+                f"{proc.log() if proc else ''}")

@@ -1,0 +1,130 @@
+"""Batch formation against a real Redis: size cap, FIFO, windows, opportunistic mode."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from redbatch import codec, protocol
+from redbatch.worker.claim import Claimer, peek_enqueue_ms
+from redbatch.worker.policy import BatchPolicy
+
+MODEL = "m"
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=10)
+    yield client
+    await client.aclose()
+
+
+def entry(n: int, enqueue_ms: int | None = None) -> bytes:
+    enq = protocol.now_ms() if enqueue_ms is None else enqueue_ms
+    req = protocol.Request(f"id{n}", MODEL, enq, enq + 60_000, protocol.reply_key("c"), n)
+    return codec.encode(req.to_wire())
+
+
+def ids(items: list[bytes]) -> list[str]:
+    return [codec.decode(raw)["id"] for raw in items]
+
+
+async def push(redis: aioredis.Redis, *entries: bytes) -> None:
+    await redis.rpush(protocol.queue_key(MODEL), *entries)
+
+
+def claimer(redis: aioredis.Redis, **policy: object) -> Claimer:
+    return Claimer(redis, MODEL, "w1", BatchPolicy(**policy), block_timeout_s=0.3)  # type: ignore[arg-type]
+
+
+async def test_size_cap_and_fifo(aredis: aioredis.Redis) -> None:
+    await push(aredis, *(entry(i) for i in range(10)))
+    c = claimer(aredis, max_batch_size=4, batch_wait_timeout_s=0)
+    assert ids(await c.claim()) == ["id0", "id1", "id2", "id3"]
+    assert ids(await c.claim()) == ["id4", "id5", "id6", "id7"]
+    assert await aredis.llen(protocol.queue_key(MODEL)) == 2
+
+
+async def test_claim_moves_items_into_the_inflight_list(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0), entry(1))
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0)
+    items = await c.claim()
+    assert await aredis.lrange(protocol.inflight_key(MODEL, "w1"), 0, -1) == items
+    assert await aredis.ttl(protocol.inflight_key(MODEL, "w1")) > 0
+
+
+async def test_opportunistic_takes_what_is_queued(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0), entry(1))
+    later = asyncio.create_task(_push_after(aredis, 0.1, entry(2)))
+    c = claimer(aredis, max_batch_size=32, batch_wait_timeout_s=0)
+    assert ids(await c.claim()) == ["id0", "id1"]
+    await later
+
+
+async def _push_after(redis: aioredis.Redis, delay_s: float, *entries: bytes) -> None:
+    await asyncio.sleep(delay_s)
+    await push(redis, *entries)
+
+
+async def test_idle_claim_returns_empty_after_block_timeout(aredis: aioredis.Redis) -> None:
+    assert await claimer(aredis).claim() == []
+
+
+async def test_blocking_claim_wakes_on_push(aredis: aioredis.Redis) -> None:
+    c = Claimer(aredis, MODEL, "w1", BatchPolicy(batch_wait_timeout_s=0), block_timeout_s=5)
+    later = asyncio.create_task(_push_after(aredis, 0.1, entry(7)))
+    assert ids(await c.claim()) == ["id7"]
+    await later
+
+
+async def test_window_waits_for_more_items(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0))
+    later = asyncio.create_task(_push_after(aredis, 0.1, entry(1), entry(2)))
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.4)
+    assert ids(await c.claim()) == ["id0", "id1", "id2"]
+    await later
+
+
+async def test_full_batch_runs_before_the_window_ends(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0))
+    later = asyncio.create_task(_push_after(aredis, 0.05, entry(1), entry(2), entry(3)))
+    c = claimer(aredis, max_batch_size=4, batch_wait_timeout_s=5.0)
+    started = time.monotonic()
+    assert len(await c.claim()) == 4
+    assert time.monotonic() - started < 4.0  # did not sit out the 5 s window
+    await later
+
+
+async def test_window_is_measured_from_the_oldest_item(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0, enqueue_ms=protocol.now_ms() - 1000))
+    later = asyncio.create_task(_push_after(aredis, 0.15, entry(1)))
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.4)
+    assert ids(await c.claim()) == ["id0"]  # its window closed while it queued
+    await later
+
+
+async def test_no_small_batch_waits_the_window_from_the_claim(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0, enqueue_ms=protocol.now_ms() - 1000))
+    later = asyncio.create_task(_push_after(aredis, 0.15, entry(1)))
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.4, allow_small_batch=False)
+    assert ids(await c.claim()) == ["id0", "id1"]
+    await later
+
+
+async def test_stride_spaces_batch_pops(aredis: aioredis.Redis) -> None:
+    await push(aredis, *(entry(i) for i in range(4)))
+    c = claimer(aredis, max_batch_size=2, batch_wait_timeout_s=0, stride_s=0.3)
+    started = time.monotonic()
+    await c.claim()
+    await c.claim()
+    assert time.monotonic() - started >= 0.29
+
+
+def test_peek_enqueue_ms_falls_back_on_garbage() -> None:
+    assert peek_enqueue_ms(entry(0, enqueue_ms=123), 9) == 123
+    assert peek_enqueue_ms(b"\xc1garbage", 9) == 9
+    assert peek_enqueue_ms(b'{"enqueue_ms": "x"}', 9) == 9

@@ -1,0 +1,91 @@
+"""Configuration: env vars, flags, loud failures, and no password in any repr."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from redbatch.config import (
+    GatewayConfig,
+    RedisSettings,
+    WorkerConfig,
+    check_socket_timeout,
+    from_env,
+    redact_url,
+)
+from redbatch.errors import ConfigError
+from redbatch.worker.policy import BatchPolicy
+
+
+def test_env_vars_and_overrides() -> None:
+    env = {"REDBATCH_PORT": "9001", "REDBATCH_MAX_TIMEOUT_S": "20",
+           "REDBATCH_DEFAULT_TIMEOUT_S": "5"}
+    cfg = from_env(GatewayConfig, {"host": "0.0.0.0"}, env)
+    assert (cfg.port, cfg.max_timeout_s, cfg.default_timeout_s, cfg.host) == (
+        9001, 20.0, 5.0, "0.0.0.0")
+    assert from_env(GatewayConfig, {"port": 7000}, env).port == 7000
+
+
+@pytest.mark.parametrize("env", [
+    {"REDBATCH_PORT": "eighty"}, {"REDBATCH_PORT": "0"}, {"REDBATCH_MAX_BODY_BYTES": "-1"},
+    {"REDBATCH_DEFAULT_TIMEOUT_S": "100", "REDBATCH_MAX_TIMEOUT_S": "10"},
+])
+def test_bad_gateway_values_fail_loudly(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        from_env(GatewayConfig, None, env)
+
+
+def test_error_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="REDBATCH_REPLICAS"):
+        from_env(WorkerConfig, None, {"REDBATCH_REPLICAS": "many"})
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"replicas": 0}, {"device": "tpu"}, {"lease_ttl_s": 1.0, "heartbeat_interval_s": 1.0},
+])
+def test_bad_worker_values(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        WorkerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_password_never_in_repr_or_logs(caplog: pytest.LogCaptureFixture) -> None:
+    settings = RedisSettings.from_env("redis://user:hunter2@db.example:6380/1", env={})
+    assert "hunter2" not in repr(settings)
+    assert settings.safe_url == "redis://user:***@db.example:6380/1"
+    assert redact_url("redis://localhost:6379") == "redis://localhost:6379"
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("t").info("redis: %s", settings)
+    assert "hunter2" not in caplog.text
+
+
+def test_bad_redis_url_scheme_fails() -> None:
+    with pytest.raises(ConfigError, match="redis://"):
+        RedisSettings("http://x:secret@host")
+    with pytest.raises(ConfigError) as info:
+        RedisSettings("http://x:secret@host")
+    assert "secret" not in str(info.value)
+
+
+def test_socket_timeout_must_exceed_block_timeout() -> None:
+    with pytest.raises(ConfigError):
+        check_socket_timeout(RedisSettings(socket_timeout_s=2.0), block_timeout_s=1.5)
+    check_socket_timeout(RedisSettings(socket_timeout_s=10.0), block_timeout_s=1.0)
+
+
+def test_batch_policy_accepts_both_spellings() -> None:
+    seed = BatchPolicy.from_mapping({"max_batch_size": 32, "timeout_s": 0.1, "stride_s": 0.0,
+                                     "allow_small_batch": True})
+    ray = BatchPolicy.from_mapping({"max_batch_size": 32, "batch_wait_timeout_s": 0.1})
+    assert seed == ray
+    with pytest.raises(ConfigError, match="unknown batching option"):
+        BatchPolicy.from_mapping({"max_batch": 3})
+    with pytest.raises(ConfigError):
+        BatchPolicy(max_batch_size=0)
+
+
+def test_window_anchor() -> None:
+    ray_rule = BatchPolicy(batch_wait_timeout_s=0.01)
+    assert ray_rule.window_end_ms(oldest_enqueue_ms=1000, claimed_ms=1500) == 1010
+    full_wait = BatchPolicy(batch_wait_timeout_s=0.01, allow_small_batch=False)
+    assert full_wait.window_end_ms(oldest_enqueue_ms=1000, claimed_ms=1500) == 1510

@@ -1,0 +1,173 @@
+"""The worker against a real Redis: the model contract, expiry, validation, reply+ack."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import redis
+
+from redbatch import DeadlineExceeded, InvalidPayload, ModelError, protocol
+from redbatch.producer import Client
+from redbatch.worker.model import Model, TensorSpec, batch
+from redbatch.worker.process import Worker
+from redbatch.worker.torch_helpers import torch_model
+
+
+@batch(name="double", max_batch_size=8, batch_wait_timeout_s=0.05)
+def double(xs: list[int]) -> list[int]:
+    return [2 * x for x in xs]
+
+
+@batch(name="short", max_batch_size=8, batch_wait_timeout_s=0.05)
+def short(xs: list[int]) -> list[int]:
+    return xs[:-1]
+
+
+@batch(name="raiser", max_batch_size=8, batch_wait_timeout_s=0.0)
+def raiser(xs: list[int]) -> list[int]:
+    raise RuntimeError("model exploded")
+
+
+async def test_batch_results_in_order(start_worker: Callable[..., Worker], redis_url: str
+                                      ) -> None:
+    start_worker([double])
+    async with Client(redis_url) as client:
+        assert await client.predict_many("double", list(range(20))) == [
+            2 * i for i in range(20)]
+
+
+async def test_length_mismatch_fails_every_caller(start_worker: Callable[..., Worker],
+                                                  redis_url: str) -> None:
+    start_worker([short])
+    async with Client(redis_url) as client:
+        results = await client.predict_many("short", [1, 2, 3], return_exceptions=True)
+    assert all(isinstance(r, ModelError) for r in results)
+    assert "returned 2 outputs for a batch of 3" in str(results[0])
+
+
+async def test_model_exception_reaches_callers_typed(start_worker: Callable[..., Worker],
+                                                     redis_url: str) -> None:
+    start_worker([raiser])
+    async with Client(redis_url) as client:
+        with pytest.raises(ModelError, match="RuntimeError: model exploded"):
+            await client.predict("raiser", 1)
+        with pytest.raises(ModelError):  # the worker survived and still answers
+            await client.predict("raiser", 2)
+
+
+async def test_expired_requests_are_not_computed(start_worker: Callable[..., Worker],
+                                                 redis_url: str) -> None:
+    seen: list[int] = []
+
+    @batch(name="counted", batch_wait_timeout_s=0)
+    def counted(xs: list[int]) -> list[int]:
+        seen.extend(xs)
+        return xs
+
+    async with Client(redis_url) as client:
+        with pytest.raises(DeadlineExceeded):
+            await client.predict("counted", 1, timeout_s=0.0)
+        start_worker([counted])
+        assert await client.predict("counted", 2) == 2
+    assert seen == [2]
+
+
+async def test_bad_input_fails_only_its_own_request(start_worker: Callable[..., Worker],
+                                                    redis_url: str) -> None:
+    spec_model = Model("vec", fn=lambda xs: [float(np.sum(x)) for x in xs],
+                       spec=TensorSpec("float32", (2,)))
+    start_worker([spec_model])
+    async with Client(redis_url) as client:
+        out = await client.predict_many("vec", [[1, 2], [1, 2, 3], [3, 4], [1, float("nan")]],
+                                        return_exceptions=True)
+    assert out[0] == 3.0 and out[2] == 7.0
+    assert isinstance(out[1], InvalidPayload) and "shape (3,)" in str(out[1])
+    assert isinstance(out[3], InvalidPayload) and "NaN" in str(out[3])
+
+
+async def test_claimed_items_sit_in_flight_until_acked(start_worker: Callable[..., Worker],
+                                                       redis_url: str,
+                                                       raw_redis: redis.Redis) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    @batch(name="gated", batch_wait_timeout_s=0)
+    def gated(xs: list[int]) -> list[int]:
+        entered.set()
+        release.wait(10)
+        return xs
+
+    worker = start_worker([gated])
+    async with Client(redis_url) as client:
+        future = await client.submit("gated", 5)
+        assert await asyncio.to_thread(entered.wait, 10)
+        inflight = protocol.inflight_key("gated", worker.worker_id)
+        assert raw_redis.llen(inflight) == 1
+        assert raw_redis.llen(protocol.queue_key("gated")) == 0
+        release.set()
+        assert await future == 5
+    assert raw_redis.llen(inflight) == 0
+    assert 0 < raw_redis.ttl(protocol.reply_key(client.client_id)) <= protocol.REPLY_TTL_S or \
+        raw_redis.exists(protocol.reply_key(client.client_id)) == 0
+
+
+async def test_heartbeat_ticks_during_a_long_forward(start_worker: Callable[..., Worker],
+                                                     redis_url: str,
+                                                     raw_redis: redis.Redis) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    @batch(name="slow", batch_wait_timeout_s=0)
+    def slow(xs: list[int]) -> list[int]:
+        entered.set()
+        release.wait(10)
+        return xs
+
+    worker = start_worker([slow])
+    async with Client(redis_url) as client:
+        future = await client.submit("slow", 1)
+        assert await asyncio.to_thread(entered.wait, 10)
+        first = raw_redis.zscore(protocol.workers_key("slow"), worker.worker_id)
+        await asyncio.sleep(0.6)  # three heartbeat intervals while the forward blocks
+        second = raw_redis.zscore(protocol.workers_key("slow"), worker.worker_id)
+        release.set()
+        assert await future == 1
+    assert first is not None and second is not None and second > first
+
+
+async def test_torch_model_stacks_and_splits(start_worker: Callable[..., Worker],
+                                             redis_url: str) -> None:
+    import torch
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return torch.nn.Linear(3, 2)
+
+    start_worker([torch_model("lin", build, TensorSpec("float32", (3,)))])
+    xs = np.arange(12, dtype=np.float32).reshape(4, 3)
+    async with Client(redis_url) as client:
+        out = await client.predict_many("lin", list(xs))
+    expected = build()(torch.from_numpy(xs)).detach().numpy()
+    np.testing.assert_allclose(np.stack(out), expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_stacked_and_async_batch_functions(start_worker: Callable[..., Worker],
+                                                 redis_url: str) -> None:
+    shapes: list[tuple[int, ...]] = []
+
+    def stacked(arr: np.ndarray) -> np.ndarray:
+        shapes.append(arr.shape)
+        return arr.sum(axis=1)
+
+    async def asum(xs: list[int]) -> list[int]:
+        await asyncio.sleep(0)
+        return [x + 100 for x in xs]
+
+    start_worker([Model("st", fn=stacked, spec=TensorSpec("int64", (2,)), stack=True),
+                  Model("as", fn=asum)])
+    async with Client(redis_url) as client:
+        assert await client.predict_many("st", [[1, 2], [3, 4]]) == [3, 7]
+        assert await client.predict("as", 1) == 101
+    assert all(len(s) == 2 and s[1] == 2 for s in shapes)
