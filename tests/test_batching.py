@@ -125,6 +125,7 @@ async def test_stride_spaces_batch_pops(aredis: aioredis.Redis) -> None:
 
 
 def test_peek_enqueue_ms_falls_back_on_garbage() -> None:
-    assert peek_enqueue_ms(entry(0, enqueue_ms=123), 9) == 123
+    assert peek_enqueue_ms(entry(0, enqueue_ms=123), 10**13) == 123
+    assert peek_enqueue_ms(entry(0, enqueue_ms=123), 100) == 100  # clock skew: clamped
     assert peek_enqueue_ms(b"\xc1garbage", 9) == 9
     assert peek_enqueue_ms(b'{"enqueue_ms": "x"}', 9) == 9
