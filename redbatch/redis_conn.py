@@ -26,16 +26,21 @@ def _retry() -> Retry:
     return Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)
 
 
-def async_client(settings: RedisSettings, max_connections: int = 64) -> aioredis.Redis:
-    """An asyncio client (bytes replies) with connect and socket timeouts."""
-    return aioredis.Redis.from_url(
+def async_client(settings: RedisSettings, max_connections: int = 32) -> aioredis.Redis:
+    """An asyncio client (bytes replies) with connect and socket timeouts.
+
+    Its pool blocks (up to the socket timeout) for a free connection instead of
+    failing when all ``max_connections`` are busy."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.url,
+        max_connections=max_connections,
+        timeout=settings.socket_timeout_s,
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.connect_timeout_s,
-        max_connections=max_connections,
         retry=_retry(),
         health_check_interval=30,
     )
+    return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
 def sync_client(settings: RedisSettings) -> redis.Redis:

@@ -8,30 +8,23 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import math
 import re
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import conftest  # not ``from conftest import test_env``: pytest would collect it
 import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import Proc, free_port, redbatch_cmd, wait_http
 
+from examples import adder as adder_example
+from examples import doubler as doubler_example
+from examples import house_price as house_example
 from redbatch.worker.process import Worker
-
-# ``examples`` lives at the repository root, which pytest does not put on sys.path
-# (worker subprocesses get it through PYTHONPATH, see ``conftest.test_env``).
-if str(conftest.ROOT) not in sys.path:
-    sys.path.insert(0, str(conftest.ROOT))
-adder_example = importlib.import_module("examples.adder")
-doubler_example = importlib.import_module("examples.doubler")
-house_example = importlib.import_module("examples.house_price")
+from tests import conftest  # not ``from ... import test_env``: pytest would collect it
+from tests.conftest import Proc, free_port, redbatch_cmd, wait_http
 
 # conftest's ``spawn`` leaves the parent's handle on each log file open; ignore just
 # that ResourceWarning (filterwarnings = error would fail the test on it).

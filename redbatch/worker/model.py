@@ -43,15 +43,26 @@ class TensorSpec:
             raise InvalidPayload(f"input is not a rectangular array: {exc}") from exc
         self._check_kind(arr)
         self._check_shape(arr.shape)
-        return arr.astype(self.dtype, copy=False)
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = arr.astype(self.dtype, copy=False)
+        self._check_range(arr, cast)
+        return cast
 
     def _check_kind(self, arr: np.ndarray[Any, Any]) -> None:
         if arr.dtype.kind not in "biuf":
             raise InvalidPayload(f"input must be numbers, got {arr.dtype.kind!r} data")
-        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-            raise InvalidPayload("input holds NaN or infinity")
         if np.dtype(self.dtype).kind in "iub" and arr.dtype.kind == "f":
             raise InvalidPayload(f"input must be integers for dtype {self.dtype}")
+
+    def _check_range(self, arr: np.ndarray[Any, Any], cast: np.ndarray[Any, Any]) -> None:
+        kind = cast.dtype.kind
+        if kind == "f" and not np.all(np.isfinite(cast)):
+            raise InvalidPayload(f"input holds NaN, infinity or a number too large for "
+                                 f"{self.dtype}")
+        if kind in "iu" and arr.size and arr.dtype != cast.dtype:
+            info = np.iinfo(cast.dtype)
+            if arr.min() < info.min or arr.max() > info.max:
+                raise InvalidPayload(f"input holds an integer out of range for {self.dtype}")
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         ok = len(shape) == len(self.shape) and all(

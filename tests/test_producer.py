@@ -1,0 +1,114 @@
+"""The producer: async and sync clients, futures, deadlines, caps, unreachable Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from redbatch import (
+    Client,
+    DeadlineExceeded,
+    QueueFull,
+    RedisUnavailable,
+    SyncClient,
+    batch,
+    protocol,
+)
+from redbatch.worker.process import Worker
+from tests.conftest import free_port
+
+
+@batch(name="inc", max_batch_size=16, batch_wait_timeout_s=0.01)
+def inc(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+async def test_submit_returns_a_future(start_worker: Callable[..., Worker], redis_url: str
+                                       ) -> None:
+    start_worker([inc])
+    async with Client(redis_url) as client:
+        futures = [await client.submit("inc", i) for i in range(8)]
+        assert await asyncio.gather(*futures) == list(range(1, 9))
+
+
+async def test_one_listener_serves_many_waiters(start_worker: Callable[..., Worker],
+                                                redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([inc])
+    async with Client(redis_url) as client:
+        results = await asyncio.gather(*(client.predict("inc", i) for i in range(64)))
+        listeners = [c for c in raw_redis.client_list() if c["cmd"] == "blmpop"]
+    assert results == list(range(1, 65))
+    assert len(listeners) <= 1
+
+
+async def test_predict_many_is_one_round_trip(redis_url: str, raw_redis: redis.Redis) -> None:
+    async with Client(redis_url) as client:
+        before = raw_redis.info("stats")["total_commands_processed"]
+        futures = await client.submit_many("inc", list(range(50)), timeout_s=5)
+        after = raw_redis.info("stats")["total_commands_processed"]
+        assert raw_redis.llen(protocol.queue_key("inc")) == 50
+        for future in futures:
+            future.cancel()
+    # EVALSHA and the RPUSH/PEXPIRE it runs; plus our own INFO call.
+    assert after - before <= 5
+
+
+async def test_no_worker_means_deadline_exceeded(redis_url: str) -> None:
+    async with Client(redis_url) as client:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await client.predict("nobody-serves-this", 1, timeout_s=0.3)
+        assert time.monotonic() - started < 5
+        assert client.waiting == 0
+
+
+async def test_unreachable_redis_fails_fast_and_typed() -> None:
+    client = Client(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(RedisUnavailable):
+        await asyncio.wait_for(client.predict("inc", 1), 10)
+    await client.close()
+
+
+async def test_queue_cap_refuses_with_queue_full(redis_url: str) -> None:
+    async with Client(redis_url, max_queue_len=3) as client:
+        results = await client.predict_many("inc", list(range(5)), timeout_s=0.5,
+                                            return_exceptions=True)
+    assert [type(r) for r in results[3:]] == [QueueFull, QueueFull]
+    assert all(isinstance(r, DeadlineExceeded) for r in results[:3])
+
+
+async def test_waiter_cap_refuses_with_queue_full(redis_url: str) -> None:
+    async with Client(redis_url, max_waiters=2) as client:
+        held = await client.submit_many("inc", [1, 2], timeout_s=5)
+        with pytest.raises(QueueFull, match="max_waiters"):
+            await client.submit("inc", 3)
+        for future in held:
+            future.cancel()
+
+
+async def test_timeout_is_capped_by_max_timeout(redis_url: str) -> None:
+    client = Client(redis_url, default_timeout_s=1, max_timeout_s=2)
+    assert client.deadline_ms(1000) - protocol.now_ms() <= 2000
+    assert client.deadline_ms(None) - protocol.now_ms() <= 1000
+
+
+async def test_sync_client(start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([inc])
+
+    def use_sync() -> tuple[int, list[int], int]:
+        with SyncClient(redis_url) as client:
+            one = client.predict("inc", 1)
+            many = client.predict_many("inc", [1, 2, 3])
+            future = client.submit("inc", 41)
+            return one, many, future.result(10)
+
+    assert await asyncio.to_thread(use_sync) == (2, [2, 3, 4], 42)
+
+
+def test_sync_client_unreachable_redis() -> None:
+    with pytest.raises(RedisUnavailable):
+        SyncClient(f"redis://127.0.0.1:{free_port()}/0")
