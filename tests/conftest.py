@@ -151,6 +151,7 @@ def test_env(**extra: str) -> dict[str, str]:
 class Proc:
     popen: subprocess.Popen[str]
     log_path: Path
+    out: Any = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -166,7 +167,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
         out = log_path.open("w")
         popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True,
                                  env=env or test_env(), cwd=ROOT, start_new_session=True)
-        proc = Proc(popen, log_path)
+        proc = Proc(popen, log_path, out)
         procs.append(proc)
         return proc
 
@@ -180,6 +181,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.popen.pid, signal.SIGKILL)
             proc.popen.wait(5)
+        proc.out.close()
 
 
 def redbatch_cmd(*args: str) -> list[str]:

@@ -72,6 +72,7 @@ class Client:
             try:
                 async with translated(self.settings):
                     await redis.ping()
+                    await redis.script_load(lua.ENQUEUE)
             except RedbatchError:
                 await redis.aclose()
                 raise

@@ -47,6 +47,7 @@ class Claimer:
         self.inflight = protocol.inflight_key(model, worker_id)
         self._claim = redis.register_script(lua.CLAIM)
         self._last_claim = 0.0
+        self._loaded = False
 
     async def _take(self, count: int) -> list[bytes]:
         ttl_ms = protocol.INFLIGHT_TTL_S * 1000
@@ -67,6 +68,9 @@ class Claimer:
     async def claim(self) -> list[bytes]:
         """Return up to ``max_batch_size`` raw entries, or [] after the block timeout."""
         await self._pace()
+        if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
+            await self._redis.script_load(lua.CLAIM)
+            self._loaded = True
         size = self._policy.max_batch_size
         items = await self._take(size)
         if not items:

@@ -1,0 +1,87 @@
+"""End to end through HTTP and real worker processes (spawned by the CLI)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from redbatch import Client
+from redbatch.demo import build_mlp
+from tests.conftest import Proc, free_port, redbatch_cmd, wait_http
+
+pytestmark = pytest.mark.e2e
+W2_X = [i / 64 for i in range(64)]
+
+
+@pytest.fixture
+def stack(spawn: Callable[..., Proc], redis_url: str) -> tuple[str, Proc, Proc]:
+    """A real worker process (demo models) and a real gateway process."""
+    port = free_port()
+    worker = spawn(redbatch_cmd("worker", "redbatch.demo:models", "--redis-url", redis_url,
+                                "--replicas", "1", "--device", "cpu", "--threads", "1"),
+                   name="worker")
+    gateway = spawn(redbatch_cmd("gateway", "--redis-url", redis_url, "--port", str(port)),
+                    name="gateway")
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/readyz", 60, gateway)
+    return base, worker, gateway
+
+
+def reference_w2() -> np.ndarray:
+    with torch.inference_mode():
+        return build_mlp()(torch.tensor([W2_X])).numpy()[0]
+
+
+async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]) -> None:
+    base, _worker, _gateway = stack
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        resp = await http.post("/v1/models/mlp/predict", json={"x": W2_X})
+        assert resp.status_code == 200, resp.text
+        np.testing.assert_allclose(resp.json()["y"], reference_w2(), atol=1e-5)
+        echo = await http.post("/v1/models/echo/predict", json={"x": [0.5, 1.5]})
+        assert echo.json() == {"y": [0.5, 1.5]}
+        models = (await http.get("/v1/models")).json()["models"]
+        assert {m["name"] for m in models} == {"mlp", "echo", "adder"}
+        assert all(m["live_workers"] == 1 for m in models)
+
+
+async def test_batches_fill_under_load(stack: tuple[str, Proc, Proc]) -> None:
+    """64 concurrent callers against max_batch_size 32: mean batch well above 1."""
+    base, worker, _gateway = stack
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as http:
+        async def caller() -> list[int]:
+            sizes = []
+            for _ in range(10):
+                resp = await http.post("/v1/models/mlp/predict", json={"x": W2_X})
+                assert resp.status_code == 200, resp.text
+                sizes.append(int(resp.headers["x-redbatch-batch-size"]))
+            return sizes
+
+        sizes = [s for per in await asyncio.gather(*(caller() for _ in range(64))) for s in per]
+    assert max(sizes) <= 32
+    assert np.mean(sizes) > 4, f"mean batch {np.mean(sizes):.1f}"
+    logged = [int(n) for n in re.findall(r"model=mlp n=(\d+)", worker.log())]
+    assert sum(logged) >= len(sizes)
+
+
+async def test_producer_path_with_real_worker(stack: tuple[str, Proc, Proc], redis_url: str
+                                              ) -> None:
+    async with Client(redis_url) as client:
+        outs = await client.predict_many("mlp", [np.asarray(W2_X, dtype=np.float32)] * 40)
+    assert len(outs) == 40
+    np.testing.assert_allclose(outs[-1], reference_w2(), atol=1e-5)
+
+
+def test_worker_stops_cleanly_on_sigterm(stack: tuple[str, Proc, Proc]) -> None:
+    _base, worker, _gateway = stack
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.popen.wait(40) == 0
+    assert "stopped" in worker.log()
