@@ -134,7 +134,7 @@ async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Worker]]:
         return worker
 
     yield start
-    for stop, task in running:
+    for stop, _task in running:
         stop.set()
     for _stop, task in running:
         with contextlib.suppress(Exception):

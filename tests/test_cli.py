@@ -64,7 +64,7 @@ async def test_fakeredis_fallback_serves_the_whole_path(start_worker: Callable[.
 
 def test_bad_worker_target_fails_loudly() -> None:
     result = subprocess.run(redbatch_cmd("worker", "no_such_module:models"), env=test_env(),
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "cannot import 'no_such_module'" in result.stderr
 
@@ -72,6 +72,6 @@ def test_bad_worker_target_fails_loudly() -> None:
 def test_bad_config_names_the_setting() -> None:
     result = subprocess.run([sys.executable, "-m", "redbatch", "gateway"],
                             env=test_env(REDBATCH_PORT="http"), cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "REDBATCH_PORT" in result.stderr

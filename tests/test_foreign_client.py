@@ -367,9 +367,6 @@ async def test_pickled_entries_are_never_unpickled(rc: aioredis.Redis,
     assert await rc.lrange(DEAD, 0, -1) == hostile
 
 
-@pytest.mark.xfail(reason="BUG: a top-level tensor-tagged entry raises IndexError in "
-                          "runner._loose_reply_target, so its batch is never answered or acked",
-                   strict=False)
 async def test_tensor_tagged_top_level_entry_is_dead_lettered(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     reply_to = new_reply_to()
@@ -382,8 +379,6 @@ async def test_tensor_tagged_top_level_entry_is_dead_lettered(
     assert await rc.lrange(DEAD, 0, -1) == [hostile]
 
 
-@pytest.mark.xfail(reason="BUG: with stack=True, np.stack runs outside forward()'s try, so "
-                          "unstackable inputs leave the whole batch unanswered", strict=False)
 async def test_unstackable_batch_is_answered(rc: aioredis.Redis,
                                              start_worker: Callable[..., Any]) -> None:
     model = batch(name="fc-ragged", max_batch_size=8, batch_wait_timeout_s=0.0, stack=True,
@@ -397,9 +392,6 @@ async def test_unstackable_batch_is_answered(rc: aioredis.Redis,
     assert got is not None, "neither request of the unstackable batch was answered"
 
 
-@pytest.mark.xfail(reason="BUG: the batch window trusts enqueue_ms (claim.peek_enqueue_ms is not "
-                          "clamped), so a producer clock ahead of the worker's holds a partial "
-                          "batch open for that long", strict=False)
 async def test_future_enqueue_ms_does_not_hold_the_batch(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     start_worker([double_model()])
