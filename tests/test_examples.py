@@ -23,13 +23,7 @@ from examples import adder as adder_example
 from examples import doubler as doubler_example
 from examples import house_price as house_example
 from redbatch.worker.process import Worker
-from tests import conftest  # not ``from ... import test_env``: pytest would collect it
 from tests.conftest import Proc, free_port, redbatch_cmd, wait_http
-
-# conftest's ``spawn`` leaves the parent's handle on each log file open; ignore just
-# that ResourceWarning (filterwarnings = error would fail the test on it).
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:unclosed file <_io\.TextIOWrapper name='[^']*\.log':ResourceWarning")
 
 SHAPE_RE = re.compile(r"examples\.adder\[\d+\] batch shape: \((\d+),\)")
 WORKER_FLAGS = ("--device", "cpu", "--threads", "1", "--block-timeout-s", "0.2")
@@ -109,7 +103,7 @@ def start_stack(spawn: Callable[..., Proc], redis_url: str) -> str:
     worker = start_worker_process(spawn, "examples.house_price:house_price", redis_url)
     port = free_port()
     gateway = spawn(redbatch_cmd("gateway", "--redis-url", redis_url, "--port", str(port)),
-                    env=conftest.test_env(), name="gateway")
+                    name="gateway")
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", timeout_s=40.0, proc=gateway)
     assert worker.popen.poll() is None, worker.log()

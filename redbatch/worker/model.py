@@ -68,7 +68,8 @@ class TensorSpec:
         ok = len(shape) == len(self.shape) and all(
             want is None or want == got for want, got in zip(self.shape, shape, strict=True))
         if not ok:
-            want_text = "(" + ", ".join("*" if d is None else str(d) for d in self.shape) + ")"
+            dims = ["*" if d is None else str(d) for d in self.shape]
+            want_text = f"({dims[0]},)" if len(dims) == 1 else "(" + ", ".join(dims) + ")"
             raise InvalidPayload(f"input shape {tuple(shape)} does not match {want_text}")
 
     def to_json(self) -> dict[str, Any]:
