@@ -214,6 +214,6 @@ class BatchRunner:
         self.batches += 1
         self.items += claimed
         waits = [claimed_ms - item.request.enqueue_ms for item in decoded.items] or [0]
-        log.info("model=%s n=%d ok_candidates=%d rejected=%d wait_ms=%.1f fwd_ms=%.2f "
+        log.info("model=%s n=%d computed=%d rejected=%d wait_ms=%.1f fwd_ms=%.2f "
                  "reply_ms=%.2f", self.model.name, claimed, len(decoded.items),
                  len(decoded.early), max(waits), fwd_ms, reply_ms)
