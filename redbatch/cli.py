@@ -32,13 +32,14 @@ def _add_gateway(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-timeout-s", type=float, help="longest deadline allowed (60)")
     parser.add_argument("--max-body-bytes", type=int, help="request body limit (1 MiB)")
     parser.add_argument("--max-queue-len", type=int, help="cap of each model queue (10000)")
+    parser.add_argument("--block-timeout-s", type=float, help="reply listener's blocking pop "
+                        "timeout (1.0)")
 
 
 def _add_worker(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, help="worker processes (1)")
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:0,cuda:1 (auto)")
     parser.add_argument("--threads", type=int, help="CPU threads per replica (1)")
-    parser.add_argument("--block-timeout-s", type=float, help="blocking pop timeout (1.0)")
     parser.add_argument("--lease-ttl-s", type=float, help="worker lease (10)")
 
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="gateway + workers + demo model, one command")
     up.add_argument("--models", default=DEMO_TARGET, help=f"MODULE:OBJECT ({DEMO_TARGET})")
     for add in (_add_redis, _add_gateway, _add_worker):
-        add(up)
+        add(up)  # --block-timeout-s comes from _add_gateway and serves both
     gateway = sub.add_parser("gateway", help="run the HTTP gateway alone")
     _add_redis(gateway)
     _add_gateway(gateway)
@@ -56,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("target", help="MODULE:OBJECT: a Model, a list, or a factory")
     _add_redis(worker)
     _add_worker(worker)
+    worker.add_argument("--block-timeout-s", type=float, help="blocking pop timeout (1.0)")
     return parser
+
+
+def _log_level(args: argparse.Namespace) -> str:
+    return str(args.log_level or os.environ.get("REDBATCH_LOG_LEVEL") or "INFO")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,7 +92,7 @@ def cmd_worker(args: argparse.Namespace, redis: RedisSettings) -> None:
 
     config = from_env(WorkerConfig, _overrides(args))
     load_models(args.target)  # fail here, loudly, rather than in every replica
-    pool = Pool(args.target, redis, config, args.log_level or "INFO")
+    pool = Pool(args.target, redis, config, _log_level(args))
     stop = _stop_event()
     pool.start()
     try:
@@ -110,7 +116,7 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
         log.info("using REDIS_URL")
     redis = RedisSettings.from_env(embedded.url if embedded else redis_url)
     log.info("redis: %s", redis.safe_url)
-    pool = Pool(args.models, redis, worker_config, args.log_level or "INFO")
+    pool = Pool(args.models, redis, worker_config, _log_level(args))
     stop = threading.Event()
     pool.start()
     supervisor = threading.Thread(target=pool.supervise, args=(stop,), daemon=True)
@@ -118,8 +124,10 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     try:
         _serve_gateway(gateway_config, redis)
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
         log.info("stopping workers")
         stop.set()
+        supervisor.join(5)
         pool.stop()
         if embedded:
             embedded.stop()

@@ -8,6 +8,7 @@ and ``redact_url`` is what logs print.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
@@ -22,14 +23,14 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def redact_url(url: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://user:***@host``."""
+    """``redis://user:secret@host`` -> ``redis://user:***@host``; a ``password=``
+    query parameter (``unix://`` URLs) is masked too."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (
+            f":{parts.port}" if parts.port else "")
+        url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -138,9 +139,13 @@ class WorkerConfig:
     replicas: int = 1
     device: str = "auto"
     threads: int = 1
+    max_attempts: int = 3
+    grace_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("block_timeout_s", "heartbeat_interval_s", "lease_ttl_s"):
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be >= 1")
+        for name in ("block_timeout_s", "heartbeat_interval_s", "lease_ttl_s", "grace_s"):
             _positive(name, getattr(self, name))
         if self.replicas < 1 or self.threads < 1:
             raise ConfigError("replicas and threads must be >= 1")

@@ -54,6 +54,12 @@ class UnknownModel(RedbatchError):
     code = "unknown_model"
 
 
+class NoLiveWorkers(RedbatchError):
+    """No worker holds a live lease for the model: nothing would serve the request."""
+
+    code = "no_workers"
+
+
 class ModelError(RedbatchError):
     """The model raised, or broke the batch contract (e.g. wrong output length)."""
 
@@ -76,6 +82,7 @@ _BY_CODE: dict[str, type[RedbatchError]] = {
         DeadlineExceeded,
         InvalidPayload,
         UnknownModel,
+        NoLiveWorkers,
         ModelError,
         WorkerCrashed,
     )

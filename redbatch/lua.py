@@ -1,20 +1,40 @@
-"""Lua scripts for every multi-key step, so each one is atomic in Redis."""
+"""Lua scripts for every multi-key step, so each one is atomic in Redis.
+
+Constants come from ``redbatch.protocol`` (formatted in), so the scripts and the
+Python side cannot disagree.
+"""
 
 from __future__ import annotations
 
 from typing import Final
 
-# KEYS[1]=queue  ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[3..]=entries.
-# Pushes as many entries as fit under the cap (in order) and returns how many.
+from redbatch import protocol
+
+# KEYS[1]=queue  KEYS[1+i]=marker of entry i
+# ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[2+i]=marker ttl ms of entry i  ARGV[2+n+i]=entry i
+# Pushes entries in order while the queue is under its cap.  An entry whose marker
+# already exists (a retried push) is not pushed again but counts as accepted.
+# Returns {how many entries, in order, were accepted; the queue's length after}.
 ENQUEUE: Final = """
+local n = #KEYS - 1
 local room = tonumber(ARGV[1]) - redis.call('LLEN', KEYS[1])
-local n = #ARGV - 2
-if room < n then n = math.max(room, 0) end
-if n > 0 then
-  redis.call('RPUSH', KEYS[1], unpack(ARGV, 3, 2 + n))
+local accepted, pushed = 0, 0
+for i = 1, n do
+  if redis.call('SET', KEYS[1 + i], 'q', 'NX', 'PX', ARGV[2 + i]) then
+    if room <= 0 then
+      redis.call('DEL', KEYS[1 + i])
+      break
+    end
+    redis.call('RPUSH', KEYS[1], ARGV[2 + n + i])
+    room = room - 1
+    pushed = pushed + 1
+  end
+  accepted = accepted + 1
+end
+if pushed > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
-return n
+return {accepted, redis.call('LLEN', KEYS[1])}
 """
 
 # KEYS[1]=queue  KEYS[2]=inflight  ARGV[1]=max count  ARGV[2]=inflight ttl ms.
@@ -32,4 +52,74 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
 end
 return items
+"""
+
+# Shared helpers: answer a request at most once (its marker turns to 'd' with the
+# first reply), and append entries to a capped dead-letter list.
+_HELPERS: Final = f"""
+local function reply_once(marker, reply_to, marker_ttl_ms, data, reply_ttl_s)
+  if redis.call('SET', marker, 'd', 'PX', marker_ttl_ms, 'GET') == 'd' then
+    return 0
+  end
+  redis.call('RPUSH', reply_to, data)
+  redis.call('EXPIRE', reply_to, reply_ttl_s)
+  return 1
+end
+
+local function dead_letter(key, first, last)
+  if last < first then return end
+  for i = first, last do
+    redis.call('RPUSH', key, ARGV[i])
+  end
+  redis.call('LTRIM', key, -{protocol.DEAD_LETTER_MAX}, -1)
+  redis.call('EXPIRE', key, {protocol.DEAD_LETTER_TTL_S})
+end
+"""
+
+# KEYS[1]=inflight  KEYS[2]=dead letters  KEYS[1+2j]=marker j  KEYS[2+2j]=reply_to j
+# ARGV[1]=entries to ack (from the in-flight head)  ARGV[2]=reply ttl s  ARGV[3]=nd
+# ARGV[4..3+nd]=dead-letter entries  ARGV[3+nd+2j-1]=marker ttl ms j  ARGV[3+nd+2j]=reply j
+# Replies (each at most once), dead letters and the ack, in one step.  Returns replies sent.
+PUBLISH: Final = _HELPERS + """
+local nd = tonumber(ARGV[3])
+dead_letter(KEYS[2], 4, 3 + nd)
+local sent = 0
+for j = 1, (#KEYS - 2) / 2 do
+  sent = sent + reply_once(KEYS[1 + 2 * j], KEYS[2 + 2 * j], ARGV[3 + nd + 2 * j - 1],
+                           ARGV[3 + nd + 2 * j], ARGV[2])
+end
+redis.call('LTRIM', KEYS[1], ARGV[1], -1)
+return sent
+"""
+
+# KEYS[1]=the dead worker's inflight  KEYS[2]=queue  KEYS[3]=dead letters
+# KEYS[4]=workers zset  KEYS[5]=worker info hash  KEYS[4+2j]=marker j  KEYS[5+2j]=reply_to j
+# ARGV[1]=worker id  ARGV[2]=now ms, or 'force' (a worker returning its own batch)
+# ARGV[3]=in-flight length the caller read  ARGV[4]=reply ttl s  ARGV[5]=nq  ARGV[6]=nd
+# ARGV[7..6+nq]=entries to requeue, in queue order  then nd dead-letter entries
+# then pairs (marker ttl ms, reply) for the callers of dead-lettered entries.
+# Returns nq, or -1 if the lease is live again, -2 if the in-flight list changed.
+REAP: Final = _HELPERS + f"""
+if ARGV[2] ~= 'force' then
+  local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
+  if lease and tonumber(lease) > tonumber(ARGV[2]) then return -1 end
+end
+if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[3]) then return -2 end
+local nq, nd = tonumber(ARGV[5]), tonumber(ARGV[6])
+for i = 6 + nq, 7, -1 do
+  redis.call('LPUSH', KEYS[2], ARGV[i])
+end
+if nq > 0 then
+  redis.call('PEXPIRE', KEYS[2], {protocol.QUEUE_TTL_S * 1000})
+end
+dead_letter(KEYS[3], 7 + nq, 6 + nq + nd)
+local base = 6 + nq + nd
+for j = 1, (#KEYS - 5) / 2 do
+  reply_once(KEYS[4 + 2 * j], KEYS[5 + 2 * j], ARGV[base + 2 * j - 1], ARGV[base + 2 * j],
+             ARGV[4])
+end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[5], ARGV[1])
+return nq
 """

@@ -21,13 +21,15 @@ PREFIX: Final = "rb"
 
 # --- TTLs and limits ----------------------------------------------------------
 QUEUE_TTL_S: Final = 3600  # refreshed by every push
-INFLIGHT_TTL_S: Final = 3600  # refreshed by every claim
+INFLIGHT_TTL_S: Final = 24 * 3600  # refreshed by every claim
 REPLY_TTL_S: Final = 120  # refreshed by every reply pushed to the list
 META_TTL_S: Final = 24 * 3600  # refreshed by worker heartbeats
-WORKERS_TTL_S: Final = 600  # refreshed by worker heartbeats
+WORKERS_TTL_S: Final = 24 * 3600  # refreshed by heartbeats; outlives in-flight lists
 DEAD_LETTER_TTL_S: Final = 7 * 24 * 3600  # refreshed by every dead letter
 DEAD_LETTER_MAX: Final = 10_000  # the list keeps the newest entries only
 MAX_TIMEOUT_S: Final = 600.0  # no deadline may be further out than this
+MARKER_GRACE_MS: Final = 5000  # a request marker outlives its deadline by this much
+DEFAULT_MAX_ATTEMPTS: Final = 3  # crashes a request may cause before it is dead-lettered
 MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -87,6 +89,17 @@ def meta_key(model: str) -> str:
 
 def dead_letter_key(model: str) -> str:
     return f"{PREFIX}:{{{model}}}:dead"
+
+
+def request_key(model: str, request_id: str) -> str:
+    """String marker of one request: ``q`` once enqueued (dedupes retried pushes),
+    ``d`` once answered (first writer wins: a request is answered at most once)."""
+    return f"{PREFIX}:{{{model}}}:req:{request_id}"
+
+
+def marker_ttl_ms(deadline_ms: int, now: int) -> int:
+    """How long a request's marker must live: until its deadline, plus a grace."""
+    return max(deadline_ms - now, 0) + MARKER_GRACE_MS
 
 
 MODELS_KEY: Final = f"{PREFIX}:models"  # sorted set: model -> last heartbeat (epoch ms)

@@ -24,7 +24,7 @@ from redbatch.api.errors import (
     on_unexpected,
 )
 from redbatch.config import GatewayConfig, RedisSettings
-from redbatch.errors import RedbatchError, error_from_code
+from redbatch.errors import NoLiveWorkers, RedbatchError, error_from_code
 from redbatch.producer.client import Client
 from redbatch.redis_conn import async_client
 
@@ -59,6 +59,8 @@ class Gateway:
     async def predict(self, request: Request) -> Response:
         model = request.path_params["model"]
         info = await self.directory.get(model)
+        if not await self.client.live_workers(model):
+            raise NoLiveWorkers(f"model {model!r} has no live worker; retry shortly")
         data = body.parse_json(await body.read_body(request, self.config.max_body_bytes))
         value = body.model_input(data, info)
         timeout = body.timeout_s(request, data, self.config.default_timeout_s,

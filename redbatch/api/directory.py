@@ -32,6 +32,9 @@ class ModelInfo:
                    output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta)
 
 
+MAX_CACHED = 1024
+
+
 class ModelDirectory:
     """Looks models up in Redis; remembers hits and misses for ``refresh_s``."""
 
@@ -46,6 +49,8 @@ class ModelDirectory:
         hit = self._cache.get(name)
         if hit is None or time.monotonic() - hit[0] > self._refresh_s:
             hit = (time.monotonic(), await self._fetch(name))
+            if len(self._cache) >= MAX_CACHED:  # names come from URLs: keep this bounded
+                self._cache.clear()
             self._cache[name] = hit
         if hit[1] is None:
             raise UnknownModel(f"unknown model {name!r}: no worker serves it")

@@ -18,6 +18,7 @@ STATUS: dict[type[errors.RedbatchError], int] = {
     errors.UnknownModel: 404,
     errors.DeadlineExceeded: 504,
     errors.QueueFull: 503,
+    errors.NoLiveWorkers: 503,
     errors.RedisUnavailable: 503,
     errors.ModelError: 500,
     errors.WorkerCrashed: 502,

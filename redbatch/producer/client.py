@@ -13,13 +13,14 @@ import redis.asyncio as aioredis
 from redbatch import codec, lua, protocol
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, check_socket_timeout
-from redbatch.errors import ConfigError, QueueFull, RedbatchError
+from redbatch.errors import ConfigError, DeadlineExceeded, QueueFull, RedbatchError
+from redbatch.producer.admission import Admission
 from redbatch.producer.listener import ReplyListener
 from redbatch.protocol import Reply, Request
 from redbatch.redis_conn import async_client, translated
 
 log = logging.getLogger("redbatch.producer")
-QUEUE_FULL_RETRY_AFTER_S = 1.0
+QUEUE_FULL_RETRY_AFTER_S = 1.0  # for the per-process waiter cap
 ENQUEUE_CHUNK = 1000
 
 
@@ -78,6 +79,7 @@ class Client:
                 raise
             self._redis = redis
             self._enqueue_script = redis.register_script(lua.ENQUEUE)
+            self._admission = Admission(redis, self.max_queue_len)
             self._listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
             self._listener.start()
 
@@ -102,6 +104,13 @@ class Client:
         if self._redis is None:
             raise RedbatchError("client is not started")
         return self._redis
+
+    async def live_workers(self, model: str) -> int:
+        """Live workers of ``model`` (cached for a second)."""
+        if self._listener is None:
+            await self.start()
+        async with translated(self.settings):
+            return await self._admission.live(model)
 
     @property
     def waiting(self) -> int:
@@ -139,35 +148,50 @@ class Client:
         if self._listener.waiting + len(requests) > self.max_waiters:
             raise QueueFull(f"{self._listener.waiting} requests already wait in this process "
                             f"(max_waiters={self.max_waiters})", QUEUE_FULL_RETRY_AFTER_S)
+        self._listener.check_new([r.id for r in requests])
         futures = [self._listener.expect(r.id, deadline, want_reply) for r in requests]
         await self._push(model, requests, entries)
         return futures
 
     async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
         assert self._listener is not None
+        budget_s = max(0.001, (requests[0].deadline_ms - protocol.now_ms()) / 1000)
         try:
-            pushed = await self._run_enqueue(protocol.queue_key(model), entries)
+            async with asyncio.timeout(budget_s):
+                cap = await self._admission.cap(model, requests[0].deadline_ms)
+                accepted, depth = await self._run_enqueue(model, requests, entries, cap)
+        except TimeoutError as exc:
+            late = DeadlineExceeded(f"deadline passed while enqueueing to {model!r}")
+            for request in requests:
+                self._listener.fail(request.id, late)
+            raise late from exc
         except RedbatchError as exc:
             for request in requests:
                 self._listener.fail(request.id, exc)
             raise
-        for request in requests[pushed:]:
-            self._listener.fail(request.id, QueueFull(
-                f"queue of model {model!r} is full (max_queue_len={self.max_queue_len})",
-                QUEUE_FULL_RETRY_AFTER_S))
+        if accepted < len(requests):
+            full = await self._admission.queue_full(model, depth, cap)
+            for request in requests[accepted:]:
+                self._listener.fail(request.id, full)
 
-    async def _run_enqueue(self, queue: str, entries: list[bytes]) -> int:
-        """The ENQUEUE script in chunks (Lua's unpack limit), in one pipeline."""
-        head = [self.max_queue_len, protocol.QUEUE_TTL_S * 1000]
-        chunks = [entries[i:i + ENQUEUE_CHUNK] for i in range(0, len(entries), ENQUEUE_CHUNK)]
-        async with translated(self.settings):
-            if len(chunks) == 1:
-                return int(await self._enqueue_script(keys=[queue], args=[*head, *entries]))
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for chunk in chunks:
-                    await self._enqueue_script(keys=[queue], args=[*head, *chunk], client=pipe)
-                counts = await pipe.execute()
-        return _accepted_prefix(counts, [len(c) for c in chunks])
+    async def _run_enqueue(self, model: str, requests: list[Request], entries: list[bytes],
+                           cap: int) -> tuple[int, int]:
+        """The ENQUEUE script (dedupes by request id), in chunks, in one transaction."""
+        now = protocol.now_ms()
+        queue = protocol.queue_key(model)
+        # One MULTI: no worker drains the queue between chunks, so the cap holds for all.
+        async with translated(self.settings), self.redis.pipeline(transaction=True) as pipe:
+            for start in range(0, len(entries), ENQUEUE_CHUNK):
+                chunk = requests[start:start + ENQUEUE_CHUNK]
+                keys = [queue, *(protocol.request_key(model, r.id) for r in chunk)]
+                ttls = [protocol.marker_ttl_ms(r.deadline_ms, now) for r in chunk]
+                args: list[Any] = [cap, protocol.QUEUE_TTL_S * 1000, *ttls,
+                                   *entries[start:start + ENQUEUE_CHUNK]]
+                await self._enqueue_script(keys=keys, args=args, client=pipe)
+            results = await pipe.execute()
+        sizes = [len(requests[i:i + ENQUEUE_CHUNK]) for i in range(0, len(requests),
+                                                                    ENQUEUE_CHUNK)]
+        return _accepted_prefix([int(r[0]) for r in results], sizes), int(results[-1][1])
 
     async def submit(self, model: str, inputs: Any, timeout_s: float | None = None
                      ) -> asyncio.Future[Any]:

@@ -12,7 +12,6 @@ import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
 from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError, error_from_code
-from redbatch.redis_conn import REDIS_ERRORS
 
 log = logging.getLogger("redbatch.producer")
 DRAIN_COUNT = 1024
@@ -65,8 +64,16 @@ class ReplyListener:
         for request_id in list(self._waiters):
             self.fail(request_id, RedbatchError("client closed before the reply arrived"))
 
+    def check_new(self, request_ids: list[str]) -> None:
+        """Refuse ids that repeat, or that already wait: routing is by id."""
+        if len(set(request_ids)) != len(request_ids) or any(
+                rid in self._waiters for rid in request_ids):
+            raise InvalidPayload("request ids must be unique among waiting requests")
+
     def expect(self, request_id: str, deadline_ms: int, want_reply: bool) -> asyncio.Future[Any]:
         """A future for ``request_id`` that fails with DeadlineExceeded at its deadline."""
+        if request_id in self._waiters:
+            raise InvalidPayload(f"request id {request_id!r} is already waiting for a reply")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
@@ -88,8 +95,9 @@ class ReplyListener:
     def dispatch(self, raw: bytes) -> None:
         try:
             reply = protocol.reply_from_wire(codec.decode(raw))
-        except InvalidPayload as exc:
-            log.warning("dropped an undecodable reply on %s: %s", self.reply_to, exc)
+        except Exception as exc:  # a foreign or corrupt reply must not stop the listener
+            log.warning("dropped an undecodable reply on %s: %s: %s", self.reply_to,
+                        type(exc).__name__, exc)
             return
         waiter = self._waiters.pop(reply.id, None)
         if waiter is None:
@@ -109,10 +117,10 @@ class ReplyListener:
                 for raw in await self._pop():
                     self.dispatch(raw)
                 backoff_s = 0.05
-            except REDIS_ERRORS as exc:
+            except Exception as exc:  # never die: every waiter of this process needs us
                 if self._stopping:  # redis-py may turn our cancel into a connection error
                     return
-                log.warning("reply listener: redis unavailable (%s); retrying in %.2f s",
+                log.warning("reply listener: %s: %s; retrying in %.2f s", type(exc).__name__,
                             exc, backoff_s)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, BACKOFF_CAP_S)

@@ -99,7 +99,9 @@ class Claimer:
                 await asyncio.sleep(remaining_s)
                 items.extend(await self._take(size - len(items)))
                 return
-            item = await self._block_one(remaining_s - SERVER_TIMER_SLACK_S)
+            # Never block past the socket's patience: long windows are waited in steps.
+            item = await self._block_one(min(remaining_s - SERVER_TIMER_SLACK_S,
+                                             self._block_timeout_s))
             if item is not None:
                 items.append(item)
                 items.extend(await self._take(size - len(items)))

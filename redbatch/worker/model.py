@@ -128,14 +128,15 @@ class Model:
 def batch(*, name: str | None = None, max_batch_size: int = 32,
           batch_wait_timeout_s: float = 0.005, stride_s: float = 0.0,
           allow_small_batch: bool = True, spec: TensorSpec | None = None,
-          input_name: str = "inputs", output_name: str = "outputs", stack: bool = False
-          ) -> Callable[[BatchFn], Model]:
+          input_name: str = "inputs", output_name: str = "outputs", stack: bool = False,
+          timeout_s: float | None = None) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
-    The knobs are Ray's; ``timeout_s`` is spelled ``batch_wait_timeout_s`` here (use
-    ``BatchPolicy.from_mapping`` for the ``{max_batch_size, timeout_s, stride_s,
-    allow_small_batch}`` spelling)."""
-    policy = BatchPolicy(max_batch_size, batch_wait_timeout_s, stride_s, allow_small_batch)
+    The knobs are Ray's; ``timeout_s`` is accepted as another name for
+    ``batch_wait_timeout_s`` (the ``{max_batch_size, timeout_s, stride_s,
+    allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict)."""
+    wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
+    policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch)
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,

@@ -65,6 +65,7 @@ class Pool:
         self.log_level = log_level
         self._ctx = mp.get_context("spawn")
         self.replicas: list[_Replica] = []
+        self._stopping = threading.Event()
 
     def _spawn(self, index: int) -> BaseProcess:
         proc = self._ctx.Process(target=_child, name=f"redbatch-worker-{index}",
@@ -85,7 +86,7 @@ class Pool:
 
     def _check(self, replica: _Replica) -> None:
         proc = replica.process
-        if proc.is_alive() or time.monotonic() < replica.next_start:
+        if self._stopping.is_set() or proc.is_alive() or time.monotonic() < replica.next_start:
             return
         replica.restarts += 1
         delay = min(RESTART_BACKOFF_CAP_S, 0.5 * 2 ** min(replica.restarts, 5))
@@ -96,6 +97,7 @@ class Pool:
 
     def stop(self, grace_s: float = 35.0) -> None:
         """SIGTERM every replica, wait ``grace_s`` for them, then SIGKILL the rest."""
+        self._stopping.set()
         for replica in self.replicas:
             if replica.process.is_alive():
                 replica.process.terminate()

@@ -11,9 +11,10 @@ import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import lua, protocol
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.redis_conn import REDIS_ERRORS, async_client
@@ -25,31 +26,51 @@ from redbatch.worker.runner import BatchRunner
 log = logging.getLogger("redbatch.worker")
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
-GRACE_S = 30.0
 
 
 async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
-                      stop: asyncio.Event) -> None:
-    """Run ``step`` until ``stop``; back off (capped) on Redis errors, never die."""
+                      stop: asyncio.Event, *, once: bool = False) -> None:
+    """Run ``step`` until ``stop`` (or, with ``once``, until it first succeeds); back
+    off (capped) on errors and never die of them."""
     backoff_s = BACKOFF_START_S
     while not stop.is_set():
         try:
             await step()
+            if once:
+                return
             backoff_s = BACKOFF_START_S
+            continue
         except (*REDIS_ERRORS, RedbatchError) as exc:
             log.warning("%s: redis unavailable (%s: %s); retrying in %.2f s", name,
                         type(exc).__name__, exc, backoff_s)
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, BACKOFF_CAP_S)
         except Exception:
             log.exception("%s: unexpected error; retrying in %.2f s", name, backoff_s)
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, BACKOFF_CAP_S)
+        await _sleep_or_stop(stop, backoff_s)
+        backoff_s = min(backoff_s * 2, BACKOFF_CAP_S)
+
+
+class CapacityMeter:
+    """Items served per busy second of one runner (idle time excluded), smoothed."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self._runner = runner
+        self._items = 0
+        self._busy_s = 0.0
+        self.items_per_s = 0.0
+
+    def sample(self) -> float:
+        items, busy = self._runner.items - self._items, self._runner.busy_s - self._busy_s
+        self._items, self._busy_s = self._runner.items, self._runner.busy_s
+        if busy > 0 and items > 0:  # idle keeps the last estimate
+            rate = items / busy
+            self.items_per_s = rate if not self.items_per_s else 0.5 * (self.items_per_s + rate)
+        return self.items_per_s
 
 
 class Worker:
     """Serves a list of models from one process: one batch loop per model, one
-    forward thread shared by all (the GPU runs one pass at a time), one heartbeat."""
+    forward thread shared by all (the GPU runs one pass at a time), and one
+    heartbeat that renews the lease and reaps workers whose lease expired."""
 
     def __init__(self, models: list[Model], redis: RedisSettings, config: WorkerConfig,
                  device: str = "cpu", worker_id: str | None = None) -> None:
@@ -60,42 +81,71 @@ class Worker:
         self.device = device
         self.worker_id = worker_id or protocol.new_id()[:12]
         self.runners: list[BatchRunner] = []
+        self._info = heartbeat.static_info(self.worker_id, device)
 
     async def run(self, stop: asyncio.Event) -> None:
         redis = async_client(self.redis_settings, max_connections=2 * len(self.models) + 4)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redbatch-forward")
+        clean = False
         try:
             self.runners = [BatchRunner(redis, m, m.bind(self.device), self.worker_id, executor,
-                                        self.config.block_timeout_s) for m in self.models]
-            await self._serve(redis, stop)
+                                        self.config.block_timeout_s, self.config.max_attempts)
+                            for m in self.models]
+            _apply_torch_threads(self.config.threads)  # loaders may have imported torch
+            self._meters = [CapacityMeter(r) for r in self.runners]
+            self._reapers = {r.model.name: r.reaper for r in self.runners}
+            clean = await self._serve(redis, stop)
         finally:
-            executor.shutdown(wait=True)
+            executor.shutdown(wait=clean, cancel_futures=True)
             await redis.aclose()
 
-    async def _serve(self, client: aioredis.Redis, stop: asyncio.Event) -> None:
-        info = heartbeat.worker_info(self.worker_id, self.device)
+    async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
+        """Load the scripts and take the lease before the first claim."""
+        async def first() -> None:
+            for script in (lua.CLAIM, lua.PUBLISH, lua.REAP):
+                await redis.script_load(script)
+            await self._beat(redis)
 
+        await _keep_going("register", first, stop, once=True)
+
+    async def _beat(self, redis: aioredis.Redis) -> None:
+        infos = {r.model.name: orjson.dumps({**self._info, "items_per_s": m.sample()})
+                 for r, m in zip(self.runners, self._meters, strict=True)}
+        expired = await heartbeat.beat(redis, self.models, self.worker_id, infos,
+                                       self.config.lease_ttl_s)
+        for model, dead_ids in expired.items():
+            for dead_id in dead_ids:
+                await self._reapers[model].reap(dead_id)
+
+    async def _serve(self, redis: aioredis.Redis, stop: asyncio.Event) -> bool:
+        """Run until ``stop``; return whether every batch finished within the grace."""
         async def beat() -> None:
-            await heartbeat.beat(client, self.models, self.worker_id, info,
-                                 self.config.lease_ttl_s)
+            await self._beat(redis)
             await _sleep_or_stop(stop, self.config.heartbeat_interval_s)
 
+        await self._register(redis, stop)
         tasks = [asyncio.create_task(_keep_going(f"model={r.model.name}", r.run_batch, stop))
                  for r in self.runners]
         tasks.append(asyncio.create_task(_keep_going("heartbeat", beat, stop)))
         log.info("worker %s serving %s on %s", self.worker_id,
                  ",".join(m.name for m in self.models), self.device)
         await stop.wait()
-        _done, pending = await asyncio.wait(tasks, timeout=GRACE_S)
+        _done, pending = await asyncio.wait(tasks, timeout=self.config.grace_s)
         for task in pending:
             task.cancel()
-        await self._leave(client)
+        await asyncio.gather(*pending, return_exceptions=True)
+        await self._leave(redis)
+        return not pending
 
-    async def _leave(self, client: aioredis.Redis) -> None:
+    async def _leave(self, redis: aioredis.Redis) -> None:
+        """Return any unfinished batch to the queue's front, then deregister."""
         try:
-            await heartbeat.leave(client, self.models, self.worker_id)
+            for reaper in self._reapers.values():
+                await reaper.reap(self.worker_id, force=True)
+            await heartbeat.leave(redis, self.models, self.worker_id)
         except REDIS_ERRORS as exc:
-            log.warning("could not deregister worker %s: %s", self.worker_id, exc)
+            log.warning("worker %s could not return its batch or deregister (%s); its lease "
+                        "will expire and another worker will reap it", self.worker_id, exc)
         log.info("worker %s stopped", self.worker_id)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from redbatch.worker.forward import ContractError
 from redbatch.worker.model import BatchFn, Model, TensorSpec
 from redbatch.worker.policy import BatchPolicy
 
@@ -45,7 +46,7 @@ def split_outputs(outputs: Any, n: int) -> list[Any]:
     if isinstance(outputs, torch.Tensor):
         if outputs.ndim == 0 or outputs.shape[0] != n:
             shape = tuple(outputs.shape)
-            raise ValueError(f"model returned a tensor of shape {shape} for a batch of {n}")
+            raise ContractError(f"model returned a tensor of shape {shape} for a batch of {n}")
         return list(outputs.detach().cpu().numpy())
     return list(outputs)
 

@@ -1,0 +1,65 @@
+"""Admission: how much of a model's queue a new request may join, and Retry-After.
+
+Workers publish their measured capacity (items per busy second) with each
+heartbeat.  A queue longer than the model's capacity times the request's time
+budget could not drain before the deadline, so such a request is refused at
+once (``QueueFull``, HTTP 503) rather than queued to time out: under overload the
+excess is refused quickly and the accepted requests keep a bounded latency.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import redis.asyncio as aioredis
+
+from redbatch import protocol
+from redbatch.errors import QueueFull
+from redbatch.worker.heartbeat import live_workers
+
+REFRESH_S = 1.0
+MIN_CAP = 64
+RETRY_AFTER_RANGE_S = (1.0, 60.0)
+
+
+class Admission:
+    def __init__(self, redis: aioredis.Redis, max_queue_len: int) -> None:
+        self._redis = redis
+        self.max_queue_len = max_queue_len
+        self._cache: dict[str, tuple[float, float, int]] = {}
+
+    async def _workers(self, model: str) -> tuple[float, int]:
+        """(items per second the live workers can serve, how many are live), cached."""
+        cached = self._cache.get(model)
+        if cached is None or time.monotonic() - cached[0] > REFRESH_S:
+            workers = await live_workers(self._redis, model)
+            total = sum(float(w.get("items_per_s", 0.0)) for w in workers)
+            cached = (time.monotonic(), total, len(workers))
+            self._cache[model] = cached
+        return cached[1], cached[2]
+
+    async def capacity(self, model: str) -> float:
+        """Items per second the model's live workers can serve (0 when unknown)."""
+        return (await self._workers(model))[0]
+
+    async def live(self, model: str) -> int:
+        """How many workers of the model hold a live lease (cached for a second)."""
+        return (await self._workers(model))[1]
+
+    async def cap(self, model: str, deadline_ms: int) -> int:
+        """The queue length at which this request is refused."""
+        rate = await self.capacity(model)
+        if rate <= 0:
+            return self.max_queue_len
+        budget_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
+        return max(MIN_CAP, min(self.max_queue_len, math.floor(rate * budget_s)))
+
+    async def queue_full(self, model: str, depth: int, cap: int) -> QueueFull:
+        """The error for a refused request, with Retry-After from the drain rate."""
+        rate = await self.capacity(model)
+        low, high = RETRY_AFTER_RANGE_S
+        retry_s = min(high, max(low, depth / rate)) if rate > 0 else low
+        why = "is full" if cap >= self.max_queue_len else "could not drain before the deadline"
+        return QueueFull(f"queue of model {model!r} {why} ({depth} queued, cap {cap}, "
+                         f"drain rate {rate:.0f}/s)", retry_s)

@@ -1,0 +1,94 @@
+"""The decode step: raw queue entries -> requests to compute, and replies already known.
+
+A malformed entry is dead-lettered (and answered with ``invalid_payload`` if its id
+and reply_to can still be read); an expired request is answered with
+``deadline_exceeded``; an input that does not match the model's spec is answered
+with ``invalid_payload``.  None of them reaches the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from redbatch import codec, protocol
+from redbatch.codec import Format
+from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError
+from redbatch.protocol import Request
+from redbatch.worker.model import Model
+
+log = logging.getLogger("redbatch.worker")
+
+
+@dataclass(slots=True)
+class Item:
+    request: Request
+    fmt: Format
+    value: Any
+
+
+@dataclass
+class Decoded:
+    items: list[Item] = field(default_factory=list)
+    early: list[tuple[Request, Format, RedbatchError]] = field(default_factory=list)
+    dead: list[bytes] = field(default_factory=list)
+
+
+def loose_reply_target(raw: bytes) -> tuple[str, str, Format] | None:
+    """Find (id, reply_to) in an entry that failed validation, to tell its sender."""
+    try:
+        wire = codec.decode(raw)
+        request_id, reply_to = wire[protocol.F_ID], wire[protocol.F_REPLY_TO]
+    except Exception:  # any shape of garbage: there is simply no one to tell
+        return None
+    if isinstance(request_id, str) and isinstance(reply_to, str) and \
+            protocol.REPLY_TO_RE.fullmatch(reply_to) and 0 < len(request_id) <= 128:
+        return request_id, reply_to, codec.sniff_format(raw)
+    return None
+
+
+def parse_entry(raw: bytes, model: str) -> Request:
+    """Decode and validate one queue entry of ``model``'s queue."""
+    request = protocol.request_from_wire(codec.decode(raw))
+    if request.model != model:
+        raise InvalidPayload(f"entry for model {request.model!r} in the queue of {model!r}")
+    return request
+
+
+def decode_batch(raws: list[bytes], model: Model, now_ms: int) -> Decoded:
+    out = Decoded()
+    for raw in raws:
+        _decode_one(raw, model, now_ms, out)
+    return out
+
+
+def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
+    fmt = codec.sniff_format(raw)
+    try:
+        request = parse_entry(raw, model.name)
+    except InvalidPayload as exc:
+        _reject(raw, exc, model.name, out)
+        return
+    if request.deadline_ms <= now_ms:
+        late_ms = now_ms - request.deadline_ms
+        out.early.append((request, fmt, DeadlineExceeded(
+            f"deadline passed {late_ms} ms before a worker took the request")))
+        return
+    try:
+        value = model.spec.check(request.payload) if model.spec else request.payload
+    except InvalidPayload as exc:
+        out.early.append((request, fmt, exc))
+        return
+    out.items.append(Item(request, fmt, value))
+
+
+def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded) -> None:
+    log.warning("model=%s dead-lettered a malformed entry (%d bytes): %s", model, len(raw), exc)
+    out.dead.append(raw)
+    target = loose_reply_target(raw)
+    if target is not None:
+        request_id, reply_to, fmt = target
+        deadline = protocol.now_ms() + protocol.MARKER_GRACE_MS
+        stub = Request(request_id, model, 0, deadline, reply_to, None)
+        out.early.append((stub, fmt, exc))

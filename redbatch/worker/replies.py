@@ -1,0 +1,52 @@
+"""Encoded replies, each with the marker that makes it the only reply to its request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redbatch import codec, protocol
+from redbatch.codec import Format
+from redbatch.errors import InvalidPayload, ModelError, RedbatchError
+from redbatch.protocol import Reply, Request, Timings
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One encoded reply, with the marker that makes it the only one."""
+
+    reply_to: str
+    marker: str
+    marker_ttl_ms: int
+    data: bytes
+
+
+def outgoing(model: str, request: Request, reply: Reply, fmt: Format) -> Outgoing:
+    ttl = protocol.marker_ttl_ms(request.deadline_ms, protocol.now_ms())
+    return Outgoing(request.reply_to, protocol.request_key(model, request.id), ttl,
+                    encode_reply(model, reply, fmt))
+
+
+def encode_reply(model: str, reply: Reply, fmt: Format) -> bytes:
+    try:
+        return codec.encode(reply.to_wire(), fmt)
+    except InvalidPayload as exc:
+        failed = Reply(reply.id, False, error_code=ModelError.code,
+                       error_message=f"model {model!r} returned an output that cannot be "
+                                     f"encoded: {exc}", timings=reply.timings)
+        return codec.encode(failed.to_wire(), fmt)
+
+
+def error_reply(request: Request, exc: RedbatchError, timings: Timings) -> Reply:
+    return Reply(request.id, False, error_code=exc.code, error_message=str(exc),
+                 timings=timings)
+
+
+def publish_args(outs: list[Outgoing], dead: list[bytes]) -> tuple[list[str], list[Any]]:
+    """KEYS and the tail of ARGV shared by the PUBLISH and REAP scripts."""
+    keys: list[str] = []
+    argv: list[Any] = [len(dead), *dead]
+    for out in outs:
+        keys += [out.marker, out.reply_to]
+        argv += [out.marker_ttl_ms, out.data]
+    return keys, argv
