@@ -117,6 +117,7 @@ class GatewayConfig:
     max_waiters: int = 10_000
     meta_refresh_s: float = 2.0
     block_timeout_s: float = 1.0
+    api_key: str = field(default="", repr=False)  # empty: no auth
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -2,10 +2,10 @@
 
 The client side uses nothing but raw Redis commands (``redis.asyncio``), ``msgpack``,
 ``json``, ``base64`` and ``numpy`` for checking tensor bytes: no redbatch producer,
-codec or protocol module.  Key names, fields and the ENQUEUE script are hard-coded
-exactly as the document gives them, so these tests fail if the document and the
-worker drift apart.  Only the *server side* (the models a worker serves) uses
-redbatch's public model API.
+codec or protocol module.  Key names, fields, TTLs and the ENQUEUE script are
+hard-coded exactly as the document gives them, so these tests fail if the document
+and the worker drift apart.  Only the *server side* (the models a worker serves, run
+by the ``start_worker`` fixture) uses redbatch.
 """
 
 from __future__ import annotations
@@ -32,20 +32,34 @@ WAIT_S = 10  # every BLPOP waits at most this long (server-side timeout)
 
 # --- the client: nothing below comes from redbatch -------------------------------
 
-# Verbatim from docs/protocol.md ("Enqueue, recommended: the ENQUEUE script").
-# KEYS[1]=queue  ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[3..]=entries.
+# Verbatim from docs/protocol.md, section 9 ("Recommended way: the ENQUEUE script").
+# KEYS[1]=queue  KEYS[1+i]=marker of entry i
+# ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[2+i]=marker ttl ms of entry i  ARGV[2+n+i]=entry i
 ENQUEUE = """
+local n = #KEYS - 1
 local room = tonumber(ARGV[1]) - redis.call('LLEN', KEYS[1])
-local n = #ARGV - 2
-if room < n then n = math.max(room, 0) end
-if n > 0 then
-  redis.call('RPUSH', KEYS[1], unpack(ARGV, 3, 2 + n))
+local accepted, pushed = 0, 0
+for i = 1, n do
+  if redis.call('SET', KEYS[1 + i], 'q', 'NX', 'PX', ARGV[2 + i]) then
+    if room <= 0 then
+      redis.call('DEL', KEYS[1 + i])
+      break
+    end
+    redis.call('RPUSH', KEYS[1], ARGV[2 + n + i])
+    room = room - 1
+    pushed = pushed + 1
+  end
+  accepted = accepted + 1
+end
+if pushed > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
-return n
+return {accepted, redis.call('LLEN', KEYS[1])}
 """
 QUEUE_TTL_MS = 3_600_000
 QUEUE_CAP = 10_000
+MARKER_GRACE_MS = 5_000  # a marker outlives its request's deadline by this much
+REPLY_TTL_S = 120
 
 MODEL = "fc-double"  # TensorSpec float32 (4,), stacked: returns 2 * x
 LOOSE = "fc-echo"  # no spec: returns each payload unchanged
@@ -56,9 +70,23 @@ WORKERS = "rb:{fc-double}:workers"
 WORKER_INFO = "rb:{fc-double}:worker_info"
 MODELS = "rb:models"
 
+Item = tuple[dict[str, Any], bytes]  # a request envelope and its encoded entry
+
 
 def epoch_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def queue_key(model: str) -> str:
+    return "rb:{" + model + "}:queue"
+
+
+def marker_key(model: str, request_id: str) -> str:
+    return "rb:{" + model + "}:req:" + request_id
+
+
+def marker_ttl_ms(request: dict[str, Any], now: int) -> int:
+    return max(request["deadline_ms"] - now, 0) + MARKER_GRACE_MS
 
 
 def new_reply_to() -> str:
@@ -97,15 +125,36 @@ def pack(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+def mp(request: dict[str, Any]) -> Item:
+    return request, pack(request)
+
+
+def js(request: dict[str, Any]) -> Item:
+    return request, json.dumps(request, separators=(",", ":")).encode()
+
+
 def decode_reply(raw: bytes) -> dict[str, Any]:
     reply = json.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw, raw=False)
     assert isinstance(reply, dict)
     return reply
 
 
-async def enqueue(rc: aioredis.Redis, queue: str, *entries: bytes, cap: int = QUEUE_CAP) -> int:
-    pushed: Any = await rc.eval(ENQUEUE, 1, queue, cap, QUEUE_TTL_MS, *entries)
-    return int(pushed)
+def enqueue_args(model: str, items: tuple[Item, ...], cap: int) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one ENQUEUE call, as the document lays them out."""
+    now = epoch_ms()
+    keys = [queue_key(model), *(marker_key(model, request["id"]) for request, _ in items)]
+    args: list[Any] = [cap, QUEUE_TTL_MS, *(marker_ttl_ms(request, now) for request, _ in items),
+                       *(entry for _, entry in items)]
+    return keys, args
+
+
+async def enqueue(rc: aioredis.Redis, model: str, *items: Item,
+                  cap: int = QUEUE_CAP) -> tuple[int, int]:
+    """Run ENQUEUE; return (accepted, queue length after)."""
+    keys, args = enqueue_args(model, items, cap)
+    result: Any = await rc.eval(ENQUEUE, len(keys), *keys, *args)
+    accepted, depth = result
+    return int(accepted), int(depth)
 
 
 async def push_plain(rc: aioredis.Redis, queue: str, *entries: bytes) -> None:
@@ -128,8 +177,19 @@ async def replies_by_id(rc: aioredis.Redis, reply_to: str, n: int) -> dict[str, 
     found: dict[str, dict[str, Any]] = {}
     for _ in range(n):
         _raw, reply = await next_reply(rc, reply_to)
+        assert reply["id"] not in found, f"a second reply to {reply['id']}"
         found[reply["id"]] = reply
     return found
+
+
+async def replies_until(rc: aioredis.Redis, reply_to: str, last_id: str
+                        ) -> list[dict[str, Any]]:
+    """Every reply up to and including the one to ``last_id`` (each pop is bounded)."""
+    seen: list[dict[str, Any]] = []
+    while not seen or seen[-1]["id"] != last_id:
+        assert len(seen) < 50, "runaway replies"
+        seen.append((await next_reply(rc, reply_to))[1])
+    return seen
 
 
 def assert_timings(reply: dict[str, Any], worker_id: str) -> None:
@@ -163,8 +223,13 @@ def double_model(calls: list[int] | None = None) -> Any:
                  output_name="y")(fn)
 
 
-def echo_model() -> Any:
-    return batch(name=LOOSE, max_batch_size=8, batch_wait_timeout_s=0.0)(list)
+def echo_model(calls: list[list[Any]] | None = None) -> Any:
+    def fn(inputs: list[Any]) -> list[Any]:
+        if calls is not None:
+            calls.append(list(inputs))
+        return list(inputs)
+
+    return batch(name=LOOSE, max_batch_size=8, batch_wait_timeout_s=0.0)(fn)
 
 
 @pytest.fixture
@@ -189,10 +254,11 @@ async def test_msgpack_tensor_via_enqueue_script(rc: aioredis.Redis,
     reply_to = new_reply_to()
     x = np.array([1.5, -2.0, 0.25, 1e6], dtype=np.float32)
     request = envelope(MODEL, reply_to, msgpack_tensor(x))
-    assert await enqueue(rc, QUEUE, pack(request)) == 1
+    accepted, depth = await enqueue(rc, MODEL, mp(request))
+    assert accepted == 1 and depth in (0, 1)  # a worker may have claimed it already
 
     await wait_for_key(rc, reply_to)  # created by the worker's RPUSH, with a TTL
-    assert 0 < await rc.ttl(reply_to) <= 120
+    assert 0 < await rc.ttl(reply_to) <= REPLY_TTL_S
     raw, reply = await next_reply(rc, reply_to)
     assert raw[:1] != b"{"  # msgpack in, msgpack out
     assert reply["v"] == 1 and reply["id"] == request["id"] and reply["ok"] is True
@@ -204,6 +270,12 @@ async def test_msgpack_tensor_via_enqueue_script(rc: aioredis.Redis,
     assert_timings(reply, worker.worker_id)
     assert reply["timings"]["batch_size"] == 1
 
+    # The marker turned from 'q' (queued) to 'd' (answered), and lives until the
+    # deadline plus the grace.
+    marker = marker_key(MODEL, request["id"])
+    assert await rc.get(marker) == b"d"
+    assert 0 < await rc.pttl(marker) <= marker_ttl_ms(request, epoch_ms()) + 50
+
     # The registry the document describes: meta, live workers, worker info, models.
     await wait_for_key(rc, META)
     meta = json.loads(await rc.get(META))
@@ -214,8 +286,11 @@ async def test_msgpack_tensor_via_enqueue_script(rc: aioredis.Redis,
     assert 0 < await rc.ttl(META) <= 24 * 3600
     live = await rc.zrangebyscore(WORKERS, epoch_ms(), "+inf")
     assert live == [worker.worker_id.encode()]
+    assert 0 < await rc.ttl(WORKERS) <= 24 * 3600
     info = json.loads(await rc.hget(WORKER_INFO, worker.worker_id))
+    assert {"worker_id", "device", "pid", "host", "started_ms", "items_per_s"} <= set(info)
     assert info["worker_id"] == worker.worker_id and info["device"] == "cpu"
+    assert isinstance(info["items_per_s"], int | float) and info["items_per_s"] >= 0
     assert await rc.zscore(MODELS, MODEL) is not None
 
 
@@ -224,9 +299,11 @@ async def test_enqueue_many_in_one_call_replies_matched_by_id(
     reply_to = new_reply_to()
     inputs = [np.full(4, i, dtype=np.float32) for i in range(5)]
     requests = [envelope(MODEL, reply_to, msgpack_tensor(x)) for x in inputs]
-    # Queued before any worker runs: the queue and its TTL exist on their own.
-    assert await enqueue(rc, QUEUE, *[pack(r) for r in requests]) == 5
+    # Queued before any worker runs: the queue, its TTL and the markers exist on their own.
+    assert await enqueue(rc, MODEL, *map(mp, requests)) == (5, 5)
     assert 0 < await rc.pttl(QUEUE) <= QUEUE_TTL_MS
+    for request in requests:
+        assert await rc.get(marker_key(MODEL, request["id"])) == b"q"
     worker = start_worker([double_model()])
 
     replies = await replies_by_id(rc, reply_to, 5)
@@ -239,15 +316,87 @@ async def test_enqueue_many_in_one_call_replies_matched_by_id(
         assert 1 <= reply["timings"]["batch_size"] <= 5
 
 
-async def test_enqueue_script_enforces_the_cap(rc: aioredis.Redis) -> None:
-    entries = [pack(envelope(MODEL, new_reply_to(), [0, 0, 0, 0])) for _ in range(3)]
-    assert await enqueue(rc, QUEUE, *entries, cap=2) == 2  # a prefix fits, in order
-    assert await rc.lrange(QUEUE, 0, -1) == entries[:2]
-    assert await enqueue(rc, QUEUE, entries[2], cap=2) == 0  # full: nothing pushed
-    assert await rc.llen(QUEUE) == 2
+async def test_enqueue_returns_accepted_and_depth_and_enforces_the_cap(
+        rc: aioredis.Redis) -> None:
+    a, b, c = (mp(envelope(MODEL, new_reply_to(), [0, 0, 0, i])) for i in range(3))
+    assert await enqueue(rc, MODEL, a, b, c, cap=2) == (2, 2)  # a prefix fits, in order
+    assert await rc.lrange(QUEUE, 0, -1) == [a[1], b[1]]
+    assert 0 < await rc.pttl(QUEUE) <= QUEUE_TTL_MS
+    marker_a, marker_c = marker_key(MODEL, a[0]["id"]), marker_key(MODEL, c[0]["id"])
+    assert await rc.get(marker_a) == b"q"
+    assert 0 < await rc.pttl(marker_a) <= 10_000 + MARKER_GRACE_MS
+    assert not await rc.exists(marker_c)  # a refused entry leaves no marker behind
+
+    assert await enqueue(rc, MODEL, c, cap=2) == (0, 2)  # full: nothing pushed
+    assert not await rc.exists(marker_c)
+    # Already queued counts as accepted even when the queue is full; the refusal of c
+    # after it shows the split.
+    assert await enqueue(rc, MODEL, a, c, cap=2) == (1, 2)
+    assert await enqueue(rc, MODEL, cap=2) == (0, 2)  # no entries: a depth probe
+
+    keys, args = enqueue_args(MODEL, (c,), 3)
     sha = await rc.script_load(ENQUEUE)  # EVALSHA works the same way
-    assert await rc.evalsha(sha, 1, QUEUE, 3, QUEUE_TTL_MS, entries[2]) == 1
-    assert await rc.lrange(QUEUE, 0, -1) == entries
+    assert await rc.evalsha(sha, len(keys), *keys, *args) == [1, 3]
+    assert await rc.lrange(QUEUE, 0, -1) == [a[1], b[1], c[1]]
+    assert await rc.get(marker_c) == b"q"
+
+
+async def test_retried_enqueue_of_one_id_is_queued_and_answered_once(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    calls: list[list[Any]] = []
+    reply_to = new_reply_to()
+    request = envelope(LOOSE, reply_to, "once")
+    # The push is retried after a (pretend) connection error: the same call again.
+    assert await enqueue(rc, LOOSE, js(request)) == (1, 1)
+    assert await enqueue(rc, LOOSE, js(request)) == (1, 1)  # accepted, not pushed again
+    assert await enqueue(rc, LOOSE, mp(request)) == (1, 1)  # dedupe is by id, not bytes
+    sentinel = envelope(LOOSE, reply_to, "sentinel")
+    assert await enqueue(rc, LOOSE, js(request), mp(sentinel)) == (2, 2)
+    start_worker([echo_model(calls)])
+
+    replies = await replies_until(rc, reply_to, sentinel["id"])
+    assert [r["id"] for r in replies] == [request["id"], sentinel["id"]]
+    assert replies[0]["ok"] is True and replies[0]["payload"] == "once"
+    assert [x for batch_ in calls for x in batch_] == ["once", "sentinel"]  # computed once
+    assert await rc.llen(reply_to) == 0
+    assert await rc.get(marker_key(LOOSE, request["id"])) == b"d"
+
+    # Reusing an answered id for a new request is a client bug: it is "accepted" but
+    # never queued, so it is never answered.
+    reused = envelope(LOOSE, reply_to, "new work", request_id=request["id"])
+    assert await enqueue(rc, LOOSE, js(reused)) == (1, 0)
+    assert await rc.blpop([reply_to], timeout=0.5) is None
+
+
+@pytest.mark.parametrize("queued_before_worker", [True, False],
+                         ids=["same-batch", "later-batch"])
+async def test_plain_rpush_twice_is_answered_once(rc: aioredis.Redis,
+                                                  start_worker: Callable[..., Any],
+                                                  queued_before_worker: bool) -> None:
+    calls: list[list[Any]] = []
+    reply_to = new_reply_to()
+    request = envelope(LOOSE, reply_to, "twice")
+    entry = json.dumps(request).encode()
+    sentinel = envelope(LOOSE, reply_to, "sentinel")
+    if queued_before_worker:  # both copies (no marker: both queued) land in one batch
+        await push_plain(rc, queue_key(LOOSE), entry, entry, pack(sentinel))
+        assert await rc.llen(queue_key(LOOSE)) == 3
+        start_worker([echo_model(calls)])
+    else:  # the copy comes after the first reply
+        start_worker([echo_model(calls)])
+        await push_plain(rc, queue_key(LOOSE), entry)
+        _raw, first = await next_reply(rc, reply_to)
+        assert first["id"] == request["id"] and first["payload"] == "twice"
+        await push_plain(rc, queue_key(LOOSE), entry, pack(sentinel))
+
+    # FIFO with one worker: once the sentinel is answered, both copies were handled.
+    replies = await replies_until(rc, reply_to, sentinel["id"])
+    ids = [r["id"] for r in replies]
+    assert ids == ([request["id"], sentinel["id"]] if queued_before_worker
+                   else [sentinel["id"]])
+    assert [x for batch_ in calls for x in batch_] == ["twice", "twice", "sentinel"]
+    assert await rc.llen(reply_to) == 0  # the second copy's reply was dropped
+    assert await rc.get(marker_key(LOOSE, request["id"])) == b"d"
 
 
 @pytest.mark.parametrize("tensor", [True, False], ids=["base64-tensor", "plain-list"])
@@ -269,6 +418,7 @@ async def test_json_request_with_plain_rpush(rc: aioredis.Redis,
     assert isinstance(reply["payload"]["__tensor__"]["data"], str)  # base64 text
     np.testing.assert_array_equal(tensor_from_reply(reply["payload"]), x * 2)
     assert_timings(reply, worker.worker_id)
+    assert await rc.get(marker_key(MODEL, request["id"])) == b"d"  # made by the reply
 
 
 async def test_json_reply_without_tensors_is_plain_json(
@@ -277,7 +427,7 @@ async def test_json_reply_without_tensors_is_plain_json(
     reply_to = new_reply_to()
     payload = {"text": "héllo", "n": [1, 2.5, None, True]}
     request = envelope(LOOSE, reply_to, payload)
-    await push_plain(rc, "rb:{fc-echo}:queue", json.dumps(request).encode())
+    await push_plain(rc, queue_key(LOOSE), json.dumps(request).encode())
     raw, reply = await next_reply(rc, reply_to)
     assert raw[:1] == b"{"
     assert reply["ok"] is True and reply["payload"] == payload
@@ -291,7 +441,8 @@ async def test_expired_deadline_is_answered_without_computing(
     late = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=-1)
     assert late["deadline_ms"] < epoch_ms()
     json_late = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=-50)
-    await enqueue(rc, QUEUE, pack(late), json.dumps(json_late).encode())
+    assert marker_ttl_ms(late, epoch_ms()) == MARKER_GRACE_MS  # never below the grace
+    assert (await enqueue(rc, MODEL, mp(late), js(json_late)))[0] == 2
 
     replies = await replies_by_id(rc, reply_to, 2)
     assert_error(replies[late["id"]], late["id"], "deadline_exceeded")
@@ -328,7 +479,7 @@ async def test_malformed_entries_are_dead_lettered_and_answered_when_readable(
     assert_timings(replies[good["id"]], worker.worker_id)
     np.testing.assert_array_equal(tensor_from_reply(replies[good["id"]]["payload"]),
                                   [2, 4, 6, 8])
-    # Dead letters are written in the same transaction as the replies of their batch.
+    # Dead letters are written in the same script as the replies of their batch.
     assert await rc.lrange(DEAD, 0, -1) == dead  # off-spec payloads are not dead letters
     assert 0 < await rc.ttl(DEAD) <= 7 * 24 * 3600
     assert await rc.llen(reply_to) == 0  # the undecodable ones got no reply
@@ -386,7 +537,7 @@ async def test_unstackable_batch_is_answered(rc: aioredis.Redis,
     reply_to = new_reply_to()
     short = envelope("fc-ragged", reply_to, [1, 2])
     long = envelope("fc-ragged", reply_to, [1, 2, 3])
-    await enqueue(rc, "rb:{fc-ragged}:queue", pack(short), pack(long))  # one batch
+    assert await enqueue(rc, "fc-ragged", mp(short), mp(long)) == (2, 2)  # one batch
     start_worker([model])
     got = await rc.blpop([reply_to], timeout=3)
     assert got is not None, "neither request of the unstackable batch was answered"
@@ -398,14 +549,52 @@ async def test_future_enqueue_ms_does_not_hold_the_batch(
     reply_to = new_reply_to()
     skewed = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=20_000)
     skewed["enqueue_ms"] += 5_000  # the producer's clock runs 5 s ahead
-    await enqueue(rc, QUEUE, pack(skewed))
+    await enqueue(rc, MODEL, mp(skewed))
     got = await rc.blpop([reply_to], timeout=2)  # the model's window is 10 ms
     assert got is not None, "a 10 ms batch window was held open by a future enqueue_ms"
 
 
+async def test_dead_workers_entries_are_requeued_in_front_or_dead_lettered(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    """A worker ("ghost") died holding three claimed requests; a live worker reaps it."""
+    calls: list[list[Any]] = []
+    reply_to = new_reply_to()
+    first = envelope(LOOSE, reply_to, "first")  # never crashed a worker before
+    crashed = envelope(LOOSE, reply_to, "crashed")
+    crashed["attempt"] = 2  # this is its third crash: max_attempts (3) reached
+    second = envelope(LOOSE, reply_to, "second")
+    second["attempt"] = 1
+    later = envelope(LOOSE, reply_to, "later")
+    items = (js(first), mp(crashed), js(second))
+    assert await enqueue(rc, LOOSE, *items) == (3, 3)
+    ghost_inflight = "rb:{fc-echo}:inflight:ghost"
+    for _ in items:  # the ghost claimed them: queue head -> its in-flight tail
+        await rc.lmove(queue_key(LOOSE), ghost_inflight, "LEFT", "RIGHT")
+    await rc.zadd("rb:{fc-echo}:workers", {"ghost": epoch_ms() - 1})  # lease expired
+    await rc.hset("rb:{fc-echo}:worker_info", "ghost", json.dumps({"worker_id": "ghost"}))
+    assert await enqueue(rc, LOOSE, mp(later)) == (1, 1)
+    start_worker([echo_model(calls)])
+
+    replies = await replies_by_id(rc, reply_to, 4)
+    assert_error(replies[crashed["id"]], crashed["id"], "worker_crashed")
+    assert replies[crashed["id"]]["timings"]["batch_size"] == 0
+    for request in (first, second, later):
+        assert replies[request["id"]]["ok"] is True
+        assert replies[request["id"]]["payload"] == request["payload"]
+    # Requeued at the queue's front, in their order, before what was queued already.
+    assert [x for batch_ in calls for x in batch_] == ["first", "second", "later"]
+    assert await rc.lrange("rb:{fc-echo}:dead", 0, -1) == [items[1][1]]  # the bytes as sent
+    assert await rc.get(marker_key(LOOSE, crashed["id"])) == b"d"
+    assert not await rc.exists(ghost_inflight)
+    assert await rc.zscore("rb:{fc-echo}:workers", "ghost") is None
+    assert await rc.hget("rb:{fc-echo}:worker_info", "ghost") is None
+    assert await rc.llen(reply_to) == 0
+
+
 def test_document_matches_the_code() -> None:
     """The hard-coded client above and docs/protocol.md agree with redbatch's source."""
-    from redbatch import lua, protocol
+    from redbatch import errors, lua, protocol
+    from redbatch.config import WorkerConfig
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
     block = doc.split("```lua\n", 1)[1].split("```", 1)[0]
@@ -414,14 +603,33 @@ def test_document_matches_the_code() -> None:
     assert (protocol.queue_key(MODEL), protocol.dead_letter_key(MODEL), protocol.meta_key(MODEL),
             protocol.workers_key(MODEL), protocol.worker_info_key(MODEL),
             protocol.MODELS_KEY) == (QUEUE, DEAD, META, WORKERS, WORKER_INFO, MODELS)
+    assert protocol.queue_key(LOOSE) == queue_key(LOOSE)
+    assert protocol.request_key(MODEL, "r1") == marker_key(MODEL, "r1") == "rb:{fc-double}:req:r1"
     assert protocol.inflight_key(MODEL, "w1") == "rb:{fc-double}:inflight:w1"
     assert protocol.reply_key("c1") == "rb:reply:{c1}"
     assert protocol.QUEUE_TTL_S * 1000 == QUEUE_TTL_MS
+    assert protocol.REPLY_TTL_S == REPLY_TTL_S
+    assert protocol.MARKER_GRACE_MS == MARKER_GRACE_MS
+    now = epoch_ms()
+    for deadline in (now - 10_000, now, now + 7_000):
+        assert protocol.marker_ttl_ms(deadline, now) == marker_ttl_ms(
+            {"deadline_ms": deadline}, now)
+    assert protocol.DEFAULT_MAX_ATTEMPTS == WorkerConfig().max_attempts == 3
     for text in (protocol.MODEL_NAME_RE.pattern, protocol.REPLY_TO_RE.pattern):
         assert f"`{text}`" in doc
     for seconds in (protocol.QUEUE_TTL_S, protocol.REPLY_TTL_S, protocol.META_TTL_S,
-                    protocol.WORKERS_TTL_S):
+                    protocol.WORKERS_TTL_S, protocol.INFLIGHT_TTL_S):
         assert f"{seconds} s" in doc
+    for name in ("QUEUE_TTL_S", "INFLIGHT_TTL_S", "WORKERS_TTL_S", "META_TTL_S",
+                 "REPLY_TTL_S", "DEAD_LETTER_TTL_S", "MARKER_GRACE_MS", "DEFAULT_MAX_ATTEMPTS"):
+        assert f"`{name}`" in doc
+    assert f"{protocol.MARKER_GRACE_MS} ms" in doc
     assert f"{protocol.DEAD_LETTER_MAX:,}".replace(",", " ") in doc
     assert f"{protocol.MAX_ENTRY_BYTES:,}".replace(",", " ") in doc
+    codes = {cls.code for cls in vars(errors).values()
+             if isinstance(cls, type) and issubclass(cls, errors.RedbatchError)}
+    assert {"no_workers", "worker_crashed", "queue_full"} <= codes
+    for code in codes:
+        assert f"`{code}`" in doc, code
+    assert "`items_per_s`" in doc
     assert protocol.PROTOCOL_VERSION == 1

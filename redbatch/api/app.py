@@ -10,11 +10,13 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from redbatch.api import body
+from redbatch.api.auth import ApiKeyMiddleware
 from redbatch.api.directory import ModelDirectory
 from redbatch.api.errors import (
     error_response,
@@ -121,6 +123,9 @@ def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None 
     ]
     handlers: dict[Any, Any] = {RedbatchError: on_redbatch_error, HTTPException: on_http_error,
                                 Exception: on_unexpected}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    middleware = [Middleware(ApiKeyMiddleware, api_key=gateway.config.api_key)] \
+        if gateway.config.api_key else []
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=middleware)
     app.state.gateway = gateway
     return app

@@ -11,6 +11,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from redbatch import codec, lua, protocol
+from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, check_socket_timeout
 from redbatch.errors import ConfigError, DeadlineExceeded, QueueFull, RedbatchError
@@ -73,6 +74,7 @@ class Client:
             try:
                 async with translated(self.settings):
                     await redis.ping()
+                    await check_eviction(redis)
                     await redis.script_load(lua.ENQUEUE)
             except RedbatchError:
                 await redis.aclose()

@@ -15,6 +15,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from redbatch import lua, protocol
+from redbatch.checks import check_eviction
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.redis_conn import REDIS_ERRORS, async_client
@@ -102,6 +103,7 @@ class Worker:
     async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
         """Load the scripts and take the lease before the first claim."""
         async def first() -> None:
+            await check_eviction(redis)
             for script in (lua.CLAIM, lua.PUBLISH, lua.REAP):
                 await redis.script_load(script)
             await self._beat(redis)

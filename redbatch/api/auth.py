@@ -1,0 +1,38 @@
+"""Optional API-key auth: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from redbatch.api.errors import error_response
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+def presented_key(headers: dict[bytes, bytes]) -> bytes:
+    auth = headers.get(b"authorization", b"")
+    if auth[:7].lower() == b"bearer ":
+        return auth[7:].strip()
+    return headers.get(b"x-api-key", b"").strip()
+
+
+class ApiKeyMiddleware:
+    """Refuses every route but the health checks without the key (401, JSON)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if hmac.compare_digest(presented_key(headers), self._key):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, "unauthorized", "missing or wrong API key",
+                                  {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)

@@ -1,0 +1,15 @@
+"""Models for worker processes that tests spawn (``tests.models_for_tests:...``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from redbatch import batch
+
+
+@batch(name="slow", max_batch_size=8, batch_wait_timeout_s=0.0)
+def slow(xs: list[int]) -> list[int]:
+    """Sleeps ``SLOW_FORWARD_S`` (default 2 s) per batch, then echoes."""
+    time.sleep(float(os.environ.get("SLOW_FORWARD_S", "2")))
+    return xs
