@@ -1,10 +1,10 @@
 """Admission: how much of a model's queue a new request may join, and Retry-After.
 
 Workers publish their measured capacity (items per busy second) with each
-heartbeat.  A queue longer than the model's capacity times the request's time
-budget could not drain before the deadline, so such a request is refused at
-once (``QueueFull``, HTTP 503) rather than queued to time out: under overload the
-excess is refused quickly and the accepted requests keep a bounded latency.
+heartbeat.  A queue longer than capacity x time-to-deadline x ``ADMIT_FRACTION``
+would likely not drain before the deadline, so a request that finds one is refused
+at once (``QueueFull``, HTTP 503) rather than queued to time out: under overload
+the excess is refused quickly and the accepted requests keep a bounded latency.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from redbatch.errors import QueueFull
 from redbatch.worker.heartbeat import live_workers
 
 REFRESH_S = 1.0
-MIN_CAP = 64
+MIN_CAP = 8
+# Admit a queue that drains in this fraction of the time to the deadline: the rest is
+# margin for the measured rate being optimistic and for the forward pass itself.
+ADMIT_FRACTION = 0.5
 RETRY_AFTER_RANGE_S = (1.0, 60.0)
 
 
@@ -53,7 +56,8 @@ class Admission:
         if rate <= 0:
             return self.max_queue_len
         budget_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
-        return max(MIN_CAP, min(self.max_queue_len, math.floor(rate * budget_s)))
+        admitted = math.floor(rate * budget_s * ADMIT_FRACTION)
+        return max(MIN_CAP, min(self.max_queue_len, admitted))
 
     async def queue_full(self, model: str, depth: int, cap: int) -> QueueFull:
         """The error for a refused request, with Retry-After from the drain rate."""

@@ -1,0 +1,130 @@
+"""Bounded queues and waiters, Retry-After from the drain rate, and overload."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import numpy as np
+import pytest
+
+from redbatch import Client, DeadlineExceeded, Model, QueueFull, batch
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from tests.test_gateway import gateway
+
+
+def blocking_model(name: str) -> tuple[Model, threading.Event]:
+    release = threading.Event()
+
+    def forward(xs: list[int]) -> list[int]:
+        release.wait(20)
+        return xs
+
+    return Model(name, fn=forward, policy=BatchPolicy(max_batch_size=1,
+                                                      batch_wait_timeout_s=0)), release
+
+
+@pytest.fixture
+async def blocked(start_worker: Callable[..., Worker]) -> AsyncIterator[threading.Event]:
+    model, release = blocking_model("held")
+    start_worker([model])
+    yield release
+    release.set()
+
+
+async def _ready(client: httpx.AsyncClient) -> None:
+    for _ in range(100):
+        if (await client.get("/readyz")).status_code == 200:
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail("no worker")
+
+
+async def test_full_queue_is_503_with_retry_after(blocked: threading.Event, redis_url: str
+                                                  ) -> None:
+    async with gateway(redis_url, max_queue_len=3, default_timeout_s=10) as http:
+        await _ready(http)
+        pending = [asyncio.create_task(http.post("/v1/models/held/predict",
+                                                 json={"inputs": i})) for i in range(4)]
+        await asyncio.sleep(0.5)  # one in the forward pass, three queued
+        started = time.monotonic()
+        resp = await http.post("/v1/models/held/predict", json={"inputs": 99})
+        assert time.monotonic() - started < 1.0  # refused at once, not queued
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_full"
+        assert int(resp.headers["retry-after"]) >= 1
+        blocked.set()
+        assert [(await t).status_code for t in pending] == [200] * 4
+
+
+async def test_waiter_cap_is_503(blocked: threading.Event, redis_url: str) -> None:
+    async with gateway(redis_url, max_waiters=2, default_timeout_s=10) as http:
+        await _ready(http)
+        pending = [asyncio.create_task(http.post("/v1/models/held/predict",
+                                                 json={"inputs": i})) for i in range(2)]
+        await asyncio.sleep(0.3)
+        resp = await http.post("/v1/models/held/predict", json={"inputs": 3})
+        assert resp.status_code == 503 and "max_waiters" in resp.json()["error"]["message"]
+        blocked.set()
+        await asyncio.gather(*pending)
+
+
+async def test_model_without_live_workers_is_503_fast(redis_url: str,
+                                                      start_worker: Callable[..., Worker]
+                                                      ) -> None:
+    model, release = blocking_model("gone")
+    release.set()
+    stop_worker = start_worker([model])
+    async with gateway(redis_url) as http:
+        await _ready(http)
+    # the fixture's worker is still live: deregister it by hand to simulate its death
+    import redis as sync_redis
+
+    from redbatch import protocol
+    raw = sync_redis.Redis.from_url(redis_url)
+    raw.zadd(protocol.workers_key("gone"), {stop_worker.worker_id: 0}, xx=True)
+    async with gateway(redis_url) as http:
+        started = time.monotonic()
+        resp = await http.post("/v1/models/gone/predict", json={"inputs": 1})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers"
+        assert time.monotonic() - started < 2.0
+
+
+async def test_overload_refuses_the_excess_fast(start_worker: Callable[..., Worker],
+                                                redis_url: str) -> None:
+    """About 2x the sustainable rate: the excess is refused at once and what is
+    accepted is served within its deadline."""
+
+    @batch(name="tight", max_batch_size=1, batch_wait_timeout_s=0)
+    def tight(xs: list[int]) -> list[int]:
+        time.sleep(0.01)  # ~100 items/s
+        return xs
+
+    start_worker([tight])
+    async with Client(redis_url) as client:
+        await client.predict_many("tight", list(range(30)))  # lets the worker measure itself
+        await asyncio.sleep(0.5)
+
+        async def one(i: int) -> tuple[str, float]:
+            started = time.monotonic()
+            try:
+                await client.predict("tight", i, timeout_s=1.0)
+                return "ok", time.monotonic() - started
+            except QueueFull:
+                return "refused", time.monotonic() - started
+            except DeadlineExceeded:
+                return "late", time.monotonic() - started
+
+        tasks = []
+        for i in range(600):  # 200/s for 3 s
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0.005)
+        results = await asyncio.gather(*tasks)
+    by = {k: [t for o, t in results if o == k] for k in ("ok", "refused", "late")}
+    assert len(by["refused"]) > 100, {k: len(v) for k, v in by.items()}
+    assert np.percentile(by["refused"], 99) < 0.2
+    assert len(by["late"]) <= 0.1 * (len(by["ok"]) + len(by["late"]))
+    assert np.percentile(by["ok"], 99) < 1.0
