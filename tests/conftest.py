@@ -46,6 +46,7 @@ class RedisServer:
     """A private redis-server on a free port that a test may kill and restart."""
 
     port: int = field(default_factory=free_port)
+    args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rb-test-redis-"))
 
@@ -57,7 +58,7 @@ class RedisServer:
         assert REDIS_BIN, "redis-server is not installed (scripts/test installs it)"
         self.proc = subprocess.Popen(
             [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning"],
+             "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + 10
@@ -83,11 +84,11 @@ class RedisServer:
 
 
 @pytest.fixture(scope="session")
-def redis_server_factory() -> Iterator[Callable[[], RedisServer]]:
+def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
     servers: list[RedisServer] = []
 
-    def make() -> RedisServer:
-        server = RedisServer().start()
+    def make(*args: str) -> RedisServer:
+        server = RedisServer(args=list(args)).start()
         servers.append(server)
         return server
 

@@ -72,25 +72,23 @@ async def test_waiter_cap_is_503(blocked: threading.Event, redis_url: str) -> No
         await asyncio.gather(*pending)
 
 
-async def test_model_without_live_workers_is_503_fast(redis_url: str,
-                                                      start_worker: Callable[..., Worker]
-                                                      ) -> None:
-    model, release = blocking_model("gone")
-    release.set()
-    stop_worker = start_worker([model])
-    async with gateway(redis_url) as http:
-        await _ready(http)
-    # the fixture's worker is still live: deregister it by hand to simulate its death
+async def test_model_without_live_workers_is_503_fast(redis_url: str) -> None:
+    import orjson
     import redis as sync_redis
 
     from redbatch import protocol
+
     raw = sync_redis.Redis.from_url(redis_url)
-    raw.zadd(protocol.workers_key("gone"), {stop_worker.worker_id: 0}, xx=True)
+    gone = Model("gone", fn=lambda xs: xs)  # registered once, its workers since gone
+    raw.set(protocol.meta_key("gone"), orjson.dumps(gone.meta()))
+    raw.zadd(protocol.workers_key("gone"), {"dead-worker": protocol.now_ms() - 1})
     async with gateway(redis_url) as http:
         started = time.monotonic()
         resp = await http.post("/v1/models/gone/predict", json={"inputs": 1})
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers"
+        assert resp.headers["retry-after"] == "1"
         assert time.monotonic() - started < 2.0
+    raw.close()
 
 
 async def test_overload_refuses_the_excess_fast(start_worker: Callable[..., Worker],

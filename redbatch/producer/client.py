@@ -159,9 +159,11 @@ class Client:
         assert self._listener is not None
         budget_s = max(0.001, (requests[0].deadline_ms - protocol.now_ms()) / 1000)
         try:
-            async with asyncio.timeout(budget_s):
+            async with asyncio.timeout(budget_s), translated(self.settings):
                 cap = await self._admission.cap(model, requests[0].deadline_ms)
                 accepted, depth = await self._run_enqueue(model, requests, entries, cap)
+                full = None if accepted == len(requests) else \
+                    await self._admission.queue_full(model, depth, cap)
         except TimeoutError as exc:
             late = DeadlineExceeded(f"deadline passed while enqueueing to {model!r}")
             for request in requests:
@@ -171,8 +173,7 @@ class Client:
             for request in requests:
                 self._listener.fail(request.id, exc)
             raise
-        if accepted < len(requests):
-            full = await self._admission.queue_full(model, depth, cap)
+        if full is not None:
             for request in requests[accepted:]:
                 self._listener.fail(request.id, full)
 
@@ -182,7 +183,7 @@ class Client:
         now = protocol.now_ms()
         queue = protocol.queue_key(model)
         # One MULTI: no worker drains the queue between chunks, so the cap holds for all.
-        async with translated(self.settings), self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=True) as pipe:
             for start in range(0, len(entries), ENQUEUE_CHUNK):
                 chunk = requests[start:start + ENQUEUE_CHUNK]
                 keys = [queue, *(protocol.request_key(model, r.id) for r in chunk)]

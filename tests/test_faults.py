@@ -1,0 +1,120 @@
+"""Redis faults: an outage mid-load, recovery without restarts, retried pushes,
+and the start-up check for eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from redbatch import Client, DeadlineExceeded, RedisUnavailable, batch, protocol
+from redbatch.checks import check_eviction
+from redbatch.config import RedisSettings, WorkerConfig
+from redbatch.worker.process import Worker
+from tests.conftest import RedisServer
+from tests.test_gateway import gateway
+
+pytestmark = pytest.mark.e2e
+CONFIG = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=1.0)
+
+
+@batch(name="echo", max_batch_size=16, batch_wait_timeout_s=0.002)
+def echo(xs: list[int]) -> list[int]:
+    return xs
+
+
+async def _load(client: Client, stop: asyncio.Event, outcomes: list[tuple[str, float]]) -> None:
+    i = 0
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            assert await client.predict("echo", i, timeout_s=1.0) == i
+            outcomes.append(("ok", time.monotonic() - started))
+        except (RedisUnavailable, DeadlineExceeded) as exc:
+            outcomes.append((exc.code, time.monotonic() - started))
+            await asyncio.sleep(0.05)
+        i += 1
+
+
+async def test_redis_restart_mid_load(redis_server_factory: Callable[..., RedisServer],
+                                      start_worker: Callable[..., Worker]) -> None:
+    server = redis_server_factory()
+    start_worker([echo], url=server.url, config=CONFIG)
+    async with Client(server.url, block_timeout_s=0.5) as client:
+        stop, outcomes = asyncio.Event(), []
+        loaders = [asyncio.create_task(_load(client, stop, outcomes)) for _ in range(8)]
+        await asyncio.sleep(1.0)
+        server.kill()
+        await asyncio.sleep(1.5)
+        errors_during = [o for o in outcomes if o[0] != "ok"]
+        await asyncio.to_thread(server.start)  # same port, empty: scripts and data gone
+        before = len(outcomes)
+        await asyncio.sleep(4.0)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*loaders), 10)
+        after = outcomes[before:]
+        assert client.waiting == 0
+    assert errors_during, "the outage went unnoticed"
+    assert all(elapsed < 1.0 + 3.0 for _code, elapsed in outcomes)  # deadline + slack
+    assert [o for o in after[-20:] if o[0] != "ok"] == [], "did not recover"
+
+
+async def test_gateway_answers_503_or_504_during_an_outage(
+        redis_server_factory: Callable[..., RedisServer],
+        start_worker: Callable[..., Worker]) -> None:
+    server = redis_server_factory()
+    start_worker([echo], url=server.url, config=CONFIG)
+    async with gateway(server.url, default_timeout_s=1.0) as http:
+        for _ in range(100):
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert (await http.post("/v1/models/echo/predict", json={"inputs": 1})).status_code \
+            == 200
+        server.kill()
+        started = time.monotonic()
+        statuses = [(await http.post("/v1/models/echo/predict", json={"inputs": 1})).status_code
+                    for _ in range(5)]
+        assert set(statuses) <= {503, 504} and time.monotonic() - started < 15
+        await asyncio.to_thread(server.start)
+        for _ in range(100):
+            resp = await http.post("/v1/models/echo/predict", json={"inputs": 2})
+            if resp.status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert resp.status_code == 200 and resp.json() == {"outputs": 2}
+
+
+async def test_a_retried_push_is_not_queued_twice(redis_url: str) -> None:
+    async with Client(redis_url) as client:
+        request = client._request("m", 1, protocol.now_ms() + 5000, "fixed-id")
+        entry = b"entry"
+        for _ in range(3):  # e.g. the connection reset after the first push
+            accepted, depth = await client._run_enqueue("m", [request], [entry], 100)
+            assert accepted == 1
+        assert depth == 1
+        assert await client.redis.llen(protocol.queue_key("m")) == 1
+
+
+async def test_eviction_policy_warning(redis_server_factory: Callable[..., RedisServer]) -> None:
+    risky = redis_server_factory("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+    safe = redis_server_factory("--maxmemory", "100mb", "--maxmemory-policy", "noeviction")
+    for server, expect_warning in ((risky, True), (safe, False)):
+        client = aioredis.Redis.from_url(server.url)
+        warning = await check_eviction(client)
+        await client.aclose()
+        assert (warning is not None) == expect_warning
+        if warning:
+            assert "allkeys-lru" in warning
+
+
+def test_socket_timeout_longer_than_blocking() -> None:
+    from redbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        Client(settings=RedisSettings(socket_timeout_s=1.0), block_timeout_s=1.0)
+    with pytest.raises(ConfigError):
+        Worker([echo], RedisSettings(socket_timeout_s=1.5), WorkerConfig(block_timeout_s=1.0))
