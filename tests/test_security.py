@@ -1,0 +1,116 @@
+"""TLS (rediss://), ACL users, secrets kept out of logs, and the gateway's API key."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from redbatch import Client, RedisSettings, RedisUnavailable, batch
+from redbatch.config import WorkerConfig
+from redbatch.worker.process import Worker
+from tests.conftest import RedisServer, free_port
+from tests.test_gateway import gateway
+
+CONFIG = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=1.0)
+SECRET = "s3cret-Pa55"
+
+
+@batch(name="plus", max_batch_size=8, batch_wait_timeout_s=0.0)
+def plus(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+@pytest.fixture
+def acl_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    server = redis_server_factory()
+    client = server.client()
+    client.acl_setuser("app", enabled=True, passwords=[f"+{SECRET}"], keys=["*"],
+                       channels=["*"], commands=["+@all"])
+    client.config_set("requirepass", "admin-only")
+    client.close()
+    return server
+
+
+async def test_acl_user_from_the_url(acl_server: RedisServer, start_worker: Callable[..., Worker],
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    url = f"redis://app:{SECRET}@127.0.0.1:{acl_server.port}/0"
+    caplog.set_level(logging.DEBUG, logger="redbatch")
+    start_worker([plus], url=url, config=CONFIG)
+    async with Client(url) as client:
+        assert await client.predict("plus", 1) == 2
+    assert SECRET not in caplog.text
+    assert SECRET not in repr(RedisSettings(url))
+
+
+async def test_wrong_password_is_a_typed_error_without_the_secret(acl_server: RedisServer
+                                                                  ) -> None:
+    url = f"redis://app:wrong-{SECRET}@127.0.0.1:{acl_server.port}/0"
+    with pytest.raises(RedisUnavailable) as info:
+        await asyncio.wait_for(Client(url).start(), 10)
+    assert SECRET not in str(info.value) and "***" in str(info.value)
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A redis-server that speaks only TLS, with a self-signed certificate."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"],
+                   check=True, capture_output=True, timeout=60)
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--save", "", "--appendonly", "no", "--dir", str(tmp_path), "--port",
+         "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+         "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"],
+        stdout=subprocess.DEVNULL)
+    yield port, cert
+    proc.kill()
+    proc.wait(10)
+
+
+async def test_tls_rediss_url(tls_server: tuple[int, Path],
+                              start_worker: Callable[..., Worker]) -> None:
+    port, cert = tls_server
+    url = f"rediss://localhost:{port}/0?ssl_ca_certs={cert}"
+    for _ in range(50):
+        try:
+            async with Client(url) as probe:
+                await probe.redis.ping()
+            break
+        except RedisUnavailable:
+            await asyncio.sleep(0.1)
+    start_worker([plus], url=url, config=CONFIG)
+    async with Client(url) as client:
+        assert await client.predict_many("plus", [1, 2, 3]) == [2, 3, 4]
+
+
+async def test_gateway_api_key(start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([plus], config=CONFIG)
+    async with gateway(redis_url, api_key="k3y") as http:
+        assert (await http.get("/healthz")).status_code == 200
+        for _ in range(100):
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        denied = await http.post("/v1/models/plus/predict", json={"inputs": 1})
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "unauthorized"
+        wrong = await http.post("/v1/models/plus/predict", json={"inputs": 1},
+                                headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        for headers in ({"authorization": "Bearer k3y"}, {"x-api-key": "k3y"}):
+            ok = await http.post("/v1/models/plus/predict", json={"inputs": 1}, headers=headers)
+            assert ok.status_code == 200 and ok.json() == {"outputs": 2}
+
+
+def test_api_key_not_in_config_repr() -> None:
+    from redbatch.config import GatewayConfig
+
+    assert "k3y" not in repr(GatewayConfig(api_key="k3y"))
