@@ -119,7 +119,9 @@ for j = 1, (#KEYS - 5) / 2 do
              ARGV[4])
 end
 redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('HDEL', KEYS[5], ARGV[1])
+if ARGV[2] ~= 'force' then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
+end
 return nq
 """

@@ -82,6 +82,9 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"models": await self.directory.listing()})
 
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(self.client.stats())
+
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -118,6 +121,7 @@ def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None 
     routes = [
         Route("/v1/models/{model}/predict", gateway.predict, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/stats", gateway.stats, methods=["GET"]),
         Route("/healthz", gateway.healthz, methods=["GET"]),
         Route("/readyz", gateway.readyz, methods=["GET"]),
     ]

@@ -57,7 +57,7 @@ class Admission:
             return self.max_queue_len
         budget_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         admitted = math.floor(rate * budget_s * ADMIT_FRACTION)
-        return max(MIN_CAP, min(self.max_queue_len, admitted))
+        return min(self.max_queue_len, max(MIN_CAP, admitted))
 
     async def queue_full(self, model: str, depth: int, cap: int) -> QueueFull:
         """The error for a refused request, with Retry-After from the drain rate."""

@@ -114,6 +114,11 @@ class Client:
         async with translated(self.settings):
             return await self._admission.live(model)
 
+    def stats(self) -> dict[str, int]:
+        """Replies received by this process, and the duplicates and late ones among them."""
+        base = self._listener.stats.as_dict() if self._listener else {}
+        return {"waiting": self.waiting, **base}
+
     @property
     def waiting(self) -> int:
         return self._listener.waiting if self._listener else 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -15,7 +16,34 @@ from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError, err
 
 log = logging.getLogger("redbatch.producer")
 DRAIN_COUNT = 1024
+RECENT_IDS = 100_000  # answered ids remembered to tell a duplicate reply from a late one
 BACKOFF_CAP_S = 2.0
+
+
+@dataclass
+class ListenerStats:
+    """Replies seen, and those that found no waiter: a second reply to a request
+    answered shortly before (``duplicates``, which must stay 0) or one that came
+    after its caller's deadline (``late``)."""
+
+    replies: int = 0
+    duplicates: int = 0
+    late: int = 0
+    _recent: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)
+
+    def count(self, request_id: str, answered: bool) -> None:
+        self.replies += 1
+        if answered:
+            self._recent[request_id] = None
+            if len(self._recent) > RECENT_IDS:
+                self._recent.popitem(last=False)
+        elif request_id in self._recent:
+            self.duplicates += 1
+        else:
+            self.late += 1
+
+    def as_dict(self) -> dict[str, int]:
+        return {"replies": self.replies, "duplicates": self.duplicates, "late": self.late}
 
 
 @dataclass(slots=True)
@@ -45,6 +73,7 @@ class ReplyListener:
         self._waiters: dict[str, Waiter] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.stats = ListenerStats()
 
     @property
     def waiting(self) -> int:
@@ -100,6 +129,7 @@ class ReplyListener:
                         type(exc).__name__, exc)
             return
         waiter = self._waiters.pop(reply.id, None)
+        self.stats.count(reply.id, answered=waiter is not None)
         if waiter is None:
             return  # its caller already gave up (deadline) or never waited
         waiter.timer.cancel()

@@ -44,10 +44,11 @@ class BatchRunner:
         if self._unacked:  # the last batch failed before its ack: requeue it, in order
             await self.reaper.reap(self._worker_id, force=True)
             self._unacked = False
+        self._unacked = True  # set first: a claim can fail after moving some entries
         raws = await self.claimer.claim()
         if not raws:
+            self._unacked = False
             return 0
-        self._unacked = True
         claimed_ms = protocol.now_ms()
         decoded = decode_batch(raws, self.model, claimed_ms)
         started = time.perf_counter()
