@@ -15,6 +15,7 @@ import redis
 
 from redbatch import Client, ModelError, WorkerCrashed, batch, codec, protocol
 from redbatch.config import WorkerConfig
+from redbatch.worker.claim import Claimer
 from redbatch.worker.process import Worker
 from tests.conftest import Proc, redbatch_cmd, test_env
 
@@ -204,3 +205,32 @@ async def test_a_failing_item_fails_alone(start_worker: Callable[..., Worker], r
     assert isinstance(out[13], ModelError) and "13 is unlucky" in str(out[13])
     assert [o for i, o in enumerate(out) if i != 13] == [i * 10 for i in range(20) if i != 13]
     assert max(calls) == 20  # one batch, then bisected
+
+
+async def test_a_claim_that_fails_midway_is_returned_not_lost(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    take, block_one = Claimer._take, Claimer._block_one
+    state = {"moved": False, "failed": 0}
+
+    async def blocking(self: Claimer, timeout_s: float) -> bytes | None:
+        item = await block_one(self, timeout_s)
+        state["moved"] = item is not None
+        return item
+
+    async def flaky(self: Claimer, count: int) -> list[bytes]:
+        if state["moved"] and not state["failed"]:  # BLMOVE just moved a request in flight
+            state["failed"] += 1
+            raise redis.ConnectionError("injected")
+        return await take(self, count)
+
+    monkeypatch.setattr(Claimer, "_take", flaky)
+    monkeypatch.setattr(Claimer, "_block_one", blocking)
+    worker = start_worker([fast_slow], config=TAKEOVER)
+    async with Client(redis_url) as client:
+        await asyncio.sleep(0.3)  # the worker is blocked in BLMOVE
+        assert await client.predict("slow", 41, timeout_s=10) == 41
+        assert await client.predict("slow", 42, timeout_s=10) == 42
+    assert state["failed"] == 1
+    assert inflight_total(raw_redis, "slow") == 0
+    assert raw_redis.zscore(protocol.workers_key("slow"), worker.worker_id) is not None
