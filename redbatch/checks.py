@@ -7,8 +7,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from redbatch.redis_conn import REDIS_ERRORS
-
 log = logging.getLogger("redbatch.checks")
 SAFE_POLICIES = frozenset({"noeviction"})
 
@@ -18,9 +16,9 @@ async def check_eviction(redis: aioredis.Redis) -> str | None:
     list or marker loses requests.  Returns the warning (None when safe or unknown)."""
     try:
         config: Any = await redis.config_get("maxmemory*")
-    except REDIS_ERRORS:
-        raise
-    except Exception:  # CONFIG is often disabled on managed Redis: nothing to check
+    except Exception as exc:  # CONFIG is often disabled (managed Redis, fakeredis)
+        log.debug("cannot read maxmemory settings (%s): eviction not checked", exc)
+        await redis.connection_pool.disconnect()  # some servers drop the link on an error
         return None
     limit = int(config.get("maxmemory") or config.get(b"maxmemory") or 0)
     policy = config.get("maxmemory-policy") or config.get(b"maxmemory-policy") or b""

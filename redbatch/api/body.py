@@ -52,6 +52,8 @@ def model_input(data: dict[str, Any], info: ModelInfo) -> Any:
 
 
 def _positive_ms(raw: Any, where: str) -> float:
+    if isinstance(raw, bool):
+        raise BadRequest(f"{where} must be a number of milliseconds, not a boolean")
     try:
         value = float(raw)
     except (TypeError, ValueError) as exc:
