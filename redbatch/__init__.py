@@ -2,10 +2,13 @@
 
 from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig
 from redbatch.errors import (
+    BadRequest,
+    BodyTooLarge,
     ConfigError,
     DeadlineExceeded,
     InvalidPayload,
     ModelError,
+    NoLiveWorkers,
     QueueFull,
     RedbatchError,
     RedisUnavailable,
@@ -21,7 +24,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BadRequest",
     "BatchPolicy",
+    "BodyTooLarge",
     "Client",
     "ConfigError",
     "DeadlineExceeded",
@@ -29,6 +34,7 @@ __all__ = [
     "InvalidPayload",
     "Model",
     "ModelError",
+    "NoLiveWorkers",
     "Pool",
     "QueueFull",
     "RedbatchError",

@@ -107,7 +107,6 @@ def cmd_gateway(args: argparse.Namespace, redis: RedisSettings) -> None:
 
 def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     from redbatch.embedded import start_embedded
-    from redbatch.worker.pool import Pool
 
     gateway_config = from_env(GatewayConfig, _overrides(args))
     worker_config = from_env(WorkerConfig, _overrides(args))
@@ -116,7 +115,20 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
         log.info("using REDIS_URL")
     redis = RedisSettings.from_env(embedded.url if embedded else redis_url)
     log.info("redis: %s", redis.safe_url)
-    pool = Pool(args.models, redis, worker_config, _log_level(args))
+    try:
+        _up(args.models, gateway_config, worker_config, redis, _log_level(args))
+    finally:
+        if embedded:
+            embedded.stop()
+        log.info("stopped")
+
+
+def _up(target: str, gateway_config: GatewayConfig, worker_config: WorkerConfig,
+        redis: RedisSettings, log_level: str) -> None:
+    """Workers (supervised) in the background, the gateway in the foreground."""
+    from redbatch.worker.pool import Pool
+
+    pool = Pool(target, redis, worker_config, log_level)
     stop = threading.Event()
     pool.start()
     supervisor = threading.Thread(target=pool.supervise, args=(stop,), daemon=True)
@@ -129,9 +141,6 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
         stop.set()
         supervisor.join(5)
         pool.stop()
-        if embedded:
-            embedded.stop()
-        log.info("stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

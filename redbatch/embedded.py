@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,14 +57,7 @@ def _wait_ready(url: str) -> None:
     raise RedisUnavailable(f"embedded redis at {url} did not start in {START_TIMEOUT_S} s")
 
 
-def start_redis_server(binary: str) -> EmbeddedRedis:
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="redbatch-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no", "--dir", workdir, "--maxmemory-policy", "noeviction", "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
+def _stopper(proc: subprocess.Popen[bytes], workdir: str) -> Callable[[], None]:
     def stop() -> None:
         proc.terminate()
         try:
@@ -73,6 +67,17 @@ def start_redis_server(binary: str) -> EmbeddedRedis:
             proc.wait(5)
         shutil.rmtree(workdir, ignore_errors=True)
 
+    return stop
+
+
+def start_redis_server(binary: str) -> EmbeddedRedis:
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="redbatch-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+         "no", "--dir", workdir, "--maxmemory-policy", "noeviction", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    stop = _stopper(proc, workdir)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         _wait_ready(url)

@@ -48,6 +48,18 @@ class InvalidPayload(RedbatchError):
     code = "invalid_payload"
 
 
+class BadRequest(RedbatchError):
+    """An HTTP request the gateway cannot read: empty, malformed JSON, a bad header."""
+
+    code = "bad_request"
+
+
+class BodyTooLarge(RedbatchError):
+    """An HTTP request body over the gateway's limit."""
+
+    code = "body_too_large"
+
+
 class UnknownModel(RedbatchError):
     """No worker has ever registered a model of this name."""
 
@@ -81,6 +93,8 @@ _BY_CODE: dict[str, type[RedbatchError]] = {
         QueueFull,
         DeadlineExceeded,
         InvalidPayload,
+        BadRequest,
+        BodyTooLarge,
         UnknownModel,
         NoLiveWorkers,
         ModelError,

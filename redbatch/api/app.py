@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import orjson
@@ -17,7 +18,7 @@ from starlette.routing import Route
 
 from redbatch.api import body
 from redbatch.api.auth import ApiKeyMiddleware
-from redbatch.api.directory import ModelDirectory
+from redbatch.api.directory import ModelDirectory, ModelInfo
 from redbatch.api.errors import (
     error_response,
     from_exception,
@@ -28,6 +29,7 @@ from redbatch.api.errors import (
 from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import NoLiveWorkers, RedbatchError, error_from_code
 from redbatch.producer.client import Client
+from redbatch.protocol import Reply
 from redbatch.redis_conn import async_client
 
 log = logging.getLogger("redbatch.api")
@@ -67,17 +69,7 @@ class Gateway:
         value = body.model_input(data, info)
         timeout = body.timeout_s(request, data, self.config.default_timeout_s,
                                  self.config.max_timeout_s)
-        reply = await self.client.predict_reply(model, value, timeout)
-        if not reply.ok:
-            return from_exception(error_from_code(reply.error_code, reply.error_message))
-        content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
-                               option=orjson.OPT_SERIALIZE_NUMPY)
-        return Response(content, media_type="application/json", headers={
-            "x-request-id": reply.id,
-            "x-redbatch-batch-size": str(reply.timings.batch_size),
-            "x-redbatch-queue-wait-ms": f"{reply.timings.queue_wait_ms:.1f}",
-            "x-redbatch-forward-ms": f"{reply.timings.forward_ms:.2f}",
-        })
+        return _reply_response(info, await self.client.predict_reply(model, value, timeout))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"models": await self.directory.listing()})
@@ -99,17 +91,37 @@ class Gateway:
         return JSONResponse({"status": "ready"})
 
 
+def _reply_response(info: ModelInfo, reply: Reply) -> Response:
+    """200 with the model's output, or the reply's typed error as JSON."""
+    if not reply.ok:
+        return from_exception(error_from_code(reply.error_code, reply.error_message))
+    content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
+                           option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(content, media_type="application/json", headers={
+        "x-request-id": reply.id,
+        "x-redbatch-batch-size": str(reply.timings.batch_size),
+        "x-redbatch-queue-wait-ms": f"{reply.timings.queue_wait_ms:.1f}",
+        "x-redbatch-forward-ms": f"{reply.timings.forward_ms:.2f}",
+    })
+
+
 def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "tolist"):
         return obj.tolist()
     raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
-def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None = None
-               ) -> Starlette:
-    """The ASGI app.  ``app.state.gateway`` holds the ``Gateway``."""
-    gateway = Gateway(config or GatewayConfig(), redis or RedisSettings.from_env())
+def _routes(gateway: Gateway) -> list[Route]:
+    return [
+        Route("/v1/models/{model}/predict", gateway.predict, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/stats", gateway.stats, methods=["GET"]),
+        Route("/healthz", gateway.healthz, methods=["GET"]),
+        Route("/readyz", gateway.readyz, methods=["GET"]),
+    ]
 
+
+def _lifespan(gateway: Gateway) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.start()
@@ -118,18 +130,18 @@ def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None 
         finally:
             await gateway.close()
 
-    routes = [
-        Route("/v1/models/{model}/predict", gateway.predict, methods=["POST"]),
-        Route("/v1/models", gateway.models, methods=["GET"]),
-        Route("/v1/stats", gateway.stats, methods=["GET"]),
-        Route("/healthz", gateway.healthz, methods=["GET"]),
-        Route("/readyz", gateway.readyz, methods=["GET"]),
-    ]
+    return lifespan
+
+
+def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None = None
+               ) -> Starlette:
+    """The ASGI app.  ``app.state.gateway`` holds the ``Gateway``."""
+    gateway = Gateway(config or GatewayConfig(), redis or RedisSettings.from_env())
     handlers: dict[Any, Any] = {RedbatchError: on_redbatch_error, HTTPException: on_http_error,
                                 Exception: on_unexpected}
-    middleware = [Middleware(ApiKeyMiddleware, api_key=gateway.config.api_key)] \
-        if gateway.config.api_key else []
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
-                    middleware=middleware)
+    key = gateway.config.api_key
+    middleware = [Middleware(ApiKeyMiddleware, api_key=key)] if key else []
+    app = Starlette(routes=_routes(gateway), exception_handlers=handlers,
+                    lifespan=_lifespan(gateway), middleware=middleware)
     app.state.gateway = gateway
     return app

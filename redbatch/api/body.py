@@ -8,8 +8,7 @@ import orjson
 from starlette.requests import Request
 
 from redbatch.api.directory import ModelInfo
-from redbatch.api.errors import BadRequest, BodyTooLarge
-from redbatch.errors import InvalidPayload
+from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload
 
 TIMEOUT_HEADER = "x-redbatch-timeout-ms"
 TIMEOUT_FIELD = "timeout_ms"

@@ -25,16 +25,8 @@ STATUS: dict[type[errors.RedbatchError], int] = {
 }
 
 
-class BadRequest(errors.RedbatchError):
-    code = "bad_request"
-
-
-class BodyTooLarge(errors.RedbatchError):
-    code = "body_too_large"
-
-
-STATUS[BadRequest] = 400
-STATUS[BodyTooLarge] = 413
+STATUS[errors.BadRequest] = 400
+STATUS[errors.BodyTooLarge] = 413
 
 
 def error_response(status: int, code: str, message: str,

@@ -162,25 +162,28 @@ class Client:
 
     async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
         assert self._listener is not None
+        try:
+            accepted, full = await self._admit(model, requests, entries)
+        except RedbatchError as exc:
+            for request in requests:
+                self._listener.fail(request.id, exc)
+            raise
+        for request in requests[accepted:]:
+            self._listener.fail(request.id, full or QueueFull("queue full"))
+
+    async def _admit(self, model: str, requests: list[Request], entries: list[bytes]
+                     ) -> tuple[int, QueueFull | None]:
+        """Enqueue under the admission cap, within the requests' deadline."""
         budget_s = max(0.001, (requests[0].deadline_ms - protocol.now_ms()) / 1000)
         try:
             async with asyncio.timeout(budget_s), translated(self.settings):
                 cap = await self._admission.cap(model, requests[0].deadline_ms)
                 accepted, depth = await self._run_enqueue(model, requests, entries, cap)
-                full = None if accepted == len(requests) else \
-                    await self._admission.queue_full(model, depth, cap)
+                if accepted == len(requests):
+                    return accepted, None
+                return accepted, await self._admission.queue_full(model, depth, cap)
         except TimeoutError as exc:
-            late = DeadlineExceeded(f"deadline passed while enqueueing to {model!r}")
-            for request in requests:
-                self._listener.fail(request.id, late)
-            raise late from exc
-        except RedbatchError as exc:
-            for request in requests:
-                self._listener.fail(request.id, exc)
-            raise
-        if full is not None:
-            for request in requests[accepted:]:
-                self._listener.fail(request.id, full)
+            raise DeadlineExceeded(f"deadline passed while enqueueing to {model!r}") from exc
 
     async def _run_enqueue(self, model: str, requests: list[Request], entries: list[bytes],
                            cap: int) -> tuple[int, int]:

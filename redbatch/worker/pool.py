@@ -7,6 +7,7 @@ import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
 
 from redbatch.config import RedisSettings, WorkerConfig
@@ -78,9 +79,15 @@ class Pool:
     def start(self) -> None:
         self.replicas = [_Replica(i, self._spawn(i)) for i in range(self.config.replicas)]
 
-    def supervise(self, stop: threading.Event, poll_s: float = 0.5) -> None:
-        """Restart crashed replicas (with capped backoff) until ``stop`` is set."""
-        while not stop.wait(poll_s):
+    def supervise(self, stop: threading.Event, tick_s: float = 0.5) -> None:
+        """Restart crashed replicas (with capped backoff) until ``stop`` is set.  Blocks
+        on the processes' sentinels, so an exit is seen at once."""
+        while not stop.is_set():
+            sentinels = [r.process.sentinel for r in self.replicas if r.process.is_alive()]
+            if sentinels:
+                mp_connection.wait(sentinels, timeout=tick_s)
+            else:
+                stop.wait(tick_s)  # all down: retry after the restart backoff
             for replica in self.replicas:
                 self._check(replica)
 

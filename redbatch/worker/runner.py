@@ -41,13 +41,8 @@ class BatchRunner:
 
     async def run_batch(self) -> int:
         """Serve one batch; return how many entries it claimed (0 on an idle timeout)."""
-        if self._unacked:  # the last batch failed before its ack: requeue it, in order
-            await self.reaper.reap(self._worker_id, force=True)
-            self._unacked = False
-        self._unacked = True  # set first: a claim can fail after moving some entries
-        raws = await self.claimer.claim()
+        raws = await self._claim()
         if not raws:
-            self._unacked = False
             return 0
         claimed_ms = protocol.now_ms()
         decoded = decode_batch(raws, self.model, claimed_ms)
@@ -58,10 +53,18 @@ class BatchRunner:
         published = time.perf_counter()
         await self.publish(outs, len(raws), decoded.dead)
         self._unacked = False
-        reply_ms = (time.perf_counter() - published) * 1000
         self.busy_s += time.perf_counter() - started
+        reply_ms = (time.perf_counter() - published) * 1000
         self._log_batch(decoded, len(raws), claimed_ms, fwd_ms, reply_ms)
         return len(raws)
+
+    async def _claim(self) -> list[bytes]:
+        if self._unacked:  # the last batch failed before its ack: requeue it, in order
+            await self.reaper.reap(self._worker_id, force=True)
+        self._unacked = True  # set first: a claim can fail after moving some entries
+        raws = await self.claimer.claim()
+        self._unacked = bool(raws)
+        return raws
 
     def encode(self, decoded: Decoded, results: list[Any], claimed_ms: int, fwd_ms: float
                ) -> list[Outgoing]:
