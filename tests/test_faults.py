@@ -93,7 +93,8 @@ async def test_a_retried_push_is_not_queued_twice(redis_url: str) -> None:
         request = client._request("m", 1, protocol.now_ms() + 5000, "fixed-id")
         entry = b"entry"
         for _ in range(3):  # e.g. the connection reset after the first push
-            accepted, depth = await client._run_enqueue("m", [request], [entry], 100)
+            assert client._enqueuer is not None
+            accepted, depth = await client._enqueuer._run("m", [request], [entry], 100)
             assert accepted == 1
         assert depth == 1
         assert await client.redis.llen(protocol.queue_key("m")) == 1

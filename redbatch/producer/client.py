@@ -16,23 +16,13 @@ from redbatch.codec import Format
 from redbatch.config import RedisSettings, check_socket_timeout
 from redbatch.errors import ConfigError, DeadlineExceeded, QueueFull, RedbatchError
 from redbatch.producer.admission import Admission
+from redbatch.producer.enqueuer import Enqueuer
 from redbatch.producer.listener import ReplyListener
 from redbatch.protocol import Reply, Request
 from redbatch.redis_conn import async_client, translated
 
 log = logging.getLogger("redbatch.producer")
 QUEUE_FULL_RETRY_AFTER_S = 1.0  # for the per-process waiter cap
-ENQUEUE_CHUNK = 1000
-
-
-def _accepted_prefix(counts: list[Any], sizes: list[int]) -> int:
-    """How many entries, in order, were pushed before the first refusal."""
-    total = 0
-    for count, size in zip(counts, sizes, strict=True):
-        total += int(count)
-        if int(count) < size:
-            break
-    return total
 
 
 class Client:
@@ -62,6 +52,7 @@ class Client:
         self._block_timeout_s = block_timeout_s
         self._redis: aioredis.Redis | None = None
         self._listener: ReplyListener | None = None
+        self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
 
     # --- life cycle ---------------------------------------------------------
@@ -80,8 +71,8 @@ class Client:
                 await redis.aclose()
                 raise
             self._redis = redis
-            self._enqueue_script = redis.register_script(lua.ENQUEUE)
             self._admission = Admission(redis, self.max_queue_len)
+            self._enqueuer = Enqueuer(redis, self.settings, self._admission)
             self._listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
             self._listener.start()
 
@@ -173,36 +164,14 @@ class Client:
 
     async def _admit(self, model: str, requests: list[Request], entries: list[bytes]
                      ) -> tuple[int, QueueFull | None]:
-        """Enqueue under the admission cap, within the requests' deadline."""
+        """Enqueue (coalesced with this tick's other pushes) within the deadline."""
+        assert self._enqueuer is not None
         budget_s = max(0.001, (requests[0].deadline_ms - protocol.now_ms()) / 1000)
         try:
-            async with asyncio.timeout(budget_s), translated(self.settings):
-                cap = await self._admission.cap(model, requests[0].deadline_ms)
-                accepted, depth = await self._run_enqueue(model, requests, entries, cap)
-                if accepted == len(requests):
-                    return accepted, None
-                return accepted, await self._admission.queue_full(model, depth, cap)
+            return await asyncio.wait_for(self._enqueuer.push(model, requests, entries),
+                                          budget_s)
         except TimeoutError as exc:
             raise DeadlineExceeded(f"deadline passed while enqueueing to {model!r}") from exc
-
-    async def _run_enqueue(self, model: str, requests: list[Request], entries: list[bytes],
-                           cap: int) -> tuple[int, int]:
-        """The ENQUEUE script (dedupes by request id), in chunks, in one transaction."""
-        now = protocol.now_ms()
-        queue = protocol.queue_key(model)
-        # One MULTI: no worker drains the queue between chunks, so the cap holds for all.
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for start in range(0, len(entries), ENQUEUE_CHUNK):
-                chunk = requests[start:start + ENQUEUE_CHUNK]
-                keys = [queue, *(protocol.request_key(model, r.id) for r in chunk)]
-                ttls = [protocol.marker_ttl_ms(r.deadline_ms, now) for r in chunk]
-                args: list[Any] = [cap, protocol.QUEUE_TTL_S * 1000, *ttls,
-                                   *entries[start:start + ENQUEUE_CHUNK]]
-                await self._enqueue_script(keys=keys, args=args, client=pipe)
-            results = await pipe.execute()
-        sizes = [len(requests[i:i + ENQUEUE_CHUNK]) for i in range(0, len(requests),
-                                                                    ENQUEUE_CHUNK)]
-        return _accepted_prefix([int(r[0]) for r in results], sizes), int(results[-1][1])
 
     async def submit(self, model: str, inputs: Any, timeout_s: float | None = None
                      ) -> asyncio.Future[Any]:
