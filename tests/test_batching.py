@@ -129,3 +129,35 @@ def test_peek_enqueue_ms_falls_back_on_garbage() -> None:
     assert peek_enqueue_ms(entry(0, enqueue_ms=123), 100) == 100  # clock skew: clamped
     assert peek_enqueue_ms(b"\xc1garbage", 9) == 9
     assert peek_enqueue_ms(b'{"enqueue_ms": "x"}', 9) == 9
+
+
+async def _lone_claims(c: Claimer, redis: aioredis.Redis, n: int) -> list[float]:
+    """Claim ``n`` lone requests one after another; return each claim's duration."""
+    durations = []
+    for i in range(n):
+        await push(redis, entry(i))
+        started = time.monotonic()
+        assert len(await c.claim()) == 1
+        durations.append(time.monotonic() - started)
+    return durations
+
+
+async def test_adaptive_window_stops_holding_lone_requests(aredis: aioredis.Redis) -> None:
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.3)
+    durations = await _lone_claims(c, aredis, 8)
+    assert durations[0] >= 0.25  # the first window is waited out, and brings nothing
+    assert all(d < 0.2 for d in durations[-3:]), durations  # then lone requests go at once
+
+
+async def test_non_adaptive_window_always_waits(aredis: aioredis.Redis) -> None:
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.2, adaptive=False)
+    assert all(d >= 0.15 for d in await _lone_claims(c, aredis, 5))
+
+
+async def test_adaptive_window_waits_again_under_load(aredis: aioredis.Redis) -> None:
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.3)
+    await _lone_claims(c, aredis, 8)  # learns that waiting brings nothing
+    await push(aredis, entry(100), entry(101))  # two queued: there is load again
+    later = asyncio.create_task(_push_after(aredis, 0.1, entry(102)))
+    assert ids(await c.claim()) == ["id100", "id101", "id102"]
+    await later

@@ -19,6 +19,9 @@ from redbatch import lua, protocol
 from redbatch.worker.policy import BatchPolicy
 
 MIN_BLOCK_S = 0.001
+GAIN_MIN = 0.5  # waiting is worth it while a window adds this many requests on average
+GAIN_SMOOTHING = 0.2
+PROBE_EVERY = 16  # lone batches: one in this many waits anyway, to re-measure the gain
 SERVER_TIMER_SLACK_S = 0.11  # a blocked client's timeout may fire up to 1/hz s late
 
 
@@ -48,6 +51,8 @@ class Claimer:
         self._claim = redis.register_script(lua.CLAIM)
         self._last_claim = 0.0
         self._loaded = False
+        self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
+        self._lone = 0
 
     async def _take(self, count: int) -> list[bytes]:
         ttl_ms = protocol.INFLIGHT_TTL_S * 1000
@@ -78,11 +83,22 @@ class Claimer:
             if first is None:
                 return []
             items = [first, *await self._take(size - 1)]
-        claimed_ms = protocol.now_ms()
-        if len(items) < size and self._policy.batch_wait_timeout_s > 0:
+        if len(items) < size and self._policy.batch_wait_timeout_s > 0 and \
+                self._worth_waiting(len(items)):
+            claimed_ms = protocol.now_ms()
             oldest_ms = peek_enqueue_ms(items[0], claimed_ms)
+            found = len(items)
             await self._fill(items, self._policy.window_end_ms(oldest_ms, claimed_ms))
+            self._gain += GAIN_SMOOTHING * (len(items) - found - self._gain)
         return items
+
+    def _worth_waiting(self, found: int) -> bool:
+        """Skip the window for a lone request while windows have been bringing nothing."""
+        policy = self._policy
+        if found > 1 or not (policy.adaptive and policy.allow_small_batch):
+            return True
+        self._lone += 1
+        return self._gain >= GAIN_MIN or self._lone % PROBE_EVERY == 0
 
     async def _fill(self, items: list[bytes], window_end_ms: int) -> None:
         """Top the batch up until it is full or its window closes.

@@ -9,7 +9,8 @@ from typing import Any
 from redbatch.errors import ConfigError
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
-_KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch"}
+_KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
+          "adaptive"}
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,17 @@ class BatchPolicy:
     * ``allow_small_batch=False``: wait for a full batch for the whole window,
       counted from when this worker claimed the batch's first request.
     * ``stride_s``: least time between two batch pops of one worker (0 = continuous).
+    * ``adaptive`` (with ``allow_small_batch``): a lone request does not sit out the
+      window while recent windows brought no other request (a sequential caller, light
+      load); one lone batch in ``PROBE_EVERY`` still waits, to notice load returning.
+      A claim that finds two or more requests queued always waits.
     """
 
     max_batch_size: int = 32
     batch_wait_timeout_s: float = 0.005
     stride_s: float = 0.0
     allow_small_batch: bool = True
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= 65536:
@@ -64,4 +70,5 @@ class BatchPolicy:
             "batch_wait_timeout_s": self.batch_wait_timeout_s,
             "stride_s": self.stride_s,
             "allow_small_batch": self.allow_small_batch,
+            "adaptive": self.adaptive,
         }
