@@ -111,7 +111,8 @@ class Worker:
         await _keep_going("register", first, stop, once=True)
 
     async def _beat(self, redis: aioredis.Redis) -> None:
-        infos = {r.model.name: orjson.dumps({**self._info, "items_per_s": m.sample()})
+        infos = {r.model.name: orjson.dumps({**self._info, "items_per_s": m.sample(),
+                                             **r.counters()})
                  for r, m in zip(self.runners, self._meters, strict=True)}
         expired = await heartbeat.beat(redis, self.models, self.worker_id, infos,
                                        self.config.lease_ttl_s)

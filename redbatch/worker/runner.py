@@ -38,6 +38,8 @@ class BatchRunner:
         self.batches = 0
         self.items = 0
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
+        self.forward_ms = 0.0  # total forward time
+        self.queue_wait_ms = 0.0  # total queue wait of computed requests
 
     async def run_batch(self) -> int:
         """Serve one batch; return how many entries it claimed (0 on an idle timeout)."""
@@ -57,6 +59,12 @@ class BatchRunner:
         reply_ms = (time.perf_counter() - published) * 1000
         self._log_batch(decoded, len(raws), claimed_ms, fwd_ms, reply_ms)
         return len(raws)
+
+    def counters(self) -> dict[str, float]:
+        """Totals since start, published with each heartbeat (``rb:{m}:worker_info``)."""
+        return {"batches": self.batches, "items": self.items,
+                "forward_ms": round(self.forward_ms, 3),
+                "queue_wait_ms": round(self.queue_wait_ms, 3)}
 
     async def _claim(self) -> list[bytes]:
         if self._unacked:  # the last batch failed before its ack: requeue it, in order
@@ -92,7 +100,9 @@ class BatchRunner:
                    reply_ms: float) -> None:
         self.batches += 1
         self.items += claimed
+        self.forward_ms += fwd_ms
         waits = [claimed_ms - item.request.enqueue_ms for item in decoded.items] or [0]
+        self.queue_wait_ms += sum(waits)
         log.info("model=%s n=%d computed=%d rejected=%d wait_ms=%.1f fwd_ms=%.2f "
                  "reply_ms=%.2f", self.model.name, claimed, len(decoded.items),
                  len(decoded.early), max(waits), fwd_ms, reply_ms)

@@ -1,0 +1,16 @@
+"""An app factory for running the gateway under uvicorn directly, e.g. with several
+worker processes: ``uvicorn --factory redbatch.api.serve:app_from_env --workers 2``.
+Each process gets its own reply listener.  Config comes from ``REDBATCH_*`` env vars."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+
+from redbatch.api.app import create_app
+from redbatch.config import GatewayConfig, RedisSettings, from_env
+from redbatch.logs import setup_logging
+
+
+def app_from_env() -> Starlette:
+    setup_logging()
+    return create_app(from_env(GatewayConfig), RedisSettings.from_env())

@@ -1,0 +1,295 @@
+"""scripts/bench: W1 and W2 through redbatch, the naive baseline and the bare model,
+measured in one run on this machine, with ratios against the baselines.
+
+Workloads are those of ../shared/anchors/README.md: POST {"x": [16 or 64 floats]},
+wrk -t1 at 64 connections (throughput, p50/p90/p99) and at 1 connection (latency);
+W2 is the torch MLP (64-1024-1024-16, one torch thread), batched at most 32 with a
+5 ms window.  Also: the producer path (Client.predict from 64 tasks, no HTTP), mean
+batch size and queue wait vs forward time (from the workers' counters), a
+concurrency sweep plotted to a PNG, and a JSON file for comparing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from redbatch import Client, protocol  # noqa: E402
+from redbatch.demo import build_mlp  # noqa: E402
+from redbatch.embedded import free_port  # noqa: E402
+
+WRK = ROOT / "scripts" / "wrk"
+W1_BODY = {"x": [i / 16 for i in range(16)]}
+W2_X = [i / 64 for i in range(64)]
+
+
+class Procs:
+    """Child processes, stopped by PID (SIGTERM, then SIGKILL) at the end."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        log = (self.logdir / f"{name}.log").open("ab")
+        self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                           cwd=ROOT, env={**os.environ, **(env or {})}))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_ok(url: str, body: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(url, json=body, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"bench: {url} never answered 200")
+
+
+def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
+    redis_port, http_port = free_port(), free_port()
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                          "--save", "", "--appendonly", "no"])
+    env = {"REDBATCH_LOG_LEVEL": "WARNING"}
+    procs.start("worker", [sys.executable, "-m", "redbatch", "worker", "redbatch.demo:models",
+                           "--redis-url", url, "--threads", "1", "--device", "cpu"], env)
+    procs.start("gateway", [sys.executable, "-m", "uvicorn", "--factory",
+                            "redbatch.api.serve:app_from_env", "--host", "127.0.0.1",
+                            "--port", str(http_port), "--workers", str(gateways),
+                            "--no-access-log", "--log-level", "warning"],
+                {**env, "REDIS_URL": url})
+    base = f"http://127.0.0.1:{http_port}"
+    wait_ok(f"{base}/v1/models/mlp/predict", {"x": W2_X})
+    return url, base
+
+
+def start_naive(procs: Procs) -> str:
+    port = free_port()
+    procs.start("naive", [sys.executable, "-m", "uvicorn", "bench_naive:app", "--app-dir",
+                          str(ROOT / "scripts"), "--host", "127.0.0.1", "--port", str(port),
+                          "--no-access-log", "--log-level", "warning"])
+    base = f"http://127.0.0.1:{port}"
+    wait_ok(f"{base}/w2", {"x": W2_X})
+    return base
+
+
+def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, Any]:
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s",
+                          "--timeout",
+                          "5s", "--latency", "-s", str(WRK / lua), url],
+                         capture_output=True, text=True, timeout=duration_s + 60, check=True)
+    match = re.search(r"BENCH_JSON (\{.*\})", out.stdout)
+    if not match:
+        raise SystemExit(f"bench: no summary from wrk:\n{out.stdout}\n{out.stderr}")
+    result: dict[str, Any] = json.loads(match.group(1))
+    errors = sum(result[k] for k in result if k.startswith("err_"))
+    result["errors"] = errors
+    return result
+
+
+def batch_counters(redis_url: str, model: str) -> dict[str, float]:
+    raw = redis.Redis.from_url(redis_url)
+    totals = {"batches": 0.0, "items": 0.0, "forward_ms": 0.0, "queue_wait_ms": 0.0}
+    for value in raw.hvals(protocol.worker_info_key(model)):
+        info = json.loads(value)
+        for key in totals:
+            totals[key] += float(info.get(key, 0))
+    raw.close()
+    return totals
+
+
+def http_case(url: str, lua: str, args: argparse.Namespace, redis_url: str | None = None,
+              model: str = "") -> dict[str, Any]:
+    wrk(url, lua, 64, args.warmup_s)
+    if redis_url:
+        time.sleep(1.2)  # the workers' counters ride on their 1 s heartbeat
+    before = batch_counters(redis_url, model) if redis_url else None
+    c64 = wrk(url, lua, 64, args.duration_s)
+    case: dict[str, Any] = {"c64": c64}
+    if redis_url and before is not None:
+        time.sleep(1.2)
+        case["batching"] = batching(before, batch_counters(redis_url, model))
+    case["c1"] = wrk(url, lua, 1, args.duration_s)
+    return case
+
+
+def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after[k] - before[k] for k in before}
+    batches = max(d["batches"], 1.0)
+    return {"mean_batch": d["items"] / batches, "fill_ratio": d["items"] / batches / 32,
+            "forward_ms_per_batch": d["forward_ms"] / batches,
+            "queue_wait_ms_per_item": d["queue_wait_ms"] / max(d["items"], 1.0)}
+
+
+def bare_model(duration_s: float) -> dict[str, float]:
+    """Items/s of the W2 model in a loop, with list -> tensor -> list (anchors' limit)."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = build_mlp().eval()
+    out = {}
+    for batch in (32, 1):
+        xs = [W2_X] * batch
+        done, started = 0, time.perf_counter()
+        with torch.inference_mode():
+            while time.perf_counter() - started < duration_s:
+                model(torch.tensor(xs, dtype=torch.float32)).tolist()
+                done += batch
+        out[f"batch{batch}_items_per_s"] = done / (time.perf_counter() - started)
+    return out
+
+
+async def producer_path(redis_url: str, duration_s: float, concurrency: int = 64) -> float:
+    """W2 items/s through Client.predict from many tasks (no HTTP)."""
+    x = np.asarray(W2_X, dtype=np.float32)
+    async with Client(redis_url) as client:
+        await client.predict_many("mlp", [x] * 64)
+        done = 0
+        stop_at = time.monotonic() + duration_s
+
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() < stop_at:
+                await client.predict("mlp", x)
+                done += 1
+
+        started = time.monotonic()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        return done / (time.monotonic() - started)
+
+
+def sweep(urls: dict[str, str], levels: list[int], duration_s: float) -> dict[str, Any]:
+    return {name: {str(c): wrk(url, "w2.lua", c, duration_s) for c in levels}
+            for name, url in urls.items()}
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, runs in result.items():
+        levels = [int(c) for c in runs]
+        left.plot(levels, [runs[str(c)]["rps"] for c in levels], marker="o", label=name)
+        right.plot(levels, [runs[str(c)]["lat_p99_us"] / 1000 for c in levels], marker="o",
+                   label=name)
+    for ax, label in ((left, "requests/s"), (right, "p99 latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent connections (wrk)")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("W2 (torch MLP) over HTTP, this machine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def fmt(case: dict[str, Any]) -> str:
+    c64, c1 = case["c64"], case["c1"]
+    return (f"{c64['rps']:>8.0f} {c64['lat_p50_us'] / 1000:>8.2f} {c64['lat_p99_us'] / 1000:>8.2f}"
+            f" {c1['lat_p50_us'] / 1000:>8.2f} {c64['errors'] + c1['errors']:>6}")
+
+
+def report(res: dict[str, Any]) -> None:
+    print("\nsystem / workload          rps@64   p50@64   p99@64    p50@1 errors  (ms)")
+    for key in ("redbatch_w1", "naive_w1", "redbatch_w2", "naive_w2"):
+        print(f"  {key:<24} {fmt(res[key])}")
+    for wl in ("w1", "w2"):
+        ours, naive = res[f"redbatch_{wl}"], res[f"naive_{wl}"]
+        print(f"  {wl}: throughput x{ours['c64']['rps'] / naive['c64']['rps']:.2f} of naive;"
+              f" p50@1 {(ours['c1']['lat_p50_us'] - naive['c1']['lat_p50_us']) / 1000:+.2f} ms"
+              f" vs naive; p99@64 x{ours['c64']['lat_p99_us'] / naive['c64']['lat_p99_us']:.2f}")
+    b = res["redbatch_w2"]["batching"]
+    print(f"  w2 batching: mean batch {b['mean_batch']:.1f} (fill {b['fill_ratio']:.0%}), "
+          f"forward {b['forward_ms_per_batch']:.2f} ms/batch, queue wait "
+          f"{b['queue_wait_ms_per_item']:.2f} ms/request")
+    bare = res["bare_model"]["batch32_items_per_s"]
+    print(f"  bare model: {bare:.0f} items/s at batch 32, "
+          f"{res['bare_model']['batch1_items_per_s']:.0f} at batch 1")
+    print(f"  producer path (Client.predict x64, no HTTP): {res['producer_items_per_s']:.0f} "
+          f"items/s = {res['producer_items_per_s'] / bare:.0%} of the bare model at batch 32")
+
+
+def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    procs = Procs(logdir)
+    try:
+        redis_url, ours = start_redbatch(procs, args.gateways)
+        naive = start_naive(procs)
+        res: dict[str, Any] = {"args": vars(args), "started": time.strftime("%FT%TZ")}
+        res["redbatch_w1"] = http_case(f"{ours}/v1/models/echo/predict", "w1.lua", args,
+                                       redis_url, "echo")
+        res["naive_w1"] = http_case(f"{naive}/w1", "w1.lua", args)
+        res["redbatch_w2"] = http_case(f"{ours}/v1/models/mlp/predict", "w2.lua", args,
+                                       redis_url, "mlp")
+        res["naive_w2"] = http_case(f"{naive}/w2", "w2.lua", args)
+        res["producer_items_per_s"] = asyncio.run(producer_path(redis_url, args.duration_s))
+        res["bare_model"] = bare_model(min(args.duration_s, 3.0))
+        levels = [1, 64] if args.quick else [1, 4, 16, 64, 256]
+        res["sweep_w2"] = sweep({"redbatch": f"{ours}/v1/models/mlp/predict",
+                                 "naive": f"{naive}/w2"}, levels, args.sweep_s)
+        return res
+    finally:
+        procs.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")
+    parser.add_argument("--duration-s", type=float, help="each wrk run (default 10; quick 3)")
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes (1)")
+    parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
+    args = parser.parse_args()
+    args.duration_s = args.duration_s or (3.0 if args.quick else 10.0)
+    args.warmup_s = 1.0 if args.quick else 3.0
+    args.sweep_s = 2.0 if args.quick else 5.0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logdir = Path(tempfile.mkdtemp(prefix="redbatch-bench-"))
+    res = run(args, logdir)
+    report(res)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"bench-{stamp}.json").write_text(json.dumps(res, indent=2))
+    png = out / f"sweep-{stamp}.png"
+    print(f"\nresults: {out / f'bench-{stamp}.json'}"
+          f"{'; plot: ' + str(png) if plot(res['sweep_w2'], png) else ''}; logs: {logdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
