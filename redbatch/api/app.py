@@ -15,6 +15,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive
 
 from redbatch.api import body
 from redbatch.api.auth import ApiKeyMiddleware
@@ -26,6 +27,7 @@ from redbatch.api.errors import (
     on_redbatch_error,
     on_unexpected,
 )
+from redbatch.api.fast import FastPredict
 from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import NoLiveWorkers, RedbatchError, error_from_code
 from redbatch.producer.client import Client
@@ -61,13 +63,19 @@ class Gateway:
         await self._redis.aclose()
 
     async def predict(self, request: Request) -> Response:
-        model = request.path_params["model"]
+        """The routed handler; ``FastPredict`` serves the same requests ahead of it."""
+        headers = dict(request.headers.raw)
+        return await self.predict_core(request.path_params["model"], headers, request.receive)
+
+    async def predict_core(self, model: str, headers: body.Headers, receive: Receive
+                           ) -> Response:
         info = await self.directory.get(model)
         if not await self.client.live_workers(model):
             raise NoLiveWorkers(f"model {model!r} has no live worker; retry shortly")
-        data = body.parse_json(await body.read_body(request, self.config.max_body_bytes))
+        data = body.parse_json(await body.read_body(headers, receive,
+                                                    self.config.max_body_bytes))
         value = body.model_input(data, info)
-        timeout = body.timeout_s(request, data, self.config.default_timeout_s,
+        timeout = body.timeout_s(headers, data, self.config.default_timeout_s,
                                  self.config.max_timeout_s)
         return _reply_response(info, await self.client.predict_reply(model, value, timeout))
 
@@ -141,6 +149,7 @@ def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None 
                                 Exception: on_unexpected}
     key = gateway.config.api_key
     middleware = [Middleware(ApiKeyMiddleware, api_key=key)] if key else []
+    middleware.append(Middleware(FastPredict, gateway=gateway))
     app = Starlette(routes=_routes(gateway), exception_handlers=handlers,
                     lifespan=_lifespan(gateway), middleware=middleware)
     app.state.gateway = gateway

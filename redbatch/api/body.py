@@ -5,27 +5,34 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.types import Receive
 
 from redbatch.api.directory import ModelInfo
 from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload
 
-TIMEOUT_HEADER = "x-redbatch-timeout-ms"
+TIMEOUT_HEADER = b"x-redbatch-timeout-ms"
 TIMEOUT_FIELD = "timeout_ms"
+Headers = dict[bytes, bytes]  # ASGI header names are lower-case bytes
 
 
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The whole body, or ``BodyTooLarge`` as soon as it passes ``limit_bytes``."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-        raise BodyTooLarge(f"body of {declared} bytes is over the {limit_bytes}-byte limit")
+async def read_body(headers: Headers, receive: Receive, limit_bytes: int) -> bytes:
+    """The whole body (ASGI messages), or ``BodyTooLarge`` once it passes the limit."""
+    declared = headers.get(b"content-length", b"")
+    if declared.isdigit() and int(declared) > limit_bytes:
+        raise BodyTooLarge(f"body of {int(declared)} bytes is over the {limit_bytes}-byte "
+                           "limit")
     chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadRequest("client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit_bytes:
             raise BodyTooLarge(f"body is over the {limit_bytes}-byte limit")
         chunks.append(chunk)
+        more = message.get("more_body", False)
     return b"".join(chunks)
 
 
@@ -62,11 +69,12 @@ def _positive_ms(raw: Any, where: str) -> float:
     return value
 
 
-def timeout_s(request: Request, data: dict[str, Any], default_s: float, max_s: float) -> float:
+def timeout_s(headers: Headers, data: dict[str, Any], default_s: float, max_s: float) -> float:
     """The client may shorten its deadline (header or field), never lengthen it."""
     chosen = default_s
-    if TIMEOUT_HEADER in request.headers:
-        chosen = min(chosen, _positive_ms(request.headers[TIMEOUT_HEADER], TIMEOUT_HEADER) / 1000)
+    if TIMEOUT_HEADER in headers:
+        raw = headers[TIMEOUT_HEADER].decode("latin-1")
+        chosen = min(chosen, _positive_ms(raw, TIMEOUT_HEADER.decode()) / 1000)
     if TIMEOUT_FIELD in data:
         chosen = min(chosen, _positive_ms(data[TIMEOUT_FIELD], TIMEOUT_FIELD) / 1000)
     return min(chosen, max_s)

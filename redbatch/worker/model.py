@@ -43,10 +43,17 @@ class TensorSpec:
             raise InvalidPayload(f"input is not a rectangular array: {exc}") from exc
         self._check_kind(arr)
         self._check_shape(arr.shape)
-        with np.errstate(over="ignore", invalid="ignore"):
-            cast = arr.astype(self.dtype, copy=False)
+        if arr.dtype == self._np_dtype:
+            cast = arr
+        else:
+            with np.errstate(over="ignore", invalid="ignore"):
+                cast = arr.astype(self._np_dtype)
         self._check_range(arr, cast)
         return cast
+
+    @property
+    def _np_dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.dtype)
 
     def _check_kind(self, arr: np.ndarray[Any, Any]) -> None:
         if arr.dtype.kind not in "biuf":
@@ -56,7 +63,7 @@ class TensorSpec:
 
     def _check_range(self, arr: np.ndarray[Any, Any], cast: np.ndarray[Any, Any]) -> None:
         kind = cast.dtype.kind
-        if kind == "f" and not np.all(np.isfinite(cast)):
+        if kind == "f" and not np.isfinite(cast).all():
             raise InvalidPayload(f"input holds NaN, infinity or a number too large for "
                                  f"{self.dtype}")
         if kind in "iu" and arr.size and arr.dtype != cast.dtype:
