@@ -161,3 +161,37 @@ async def test_adaptive_window_waits_again_under_load(aredis: aioredis.Redis) ->
     later = asyncio.create_task(_push_after(aredis, 0.1, entry(102)))
     assert ids(await c.claim()) == ["id100", "id101", "id102"]
     await later
+
+
+@pytest.fixture
+async def own_connection(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=1,
+                                                    socket_timeout=10)
+    client = aioredis.Redis.from_pool(pool)
+    yield client
+    await client.aclose()
+
+
+async def test_quiet_gap_closes_the_window_early(aredis: aioredis.Redis,
+                                                 own_connection: aioredis.Redis) -> None:
+    c = Claimer(aredis, MODEL, "w1", BatchPolicy(max_batch_size=8, batch_wait_timeout_s=2.0,
+                                                 quiet_s=0.15), 1.0, own_connection)
+    await push(aredis, entry(0))
+    later = asyncio.create_task(_push_after(aredis, 0.05, entry(1)))
+    started = time.monotonic()
+    assert ids(await c.claim()) == ["id0", "id1"]
+    assert time.monotonic() - started < 1.0  # quiet for 0.15 s: no need to sit out 2 s
+    await later
+
+
+async def test_precise_window_ends_on_time(aredis: aioredis.Redis,
+                                           own_connection: aioredis.Redis) -> None:
+    policy = BatchPolicy(max_batch_size=8, batch_wait_timeout_s=0.05, adaptive=False)
+    c = Claimer(aredis, MODEL, "w1", policy, 1.0, own_connection)
+    durations = []
+    for i in range(5):
+        await push(aredis, entry(i))
+        started = time.monotonic()
+        assert len(await c.claim()) == 1
+        durations.append(time.monotonic() - started)
+    assert all(0.03 < d < 0.09 for d in durations), durations  # the 50 ms window, kept

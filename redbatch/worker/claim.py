@@ -8,6 +8,7 @@ until the batch's replies are published together with the ack.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -39,18 +40,27 @@ def peek_enqueue_ms(raw: bytes, fallback_ms: int) -> int:
 
 
 class Claimer:
-    """Forms one batch at a time for one model under a ``BatchPolicy``."""
+    """Forms one batch at a time for one model under a ``BatchPolicy``.
+
+    With ``blocking``, a client of its own (one connection), the batch window is
+    precise: a timer sends ``CLIENT UNBLOCK`` for that connection's ``BLMOVE`` when
+    the window (or a quiet gap) ends, instead of relying on Redis's own 100 ms timer.
+    """
 
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, policy: BatchPolicy,
-                 block_timeout_s: float) -> None:
+                 block_timeout_s: float, blocking: aioredis.Redis | None = None) -> None:
         self._redis = redis
+        self._blocking = blocking or redis
+        self._precise = blocking is not None
         self._policy = policy
         self._block_timeout_s = block_timeout_s
         self.queue = protocol.queue_key(model)
         self.inflight = protocol.inflight_key(model, worker_id)
-        self._claim = redis.register_script(lua.CLAIM)
+        self._claim = self._blocking.register_script(lua.CLAIM)
         self._last_claim = 0.0
         self._loaded = False
+        self._client_id: int | None = None
+        self._unblocks: set[asyncio.Task[Any]] = set()
         self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
         self._lone = 0
 
@@ -59,10 +69,30 @@ class Claimer:
         items = await self._claim(keys=[self.queue, self.inflight], args=[count, ttl_ms])
         return list(items)
 
-    async def _block_one(self, timeout_s: float) -> bytes | None:
-        timeout: Any = timeout_s  # redis accepts fractional seconds; its stubs say int
-        item: Any = await self._redis.blmove(self.queue, self.inflight, timeout, "LEFT", "RIGHT")
+    async def _block_one(self, timeout_s: float, wake_at_ms: int | None = None) -> bytes | None:
+        """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment."""
+        timer = None
+        if wake_at_ms is not None and self._client_id is not None:
+            delay_s = max(0.0, (wake_at_ms - protocol.now_ms()) / 1000)
+            timer = asyncio.get_running_loop().call_later(delay_s, self._unblock,
+                                                          self._client_id)
+        timeout: Any = max(timeout_s, MIN_BLOCK_S)  # redis takes fractional seconds
+        try:
+            item: Any = await self._blocking.blmove(self.queue, self.inflight, timeout, "LEFT",
+                                                    "RIGHT")
+        finally:
+            if timer is not None:
+                timer.cancel()
         return item if isinstance(item, bytes) else None
+
+    def _unblock(self, client_id: int) -> None:
+        task = asyncio.create_task(self._send_unblock(client_id))
+        self._unblocks.add(task)
+        task.add_done_callback(self._unblocks.discard)
+
+    async def _send_unblock(self, client_id: int) -> None:
+        with contextlib.suppress(Exception):  # at worst the BLMOVE times out by itself
+            await self._redis.client_unblock(client_id)
 
     async def _pace(self) -> None:
         wait_s = self._last_claim + self._policy.stride_s - time.monotonic()
@@ -70,12 +100,24 @@ class Claimer:
             await asyncio.sleep(wait_s)
         self._last_claim = time.monotonic()
 
+    async def _prepare(self) -> None:
+        if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
+            await self._blocking.script_load(lua.CLAIM)
+            self._loaded = True
+        if self._precise and self._client_id is None:
+            self._client_id = int(await self._blocking.client_id())
+
     async def claim(self) -> list[bytes]:
         """Return up to ``max_batch_size`` raw entries, or [] after the block timeout."""
         await self._pace()
-        if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
-            await self._redis.script_load(lua.CLAIM)
-            self._loaded = True
+        try:
+            await self._prepare()
+            return await self._claim_batch()
+        except Exception:
+            self._client_id = None  # the connection may have been replaced: ask again
+            raise
+
+    async def _claim_batch(self) -> list[bytes]:
         size = self._policy.max_batch_size
         items = await self._take(size)
         if not items:
@@ -101,11 +143,34 @@ class Claimer:
         return self._gain >= GAIN_MIN or self._lone % PROBE_EVERY == 0
 
     async def _fill(self, items: list[bytes], window_end_ms: int) -> None:
-        """Top the batch up until it is full or its window closes.
+        if self._precise and self._client_id is not None:
+            await self._fill_precise(items, window_end_ms)
+        else:
+            await self._fill_coarse(items, window_end_ms)
 
-        Redis wakes blocked clients on its own timer (``hz``, 100 ms by default), so a
-        server-side block timeout is only used while it cannot overshoot the window;
-        the last stretch is a client-side sleep followed by one non-blocking claim."""
+    async def _fill_precise(self, items: list[bytes], window_end_ms: int) -> None:
+        """Top up until full, or the window ends, or (adaptive) no request came for a
+        quiet gap: nobody else is on the way, so the batch goes now."""
+        size, quiet_ms = self._policy.max_batch_size, self._policy.quiet_ms()
+        while len(items) < size:
+            now = protocol.now_ms()
+            if window_end_ms - now < 1:
+                return
+            wake_at = min(window_end_ms, now + quiet_ms) if quiet_ms else window_end_ms
+            remaining_s = min((window_end_ms - now) / 1000, self._block_timeout_s)
+            item = await self._block_one(remaining_s, wake_at)
+            if item is None:
+                if wake_at < window_end_ms:
+                    return
+                continue
+            items.append(item)
+            items.extend(await self._take(size - len(items)))
+
+    async def _fill_coarse(self, items: list[bytes], window_end_ms: int) -> None:
+        """Top the batch up until it is full or its window closes, without a connection of
+        our own: Redis wakes blocked clients on its own timer (``hz``, 100 ms by default),
+        so a server-side timeout is only used while it cannot overshoot the window; the
+        last stretch is a client-side sleep followed by one non-blocking claim."""
         size = self._policy.max_batch_size
         while len(items) < size:
             remaining_s = (window_end_ms - protocol.now_ms()) / 1000
@@ -115,7 +180,6 @@ class Claimer:
                 await asyncio.sleep(remaining_s)
                 items.extend(await self._take(size - len(items)))
                 return
-            # Never block past the socket's patience: long windows are waited in steps.
             item = await self._block_one(min(remaining_s - SERVER_TIMER_SLACK_S,
                                              self._block_timeout_s))
             if item is not None:

@@ -10,7 +10,7 @@ from redbatch.errors import ConfigError
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
-          "adaptive"}
+          "adaptive", "quiet_s"}
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class BatchPolicy:
     * ``adaptive`` (with ``allow_small_batch``): a lone request does not sit out the
       window while recent windows brought no other request (a sequential caller, light
       load); one lone batch in ``PROBE_EVERY`` still waits, to notice load returning.
-      A claim that finds two or more requests queued always waits.
+      A claim that finds two or more requests queued always waits.  And the window
+      closes early once no request has arrived for a quiet gap (``quiet_s``, default a
+      quarter of the window): nobody else is on the way, so the batch goes now.
     """
 
     max_batch_size: int = 32
@@ -36,6 +38,7 @@ class BatchPolicy:
     stride_s: float = 0.0
     allow_small_batch: bool = True
     adaptive: bool = True
+    quiet_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= 65536:
@@ -45,6 +48,8 @@ class BatchPolicy:
                               f"{self.batch_wait_timeout_s}")
         if not 0 <= self.stride_s <= 60:
             raise ConfigError(f"stride_s must be 0..60 s, got {self.stride_s}")
+        if self.quiet_s is not None and not 0 < self.quiet_s <= 60:
+            raise ConfigError(f"quiet_s must be 0..60 s, got {self.quiet_s}")
 
     @classmethod
     def from_mapping(cls, knobs: Mapping[str, Any]) -> BatchPolicy:
@@ -59,6 +64,15 @@ class BatchPolicy:
             values[name] = value
         return cls(**values)
 
+    def quiet_ms(self) -> int | None:
+        """The quiet gap that closes a window early: ``quiet_s``, or a quarter of the
+        window when adaptive; ``None`` (wait the whole window) otherwise."""
+        if not self.allow_small_batch:
+            return None
+        if self.quiet_s is not None:
+            return max(1, round(self.quiet_s * 1000))
+        return max(1, round(self.batch_wait_timeout_s * 250)) if self.adaptive else None
+
     def window_end_ms(self, oldest_enqueue_ms: int, claimed_ms: int) -> int:
         """Epoch ms at which the batch must run even if it is not full."""
         anchor = oldest_enqueue_ms if self.allow_small_batch else claimed_ms
@@ -71,4 +85,5 @@ class BatchPolicy:
             "stride_s": self.stride_s,
             "allow_small_batch": self.allow_small_batch,
             "adaptive": self.adaptive,
+            "quiet_s": self.quiet_s,
         }

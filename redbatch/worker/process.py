@@ -85,20 +85,23 @@ class Worker:
         self._info = heartbeat.static_info(self.worker_id, device)
 
     async def run(self, stop: asyncio.Event) -> None:
-        redis = async_client(self.redis_settings, max_connections=2 * len(self.models) + 4)
+        redis = async_client(self.redis_settings, max_connections=len(self.models) + 4)
+        # one connection per model for its blocking pops, so CLIENT UNBLOCK can end them
+        blocking = [async_client(self.redis_settings, max_connections=1) for _ in self.models]
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redbatch-forward")
         clean = False
         try:
             self.runners = [BatchRunner(redis, m, m.bind(self.device), self.worker_id, executor,
-                                        self.config.block_timeout_s, self.config.max_attempts)
-                            for m in self.models]
+                                        self.config.block_timeout_s, self.config.max_attempts,
+                                        b) for m, b in zip(self.models, blocking, strict=True)]
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
             self._meters = [CapacityMeter(r) for r in self.runners]
             self._reapers = {r.model.name: r.reaper for r in self.runners}
             clean = await self._serve(redis, stop)
         finally:
             executor.shutdown(wait=clean, cancel_futures=True)
-            await redis.aclose()
+            for client in (redis, *blocking):
+                await client.aclose()
 
     async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
         """Load the scripts and take the lease before the first claim."""

@@ -26,13 +26,15 @@ class BatchRunner:
     """Serves one model for one worker: forms batches and answers every request once."""
 
     def __init__(self, redis: aioredis.Redis, model: Model, fn: BatchFn, worker_id: str,
-                 executor: Executor, block_timeout_s: float, max_attempts: int = 3) -> None:
+                 executor: Executor, block_timeout_s: float, max_attempts: int = 3,
+                 blocking: aioredis.Redis | None = None) -> None:
         self._redis = redis
         self.model = model
         self._worker_id = worker_id
         self._forwarder = Forwarder(model, fn, executor)
         self._publish = redis.register_script(lua.PUBLISH)
-        self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s)
+        self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
+                               blocking)
         self.reaper = Reaper(redis, model.name, max_attempts)
         self._unacked = False
         self.batches = 0
