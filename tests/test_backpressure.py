@@ -7,14 +7,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-import httpx
 import numpy as np
 import pytest
 
 from redbatch import Client, DeadlineExceeded, Model, QueueFull, batch
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
-from tests.test_gateway import gateway
+from tests.test_gateway import _wait_registered, gateway
 
 
 def blocking_model(name: str) -> tuple[Model, threading.Event]:
@@ -36,18 +35,10 @@ async def blocked(start_worker: Callable[..., Worker]) -> AsyncIterator[threadin
     release.set()
 
 
-async def _ready(client: httpx.AsyncClient) -> None:
-    for _ in range(100):
-        if (await client.get("/readyz")).status_code == 200:
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail("no worker")
-
-
 async def test_full_queue_is_503_with_retry_after(blocked: threading.Event, redis_url: str
                                                   ) -> None:
     async with gateway(redis_url, max_queue_len=3, default_timeout_s=10) as http:
-        await _ready(http)
+        await _wait_registered(http)
         pending = [asyncio.create_task(http.post("/v1/models/held/predict",
                                                  json={"inputs": i})) for i in range(4)]
         await asyncio.sleep(0.5)  # one in the forward pass, three queued
@@ -62,7 +53,7 @@ async def test_full_queue_is_503_with_retry_after(blocked: threading.Event, redi
 
 async def test_waiter_cap_is_503(blocked: threading.Event, redis_url: str) -> None:
     async with gateway(redis_url, max_waiters=2, default_timeout_s=10) as http:
-        await _ready(http)
+        await _wait_registered(http)
         pending = [asyncio.create_task(http.post("/v1/models/held/predict",
                                                  json={"inputs": i})) for i in range(2)]
         await asyncio.sleep(0.3)
