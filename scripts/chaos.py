@@ -113,8 +113,18 @@ def wait(predicate: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def worker_pids(raw: redis.Redis) -> list[int]:
-    return sorted(json.loads(v)["pid"] for v in raw.hvals(protocol.worker_info_key("chaos")))
+    """Live replicas (a killed one's info stays in Redis until it is reaped)."""
+    pids = (json.loads(v)["pid"] for v in raw.hvals(protocol.worker_info_key("chaos")))
+    return sorted(pid for pid in pids if alive(pid))
 
 
 def busy_worker(raw: redis.Redis) -> int | None:
@@ -122,8 +132,8 @@ def busy_worker(raw: redis.Redis) -> int | None:
         if raw.llen(key):
             wid = key.decode().rsplit(":", 1)[1]
             info = raw.hget(protocol.worker_info_key("chaos"), wid)
-            if info:
-                return int(json.loads(info)["pid"])
+            if info and alive(pid := int(json.loads(info)["pid"])):
+                return pid
     return None
 
 
@@ -174,13 +184,17 @@ async def chaos_events(stack: Stack, ledger: Ledger, duration_s: float) -> None:
 
 
 def _wait_busy(raw: redis.Redis) -> int:
+    """A live replica with a batch in flight (or, failing that, any live replica)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         pid = busy_worker(raw)
         if pid:
             return pid
         time.sleep(0.005)
-    return worker_pids(raw)[0]
+    pids = worker_pids(raw)
+    if not pids:
+        raise SystemExit("chaos: no live worker replica to disturb")
+    return pids[0]
 
 
 def _restart_redis(stack: Stack) -> None:
@@ -198,10 +212,12 @@ async def run(stack: Stack, duration_s: float, concurrency: int) -> Ledger:
                                  limits=limits) as http:
         clients = [asyncio.create_task(client_loop(http, ledger, stop, i))
                    for i in range(concurrency)]
-        await chaos_events(stack, ledger, duration_s)
-        await asyncio.sleep(max(0.0, duration_s / 6))
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*clients), 60)
+        try:
+            await chaos_events(stack, ledger, duration_s)
+            await asyncio.sleep(max(0.0, duration_s / 6))
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True), 60)
         stats = (await http.get("/v1/stats")).json()
     ledger.codes["duplicates_seen_by_gateway"] = stats["duplicates"]
     ledger.codes["late_replies_seen_by_gateway"] = stats["late"]
