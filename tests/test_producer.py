@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,12 +38,23 @@ async def test_submit_returns_a_future(start_worker: Callable[..., Worker], redi
 
 async def test_one_listener_serves_many_waiters(start_worker: Callable[..., Worker],
                                                 redis_url: str, raw_redis: redis.Redis) -> None:
-    start_worker([inc])
+    release = threading.Event()
+
+    @batch(name="held", max_batch_size=64, batch_wait_timeout_s=0)
+    def held(xs: list[int]) -> list[int]:
+        release.wait(10)
+        return [x + 1 for x in xs]
+
+    start_worker([held])
     async with Client(redis_url) as client:
-        results = await asyncio.gather(*(client.predict("inc", i) for i in range(64)))
+        pending = [asyncio.create_task(client.predict("held", i)) for i in range(64)]
+        await asyncio.sleep(0.5)  # all 64 wait for their replies now
+        assert client.waiting == 64
         listeners = [c for c in raw_redis.client_list() if c["cmd"] == "blmpop"]
+        release.set()
+        results = await asyncio.gather(*pending)
     assert results == list(range(1, 65))
-    assert len(listeners) <= 1
+    assert len(listeners) == 1  # one blocking pop for all 64 waiters, no polling
 
 
 async def test_predict_many_is_one_enqueue_call(redis_url: str, raw_redis: redis.Redis
@@ -69,8 +81,10 @@ async def test_no_worker_means_deadline_exceeded(redis_url: str) -> None:
 
 async def test_unreachable_redis_fails_fast_and_typed() -> None:
     client = Client(f"redis://127.0.0.1:{free_port()}/0")
+    started = time.monotonic()
     with pytest.raises(RedisUnavailable):
         await asyncio.wait_for(client.predict("inc", 1), 10)
+    assert time.monotonic() - started < 3.0
     await client.close()
 
 
@@ -93,8 +107,9 @@ async def test_waiter_cap_refuses_with_queue_full(redis_url: str) -> None:
 
 async def test_timeout_is_capped_by_max_timeout(redis_url: str) -> None:
     client = Client(redis_url, default_timeout_s=1, max_timeout_s=2)
-    assert client.deadline_ms(1000) - protocol.now_ms() <= 2000
-    assert client.deadline_ms(None) - protocol.now_ms() <= 1000
+    assert 1900 <= client.deadline_ms(1000) - protocol.now_ms() <= 2000
+    assert 900 <= client.deadline_ms(None) - protocol.now_ms() <= 1000
+    assert 400 <= client.deadline_ms(0.5) - protocol.now_ms() <= 500
 
 
 async def test_sync_client(start_worker: Callable[..., Worker], redis_url: str) -> None:
