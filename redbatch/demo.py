@@ -46,5 +46,5 @@ def models() -> list[Model]:
     mlp = torch_model("mlp", build_mlp, TensorSpec("float32", (W2_IN,)), policy,
                       input_name="x", output_name="y")
     echo = Model("echo", fn=echo_fn, policy=policy, spec=TensorSpec("float32", (None,)),
-                 input_name="x", output_name="y")
+                 input_name="x", output_name="y", inline=True)
     return [mlp, echo, adder]

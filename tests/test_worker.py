@@ -168,3 +168,21 @@ async def test_stacked_and_async_batch_functions(start_worker: Callable[..., Wor
         assert await client.predict_many("st", [[1, 2], [3, 4]]) == [3, 7]
         assert await client.predict("as", 1) == 101
     assert all(len(s) == 2 and s[1] == 2 for s in shapes)
+
+
+async def test_inline_models_run_on_the_event_loop(start_worker: Callable[..., Worker],
+                                                   redis_url: str) -> None:
+    threads: set[str] = set()
+
+    def record(xs: list[int]) -> list[int]:
+        threads.add(threading.current_thread().name)
+        return xs
+
+    start_worker([Model("on-loop", fn=record, inline=True),
+                  Model("in-thread", fn=record)])
+    async with Client(redis_url) as client:
+        assert await client.predict("on-loop", 1) == 1
+        on_loop = set(threads)
+        assert await client.predict("in-thread", 2) == 2
+    assert on_loop == {threading.current_thread().name}
+    assert any(name.startswith("redbatch-forward") for name in threads - on_loop)

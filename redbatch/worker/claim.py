@@ -124,9 +124,12 @@ class Claimer:
             first = await self._block_one(self._block_timeout_s)
             if first is None:
                 return []
+            if not self._worth_waiting(1):
+                return [first]  # a lone request in a quiet spell: not even a top-up
             items = [first, *await self._take(size - 1)]
-        if len(items) < size and self._policy.batch_wait_timeout_s > 0 and \
-                self._worth_waiting(len(items)):
+        elif not self._worth_waiting(len(items)):
+            return items
+        if len(items) < size and self._policy.batch_wait_timeout_s > 0:
             claimed_ms = protocol.now_ms()
             oldest_ms = peek_enqueue_ms(items[0], claimed_ms)
             found = len(items)

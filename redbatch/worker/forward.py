@@ -52,6 +52,8 @@ class Forwarder:
         arg: Any = np.stack(inputs) if self.model.stack else inputs
         if self.model.is_async:
             outputs = await self._fn(arg)
+        elif self.model.inline:
+            outputs = self._fn(arg)
         else:
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self._executor, self._fn, arg)
