@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="run the HTTP gateway alone")
     _add_redis(gateway)
     _add_gateway(gateway)
+    sub.add_parser("bench", help="benchmarks W1/W2 vs the naive server and the bare model "
+                   "(redbatch bench --help)", add_help=False)
     worker = sub.add_parser("worker", help="run worker processes for MODULE:OBJECT")
     worker.add_argument("target", help="MODULE:OBJECT: a Model, a list, or a factory")
     _add_redis(worker)
@@ -144,6 +146,11 @@ def _up(target: str, gateway_config: GatewayConfig, worker_config: WorkerConfig,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own flags: see redbatch/bench/run.py
+        from redbatch.bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     sys.path.insert(0, os.getcwd())

@@ -1,4 +1,4 @@
-"""scripts/bench: W1 and W2 through redbatch, the naive baseline and the bare model,
+"""redbatch bench (or scripts/bench): W1 and W2 through redbatch, the naive baseline and
 measured in one run on this machine, with ratios against the baselines.
 
 Workloads are those of ../shared/anchors/README.md: POST {"x": [16 or 64 floats]},
@@ -28,14 +28,11 @@ import httpx
 import numpy as np
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from redbatch import Client, protocol
+from redbatch.demo import build_mlp
+from redbatch.embedded import free_port
 
-from redbatch import Client, protocol  # noqa: E402
-from redbatch.demo import build_mlp  # noqa: E402
-from redbatch.embedded import free_port  # noqa: E402
-
-WRK = ROOT / "scripts" / "wrk"
+WRK = Path(__file__).resolve().parent / "wrk"
 W1_BODY = {"x": [i / 16 for i in range(16)]}
 W2_X = [i / 64 for i in range(64)]
 
@@ -50,7 +47,7 @@ class Procs:
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         log = (self.logdir / f"{name}.log").open("ab")
         self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                           cwd=ROOT, env={**os.environ, **(env or {})}))
+                                           env={**os.environ, **(env or {})}))
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -95,9 +92,9 @@ def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
 
 def start_naive(procs: Procs) -> str:
     port = free_port()
-    procs.start("naive", [sys.executable, "-m", "uvicorn", "bench_naive:app", "--app-dir",
-                          str(ROOT / "scripts"), "--host", "127.0.0.1", "--port", str(port),
-                          "--no-access-log", "--log-level", "warning"])
+    procs.start("naive", [sys.executable, "-m", "uvicorn", "redbatch.bench.naive:app",
+                          "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+                          "--log-level", "warning"])
     base = f"http://127.0.0.1:{port}"
     wait_ok(f"{base}/w2", {"x": W2_X})
     return base
@@ -267,14 +264,14 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         procs.stop()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="redbatch bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")
     parser.add_argument("--duration-s", type=float, help="each wrk run (default 10; quick 3)")
     parser.add_argument("--gateways", type=int, default=1, help="gateway processes (1)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.duration_s = args.duration_s or (3.0 if args.quick else 10.0)
     args.warmup_s = 1.0 if args.quick else 3.0
     args.sweep_s = 2.0 if args.quick else 5.0
