@@ -45,8 +45,8 @@ local items = {}
 if n > 0 then
   items = redis.call('LPOP', KEYS[1], n) or {}
 end
-if #items > 0 then
-  redis.call('RPUSH', KEYS[2], unpack(items))
+for i = 1, #items, 1000 do  -- in slices: Lua's unpack has a stack limit
+  redis.call('RPUSH', KEYS[2], unpack(items, i, math.min(i + 999, #items)))
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -95,16 +95,19 @@ return sent
 # KEYS[1]=the dead worker's inflight  KEYS[2]=queue  KEYS[3]=dead letters
 # KEYS[4]=workers zset  KEYS[5]=worker info hash  KEYS[4+2j]=marker j  KEYS[5+2j]=reply_to j
 # ARGV[1]=worker id  ARGV[2]=now ms, or 'force' (a worker returning its own batch)
-# ARGV[3]=in-flight length the caller read  ARGV[4]=reply ttl s  ARGV[5]=nq  ARGV[6]=nd
+# ARGV[3]=sha1 hex of the in-flight entries the caller read (concatenated)
+# ARGV[4]=reply ttl s  ARGV[5]=nq  ARGV[6]=nd
 # ARGV[7..6+nq]=entries to requeue, in queue order  then nd dead-letter entries
 # then pairs (marker ttl ms, reply) for the callers of dead-lettered entries.
-# Returns nq, or -1 if the lease is live again, -2 if the in-flight list changed.
+# Returns nq, or -1 if the lease is live again, -2 if the in-flight list changed since.
 REAP: Final = _HELPERS + f"""
 if ARGV[2] ~= 'force' then
   local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
   if lease and tonumber(lease) > tonumber(ARGV[2]) then return -1 end
 end
-if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[3]) then return -2 end
+if redis.sha1hex(table.concat(redis.call('LRANGE', KEYS[1], 0, -1))) ~= ARGV[3] then
+  return -2
+end
 local nq, nd = tonumber(ARGV[5]), tonumber(ARGV[6])
 for i = 6 + nq, 7, -1 do
   redis.call('LPUSH', KEYS[2], ARGV[i])

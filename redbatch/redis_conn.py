@@ -12,18 +12,27 @@ from contextlib import asynccontextmanager, contextmanager
 
 import redis
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from redbatch.config import RedisSettings
 from redbatch.errors import RedisUnavailable
 
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# ResponseError too: OOM, READONLY (a replica after failover), MISCONF... are Redis
+# refusing work, which callers must see as a typed, retryable error.
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
 
 
 def _retry() -> Retry:
     # One quick retry covers a reset idle connection; more would delay failing fast.
     return Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)
+
+
+def _no_retry() -> AsyncRetry:
+    # Async clients never re-send a command on their own: a re-run BLMOVE or CLAIM after
+    # a lost reply would break the in-flight accounting.  Our loops retry, with backoff.
+    return AsyncRetry(NoBackoff(), 0)
 
 
 def async_client(settings: RedisSettings, max_connections: int = 32) -> aioredis.Redis:
@@ -37,7 +46,7 @@ def async_client(settings: RedisSettings, max_connections: int = 32) -> aioredis
         timeout=settings.socket_timeout_s,
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.connect_timeout_s,
-        retry=_retry(),
+        retry=_no_retry(),
         health_check_interval=30,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool

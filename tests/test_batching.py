@@ -195,3 +195,11 @@ async def test_precise_window_ends_on_time(aredis: aioredis.Redis,
         assert len(await c.claim()) == 1
         durations.append(time.monotonic() - started)
     assert all(0.03 < d < 0.25 for d in durations), durations  # the 50 ms window, kept
+
+
+async def test_claims_bigger_than_luas_unpack_limit(aredis: aioredis.Redis) -> None:
+    await aredis.rpush(protocol.queue_key(MODEL), *[b"x%d" % i for i in range(9100)])
+    c = claimer(aredis, max_batch_size=9000, batch_wait_timeout_s=0)
+    assert len(await c.claim()) == 9000
+    assert await aredis.llen(protocol.inflight_key(MODEL, "w1")) == 9000
+    assert await aredis.llen(protocol.queue_key(MODEL)) == 100

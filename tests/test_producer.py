@@ -128,3 +128,31 @@ async def test_sync_client(start_worker: Callable[..., Worker], redis_url: str) 
 def test_sync_client_unreachable_redis() -> None:
     with pytest.raises(RedisUnavailable):
         SyncClient(f"redis://127.0.0.1:{free_port()}/0")
+
+
+async def test_a_caller_that_gives_up_frees_its_waiter_slot(redis_url: str) -> None:
+    async with Client(redis_url, max_waiters=2) as client:
+        for i in range(2):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.predict("nobody", i, timeout_s=60), 0.2)
+        assert client.waiting == 0
+        future = await client.submit("nobody", 3, timeout_s=60)  # not refused: slots free
+        future.cancel()
+
+
+async def test_predict_many_of_nothing(redis_url: str) -> None:
+    async with Client(redis_url) as client:
+        assert await client.predict_many("inc", []) == []
+
+
+async def test_redis_refusing_writes_is_a_typed_error(redis_url: str,
+                                                      raw_redis: redis.Redis) -> None:
+    raw_redis.config_set("maxmemory", "1")
+    raw_redis.config_set("maxmemory-policy", "noeviction")
+    try:
+        async with Client(redis_url) as client:
+            with pytest.raises(RedisUnavailable, match="OutOfMemoryError"):
+                await client.predict("inc", 1, timeout_s=10)
+            assert client.waiting == 0
+    finally:
+        raw_redis.config_set("maxmemory", "0")

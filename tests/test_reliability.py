@@ -234,3 +234,30 @@ async def test_a_claim_that_fails_midway_is_returned_not_lost(
     assert state["failed"] == 1
     assert inflight_total(raw_redis, "slow") == 0
     assert raw_redis.zscore(protocol.workers_key("slow"), worker.worker_id) is not None
+
+
+async def test_reaper_leaves_a_list_that_changed_under_it(redis_url: str,
+                                                          raw_redis: redis.Redis) -> None:
+    """The worker acked and claimed a new batch of the same size between the reaper's
+    read and its script: nothing may be requeued or dropped."""
+    import redis.asyncio as aioredis
+
+    from redbatch.worker.reaper import Plan, Reaper
+
+    inflight = protocol.inflight_key("slow", "zombie")
+    old = raw_request("slow", 1, protocol.reply_key("z"))[1]
+    new = raw_request("slow", 2, protocol.reply_key("z"))[1]
+    raw_redis.rpush(inflight, old)
+    raw_redis.zadd(protocol.workers_key("slow"), {"zombie": protocol.now_ms() - 1})
+
+    class Racing(Reaper):
+        def plan(self, raws: list[bytes], bump: bool) -> Plan:
+            raw_redis.delete(inflight)
+            raw_redis.rpush(inflight, new)  # same length, other content
+            return super().plan(raws, bump)
+
+    client = aioredis.Redis.from_url(redis_url)
+    assert await Racing(client, "slow", 3).reap("zombie") == -2
+    await client.aclose()
+    assert raw_redis.lrange(inflight, 0, -1) == [new]
+    assert raw_redis.llen(protocol.queue_key("slow")) == 0

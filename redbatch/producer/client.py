@@ -134,6 +134,8 @@ class Client:
 
         A future resolves to the model's output (or, with ``want_reply``, the whole
         ``Reply``) and raises a typed ``RedbatchError`` otherwise."""
+        if not inputs:
+            return []
         if self._listener is None:
             await self.start()
         assert self._listener is not None
@@ -155,7 +157,7 @@ class Client:
         assert self._listener is not None
         try:
             accepted, full = await self._admit(model, requests, entries)
-        except RedbatchError as exc:
+        except BaseException as exc:  # cancelled, or any error: no waiter may linger
             for request in requests:
                 self._listener.fail(request.id, exc)
             raise

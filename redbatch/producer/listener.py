@@ -108,14 +108,30 @@ class ReplyListener:
         delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         timer = loop.call_later(delay_s, self._expire, request_id)
         self._waiters[request_id] = Waiter(future, timer, want_reply)
+        future.add_done_callback(lambda f: self._forget(request_id, f))
         return future
 
-    def fail(self, request_id: str, exc: BaseException) -> None:
-        waiter = self._waiters.pop(request_id, None)
-        if waiter is not None:
+    def _forget(self, request_id: str, future: asyncio.Future[Any]) -> None:
+        """A caller that gave up (cancelled) frees its slot at once."""
+        waiter = self._waiters.get(request_id)
+        if future.cancelled() and waiter is not None and waiter.future is future:
+            del self._waiters[request_id]
             waiter.timer.cancel()
-            if not waiter.future.done():
-                waiter.future.set_exception(exc)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """Settle a waiter with ``exc`` (a cancellation cancels it; a foreign error is
+        wrapped in ``RedbatchError``)."""
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is None:
+            return
+        waiter.timer.cancel()
+        if waiter.future.done():
+            return
+        if isinstance(exc, asyncio.CancelledError):
+            waiter.future.cancel()
+        else:
+            waiter.future.set_exception(exc if isinstance(exc, RedbatchError) else
+                                        RedbatchError(f"request failed: {exc!r}"))
 
     def _expire(self, request_id: str) -> None:
         self.fail(request_id, DeadlineExceeded(f"no reply to request {request_id} before "

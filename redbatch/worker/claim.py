@@ -83,6 +83,8 @@ class Claimer:
         finally:
             if timer is not None:
                 timer.cancel()
+            if self._unblocks:  # a fired unblock must land before our next blocking pop
+                await asyncio.gather(*self._unblocks, return_exceptions=True)
         return item if isinstance(item, bytes) else None
 
     def _unblock(self, client_id: int) -> None:

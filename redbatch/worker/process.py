@@ -125,14 +125,16 @@ class Worker:
 
     async def _serve(self, redis: aioredis.Redis, stop: asyncio.Event) -> bool:
         """Run until ``stop``; return whether every batch finished within the grace."""
+        beating = asyncio.Event()  # set when the batch loops are done: the lease outlives them
+
         async def beat() -> None:
             await self._beat(redis)
-            await _sleep_or_stop(stop, self.config.heartbeat_interval_s)
+            await _sleep_or_stop(beating, self.config.heartbeat_interval_s)
 
         await self._register(redis, stop)
         tasks = [asyncio.create_task(_keep_going(f"model={r.model.name}", r.run_batch, stop))
                  for r in self.runners]
-        tasks.append(asyncio.create_task(_keep_going("heartbeat", beat, stop)))
+        heart = asyncio.create_task(_keep_going("heartbeat", beat, beating))
         log.info("worker %s serving %s on %s", self.worker_id,
                  ",".join(m.name for m in self.models), self.device)
         await stop.wait()
@@ -140,6 +142,8 @@ class Worker:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        beating.set()
+        await heart
         await self._leave(redis)
         return not pending
 

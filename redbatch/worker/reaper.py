@@ -11,6 +11,7 @@ second reaper, makes it a no-op.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +71,8 @@ class Reaper:
                 protocol.workers_key(self.model), protocol.worker_info_key(self.model),
                 *pair_keys]
         now = "force" if force else protocol.now_ms()
-        args = [worker_id, now, len(raws), protocol.REPLY_TTL_S, len(plan.requeue),
+        digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
+        args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),
                 *tail[:1], *plan.requeue, *tail[1:]]
         result = int(await self._script(keys=keys, args=args))
         if result >= 0 and raws:
