@@ -7,14 +7,13 @@ blocking pop is never cut short by its own socket.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.retry import Retry
+from redis.backoff import NoBackoff
 
 from redbatch.config import RedisSettings
 from redbatch.errors import RedisUnavailable
@@ -22,11 +21,6 @@ from redbatch.errors import RedisUnavailable
 # ResponseError too: OOM, READONLY (a replica after failover), MISCONF... are Redis
 # refusing work, which callers must see as a typed, retryable error.
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
-
-
-def _retry() -> Retry:
-    # One quick retry covers a reset idle connection; more would delay failing fast.
-    return Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)
 
 
 def _no_retry() -> AsyncRetry:
@@ -52,16 +46,6 @@ def async_client(settings: RedisSettings, max_connections: int = 32) -> aioredis
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
-def sync_client(settings: RedisSettings) -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.url,
-        socket_timeout=settings.socket_timeout_s,
-        socket_connect_timeout=settings.connect_timeout_s,
-        retry=_retry(),
-        health_check_interval=30,
-    )
-
-
 def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable:
     return RedisUnavailable(f"redis at {settings.safe_url} unavailable: {type(exc).__name__}: "
                             f"{exc}")
@@ -69,15 +53,7 @@ def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable
 
 @asynccontextmanager
 async def translated(settings: RedisSettings) -> AsyncIterator[None]:
-    """Turn redis connection and timeout errors into ``RedisUnavailable``."""
-    try:
-        yield
-    except REDIS_ERRORS as exc:
-        raise unavailable(settings, exc) from exc
-
-
-@contextmanager
-def translated_sync(settings: RedisSettings) -> Iterator[None]:
+    """Turn redis connection, timeout and refusal errors into ``RedisUnavailable``."""
     try:
         yield
     except REDIS_ERRORS as exc:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,17 +27,12 @@ import pytest
 import redis
 
 from redbatch.config import RedisSettings, WorkerConfig
+from redbatch.embedded import free_port
 from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_BIN = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

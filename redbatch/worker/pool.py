@@ -32,7 +32,7 @@ def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
            log_level: str) -> None:
     from redbatch.worker.process import run_worker_process, set_threads
 
-    set_threads(config.threads)
+    set_threads(config.threads)  # before _gpu_count() may import torch
     device = config.device
     if device in {"auto", "cuda"} or "," in device:
         device = replica_device(device, index, _gpu_count())

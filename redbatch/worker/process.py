@@ -189,8 +189,6 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
     from redbatch.logs import setup_logging
 
     setup_logging(log_level)
-    set_threads(config.threads)
-    models = load_models(target)
-    worker = Worker(models, redis, config, device=device)
-    _apply_torch_threads(config.threads)
+    set_threads(config.threads)  # before anything imports torch; Worker.run applies it too
+    worker = Worker(load_models(target), redis, config, device=device)
     asyncio.run(_main(worker))
