@@ -157,9 +157,9 @@ class Client:
         assert self._listener is not None
         try:
             accepted, full = await self._admit(model, requests, entries)
-        except BaseException as exc:  # cancelled, or any error: no waiter may linger
-            for request in requests:
-                self._listener.fail(request.id, exc)
+        except BaseException:  # cancelled, or any error: no waiter may linger, and the
+            for request in requests:  # caller gets the error, not these futures
+                self._listener.fail(request.id, asyncio.CancelledError())
             raise
         for request in requests[accepted:]:
             self._listener.fail(request.id, full or QueueFull("queue full"))

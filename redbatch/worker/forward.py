@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import Executor
 from typing import Any
 
@@ -14,6 +15,7 @@ from redbatch.errors import ModelError, RedbatchError
 from redbatch.worker.model import BatchFn, Model
 
 log = logging.getLogger("redbatch.worker")
+AUTO_INLINE_MS = 5.0  # on a CPU worker, passes shorter than this run on the event loop
 
 
 class ContractError(ModelError):
@@ -21,10 +23,20 @@ class ContractError(ModelError):
 
 
 class Forwarder:
-    def __init__(self, model: Model, fn: BatchFn, executor: Executor) -> None:
+    def __init__(self, model: Model, fn: BatchFn, executor: Executor,
+                 device: str = "cpu") -> None:
         self.model = model
         self._fn = fn
         self._executor = executor
+        self._auto = model.inline is None and device == "cpu"
+        self.pass_ms: float | None = None  # smoothed duration of a sync pass
+
+    @property
+    def inline(self) -> bool:
+        """Whether the next sync pass runs on the event loop."""
+        if self.model.inline is not None:
+            return self.model.inline
+        return self._auto and self.pass_ms is not None and self.pass_ms < AUTO_INLINE_MS
 
     async def run(self, inputs: list[Any]) -> list[Any]:
         """One result per input: the model's output, or a ``RedbatchError``."""
@@ -52,12 +64,20 @@ class Forwarder:
         arg: Any = np.stack(inputs) if self.model.stack else inputs
         if self.model.is_async:
             outputs = await self._fn(arg)
-        elif self.model.inline:
+        else:
+            outputs = await self._call_sync(arg)
+        return self._check_outputs(outputs, len(inputs))
+
+    async def _call_sync(self, arg: Any) -> Any:
+        started = time.perf_counter()
+        if self.inline:
             outputs = self._fn(arg)
         else:
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self._executor, self._fn, arg)
-        return self._check_outputs(outputs, len(inputs))
+        took_ms = (time.perf_counter() - started) * 1000
+        self.pass_ms = took_ms if self.pass_ms is None else 0.8 * self.pass_ms + 0.2 * took_ms
+        return outputs
 
     def _check_outputs(self, outputs: Any, n: int) -> list[Any]:
         name = self.model.name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -85,7 +86,7 @@ class Worker:
         self._info = heartbeat.static_info(self.worker_id, device)
 
     async def run(self, stop: asyncio.Event) -> None:
-        redis = async_client(self.redis_settings, max_connections=len(self.models) + 4)
+        redis = async_client(self.redis_settings, max_connections=2 * len(self.models) + 4)
         # one connection per model for its blocking pops, so CLIENT UNBLOCK can end them
         blocking = [async_client(self.redis_settings, max_connections=1) for _ in self.models]
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redbatch-forward")
@@ -93,7 +94,8 @@ class Worker:
         try:
             self.runners = [BatchRunner(redis, m, m.bind(self.device), self.worker_id, executor,
                                         self.config.block_timeout_s, self.config.max_attempts,
-                                        b) for m, b in zip(self.models, blocking, strict=True)]
+                                        b, self.device)
+                            for m, b in zip(self.models, blocking, strict=True)]
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
             self._meters = [CapacityMeter(r) for r in self.runners]
             self._reapers = {r.model.name: r.reaper for r in self.runners}
@@ -132,7 +134,8 @@ class Worker:
             await _sleep_or_stop(beating, self.config.heartbeat_interval_s)
 
         await self._register(redis, stop)
-        tasks = [asyncio.create_task(_keep_going(f"model={r.model.name}", r.run_batch, stop))
+        tasks = [asyncio.create_task(_keep_going(f"model={r.model.name}",
+                                                 functools.partial(r.serve, stop), stop))
                  for r in self.runners]
         heart = asyncio.create_task(_keep_going("heartbeat", beat, beating))
         log.info("worker %s serving %s on %s", self.worker_id,

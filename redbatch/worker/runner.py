@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,6 +22,34 @@ from redbatch.worker.reaper import Reaper
 from redbatch.worker.replies import Outgoing, error_reply, outgoing, publish_args
 
 log = logging.getLogger("redbatch.worker")
+PREFETCH_MAX_MS = 50.0  # prefetch the next batch only while passes are shorter than this
+
+
+@dataclass(slots=True)
+class Claimed:
+    """A claimed batch, decoded: ``claimed`` entries moved to the in-flight list."""
+
+    claimed: int
+    decoded: Decoded
+    claimed_ms: int
+
+
+@dataclass(slots=True)
+class Computed:
+    outs: list[Outgoing]
+    fwd_ms: float
+
+
+async def _settle(task: asyncio.Task[Any] | None, *, abandon: bool = False) -> None:
+    """Wait for ``task`` and raise its error; with ``abandon``, cancel it if it still
+    runs and swallow its outcome (the error being handled is already on its way)."""
+    if task is None:
+        return
+    if not abandon:
+        await task
+        return
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 class BatchRunner:
@@ -27,11 +57,11 @@ class BatchRunner:
 
     def __init__(self, redis: aioredis.Redis, model: Model, fn: BatchFn, worker_id: str,
                  executor: Executor, block_timeout_s: float, max_attempts: int = 3,
-                 blocking: aioredis.Redis | None = None) -> None:
+                 blocking: aioredis.Redis | None = None, device: str = "cpu") -> None:
         self._redis = redis
         self.model = model
         self._worker_id = worker_id
-        self._forwarder = Forwarder(model, fn, executor)
+        self._forwarder = Forwarder(model, fn, executor, device)
         self._publish = redis.register_script(lua.PUBLISH)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
@@ -42,39 +72,82 @@ class BatchRunner:
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
         self.forward_ms = 0.0  # total forward time
         self.queue_wait_ms = 0.0  # total queue wait of computed requests
+        self.fwd_ms_avg: float | None = None  # smoothed forward time of a batch
 
     async def run_batch(self) -> int:
-        """Serve one batch; return how many entries it claimed (0 on an idle timeout)."""
-        raws = await self._claim()
-        if not raws:
-            return 0
-        claimed_ms = protocol.now_ms()
-        decoded = decode_batch(raws, self.model, claimed_ms)
-        started = time.perf_counter()
-        results = await self._forwarder.run([item.value for item in decoded.items])
-        fwd_ms = (time.perf_counter() - started) * 1000
-        outs = self.encode(decoded, results, claimed_ms, fwd_ms)
-        published = time.perf_counter()
-        await self.publish(outs, len(raws), decoded.dead)
+        """Serve one batch, step by step; return how many entries it claimed (0 on an
+        idle timeout).  ``serve`` overlaps these steps across batches."""
+        if self._unacked:  # the last batch failed before its ack: requeue it, in order
+            await self.reaper.reap(self._worker_id, force=True)
+        self._unacked = True  # set first: a claim can fail after moving some entries
+        batch = await self._take()
+        if batch is not None:
+            await self._publish_batch(batch, await self._compute(batch))
         self._unacked = False
+        return batch.claimed if batch else 0
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop``.  While a short pass (under ``PREFETCH_MAX_MS``) computes,
+        the next batch is claimed and decoded, and the last one published, so the model
+        does not wait on Redis; a slow model claims only when it is free, so that an
+        idle worker can take the next batch instead.  Batches are published in claim
+        order (each ack trims the head of the in-flight list).  After an error, the
+        next call first returns what this worker still held to the queue's front."""
+        if self._unacked:
+            await self.reaper.reap(self._worker_id, force=True)
+        self._unacked = True
+        claiming: asyncio.Task[Claimed | None] | None = None
+        publishing: asyncio.Task[None] | None = None
+        try:
+            while claiming is not None or not stop.is_set():
+                batch = await (claiming or self._take())
+                claiming = None if stop.is_set() else self._prefetch()
+                if batch is not None:
+                    computed = await self._compute(batch)
+                    await _settle(publishing)  # done by now, or waited for: claim order
+                    publishing = asyncio.create_task(self._publish_batch(batch, computed))
+            await _settle(publishing)
+        finally:
+            for task in (claiming, publishing):
+                await _settle(task, abandon=True)
+        self._unacked = False  # only after a clean stop: everything claimed was answered
+
+    def _prefetch(self) -> asyncio.Task[Claimed | None] | None:
+        if self.fwd_ms_avg is None or self.fwd_ms_avg >= PREFETCH_MAX_MS:
+            return None
+        return asyncio.create_task(self._take())
+
+    async def _take(self) -> Claimed | None:
+        """Claim and decode the next batch (None on an idle timeout)."""
+        raws = await self.claimer.claim()
+        if not raws:
+            return None
+        claimed_ms = protocol.now_ms()
+        return Claimed(len(raws), decode_batch(raws, self.model, claimed_ms), claimed_ms)
+
+    async def _compute(self, batch: Claimed) -> Computed:
+        """Forward and encode: the replies of one batch."""
+        started = time.perf_counter()
+        results = await self._forwarder.run([item.value for item in batch.decoded.items])
+        fwd_ms = (time.perf_counter() - started) * 1000
+        outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
         self.busy_s += time.perf_counter() - started
+        avg = self.fwd_ms_avg
+        self.fwd_ms_avg = fwd_ms if avg is None else 0.8 * avg + 0.2 * fwd_ms
+        return Computed(outs, fwd_ms)
+
+    async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
+        published = time.perf_counter()
+        await self.publish(computed.outs, batch.claimed, batch.decoded.dead)
         reply_ms = (time.perf_counter() - published) * 1000
-        self._log_batch(decoded, len(raws), claimed_ms, fwd_ms, reply_ms)
-        return len(raws)
+        self._log_batch(batch.decoded, batch.claimed, batch.claimed_ms, computed.fwd_ms,
+                        reply_ms)
 
     def counters(self) -> dict[str, float]:
         """Totals since start, published with each heartbeat (``rb:{m}:worker_info``)."""
         return {"batches": self.batches, "items": self.items,
                 "forward_ms": round(self.forward_ms, 3),
                 "queue_wait_ms": round(self.queue_wait_ms, 3)}
-
-    async def _claim(self) -> list[bytes]:
-        if self._unacked:  # the last batch failed before its ack: requeue it, in order
-            await self.reaper.reap(self._worker_id, force=True)
-        self._unacked = True  # set first: a claim can fail after moving some entries
-        raws = await self.claimer.claim()
-        self._unacked = bool(raws)
-        return raws
 
     def encode(self, decoded: Decoded, results: list[Any], claimed_ms: int, fwd_ms: float
                ) -> list[Outgoing]:

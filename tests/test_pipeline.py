@@ -1,0 +1,104 @@
+"""The worker's pipeline: the next batch is claimed while a short pass computes (and
+only then), batches are answered in claim order, and short CPU passes run inline."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from redbatch import Client, protocol
+from redbatch.worker.forward import AUTO_INLINE_MS, Forwarder
+from redbatch.worker.model import Model
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from redbatch.worker.runner import PREFETCH_MAX_MS
+
+ONE_AT_A_TIME = BatchPolicy(max_batch_size=1, batch_wait_timeout_s=0)
+
+
+def gated_model(name: str, pass_s: float) -> tuple[Model, threading.Event, threading.Event]:
+    """A model whose passes take ``pass_s``; the pass on input -1 waits for ``gate``."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def forward(xs: list[int]) -> list[int]:
+        if xs == [-1]:
+            entered.set()
+            gate.wait(20)
+        time.sleep(pass_s)
+        return xs
+
+    return Model(name, fn=forward, policy=ONE_AT_A_TIME, inline=False), gate, entered
+
+
+async def _held(raw: redis.Redis, model: str, expected: int) -> int:
+    """How many entries the worker holds in flight, once it settles on ``expected``."""
+    key = next(iter(raw.scan_iter(protocol.inflight_key(model, "*"))))
+    for _ in range(100):
+        if raw.llen(key) == expected:
+            break
+        await asyncio.sleep(0.02)
+    return int(raw.llen(key))
+
+
+@pytest.mark.parametrize(("pass_s", "held"), [(0.0, 2), (PREFETCH_MAX_MS / 1000 * 2, 1)])
+async def test_next_batch_is_claimed_during_a_short_pass_only(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        pass_s: float, held: int) -> None:
+    model, gate, entered = gated_model(f"gated{held}", pass_s)
+    start_worker([model])
+    async with Client(redis_url) as client:
+        assert await client.predict_many(model.name, [1, 2, 3]) == [1, 2, 3]  # learn pass time
+        pending = [asyncio.create_task(client.predict(model.name, x)) for x in (-1, 7, 8)]
+        await asyncio.to_thread(entered.wait, 10)
+        # a short pass: the gated one plus the prefetched next; a slow one: its own only
+        assert await _held(raw_redis, model.name, held) == held
+        gate.set()
+        assert [await t for t in pending] == [-1, 7, 8]
+
+
+async def test_replies_follow_claim_order_under_load(start_worker: Callable[..., Worker],
+                                                     redis_url: str) -> None:
+    model = Model("fast", fn=lambda xs: [x * 3 for x in xs],
+                  policy=BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0.001))
+    start_worker([model])
+    async with Client(redis_url) as client:
+        results = await asyncio.gather(*(client.predict_many("fast", list(range(i, i + 50)))
+                                         for i in range(0, 500, 50)))
+    assert [x for chunk in results for x in chunk] == [3 * i for i in range(500)]
+
+
+async def test_short_cpu_passes_run_inline() -> None:
+    caller: list[str] = []
+
+    def fn(xs: list[int]) -> list[int]:
+        caller.append(threading.current_thread().name)
+        return xs
+
+    with ThreadPoolExecutor(1, thread_name_prefix="fwd") as pool:
+        auto = Forwarder(Model("a", fn=fn), fn, pool, device="cpu")
+        gpu = Forwarder(Model("g", fn=fn), fn, pool, device="cuda:0")
+        never = Forwarder(Model("n", fn=fn, inline=False), fn, pool, device="cpu")
+        for forwarder in (auto, gpu, never):
+            await forwarder.run([1])  # the first pass is timed in the thread
+            await forwarder.run([2])
+    main = threading.current_thread().name
+    assert caller[0].startswith("fwd") and caller[1] == main  # auto: inline once known short
+    assert all(name.startswith("fwd") for name in caller[2:])  # GPU and inline=False: never
+    assert auto.pass_ms is not None and auto.pass_ms < AUTO_INLINE_MS
+
+
+async def test_slow_cpu_passes_stay_off_the_loop() -> None:
+    def slow(xs: list[int]) -> list[int]:
+        time.sleep(AUTO_INLINE_MS * 2 / 1000)
+        return xs
+
+    with ThreadPoolExecutor(1) as pool:
+        forwarder = Forwarder(Model("s", fn=slow), slow, pool, device="cpu")
+        await forwarder.run([1])
+        assert not forwarder.inline
