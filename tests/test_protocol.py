@@ -60,3 +60,20 @@ def test_reply_round_trip_ok_and_error() -> None:
     err = protocol.Reply("r", False, error_code="model_error", error_message="boom")
     back = protocol.reply_from_wire(codec.decode(codec.encode(err.to_wire(), "json")))
     assert not back.ok and back.error_code == "model_error" and back.error_message == "boom"
+
+
+def test_request_ids_are_unique_and_change_after_fork() -> None:
+    import os
+
+    ids = {protocol.new_request_id() for _ in range(10_000)}
+    assert len(ids) == 10_000 and all(len(i) == 32 for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child draws a new prefix: its ids cannot repeat the parent's
+        os.write(write, protocol.new_request_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert child[:16] != protocol.new_request_id()[:16]

@@ -27,7 +27,7 @@ from redbatch.api.errors import (
     on_redbatch_error,
     on_unexpected,
 )
-from redbatch.api.fast import FastPredict
+from redbatch.api.fast import GatewayApp, RawResponse
 from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import NoLiveWorkers, RedbatchError, error_from_code
 from redbatch.producer.client import Client
@@ -62,13 +62,13 @@ class Gateway:
         await self.client.close()
         await self._redis.aclose()
 
-    async def predict(self, request: Request) -> Response:
-        """The routed handler; ``FastPredict`` serves the same requests ahead of it."""
+    async def predict(self, request: Request) -> Response | RawResponse:
+        """The routed handler; ``GatewayApp`` serves the same requests ahead of it."""
         headers = dict(request.headers.raw)
         return await self.predict_core(request.path_params["model"], headers, request.receive)
 
     async def predict_core(self, model: str, headers: body.Headers, receive: Receive
-                           ) -> Response:
+                           ) -> Response | RawResponse:
         info = await self.directory.get(model)
         if not await self.client.live_workers(model):
             raise NoLiveWorkers(f"model {model!r} has no live worker; retry shortly")
@@ -99,18 +99,20 @@ class Gateway:
         return JSONResponse({"status": "ready"})
 
 
-def _reply_response(info: ModelInfo, reply: Reply) -> Response:
+def _reply_response(info: ModelInfo, reply: Reply) -> Response | RawResponse:
     """200 with the model's output, or the reply's typed error as JSON."""
     if not reply.ok:
         return from_exception(error_from_code(reply.error_code, reply.error_message))
     content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
                            option=orjson.OPT_SERIALIZE_NUMPY)
-    return Response(content, media_type="application/json", headers={
-        "x-request-id": reply.id,
-        "x-redbatch-batch-size": str(reply.timings.batch_size),
-        "x-redbatch-queue-wait-ms": f"{reply.timings.queue_wait_ms:.1f}",
-        "x-redbatch-forward-ms": f"{reply.timings.forward_ms:.2f}",
-    })
+    timings = reply.timings
+    return RawResponse(200, [
+        (b"content-type", b"application/json"),
+        (b"x-request-id", reply.id.encode()),
+        (b"x-redbatch-batch-size", b"%d" % timings.batch_size),
+        (b"x-redbatch-queue-wait-ms", b"%.1f" % timings.queue_wait_ms),
+        (b"x-redbatch-forward-ms", b"%.2f" % timings.forward_ms),
+    ], content)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -149,8 +151,8 @@ def create_app(config: GatewayConfig | None = None, redis: RedisSettings | None 
                                 Exception: on_unexpected}
     key = gateway.config.api_key
     middleware = [Middleware(ApiKeyMiddleware, api_key=key)] if key else []
-    middleware.append(Middleware(FastPredict, gateway=gateway))
-    app = Starlette(routes=_routes(gateway), exception_handlers=handlers,
-                    lifespan=_lifespan(gateway), middleware=middleware)
+    app = GatewayApp(routes=_routes(gateway), exception_handlers=handlers,
+                     lifespan=_lifespan(gateway), middleware=middleware)
+    app.api_key = key.encode() if key else None
     app.state.gateway = gateway
     return app

@@ -32,6 +32,13 @@ class Admission:
         self.max_queue_len = max_queue_len
         self._cache: dict[str, tuple[float, float, int]] = {}
 
+    def live_cached(self, model: str) -> int | None:
+        """Live workers from the cache, or None when it is stale (no I/O)."""
+        cached = self._cache.get(model)
+        if cached is None or time.monotonic() - cached[0] > REFRESH_S:
+            return None
+        return cached[2]
+
     async def _workers(self, model: str) -> tuple[float, int]:
         """(items per second the live workers can serve, how many are live), cached."""
         cached = self._cache.get(model)

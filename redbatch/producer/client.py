@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from types import TracebackType
@@ -102,6 +103,8 @@ class Client:
         """Live workers of ``model`` (cached for a second)."""
         if self._listener is None:
             await self.start()
+        elif (live := self._admission.live_cached(model)) is not None:
+            return live
         async with translated(self.settings):
             return await self._admission.live(model)
 
@@ -123,7 +126,7 @@ class Client:
 
     def _request(self, model: str, inputs: Any, deadline_ms: int, request_id: str | None
                  ) -> Request:
-        return Request(id=request_id or protocol.new_id(), model=model,
+        return Request(id=request_id or protocol.new_request_id(), model=model,
                        enqueue_ms=protocol.now_ms(), deadline_ms=deadline_ms,
                        reply_to=self.reply_to, payload=inputs)
 
@@ -183,16 +186,44 @@ class Client:
 
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None) -> Any:
         """Run ``model`` on one input and return its output (or raise a typed error)."""
-        return await (await self.submit(model, inputs, timeout_s))
+        return await (await self._send_one(model, inputs, timeout_s, None, want_reply=False))
 
     async def predict_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
                             request_id: str | None = None) -> Reply:
         """Like ``predict`` but return the whole ``Reply`` (timings, error code)."""
-        ids = [request_id] if request_id else None
-        (future,) = await self.submit_many(model, [inputs], timeout_s, want_reply=True,
-                                           request_ids=ids)
-        reply: Reply = await future
+        reply: Reply = await (await self._send_one(model, inputs, timeout_s, request_id,
+                                                   want_reply=True))
         return reply
+
+    async def _send_one(self, model: str, inputs: Any, timeout_s: float | None,
+                        request_id: str | None, *, want_reply: bool) -> asyncio.Future[Any]:
+        """The lean path of ``predict``: one waiter, whose deadline timer also bounds
+        the enqueue; the push's outcome settles it through a callback (no task, no
+        second timer)."""
+        if self._listener is None:
+            await self.start()
+        assert self._listener is not None and self._enqueuer is not None
+        protocol.check_model_name(model)
+        request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id)
+        entry = codec.encode(request.to_wire(), self.fmt)
+        if self._listener.waiting >= self.max_waiters:
+            raise QueueFull(f"{self._listener.waiting} requests already wait in this process "
+                            f"(max_waiters={self.max_waiters})", QUEUE_FULL_RETRY_AFTER_S)
+        future = self._listener.expect(request.id, request.deadline_ms, want_reply)
+        pushed = self._enqueuer.push(model, [request], [entry])
+        pushed.add_done_callback(functools.partial(self._pushed, request.id))
+        return future
+
+    def _pushed(self, request_id: str,
+                pushed: asyncio.Future[tuple[int, QueueFull | None]]) -> None:
+        """Fail the waiter of a push that was refused or failed."""
+        assert self._listener is not None
+        if pushed.cancelled():
+            self._listener.fail(request_id, asyncio.CancelledError())
+        elif (exc := pushed.exception()) is not None:
+            self._listener.fail(request_id, exc)
+        elif (result := pushed.result())[0] < 1:
+            self._listener.fail(request_id, result[1] or QueueFull("queue full"))
 
     async def predict_many(self, model: str, inputs: Sequence[Any],
                            timeout_s: float | None = None, *, return_exceptions: bool = False
