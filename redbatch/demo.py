@@ -12,23 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from redbatch.bench.mlp import W2_IN, build_mlp
 from redbatch.worker.model import Model, TensorSpec, batch
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.torch_helpers import torch_model
-
-W2_IN, W2_HIDDEN, W2_OUT = 64, 1024, 16
-
-
-def build_mlp() -> Any:
-    """Linear(64,1024)-ReLU-Linear(1024,1024)-ReLU-Linear(1024,16), seed 0."""
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(W2_IN, W2_HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(W2_HIDDEN, W2_HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(W2_HIDDEN, W2_OUT),
-    )
 
 
 def echo_fn(items: list[Any]) -> list[Any]:

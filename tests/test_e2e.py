@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from redbatch import Client
-from redbatch.demo import build_mlp
+from redbatch.bench.mlp import build_mlp
 from tests.conftest import Proc, free_port, redbatch_cmd, wait_http
 
 pytestmark = pytest.mark.e2e

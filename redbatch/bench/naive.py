@@ -10,7 +10,7 @@ import torch
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from redbatch.demo import build_mlp
+from redbatch.bench.mlp import build_mlp
 
 torch.set_num_threads(1)
 MODEL = build_mlp().eval()

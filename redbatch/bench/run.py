@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,80 +22,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import redis
 
 from redbatch import Client, protocol
-from redbatch.demo import build_mlp
-from redbatch.embedded import free_port
+from redbatch.bench import servers
+from redbatch.bench.mlp import build_mlp
+from redbatch.bench.servers import W2_X, Procs, cpu_seconds
+from redbatch.worker.process import run_loop
 
 WRK = Path(__file__).resolve().parent / "wrk"
-W1_BODY = {"x": [i / 16 for i in range(16)]}
-W2_X = [i / 64 for i in range(64)]
-
-
-class Procs:
-    """Child processes, stopped by PID (SIGTERM, then SIGKILL) at the end."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        log = (self.logdir / f"{name}.log").open("ab")
-        self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, **(env or {})}))
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def wait_ok(url: str, body: Any, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.post(url, json=body, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"bench: {url} never answered 200")
-
-
-def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
-    redis_port, http_port = free_port(), free_port()
-    url = f"redis://127.0.0.1:{redis_port}/0"
-    procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                          "--save", "", "--appendonly", "no"])
-    env = {"REDBATCH_LOG_LEVEL": "WARNING"}
-    procs.start("worker", [sys.executable, "-m", "redbatch", "worker", "redbatch.demo:models",
-                           "--redis-url", url, "--threads", "1", "--device", "cpu"], env)
-    procs.start("gateway", [sys.executable, "-m", "uvicorn", "--factory",
-                            "redbatch.api.serve:app_from_env", "--host", "127.0.0.1",
-                            "--port", str(http_port), "--workers", str(gateways),
-                            "--no-access-log", "--log-level", "warning"],
-                {**env, "REDIS_URL": url})
-    base = f"http://127.0.0.1:{http_port}"
-    wait_ok(f"{base}/v1/models/mlp/predict", {"x": W2_X})
-    return url, base
-
-
-def start_naive(procs: Procs) -> str:
-    port = free_port()
-    procs.start("naive", [sys.executable, "-m", "uvicorn", "redbatch.bench.naive:app",
-                          "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
-                          "--log-level", "warning"])
-    base = f"http://127.0.0.1:{port}"
-    wait_ok(f"{base}/w2", {"x": W2_X})
-    return base
 
 
 def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, Any]:
@@ -125,13 +59,18 @@ def batch_counters(redis_url: str, model: str) -> dict[str, float]:
     return totals
 
 
-def http_case(url: str, lua: str, args: argparse.Namespace, redis_url: str | None = None,
-              model: str = "") -> dict[str, Any]:
+def http_case(url: str, lua: str, args: argparse.Namespace, pids: list[int],
+              redis_url: str | None = None, model: str = "") -> dict[str, Any]:
+    """wrk at 64 connections (with the servers' CPU per request and, for redbatch, the
+    batching counters), then at 1 connection."""
     wrk(url, lua, 64, args.warmup_s)
     if redis_url:
         time.sleep(1.2)  # the workers' counters ride on their 1 s heartbeat
     before = batch_counters(redis_url, model) if redis_url else None
+    cpu_before = cpu_seconds(pids)
     c64 = wrk(url, lua, 64, args.duration_s)
+    c64["server_cpu_ms_per_request"] = (cpu_seconds(pids) - cpu_before) * 1000 / max(
+        c64["requests"], 1)
     case: dict[str, Any] = {"c64": c64}
     if redis_url and before is not None:
         time.sleep(1.2)
@@ -167,7 +106,7 @@ def bare_model(duration_s: float) -> dict[str, float]:
 
 
 async def producer_path(redis_url: str, duration_s: float, concurrency: int = 64) -> float:
-    """W2 items/s through Client.predict from many tasks (no HTTP)."""
+    """W2 items/s through Client.predict from many tasks (no HTTP), on uvloop."""
     x = np.asarray(W2_X, dtype=np.float32)
     async with Client(redis_url) as client:
         await client.predict_many("mlp", [x] * 64)
@@ -219,18 +158,19 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 def fmt(case: dict[str, Any]) -> str:
     c64, c1 = case["c64"], case["c1"]
     return (f"{c64['rps']:>8.0f} {c64['lat_p50_us'] / 1000:>8.2f} {c64['lat_p99_us'] / 1000:>8.2f}"
-            f" {c1['lat_p50_us'] / 1000:>8.2f} {c64['errors'] + c1['errors']:>6}")
+            f" {c1['lat_p50_us'] / 1000:>8.2f} {c64['server_cpu_ms_per_request']:>8.3f}"
+            f" {c64['errors'] + c1['errors']:>6}")
 
 
 def report(res: dict[str, Any]) -> None:
-    print("\nsystem / workload          rps@64   p50@64   p99@64    p50@1 errors  (ms)")
-    for key in ("redbatch_w1", "naive_w1", "redbatch_w2", "naive_w2"):
-        print(f"  {key:<24} {fmt(res[key])}")
+    print("\nsystem / workload          rps@64   p50@64   p99@64    p50@1  cpu/req errors  (ms)")
+    for key in ("redbatch_w1", "naive_w1", "ray_w1", "redbatch_w2", "naive_w2", "ray_w2"):
+        if key in res:
+            print(f"  {key:<24} {fmt(res[key])}")
     for wl in ("w1", "w2"):
-        ours, naive = res[f"redbatch_{wl}"], res[f"naive_{wl}"]
-        print(f"  {wl}: throughput x{ours['c64']['rps'] / naive['c64']['rps']:.2f} of naive;"
-              f" p50@1 {(ours['c1']['lat_p50_us'] - naive['c1']['lat_p50_us']) / 1000:+.2f} ms"
-              f" vs naive; p99@64 x{ours['c64']['lat_p99_us'] / naive['c64']['lat_p99_us']:.2f}")
+        for other in ("naive", "ray"):
+            if f"{other}_{wl}" in res:
+                print(f"  {wl}: {ratios(res[f'redbatch_{wl}'], res[f'{other}_{wl}'], other)}")
     b = res["redbatch_w2"]["batching"]
     print(f"  w2 batching: mean batch {b['mean_batch']:.1f} (fill {b['fill_ratio']:.0%}), "
           f"forward {b['forward_ms_per_batch']:.2f} ms/batch, queue wait "
@@ -242,26 +182,44 @@ def report(res: dict[str, Any]) -> None:
           f"items/s = {res['producer_items_per_s'] / bare:.0%} of the bare model at batch 32")
 
 
+def ratios(ours: dict[str, Any], other: dict[str, Any], name: str) -> str:
+    return (f"throughput x{ours['c64']['rps'] / other['c64']['rps']:.2f} of {name}; "
+            f"p50@1 {(ours['c1']['lat_p50_us'] - other['c1']['lat_p50_us']) / 1000:+.2f} ms; "
+            f"p99@64 x{ours['c64']['lat_p99_us'] / other['c64']['lat_p99_us']:.2f}")
+
+
 def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     procs = Procs(logdir)
     try:
-        redis_url, ours = start_redbatch(procs, args.gateways)
-        naive = start_naive(procs)
+        redis_url, ours = servers.start_redbatch(procs, args.gateways)
+        naive = servers.start_naive(procs)
         res: dict[str, Any] = {"args": vars(args), "started": time.strftime("%FT%TZ")}
-        res["redbatch_w1"] = http_case(f"{ours}/v1/models/echo/predict", "w1.lua", args,
+        mine = procs.pids("redis", "worker", "gateway")
+        res["redbatch_w1"] = http_case(f"{ours}/v1/models/echo/predict", "w1.lua", args, mine,
                                        redis_url, "echo")
-        res["naive_w1"] = http_case(f"{naive}/w1", "w1.lua", args)
-        res["redbatch_w2"] = http_case(f"{ours}/v1/models/mlp/predict", "w2.lua", args,
+        res["naive_w1"] = http_case(f"{naive}/w1", "w1.lua", args, procs.pids("naive"))
+        res["redbatch_w2"] = http_case(f"{ours}/v1/models/mlp/predict", "w2.lua", args, mine,
                                        redis_url, "mlp")
-        res["naive_w2"] = http_case(f"{naive}/w2", "w2.lua", args)
-        res["producer_items_per_s"] = asyncio.run(producer_path(redis_url, args.duration_s))
+        res["naive_w2"] = http_case(f"{naive}/w2", "w2.lua", args, procs.pids("naive"))
+        urls = {"redbatch": f"{ours}/v1/models/mlp/predict", "naive": f"{naive}/w2"}
+        if args.ray:
+            urls["ray"] = f"{run_ray(procs, args, res)}/w2"
+        res["producer_items_per_s"] = run_loop(producer_path(redis_url, args.duration_s))
         res["bare_model"] = bare_model(min(args.duration_s, 3.0))
         levels = [1, 64] if args.quick else [1, 4, 16, 64, 256]
-        res["sweep_w2"] = sweep({"redbatch": f"{ours}/v1/models/mlp/predict",
-                                 "naive": f"{naive}/w2"}, levels, args.sweep_s)
+        res["sweep_w2"] = sweep(urls, levels, args.sweep_s)
         return res
     finally:
         procs.stop()
+
+
+def run_ray(procs: Procs, args: argparse.Namespace, res: dict[str, Any]) -> str:
+    """Ray Serve's W1 and W2 in this run (its whole process tree counts as its CPU)."""
+    base = servers.start_ray(procs, args.ray)
+    pids = procs.pids("ray")
+    res["ray_w1"] = http_case(f"{base}/w1", "w1.lua", args, pids)
+    res["ray_w2"] = http_case(f"{base}/w2", "w2.lua", args, pids)
+    return base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, help="each wrk run (default 10; quick 3)")
     parser.add_argument("--gateways", type=int, default=1, help="gateway processes (1)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
+    parser.add_argument("--ray", metavar="PYTHON",
+                        help="also run Ray Serve, with this Python (it needs ray[serve] and "
+                             "torch==2.13.0: see docs/benchmarks.md)")
     args = parser.parse_args(argv)
     args.duration_s = args.duration_s or (3.0 if args.quick else 10.0)
     args.warmup_s = 1.0 if args.quick else 3.0

@@ -1,0 +1,72 @@
+"""Ray Serve for ``redbatch bench --ray PYTHON``: the anchors' ``servers/ray_app.py``
+setup (local Ray with num_cpus=2, Serve's HTTP proxy, one replica each) serving
+W1 at ``/w1`` (a no-op deployment) and W2 at ``/w2`` (``@serve.batch(32, 5 ms)`` over
+the same MLP as redbatch's demo).  Run by the Python that has ``ray[serve]`` and torch,
+as a plain script: it imports nothing from redbatch but ``mlp.py`` beside it.
+Prints READY when serving; stops on SIGTERM.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from starlette.requests import Request
+
+PORT = int(os.environ.get("RAY_BENCH_PORT", "18002"))
+NOLOG = {"enable_access_log": False}
+HERE = str(Path(__file__).resolve().parent)  # holds mlp.py, for the driver and replicas
+
+
+@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
+class Noop:
+    async def __call__(self, request: Request) -> dict[str, Any]:
+        return {"y": (await request.json())["x"]}
+
+
+@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
+class Batched:
+    def __init__(self) -> None:
+        import mlp  # type: ignore[import-not-found]  # redbatch/bench/mlp.py, via PYTHONPATH
+
+        torch.set_num_threads(1)
+        self.model = mlp.build_mlp().eval()
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def infer(self, xs: list[Any]) -> list[Any]:
+        with torch.inference_mode():
+            out: list[Any] = self.model(torch.tensor(xs, dtype=torch.float32)).tolist()
+        return out
+
+    async def __call__(self, request: Request) -> dict[str, Any]:
+        return {"y": await self.infer((await request.json())["x"])}
+
+
+def main() -> None:
+    stop = {"flag": False}
+    sys.path.insert(0, HERE)
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": HERE}})
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT}, logging_config=NOLOG)
+    serve.run(Noop.bind(),  # type: ignore[attr-defined]
+              name="w1", route_prefix="/w1", logging_config=NOLOG)
+    serve.run(Batched.bind(),  # type: ignore[attr-defined]
+              name="w2", route_prefix="/w2", logging_config=NOLOG)
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
+    print(f"READY port={PORT} ray={ray.__version__}", flush=True)
+    while not stop["flag"]:
+        time.sleep(0.2)
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The servers of a bench run (redbatch, the naive baseline, optionally Ray Serve) as
+child processes, and the CPU time they use."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from redbatch.embedded import free_port
+
+W2_X = [i / 64 for i in range(64)]
+RAY_APP = Path(__file__).resolve().parent / "ray_app.py"
+
+
+class Procs:
+    """Child processes, stopped by PID (SIGTERM, then SIGKILL) at the end."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.by_name: dict[str, int] = {}
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        log = (self.logdir / f"{name}.log").open("ab")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+        self.procs.append(proc)
+        self.by_name[name] = proc.pid
+
+    def pids(self, *names: str) -> list[int]:
+        return [self.by_name[n] for n in names if n in self.by_name]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_ok(url: str, body: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(url, json=body, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"bench: {url} never answered 200")
+
+
+def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
+    redis_port, http_port = free_port(), free_port()
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                          "--save", "", "--appendonly", "no"])
+    env = {"REDBATCH_LOG_LEVEL": "WARNING"}
+    procs.start("worker", [sys.executable, "-m", "redbatch", "worker", "redbatch.demo:models",
+                           "--redis-url", url, "--threads", "1", "--device", "cpu"], env)
+    procs.start("gateway", [sys.executable, "-m", "uvicorn", "--factory",
+                            "redbatch.api.serve:app_from_env", "--host", "127.0.0.1",
+                            "--port", str(http_port), "--workers", str(gateways),
+                            "--no-access-log", "--log-level", "warning"],
+                {**env, "REDIS_URL": url})
+    base = f"http://127.0.0.1:{http_port}"
+    wait_ok(f"{base}/v1/models/mlp/predict", {"x": W2_X})
+    return url, base
+
+
+def start_ray(procs: Procs, python: str, timeout_s: float = 180) -> str:
+    """Ray Serve (``ray_app.py``) under ``python``, which must have ray[serve] and torch."""
+    port = free_port()
+    procs.start("ray", [python, str(RAY_APP)], {"RAY_BENCH_PORT": str(port)})
+    base = f"http://127.0.0.1:{port}"
+    wait_ok(f"{base}/w2", {"x": W2_X}, timeout_s)
+    return base
+
+
+def start_naive(procs: Procs) -> str:
+    port = free_port()
+    procs.start("naive", [sys.executable, "-m", "uvicorn", "redbatch.bench.naive:app",
+                          "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+                          "--log-level", "warning"])
+    base = f"http://127.0.0.1:{port}"
+    wait_ok(f"{base}/w2", {"x": W2_X})
+    return base
+
+
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and all their descendants."""
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in family:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+    return total
