@@ -201,13 +201,14 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         res["redbatch_w2"] = http_case(f"{ours}/v1/models/mlp/predict", "w2.lua", args, mine,
                                        redis_url, "mlp")
         res["naive_w2"] = http_case(f"{naive}/w2", "w2.lua", args, procs.pids("naive"))
-        urls = {"redbatch": f"{ours}/v1/models/mlp/predict", "naive": f"{naive}/w2"}
-        if args.ray:
-            urls["ray"] = f"{run_ray(procs, args, res)}/w2"
         res["producer_items_per_s"] = run_loop(producer_path(redis_url, args.duration_s))
         res["bare_model"] = bare_model(min(args.duration_s, 3.0))
         levels = [1, 64] if args.quick else [1, 4, 16, 64, 256]
-        res["sweep_w2"] = sweep(urls, levels, args.sweep_s)
+        res["sweep_w2"] = sweep({"redbatch": f"{ours}/v1/models/mlp/predict",
+                                 "naive": f"{naive}/w2"}, levels, args.sweep_s)
+        if args.ray:  # last: Ray's idle daemons would take CPU from the other figures
+            ray = run_ray(procs, args, res)
+            res["sweep_w2"].update(sweep({"ray": f"{ray}/w2"}, levels, args.sweep_s))
         return res
     finally:
         procs.stop()
