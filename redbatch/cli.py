@@ -41,6 +41,8 @@ def _add_worker(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:0,cuda:1 (auto)")
     parser.add_argument("--threads", type=int, help="CPU threads per replica (1)")
     parser.add_argument("--lease-ttl-s", type=float, help="worker lease (10)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics of replica i on "
+                        "this port + i (0: off; $REDBATCH_METRICS_PORT)")
 
 
 def build_parser() -> argparse.ArgumentParser:
