@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env
-from redbatch.errors import RedbatchError
+from redbatch.errors import ConfigError, RedbatchError
 from redbatch.logs import setup_logging
 
 log = logging.getLogger("redbatch")
@@ -62,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(worker)
     _add_worker(worker)
     worker.add_argument("--block-timeout-s", type=float, help="blocking pop timeout (1.0)")
+    status = sub.add_parser("status", help="queues, workers, rates and latencies per model, "
+                            "read from Redis")
+    _add_redis(status)
+    status.add_argument("--json", action="store_true", help="print JSON for scripts")
+    status.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    status.add_argument("--interval-s", type=float, default=1.0,
+                        help="sampling interval for items/s (1.0)")
+    from redbatch.jobs.cli import register as register_jobs
+
+    register_jobs(sub)
     return parser
 
 
@@ -147,6 +157,14 @@ def _up(target: str, gateway_config: GatewayConfig, worker_config: WorkerConfig,
         pool.stop()
 
 
+def cmd_status(args: argparse.Namespace, redis: RedisSettings) -> int:
+    from redbatch.status_view import run
+
+    if args.interval_s <= 0:
+        raise ConfigError("--interval-s must be positive")
+    return run(redis, as_json=args.json, watch=args.watch, interval_s=args.interval_s)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own flags: see redbatch/bench/run.py
@@ -162,6 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_up(args, redis_url)
         elif args.command == "gateway":
             cmd_gateway(args, RedisSettings.from_env(redis_url))
+        elif args.command == "status":
+            return cmd_status(args, RedisSettings.from_env(redis_url))
+        elif args.command == "jobs":
+            from redbatch.jobs.cli import main as jobs_main
+
+            return jobs_main(args)
         else:
             cmd_worker(args, RedisSettings.from_env(redis_url))
     except RedbatchError as exc:

@@ -44,6 +44,8 @@ F_ENQUEUE_MS: Final = "enqueue_ms"
 F_DEADLINE_MS: Final = "deadline_ms"
 F_REPLY_TO: Final = "reply_to"
 F_ATTEMPT: Final = "attempt"
+F_TRACE_ID: Final = "trace_id"  # optional: the caller's correlation id (X-Request-ID)
+TRACE_ID_RE: Final = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 F_PAYLOAD: Final = "payload"
 F_OK: Final = "ok"
 F_ERROR: Final = "error"
@@ -151,9 +153,10 @@ class Request:
     reply_to: str
     payload: Any
     attempt: int = 0
+    trace_id: str = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             F_VERSION: PROTOCOL_VERSION,
             F_ID: self.id,
             F_MODEL: self.model,
@@ -163,6 +166,9 @@ class Request:
             F_ATTEMPT: self.attempt,
             F_PAYLOAD: self.payload,
         }
+        if self.trace_id:
+            wire[F_TRACE_ID] = self.trace_id
+        return wire
 
 
 @dataclass(slots=True)
@@ -239,7 +245,16 @@ def request_from_wire(wire: Any) -> Request:
         reply_to=reply_to,
         attempt=_field(wire, F_ATTEMPT, int),
         payload=wire[F_PAYLOAD],
+        trace_id=_trace_id(wire.get(F_TRACE_ID)),
     )
+
+
+def _trace_id(value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not TRACE_ID_RE.fullmatch(value):
+        raise InvalidPayload("field 'trace_id' must be 1-128 characters of [A-Za-z0-9._:/-]")
+    return value
 
 
 def _checked_id(request_id: str) -> str:

@@ -108,6 +108,12 @@ async def test_gateway_api_key(start_worker: Callable[..., Worker], redis_url: s
         for headers in ({"authorization": "Bearer k3y"}, {"x-api-key": "k3y"}):
             ok = await http.post("/v1/models/plus/predict", json={"inputs": 1}, headers=headers)
             assert ok.status_code == 200 and ok.json() == {"outputs": 2}
+        for path in ("/v2/health/live", "/v2/health/ready", "/openapi.json", "/metrics"):
+            assert (await http.get(path)).status_code == 200, path  # open, like /healthz
+        for path in ("/v1/models", "/v2/models/plus", "/v1/stats"):
+            assert (await http.get(path)).status_code == 401, path
+        v2 = await http.post("/v2/models/plus/infer", json={"inputs": []})
+        assert v2.status_code == 401
 
 
 def test_api_key_not_in_config_repr() -> None:

@@ -9,6 +9,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import orjson
+import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -28,6 +29,8 @@ from redbatch.api.errors import (
     on_unexpected,
 )
 from redbatch.api.fast import GatewayApp, RawResponse
+from redbatch.api.openapi import openapi_routes
+from redbatch.api.v2 import v2_routes
 from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import NoLiveWorkers, RedbatchError, error_from_code
 from redbatch.producer.client import Client
@@ -51,6 +54,11 @@ class Gateway:
         self._redis = async_client(redis)
         self.directory = ModelDirectory(self._redis, redis, config.meta_refresh_s)
 
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The gateway's own Redis client (model lookups, metrics)."""
+        return self._redis
+
     async def start(self) -> None:
         try:
             await self.client.start()
@@ -65,10 +73,11 @@ class Gateway:
     async def predict(self, request: Request) -> Response | RawResponse:
         """The routed handler; ``GatewayApp`` serves the same requests ahead of it."""
         headers = dict(request.headers.raw)
-        return await self.predict_core(request.path_params["model"], headers, request.receive)
+        return await self.predict_core(request.path_params["model"], headers, request.receive,
+                                       body.trace_id(headers))
 
-    async def predict_core(self, model: str, headers: body.Headers, receive: Receive
-                           ) -> Response | RawResponse:
+    async def predict_core(self, model: str, headers: body.Headers, receive: Receive,
+                           trace_id: str = "") -> Response | RawResponse:
         info = await self.directory.get(model)
         if not await self.client.live_workers(model):
             raise NoLiveWorkers(f"model {model!r} has no live worker; retry shortly")
@@ -77,7 +86,8 @@ class Gateway:
         value = body.model_input(data, info)
         timeout = body.timeout_s(headers, data, self.config.default_timeout_s,
                                  self.config.max_timeout_s)
-        return _reply_response(info, await self.client.predict_reply(model, value, timeout))
+        return _reply_response(info, await self.client.predict_reply(model, value, timeout,
+                                                                     trace_id=trace_id))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"models": await self.directory.listing()})
@@ -108,7 +118,6 @@ def _reply_response(info: ModelInfo, reply: Reply) -> Response | RawResponse:
     timings = reply.timings
     return RawResponse(200, [
         (b"content-type", b"application/json"),
-        (b"x-request-id", reply.id.encode()),
         (b"x-redbatch-batch-size", b"%d" % timings.batch_size),
         (b"x-redbatch-queue-wait-ms", b"%.1f" % timings.queue_wait_ms),
         (b"x-redbatch-forward-ms", b"%.2f" % timings.forward_ms),
@@ -128,6 +137,8 @@ def _routes(gateway: Gateway) -> list[Route]:
         Route("/v1/stats", gateway.stats, methods=["GET"]),
         Route("/healthz", gateway.healthz, methods=["GET"]),
         Route("/readyz", gateway.readyz, methods=["GET"]),
+        *v2_routes(gateway),
+        *openapi_routes(),
     ]
 
 

@@ -8,7 +8,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from redbatch.api.errors import error_response
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# Health checks, the API description and Prometheus's scrape stay open (no secrets in
+# them); everything else needs the key.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready",
+                        "/openapi.json", "/metrics"})
 
 
 def presented_key(headers: dict[bytes, bytes]) -> bytes:

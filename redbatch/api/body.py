@@ -7,10 +7,12 @@ from typing import Any
 import orjson
 from starlette.types import Receive
 
+from redbatch import protocol
 from redbatch.api.directory import ModelInfo
 from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload
 
 TIMEOUT_HEADER = b"x-redbatch-timeout-ms"
+REQUEST_ID_HEADER = b"x-request-id"
 TIMEOUT_FIELD = "timeout_ms"
 Headers = dict[bytes, bytes]  # ASGI header names are lower-case bytes
 
@@ -78,3 +80,14 @@ def timeout_s(headers: Headers, data: dict[str, Any], default_s: float, max_s: f
     if TIMEOUT_FIELD in data:
         chosen = min(chosen, _positive_ms(data[TIMEOUT_FIELD], TIMEOUT_FIELD) / 1000)
     return min(chosen, max_s)
+
+
+def trace_id(headers: Headers) -> str:
+    """The caller's ``X-Request-ID``, checked, or a fresh id when it sent none."""
+    raw = headers.get(REQUEST_ID_HEADER)
+    if raw is None:
+        return protocol.new_request_id()
+    value = raw.decode("latin-1")
+    if not protocol.TRACE_ID_RE.fullmatch(value):
+        raise BadRequest("X-Request-ID must be 1-128 characters of [A-Za-z0-9._:/-]")
+    return value

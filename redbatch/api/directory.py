@@ -78,6 +78,16 @@ class ModelDirectory:
         return {**meta, "queue_depth": int(depth), "live_workers": len(workers),
                 "workers": workers}
 
+    def known(self, name: str) -> bool:
+        """Whether a worker registered ``name`` (as far as the cache knows)."""
+        hit = self._cache.get(name)
+        return hit is not None and hit[1] is not None
+
+    async def model_names(self) -> list[str]:
+        """Every model a worker ever registered."""
+        async with translated(self._settings):
+            return await self._model_names()
+
     async def _model_names(self) -> list[str]:
         raw: Any = await self._redis.zrange(protocol.MODELS_KEY, 0, -1)
         return [name.decode() for name in raw]

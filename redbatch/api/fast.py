@@ -13,11 +13,15 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import time
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from redbatch import metrics
+from redbatch.api import body, metrics_view
 from redbatch.api.auth import presented_key
 from redbatch.api.errors import error_response, from_exception
 from redbatch.errors import RedbatchError
@@ -54,9 +58,14 @@ class GatewayApp(Starlette):
 
     api_key: bytes | None = None
 
+    meters = metrics.GatewayMeters()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = PREDICT_PATH.match(scope["path"]) if scope["type"] == "http" else None
         if match is None or scope["method"] != "POST":
+            if scope["type"] == "http" and scope["path"] == "/metrics":
+                await self._metrics(scope, receive, send)
+                return
             await super().__call__(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -70,11 +79,49 @@ class GatewayApp(Starlette):
     async def _predict(self, model: str, headers: dict[bytes, bytes], scope: Scope,
                        receive: Receive, send: Send) -> None:
         gateway: Gateway = self.state.gateway
+        started = time.perf_counter()
+        inflight = self.meters.get(self._label(gateway, model))[1]
+        inflight.inc()
         try:
-            response = await gateway.predict_core(model, headers, receive)
+            response = await self._respond(gateway, model, headers, scope, receive)
+            await response(scope, receive, send)
+        finally:
+            inflight.dec()
+        duration, _, outcomes = self.meters.get(self._label(gateway, model))
+        status = response.status if isinstance(response, RawResponse) else response.status_code
+        outcomes[metrics.outcome_of(status)].inc()
+        duration.observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _label(gateway: Gateway, model: str) -> str:
+        """Model names from URLs become labels only once a worker registered them."""
+        return model if gateway.directory.known(model) else metrics.UNKNOWN_MODEL
+
+    async def _respond(self, gateway: Gateway, model: str, headers: dict[bytes, bytes],
+                       scope: Scope, receive: Receive) -> RawResponse | Response:
+        """The response, with ``X-Request-ID`` (the caller's, or a fresh one) on it."""
+        trace = ""
+        try:
+            trace = body.trace_id(headers)
+            response = await gateway.predict_core(model, headers, receive, trace)
         except RedbatchError as exc:
             response = from_exception(exc)
         except Exception:
-            log.exception("unexpected error on POST %s", scope["path"])
+            log.exception("unexpected error on POST %s (request id %s)", scope["path"], trace)
             response = error_response(500, "internal", "internal error; see the gateway log")
+        if trace:
+            _set_header(response, b"x-request-id", trace.encode())
+        return response
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Open like the health checks: Prometheus scrapes it without the API key."""
+        body = await metrics_view.exposition(self.state.gateway)
+        response = RawResponse(200, [(b"content-type", metrics.CONTENT_TYPE.encode())], body)
         await response(scope, receive, send)
+
+
+def _set_header(response: RawResponse | Response, name: bytes, value: bytes) -> None:
+    if isinstance(response, RawResponse):
+        response.headers.append((name, value))
+    else:
+        response.headers[name.decode()] = value.decode("latin-1")

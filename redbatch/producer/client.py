@@ -189,14 +189,16 @@ class Client:
         return await (await self._send_one(model, inputs, timeout_s, None, want_reply=False))
 
     async def predict_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
-                            request_id: str | None = None) -> Reply:
-        """Like ``predict`` but return the whole ``Reply`` (timings, error code)."""
+                            request_id: str | None = None, *, trace_id: str = "") -> Reply:
+        """Like ``predict`` but return the whole ``Reply`` (timings, error code);
+        ``trace_id`` travels with the request (``X-Request-ID``) for the logs."""
         reply: Reply = await (await self._send_one(model, inputs, timeout_s, request_id,
-                                                   want_reply=True))
+                                                   want_reply=True, trace_id=trace_id))
         return reply
 
     async def _send_one(self, model: str, inputs: Any, timeout_s: float | None,
-                        request_id: str | None, *, want_reply: bool) -> asyncio.Future[Any]:
+                        request_id: str | None, *, want_reply: bool, trace_id: str = ""
+                        ) -> asyncio.Future[Any]:
         """The lean path of ``predict``: one waiter, whose deadline timer also bounds
         the enqueue; the push's outcome settles it through a callback (no task, no
         second timer)."""
@@ -205,6 +207,7 @@ class Client:
         assert self._listener is not None and self._enqueuer is not None
         protocol.check_model_name(model)
         request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id)
+        request.trace_id = trace_id
         entry = codec.encode(request.to_wire(), self.fmt)
         if self._listener.waiting >= self.max_waiters:
             raise QueueFull(f"{self._listener.waiting} requests already wait in this process "

@@ -67,3 +67,13 @@ async def live_workers(redis: aioredis.Redis, model: str) -> list[dict[str, Any]
     infos: Any = await redis.hmget(protocol.worker_info_key(model), ids)
     return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
             for wid, raw in zip(ids, infos, strict=True)]
+
+
+def live_workers_sync(redis: Any, model: str) -> list[dict[str, Any]]:
+    """``live_workers`` for a synchronous client (``redbatch status``)."""
+    ids: Any = redis.zrangebyscore(protocol.workers_key(model), protocol.now_ms(), "+inf")
+    if not ids:
+        return []
+    infos: Any = redis.hmget(protocol.worker_info_key(model), ids)
+    return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
+            for wid, raw in zip(ids, infos, strict=True)]

@@ -36,7 +36,7 @@ def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
     device = config.device
     if device in {"auto", "cuda"} or "," in device:
         device = replica_device(device, index, _gpu_count())
-    run_worker_process(target, redis, config, device, log_level)
+    run_worker_process(target, redis, config, device, log_level, index)
 
 
 def _gpu_count() -> int:

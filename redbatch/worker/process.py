@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import lua, protocol
+from redbatch import lua, metrics, protocol
 from redbatch.checks import check_eviction
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
@@ -199,11 +199,24 @@ async def _main(worker: Worker) -> None:
 
 
 def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, device: str,
-                       log_level: str = "INFO") -> None:
-    """Entry point of a spawned worker process."""
+                       log_level: str = "INFO", index: int = 0) -> None:
+    """Entry point of a spawned worker process (replica ``index``)."""
     from redbatch.logs import setup_logging
 
     setup_logging(log_level)
     set_threads(config.threads)  # before anything imports torch; Worker.run applies it too
     worker = Worker(load_models(target), redis, config, device=device)
+    if config.metrics_port:
+        serve_metrics(config.metrics_port + index)
     run_loop(_main(worker))
+
+
+def serve_metrics(port: int) -> None:
+    """Prometheus /metrics of this replica; a taken port costs the metrics, not the work."""
+    try:
+        metrics.serve(port)
+    except OSError as exc:
+        log.error("metrics: cannot listen on port %d (%s); this replica serves no /metrics",
+                  port, exc)
+        return
+    log.info("metrics on :%d/metrics", port)

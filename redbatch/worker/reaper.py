@@ -22,6 +22,7 @@ from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.protocol import Timings
 from redbatch.worker.decode import parse_entry
+from redbatch.worker.meters import WorkerMeters
 from redbatch.worker.replies import Outgoing, error_reply, outgoing, publish_args
 
 log = logging.getLogger("redbatch.reaper")
@@ -35,10 +36,12 @@ class Plan:
 
 
 class Reaper:
-    def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int) -> None:
+    def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int,
+                 meters: WorkerMeters | None = None) -> None:
         self._redis = redis
         self.model = model
         self.max_attempts = max_attempts
+        self.meters = meters
         self._script = redis.register_script(lua.REAP)
 
     def plan(self, raws: list[bytes], bump: bool) -> Plan:
@@ -75,6 +78,9 @@ class Reaper:
         args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),
                 *tail[:1], *plan.requeue, *tail[1:]]
         result = int(await self._script(keys=keys, args=args))
+        if result >= 0 and self.meters is not None:
+            self.meters.dead_letters.inc(len(plan.dead))
+            self.meters.retries.inc(0 if force else len(plan.requeue))
         if result >= 0 and raws:
             log.warning("model=%s %s worker %s: requeued %d, dead-lettered %d",
                         self.model, "returned the batch of" if force else "reaped", worker_id,

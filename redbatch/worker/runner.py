@@ -17,6 +17,7 @@ from redbatch.protocol import Reply, Request, Timings
 from redbatch.worker.claim import Claimer
 from redbatch.worker.decode import Decoded, decode_batch
 from redbatch.worker.forward import Forwarder
+from redbatch.worker.meters import WorkerMeters
 from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.replies import Outgoing, error_reply, outgoing, publish_args
@@ -38,6 +39,7 @@ class Claimed:
 class Computed:
     outs: list[Outgoing]
     fwd_ms: float
+    failed: int  # items the model failed on
 
 
 async def _settle(task: asyncio.Task[Any] | None, *, abandon: bool = False) -> None:
@@ -65,7 +67,8 @@ class BatchRunner:
         self._publish = redis.register_script(lua.PUBLISH)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
-        self.reaper = Reaper(redis, model.name, max_attempts)
+        self.meters = WorkerMeters(model.name, model.policy.max_batch_size)
+        self.reaper = Reaper(redis, model.name, max_attempts, self.meters)
         self._unacked = False
         self.batches = 0
         self.items = 0
@@ -134,20 +137,19 @@ class BatchRunner:
         self.busy_s += time.perf_counter() - started
         avg = self.fwd_ms_avg
         self.fwd_ms_avg = fwd_ms if avg is None else 0.8 * avg + 0.2 * fwd_ms
-        return Computed(outs, fwd_ms)
+        return Computed(outs, fwd_ms, sum(isinstance(r, RedbatchError) for r in results))
 
     async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
         published = time.perf_counter()
         await self.publish(computed.outs, batch.claimed, batch.decoded.dead)
         reply_ms = (time.perf_counter() - published) * 1000
-        self._log_batch(batch.decoded, batch.claimed, batch.claimed_ms, computed.fwd_ms,
-                        reply_ms)
+        self._log_batch(batch, computed, reply_ms)
 
-    def counters(self) -> dict[str, float]:
+    def counters(self) -> dict[str, Any]:
         """Totals since start, published with each heartbeat (``rb:{m}:worker_info``)."""
         return {"batches": self.batches, "items": self.items,
                 "forward_ms": round(self.forward_ms, 3),
-                "queue_wait_ms": round(self.queue_wait_ms, 3)}
+                "queue_wait_ms": round(self.queue_wait_ms, 3), "hist": self.meters.snapshot()}
 
     def encode(self, decoded: Decoded, results: list[Any], claimed_ms: int, fwd_ms: float
                ) -> list[Outgoing]:
@@ -171,13 +173,21 @@ class BatchRunner:
         keys = [self.claimer.inflight, protocol.dead_letter_key(self.model.name), *keys]
         await self._publish(keys=keys, args=[claimed, protocol.REPLY_TTL_S, *argv])
 
-    def _log_batch(self, decoded: Decoded, claimed: int, claimed_ms: int, fwd_ms: float,
-                   reply_ms: float) -> None:
+    def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
+        decoded, claimed, fwd_ms = batch.decoded, batch.claimed, computed.fwd_ms
         self.batches += 1
         self.items += claimed
         self.forward_ms += fwd_ms
-        waits = [claimed_ms - item.request.enqueue_ms for item in decoded.items] or [0]
+        waits = [batch.claimed_ms - item.request.enqueue_ms for item in decoded.items]
         self.queue_wait_ms += sum(waits)
+        self.meters.batch(decoded, claimed, waits, fwd_ms, computed.failed)
         log.info("model=%s n=%d computed=%d rejected=%d wait_ms=%.1f fwd_ms=%.2f "
                  "reply_ms=%.2f", self.model.name, claimed, len(decoded.items),
-                 len(decoded.early), max(waits), fwd_ms, reply_ms)
+                 len(decoded.early), max(waits, default=0), fwd_ms, reply_ms)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("model=%s request_ids=%s", self.model.name, ",".join(
+                r.trace_id or r.id for r in _requests(decoded)))
+
+
+def _requests(decoded: Decoded) -> list[Request]:
+    return [item.request for item in decoded.items] + [r for r, _f, _e in decoded.early]

@@ -1,0 +1,241 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 description of every gateway route, by hand.
+
+``tests/test_v2.py`` checks that each route registered on the app is described here
+and validates real responses against these schemas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from redbatch import __version__
+
+Schema = dict[str, Any]
+V2_DATATYPE_NAMES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64"]
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(description: str, schema: Schema, headers: dict[str, Any] | None = None) -> Schema:
+    response: Schema = {"description": description,
+                        "content": {"application/json": {"schema": schema}}}
+    if headers:
+        response["headers"] = headers
+    return response
+
+
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
+                               "schema": {"type": "integer"}}}
+V1_ERRORS = {
+    "400": _json("malformed body or bad timeout_ms", _ref("V1Error")),
+    "401": _json("API key required", _ref("V1Error")),
+    "404": _json("unknown model", _ref("V1Error")),
+    "413": _json("body over the limit", _ref("V1Error")),
+    "422": _json("input does not match the model's spec", _ref("V1Error")),
+    "500": _json("the model raised", _ref("V1Error")),
+    "502": _json("workers crashed on this request", _ref("V1Error")),
+    "503": _json("queue full, no live worker, or Redis down", _ref("V1Error"), RETRY_AFTER),
+    "504": _json("deadline passed", _ref("V1Error")),
+}
+
+
+def _v2_errors(*statuses: str) -> dict[str, Schema]:
+    text = {"400": "bad request (datatype, shape, data, names)", "401": "API key required",
+            "404": "unknown model or version", "413": "body over the limit",
+            "500": "the model raised", "502": "workers crashed on a row",
+            "503": "queue full, no live worker, or Redis down", "504": "deadline passed"}
+    return {s: _json(text[s], _ref("V2Error"), RETRY_AFTER if s == "503" else None)
+            for s in statuses}
+
+
+def _param(name: str, description: str) -> Schema:
+    return {"name": name, "in": "path", "required": True, "description": description,
+            "schema": {"type": "string"}}
+
+
+MODEL = _param("name", "model name")
+VERSION = _param("version", "model version; every model has version \"1\"")
+
+
+def _get(summary: str, ok: Schema, errors: dict[str, Schema], tag: str,
+         params: list[Schema] | None = None) -> Schema:
+    operation: Schema = {"summary": summary, "tags": [tag], "responses": {"200": ok, **errors}}
+    if params:
+        operation["parameters"] = params
+    return {"get": operation}
+
+
+EMPTY_OK: Schema = {"description": "yes (empty body)"}
+
+
+def _infer(params: list[Schema]) -> Schema:
+    binary = {"description": "JSON header, then binary tensor data (binary data extension)",
+              "headers": {"Inference-Header-Content-Length": {
+                  "description": "length of the JSON header", "schema": {"type": "integer"}}},
+              "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                  "format": "binary"}}}}
+    ok = _json("the stacked output tensor", _ref("InferResponse"))
+    ok["content"].update(binary["content"])
+    ok["headers"] = binary["headers"]
+    return {"post": {
+        "summary": "run the model on a batch: one redbatch request per row", "tags": ["v2"],
+        "parameters": params,
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": _ref("InferRequest")},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        "responses": {"200": ok, **_v2_errors("400", "401", "404", "413", "500", "502",
+                                              "503", "504")}}}
+
+
+def _v1_paths() -> dict[str, Schema]:
+    predict = {"post": {
+        "summary": "one prediction", "tags": ["v1"],
+        "parameters": [_param("model", "model name")],
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _ref("V1PredictRequest")}}},
+        "responses": {"200": _json("the model's output under its output name",
+                                   {"type": "object"}), **V1_ERRORS}}}
+    return {
+        "/v1/models/{model}/predict": predict,
+        "/v1/models": _get("models with their spec, policy, queue depth and workers",
+                           _json("models", _ref("V1Models")), {"503": V1_ERRORS["503"]}, "v1"),
+        "/v1/stats": _get("replies this gateway process received",
+                          _json("counters", {"type": "object", "additionalProperties":
+                                             {"type": "integer"}}), {}, "v1"),
+        "/healthz": _get("the process runs", _json("ok", {"type": "object"}), {}, "health"),
+        "/readyz": _get("Redis answers and some worker is live",
+                        _json("ready", {"type": "object"}), {"503": V1_ERRORS["503"]},
+                        "health"),
+        "/openapi.json": _get("this document", _json("OpenAPI 3.1", {"type": "object"}), {},
+                              "meta"),
+    }
+
+
+def _v2_paths() -> dict[str, Schema]:
+    model, version = "/v2/models/{name}", "/v2/models/{name}/versions/{version}"
+    meta = _json("model metadata", _ref("ModelMetadata"))
+    not_ready = _v2_errors("404", "503")
+    return {
+        "/v2": _get("server metadata", _json("server", _ref("ServerMetadata")), {}, "v2"),
+        "/v2/health/live": _get("the server is live", EMPTY_OK, {}, "v2"),
+        "/v2/health/ready": _get("Redis answers and some worker is live", EMPTY_OK,
+                                 _v2_errors("503"), "v2"),
+        model: _get("model metadata", meta, _v2_errors("404", "503"), "v2", [MODEL]),
+        version: _get("model metadata", meta, _v2_errors("404", "503"), "v2",
+                      [MODEL, VERSION]),
+        f"{model}/config": _get("Triton-style model configuration",
+                                _json("config", {"type": "object"}), _v2_errors("404"),
+                                "v2", [MODEL]),
+        f"{model}/ready": _get("the model has a live worker", EMPTY_OK, not_ready, "v2",
+                               [MODEL]),
+        f"{version}/ready": _get("the model has a live worker", EMPTY_OK, not_ready, "v2",
+                                 [MODEL, VERSION]),
+        f"{model}/infer": _infer([MODEL]),
+        f"{version}/infer": _infer([MODEL, VERSION]),
+    }
+
+
+def _tensor_schemas() -> dict[str, Schema]:
+    shape = {"type": "array", "items": {"type": "integer", "minimum": -1}}
+    datatype = {"type": "string", "enum": V2_DATATYPE_NAMES}
+    data = {"type": "array", "description": "row-major, flat (or nested) numbers"}
+    return {
+        "MetadataTensor": {"type": "object", "required": ["name", "datatype", "shape"],
+                           "properties": {"name": {"type": "string"},
+                                          "datatype": {"type": "string"}, "shape": shape}},
+        "InferInputTensor": {
+            "type": "object", "required": ["name", "shape", "datatype"],
+            "properties": {"name": {"type": "string"}, "shape": shape, "datatype": datatype,
+                           "parameters": {"type": "object", "properties": {
+                               "binary_data_size": {"type": "integer", "minimum": 0}}},
+                           "data": data}},
+        "InferOutputTensor": {
+            "type": "object", "required": ["name", "shape", "datatype"],
+            "properties": {"name": {"type": "string"}, "shape": shape, "datatype": datatype,
+                           "parameters": {"type": "object", "properties": {
+                               "binary_data_size": {"type": "integer", "minimum": 0}}},
+                           "data": data}},
+        "RequestedOutput": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "parameters": {"type": "object", "properties": {
+                "binary_data": {"type": "boolean"}}}}},
+    }
+
+
+def _v2_schemas() -> dict[str, Schema]:
+    return {
+        **_tensor_schemas(),
+        "V2Error": {"type": "object", "required": ["error"],
+                    "properties": {"error": {"type": "string"}}},
+        "ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"],
+                           "properties": {"name": {"type": "string"},
+                                          "version": {"type": "string"},
+                                          "extensions": {"type": "array",
+                                                         "items": {"type": "string"}}}},
+        "ModelMetadata": {
+            "type": "object", "required": ["name", "platform", "inputs", "outputs"],
+            "properties": {"name": {"type": "string"}, "platform": {"type": "string"},
+                           "versions": {"type": "array", "items": {"type": "string"}},
+                           "inputs": {"type": "array", "items": _ref("MetadataTensor")},
+                           "outputs": {"type": "array", "items": _ref("MetadataTensor")}}},
+        "InferRequest": {
+            "type": "object", "required": ["inputs"],
+            "properties": {
+                "id": {"type": "string"},
+                "parameters": {"type": "object", "properties": {
+                    "timeout": {"type": "number", "exclusiveMinimum": 0,
+                                "description": "microseconds; shortens the deadline only"},
+                    "binary_data_output": {"type": "boolean"}}},
+                "inputs": {"type": "array", "minItems": 1, "maxItems": 1,
+                           "items": _ref("InferInputTensor")},
+                "outputs": {"type": "array", "items": _ref("RequestedOutput")}}},
+        "InferResponse": {
+            "type": "object", "required": ["model_name", "outputs"],
+            "properties": {"model_name": {"type": "string"},
+                           "model_version": {"type": "string"}, "id": {"type": "string"},
+                           "outputs": {"type": "array", "items": _ref("InferOutputTensor")}}},
+    }
+
+
+def _v1_schemas() -> dict[str, Schema]:
+    return {
+        "V1Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["code", "message"],
+            "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}},
+        "V1PredictRequest": {
+            "type": "object", "description": "{\"<input_name>\": value}",
+            "properties": {"timeout_ms": {"type": "number", "exclusiveMinimum": 0}},
+            "additionalProperties": True},
+        "V1Models": {"type": "object", "required": ["models"], "properties": {"models": {
+            "type": "array", "items": {"type": "object", "required": ["name"],
+                                       "properties": {"name": {"type": "string"}}}}}},
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "redbatch gateway", "version": __version__,
+                 "description": "v1 (redbatch) and v2 (KServe Open Inference Protocol) "
+                                "routes; see README.md and docs/v2.md"},
+        "paths": {**_v1_paths(), **_v2_paths()},
+        "security": [{}, {"bearer": []}, {"apiKey": []}],  # a key only when one is set
+        "components": {
+            "schemas": {**_v1_schemas(), **_v2_schemas()},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "apiKey": {"type": "apiKey", "in": "header",
+                                           "name": "X-API-Key"}}},
+    }
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(openapi_document())
+
+
+def openapi_routes() -> list[Route]:
+    return [Route("/openapi.json", openapi_json, methods=["GET"])]

@@ -1,0 +1,449 @@
+"""KServe v2 / Open Inference Protocol routes on the gateway (``docs/v2.md``).
+
+``POST /v2/models/{name}/infer`` takes one input tensor whose first dimension is the
+batch: each row becomes one redbatch request, all rows of a call go out in one
+enqueue (``Client.submit_many``) and are batched by the workers with everyone else's
+traffic, and the rows' outputs are stacked back into one output tensor.  Errors are
+the v2 shape ``{"error": "message"}``; the status comes from ``redbatch.api.errors``
+(v1's 422 for a bad payload becomes 400 here, as v2 clients expect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from redbatch import __version__, protocol
+from redbatch.api import body
+from redbatch.api.directory import ModelInfo
+from redbatch.api.errors import from_exception
+from redbatch.codec import WIRE_DTYPES
+from redbatch.errors import (
+    BadRequest,
+    ModelError,
+    NoLiveWorkers,
+    QueueFull,
+    RedbatchError,
+    UnknownModel,
+    error_from_code,
+)
+from redbatch.protocol import Reply
+from redbatch.worker.model import TensorSpec
+
+if TYPE_CHECKING:
+    from redbatch.api.app import Gateway
+
+log = logging.getLogger("redbatch.api")
+
+# redbatch (numpy) dtype -> v2 datatype; BYTES and BF16 are not supported.
+V2_DATATYPES: dict[str, str] = {
+    "bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32",
+    "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
+}
+DTYPES: dict[str, str] = {v2: dtype for dtype, v2 in V2_DATATYPES.items()}
+ANY_DATATYPE = "ANY"  # metadata of a model without a TensorSpec: any numeric datatype
+VERSION = "1"  # every model has this one version
+MAX_DIMS = 32
+HEADER_LENGTH = b"inference-header-content-length"
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def v2_error(exc: RedbatchError) -> JSONResponse:
+    """``{"error": message}`` with the gateway's status for ``exc`` (422 -> 400)."""
+    v1 = from_exception(exc)
+    status = 400 if v1.status_code == 422 else v1.status_code
+    headers = {"x-redbatch-error-code": exc.code}
+    if "retry-after" in v1.headers:
+        headers["Retry-After"] = v1.headers["retry-after"]
+    return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
+
+
+def _v2_errors(handler: Handler) -> Handler:
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except RedbatchError as exc:
+            return v2_error(exc)
+        except Exception:
+            log.exception("unexpected error on %s %s", request.method, request.url.path)
+            return JSONResponse({"error": "internal error; see the gateway log"},
+                                status_code=500)
+
+    return wrapped
+
+
+# --- metadata -----------------------------------------------------------------
+def _datatype(info: ModelInfo) -> str:
+    return V2_DATATYPES[info.spec.dtype] if info.spec else ANY_DATATYPE
+
+
+def _row_dims(info: ModelInfo) -> list[int]:
+    return [-1 if d is None else d for d in info.spec.shape] if info.spec else []
+
+
+def model_metadata(info: ModelInfo) -> dict[str, Any]:
+    """v2 model metadata.  Workers publish no output spec: the output is listed with
+    the input's datatype and only its batch dimension (a response's ``datatype`` and
+    ``shape`` are the real ones)."""
+    datatype = _datatype(info)
+    return {
+        "name": info.name, "versions": [VERSION], "platform": "redbatch",
+        "inputs": [{"name": info.input_name, "datatype": datatype,
+                    "shape": [-1, *_row_dims(info)]}],
+        "outputs": [{"name": info.output_name, "datatype": datatype, "shape": [-1]}],
+    }
+
+
+def model_config(info: ModelInfo) -> dict[str, Any]:
+    """A Triton-style model configuration (what perf_analyzer reads)."""
+    policy = info.meta.get("policy") or {}
+    data_type = f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID"
+    wait_s = float(policy.get("batch_wait_timeout_s", 0.0))
+    return {
+        "name": info.name, "platform": "redbatch", "backend": "redbatch",
+        "max_batch_size": int(policy.get("max_batch_size", 0)),
+        "input": [{"name": info.input_name, "data_type": data_type, "dims": _row_dims(info)}],
+        "output": [{"name": info.output_name, "data_type": data_type, "dims": [-1]}],
+        "dynamic_batching": {"max_queue_delay_microseconds": round(wait_s * 1e6)},
+    }
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "redbatch", "version": __version__,
+            "extensions": ["binary_tensor_data", "model_configuration"]}
+
+
+# --- reading an infer request ---------------------------------------------------
+@dataclass(frozen=True)
+class InferCall:
+    """What an infer request asks for, checked against the model."""
+
+    request_id: str | None
+    tensor: np.ndarray[Any, Any]
+    timeout_s: float
+    binary_output: bool
+
+
+def split_body(raw: bytes, headers: body.Headers) -> tuple[bytes, bytes]:
+    """The JSON header and the binary tensor data after it (binary data extension)."""
+    if headers.get(b"content-encoding", b"identity").strip().lower() != b"identity":
+        raise BadRequest("compressed request bodies (Content-Encoding) are not supported")
+    declared = headers.get(HEADER_LENGTH)
+    if declared is None:
+        return raw, b""
+    text = declared.decode("latin-1").strip()
+    if not text.isdigit() or int(text) > len(raw):
+        raise BadRequest(f"Inference-Header-Content-Length {text!r} is not a length within "
+                         f"the {len(raw)}-byte body")
+    return raw[:int(text)], raw[int(text):]
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where} must be a JSON object")
+    return value
+
+
+def _request_id(data: dict[str, Any]) -> str | None:
+    rid = data.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest("'id' must be a string")
+    return rid
+
+
+def _only_input(data: dict[str, Any], info: ModelInfo) -> dict[str, Any]:
+    inputs = data.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise BadRequest(f"'inputs' must be a non-empty list; model {info.name!r} takes "
+                         f"one input {info.input_name!r}")
+    names = [i.get("name") if isinstance(i, dict) else None for i in inputs]
+    unknown = [n for n in names if n != info.input_name]
+    if unknown:
+        raise BadRequest(f"unknown input {unknown[0]!r}: model {info.name!r} takes one "
+                         f"input {info.input_name!r}")
+    if len(inputs) > 1:
+        raise BadRequest(f"input {info.input_name!r} is given {len(inputs)} times")
+    tensor: dict[str, Any] = inputs[0]
+    return tensor
+
+
+def _dtype(datatype: Any, info: ModelInfo) -> str:
+    dtype = DTYPES.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise BadRequest(f"datatype {datatype!r} is not supported; use one of "
+                         f"{', '.join(sorted(DTYPES))}")
+    if info.spec is not None and info.spec.dtype != dtype:
+        raise BadRequest(f"input {info.input_name!r} of model {info.name!r} has datatype "
+                         f"{V2_DATATYPES[info.spec.dtype]}, got {datatype}")
+    return dtype
+
+
+def _shape(raw: Any) -> tuple[int, ...]:
+    ok = isinstance(raw, list) and 1 <= len(raw) <= MAX_DIMS and all(
+        type(d) is int and d >= 0 for d in raw)
+    if not ok:
+        raise BadRequest(f"'shape' must be a list of 1 to {MAX_DIMS} non-negative integers, "
+                         f"the first one the batch dimension; got {raw!r}")
+    if raw[0] == 0:
+        raise BadRequest("the batch dimension (the first of 'shape') must be at least 1")
+    return tuple(raw)
+
+
+def _json_data(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    if not isinstance(data, list):
+        raise BadRequest("the input needs 'data' (a list in row-major order) or "
+                         "parameters.binary_data_size")
+    try:
+        arr = np.asarray(data)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"'data' is not a flat or rectangular list: {exc}") from exc
+    if arr.size != math.prod(shape):
+        raise BadRequest(f"shape {list(shape)} holds {math.prod(shape)} elements but 'data' "
+                         f"has {arr.size}")
+    flat = TensorSpec(dtype, (None,)).check(arr.reshape(-1))  # kinds, ranges, finite
+    return flat.reshape(shape)
+
+
+def _binary_data(raw: bytes, size: Any, dtype: str, shape: tuple[int, ...]
+                 ) -> np.ndarray[Any, Any]:
+    wire = WIRE_DTYPES[dtype]
+    want = math.prod(shape) * wire.itemsize
+    if type(size) is not int or size != len(raw) or size != want:
+        raise BadRequest(f"binary_data_size {size!r}: the binary section has {len(raw)} bytes "
+                         f"and shape {list(shape)} of {V2_DATATYPES[dtype]} needs {want}")
+    if dtype == "bool":
+        flags: np.ndarray[Any, Any] = np.frombuffer(raw, dtype=np.uint8) != 0
+        return flags.reshape(shape)
+    return np.frombuffer(raw, dtype=wire).reshape(shape)
+
+
+def _tensor_data(tensor: dict[str, Any], binary: bytes, dtype: str, shape: tuple[int, ...]
+                 ) -> np.ndarray[Any, Any]:
+    params = _mapping(tensor.get("parameters"), "the input's 'parameters'")
+    if any(key.startswith("shared_memory") for key in params):
+        raise BadRequest("shared-memory inputs are not supported")
+    if "binary_data_size" in params:
+        return _binary_data(binary, params["binary_data_size"], dtype, shape)
+    if binary:
+        raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header but no "
+                         "input claims them (parameters.binary_data_size)")
+    return _json_data(tensor.get("data"), dtype, shape)
+
+
+def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo) -> np.ndarray[Any, Any]:
+    """Every row must match the model's TensorSpec (free dims are free)."""
+    if info.spec is None:
+        return arr
+    want = (None, *info.spec.shape)
+    fits = len(arr.shape) == len(want) and all(
+        w is None or w == got for w, got in zip(want, arr.shape, strict=True))
+    if not fits:
+        raise BadRequest(f"input {info.input_name!r} has shape {list(arr.shape)}; model "
+                         f"{info.name!r} takes {[-1, *_row_dims(info)]}")
+    return TensorSpec(info.spec.dtype, want).check(arr)  # NaN/inf in binary floats
+
+
+def input_tensor(data: dict[str, Any], info: ModelInfo, binary: bytes) -> np.ndarray[Any, Any]:
+    """The request's one input as an array of shape ``[batch, *row]``."""
+    tensor = _only_input(data, info)
+    dtype = _dtype(tensor.get("datatype"), info)
+    shape = _shape(tensor.get("shape"))
+    return _fit_model(_tensor_data(tensor, binary, dtype, shape), info)
+
+
+def _binary_output(data: dict[str, Any], params: dict[str, Any], info: ModelInfo) -> bool:
+    """Whether the output goes back as binary data (binary data extension)."""
+    binary = bool(params.get("binary_data_output", False))
+    outputs = data.get("outputs")
+    if outputs is None:
+        return binary
+    if not isinstance(outputs, list):
+        raise BadRequest("'outputs' must be a list")
+    for output in outputs:
+        name = output.get("name") if isinstance(output, dict) else None
+        if name != info.output_name:
+            raise BadRequest(f"unknown output {name!r}: model {info.name!r} has one output "
+                             f"{info.output_name!r}")
+        binary = bool(_mapping(output.get("parameters"), "an output's 'parameters'")
+                      .get("binary_data", binary))
+    return binary
+
+
+def timeout_s(headers: body.Headers, params: dict[str, Any], default_s: float,
+              max_s: float) -> float:
+    """``parameters.timeout`` (microseconds, as Triton) may shorten the deadline, like
+    v1's ``X-Redbatch-Timeout-Ms`` (also honoured here), never lengthen it."""
+    chosen = body.timeout_s(headers, {}, default_s, max_s)
+    raw = params.get("timeout")
+    if raw is None:
+        return chosen
+    if type(raw) not in (int, float) or not 0 < raw < math.inf:
+        raise BadRequest(f"parameters.timeout must be a positive number of microseconds, "
+                         f"got {raw!r}")
+    return min(chosen, float(raw) / 1e6)
+
+
+def parse_infer(raw: bytes, headers: body.Headers, info: ModelInfo, default_s: float,
+                max_s: float) -> InferCall:
+    header, binary = split_body(raw, headers)
+    data = body.parse_json(header)
+    params = _mapping(data.get("parameters"), "'parameters'")
+    return InferCall(request_id=_request_id(data), tensor=input_tensor(data, info, binary),
+                     timeout_s=timeout_s(headers, params, default_s, max_s),
+                     binary_output=_binary_output(data, params, info))
+
+
+# --- answering ------------------------------------------------------------------
+def _row_error(row: int, rows: int, exc: RedbatchError) -> RedbatchError:
+    message = f"row {row} of {rows}: {exc}"
+    if isinstance(exc, QueueFull):
+        return QueueFull(message, exc.retry_after_s)
+    return type(exc)(message)
+
+
+def settle(results: list[Any]) -> list[Reply]:
+    """The rows' replies, or the first failed row's error (naming the row)."""
+    replies: list[Reply] = []
+    for row, result in enumerate(results):
+        failure = result
+        if isinstance(result, Reply) and not result.ok:
+            failure = error_from_code(result.error_code, result.error_message)
+        if isinstance(failure, RedbatchError):
+            raise _row_error(row, len(results), failure)
+        if isinstance(failure, BaseException):
+            raise failure
+        replies.append(result)
+    return replies
+
+
+def stack_outputs(payloads: list[Any]) -> np.ndarray[Any, Any]:
+    try:
+        arr = np.asarray(payloads)
+    except (ValueError, TypeError) as exc:
+        raise ModelError(f"the rows' outputs do not stack into one tensor: {exc}") from exc
+    if arr.dtype.name not in V2_DATATYPES or arr.ndim > MAX_DIMS:
+        raise ModelError(f"the model's output ({arr.dtype.name}, {arr.ndim} dims) cannot be "
+                         "a v2 tensor")
+    return np.ascontiguousarray(arr, dtype=WIRE_DTYPES[arr.dtype.name])
+
+
+def _timing_headers(replies: list[Reply]) -> dict[str, str]:
+    return {
+        "x-redbatch-batch-size": str(max(r.timings.batch_size for r in replies)),
+        "x-redbatch-queue-wait-ms": f"{max(r.timings.queue_wait_ms for r in replies):.1f}",
+        "x-redbatch-forward-ms": f"{max(r.timings.forward_ms for r in replies):.2f}",
+    }
+
+
+def _listed(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"cannot serialize {type(obj).__name__}")
+
+
+def infer_response(info: ModelInfo, call: InferCall, replies: list[Reply]) -> Response:
+    arr = stack_outputs([r.payload for r in replies])
+    output: dict[str, Any] = {"name": info.output_name,
+                              "datatype": V2_DATATYPES[arr.dtype.name],
+                              "shape": list(arr.shape)}
+    doc: dict[str, Any] = {"model_name": info.name, "model_version": VERSION}
+    if call.request_id is not None:
+        doc["id"] = call.request_id
+    doc["outputs"] = [output]
+    headers = _timing_headers(replies)
+    if not call.binary_output:
+        output["data"] = arr.ravel()  # orjson writes float32 as float32 (shortest form)
+        content = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY, default=_listed)
+        return Response(content, media_type="application/json", headers=headers)
+    data = arr.tobytes()
+    output["parameters"] = {"binary_data_size": len(data)}
+    head = orjson.dumps(doc)
+    headers["Inference-Header-Content-Length"] = str(len(head))
+    return Response(head + data, media_type="application/octet-stream", headers=headers)
+
+
+class V2Api:
+    """The v2 handlers, on the gateway's producer client and model directory."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(self, request: Request) -> Response:
+        if not await self.gateway.directory.any_live_worker():
+            raise NoLiveWorkers("redis is reachable but no worker is live")
+        return Response(status_code=200)
+
+    async def server(self, request: Request) -> Response:
+        return JSONResponse(server_metadata())
+
+    async def _model(self, request: Request) -> ModelInfo:
+        name = request.path_params["name"]
+        version = request.path_params.get("version", VERSION)
+        if not protocol.MODEL_NAME_RE.fullmatch(name):
+            raise UnknownModel(f"unknown model {name!r}: not a model name")
+        if version != VERSION:
+            raise UnknownModel(f"model {name!r} has no version {version!r} (only {VERSION!r})")
+        return await self.gateway.directory.get(name)
+
+    async def _served(self, request: Request) -> ModelInfo:
+        info = await self._model(request)
+        if not await self.gateway.client.live_workers(info.name):
+            raise NoLiveWorkers(f"model {info.name!r} has no live worker; retry shortly")
+        return info
+
+    async def metadata(self, request: Request) -> Response:
+        return JSONResponse(model_metadata(await self._model(request)))
+
+    async def config(self, request: Request) -> Response:
+        return JSONResponse(model_config(await self._model(request)))
+
+    async def model_ready(self, request: Request) -> Response:
+        await self._served(request)
+        return Response(status_code=200)
+
+    async def infer(self, request: Request) -> Response:
+        info = await self._served(request)
+        gateway = self.gateway
+        headers = dict(request.headers.raw)
+        raw = await body.read_body(headers, request.receive, gateway.config.max_body_bytes)
+        call = parse_infer(raw, headers, info, gateway.config.default_timeout_s,
+                           gateway.config.max_timeout_s)
+        futures = await gateway.client.submit_many(info.name, list(call.tensor),
+                                                   call.timeout_s, want_reply=True)
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        return infer_response(info, call, settle(results))
+
+
+def v2_routes(gateway: Gateway) -> list[Route]:
+    api = V2Api(gateway)
+    model, version = "/v2/models/{name}", "/v2/models/{name}/versions/{version}"
+    routes: list[tuple[str, Handler, str]] = [
+        ("/v2", api.server, "GET"),
+        ("/v2/health/live", api.live, "GET"),
+        ("/v2/health/ready", api.ready, "GET"),
+        (model, api.metadata, "GET"),
+        (version, api.metadata, "GET"),
+        (f"{model}/config", api.config, "GET"),
+        (f"{model}/ready", api.model_ready, "GET"),
+        (f"{version}/ready", api.model_ready, "GET"),
+        (f"{model}/infer", api.infer, "POST"),
+        (f"{version}/infer", api.infer, "POST"),
+    ]
+    return [Route(path, _v2_errors(handler), methods=[method]) for path, handler, method in routes]

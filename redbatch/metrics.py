@@ -1,0 +1,138 @@
+"""Prometheus metrics: every name redbatch exports, in one place.
+
+The gateway serves them at ``GET /metrics`` on its HTTP port; each worker replica on
+its own port (``--metrics-port P``: replica *i* on ``P + i``).  All carry a ``model``
+label.  With several gateway processes behind one port (``uvicorn --workers N``), set
+``PROMETHEUS_MULTIPROC_DIR`` to an empty directory (prometheus_client's multiprocess
+mode) so that a scrape sums every process.
+
+Labels come from model names that a worker registered; the gateway files requests for
+names it does not know under ``model="_unknown"`` so that URLs cannot blow up the
+number of series.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Final
+
+from prometheus_client import REGISTRY as DEFAULT_REGISTRY
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    start_http_server,
+)
+
+UNKNOWN_MODEL: Final = "_unknown"
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS_S: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                            0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
+FILL_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+# --- gateway ------------------------------------------------------------------------
+REQUESTS: Final = Counter(
+    "redbatch_requests", "Predict requests answered by the gateway, by outcome: ok, "
+    "expired (504), rejected (503: queue full, no workers), invalid (4xx), error (5xx)",
+    ["model", "outcome"])
+REQUEST_DURATION: Final = Histogram(
+    "redbatch_request_duration_seconds", "End-to-end latency of predict requests at the "
+    "gateway", ["model"], buckets=LATENCY_BUCKETS_S)
+INFLIGHT: Final = Gauge(
+    "redbatch_inflight_requests", "Predict requests this gateway is serving now",
+    ["model"], multiprocess_mode="livesum")
+QUEUE_DEPTH: Final = Gauge(
+    "redbatch_queue_depth", "Entries in the model's queue (read from Redis at scrape time)",
+    ["model"], multiprocess_mode="max")
+LIVE_WORKERS: Final = Gauge(
+    "redbatch_live_workers", "Workers of the model holding a live lease (at scrape time)",
+    ["model"], multiprocess_mode="max")
+
+# --- worker -------------------------------------------------------------------------
+QUEUE_WAIT: Final = Histogram(
+    "redbatch_queue_wait_seconds", "Time from enqueue to claim, per computed request",
+    ["model"], buckets=LATENCY_BUCKETS_S)
+FORWARD: Final = Histogram(
+    "redbatch_forward_seconds", "Forward pass time per batch", ["model"],
+    buckets=LATENCY_BUCKETS_S)
+BATCH_SIZE: Final = Histogram(
+    "redbatch_batch_size", "Entries claimed per batch", ["model"], buckets=BATCH_BUCKETS)
+BATCH_FILL: Final = Histogram(
+    "redbatch_batch_fill_ratio", "Batch size over max_batch_size", ["model"],
+    buckets=FILL_BUCKETS)
+WORKER_ITEMS: Final = Counter(
+    "redbatch_worker_items", "Claimed entries by outcome: computed (reached the model), "
+    "expired, invalid (bad entry or input), error (the model failed on it)",
+    ["model", "outcome"])
+RETRIES: Final = Counter(
+    "redbatch_retries", "Requests put back in the queue after their worker died",
+    ["model"])
+DEAD_LETTERS: Final = Counter(
+    "redbatch_dead_letters", "Entries moved to the dead-letter list (malformed, or "
+    "crashed max_attempts workers)", ["model"])
+
+GATEWAY_METRICS: Final = ("redbatch_requests_total", "redbatch_request_duration_seconds",
+                          "redbatch_inflight_requests", "redbatch_queue_depth",
+                          "redbatch_live_workers")
+WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_seconds",
+                         "redbatch_batch_size", "redbatch_batch_fill_ratio",
+                         "redbatch_worker_items_total", "redbatch_retries_total",
+                         "redbatch_dead_letters_total")
+HISTOGRAMS: Final = frozenset({"redbatch_request_duration_seconds",
+                               "redbatch_queue_wait_seconds", "redbatch_forward_seconds",
+                               "redbatch_batch_size", "redbatch_batch_fill_ratio"})
+
+
+def series_names(names: Iterable[str] = GATEWAY_METRICS + WORKER_METRICS) -> set[str]:
+    """Every series name a scrape can show (histograms as _bucket, _sum, _count)."""
+    out: set[str] = set()
+    for name in names:
+        out |= {f"{name}{s}" for s in ("_bucket", "_sum", "_count")} if name in HISTOGRAMS \
+            else {name}
+    return out
+
+
+def exposition() -> bytes:
+    """The text exposition of this process (or, in multiprocess mode, of all)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+    return generate_latest(DEFAULT_REGISTRY)
+
+
+def serve(port: int, host: str = "0.0.0.0") -> None:  # scraped from outside
+    """Serve ``/metrics`` of this process on ``port`` from a daemon thread."""
+    start_http_server(port, addr=host)
+
+
+class GatewayMeters:
+    """The gateway's per-model metric children, looked up once per model."""
+
+    def __init__(self) -> None:
+        self._children: dict[str, tuple[Histogram, Gauge, dict[str, Counter]]] = {}
+
+    def get(self, model: str) -> tuple[Histogram, Gauge, dict[str, Counter]]:
+        found = self._children.get(model)
+        if found is None:
+            outcomes = {o: REQUESTS.labels(model, o)
+                        for o in ("ok", "expired", "rejected", "invalid", "error")}
+            found = (REQUEST_DURATION.labels(model), INFLIGHT.labels(model), outcomes)
+            self._children[model] = found
+        return found
+
+
+def outcome_of(status: int) -> str:
+    """The ``outcome`` label of a predict response's HTTP status."""
+    if status == 200:
+        return "ok"
+    if status == 504:
+        return "expired"
+    if status == 503:
+        return "rejected"
+    return "invalid" if 400 <= status < 500 else "error"

@@ -1,0 +1,120 @@
+"""``redbatch status``: what each model's queue and workers are doing, read straight
+from Redis (the workers' heartbeats), no gateway needed.
+
+Per model: queue depth, live workers and their devices, items/s (from the workers'
+counters over the sampling interval), the batch-size distribution, p50/p99 queue wait
+and forward time (from the bucket counts each worker publishes with its heartbeat,
+since the worker started), and the dead letters waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from redbatch import metrics, protocol
+from redbatch.config import RedisSettings
+from redbatch.worker.heartbeat import live_workers_sync
+
+HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
+                                       "queue_wait_s": metrics.LATENCY_BUCKETS_S,
+                                       "forward_s": metrics.LATENCY_BUCKETS_S}
+
+
+@dataclass
+class ModelStatus:
+    model: str
+    queue_depth: int
+    dead_letters: int
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    items_per_s: float | None = None
+    batches: int = 0
+    items: int = 0
+    mean_batch: float = 0.0
+    batch_size_p50: float | None = None
+    batch_size_p99: float | None = None
+    queue_wait_ms_p50: float | None = None
+    queue_wait_ms_p99: float | None = None
+    forward_ms_p50: float | None = None
+    forward_ms_p99: float | None = None
+    batch_sizes: dict[str, int] = field(default_factory=dict)
+
+
+def quantile(q: float, bounds: tuple[float, ...], counts: list[int]) -> float | None:
+    """The q-quantile from bucket counts, linear within a bucket (as PromQL's
+    histogram_quantile); the +Inf bucket answers with the last finite bound."""
+    total = sum(counts)
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for i, count in enumerate(counts):
+        if seen + count >= rank and count:
+            if i >= len(bounds):
+                return bounds[-1]
+            low = bounds[i - 1] if i else 0.0
+            return low + (bounds[i] - low) * (rank - seen) / count
+        seen += count
+    return bounds[-1]
+
+
+def _merged(workers: list[dict[str, Any]], name: str) -> list[int]:
+    counts = [0] * (len(HISTS[name]) + 1)
+    for info in workers:
+        for i, c in enumerate(info.get("hist", {}).get(name, [])[:len(counts)]):
+            counts[i] += int(c)
+    return counts
+
+
+def read_model(client: redis.Redis, model: str) -> ModelStatus:
+    """One model's status now (no rates: see ``sample``)."""
+    workers = live_workers_sync(client, model)
+    status = ModelStatus(model, int(client.llen(protocol.queue_key(model))),
+                         int(client.llen(protocol.dead_letter_key(model))), workers)
+    status.batches = sum(int(w.get("batches", 0)) for w in workers)
+    status.items = sum(int(w.get("items", 0)) for w in workers)
+    status.mean_batch = status.items / status.batches if status.batches else 0.0
+    _fill_quantiles(status, workers)
+    return status
+
+
+def _fill_quantiles(status: ModelStatus, workers: list[dict[str, Any]]) -> None:
+    sizes = _merged(workers, "batch_size")
+    bounds = HISTS["batch_size"]
+    status.batch_sizes = {f"<={b:g}": c for b, c in zip(bounds, sizes, strict=False) if c}
+    status.batch_size_p50 = quantile(0.5, bounds, sizes)
+    status.batch_size_p99 = quantile(0.99, bounds, sizes)
+    for name, attr in (("queue_wait_s", "queue_wait_ms"), ("forward_s", "forward_ms")):
+        counts = _merged(workers, name)
+        for q, suffix in ((0.5, "p50"), (0.99, "p99")):
+            value = quantile(q, HISTS[name], counts)
+            setattr(status, f"{attr}_{suffix}", None if value is None else value * 1000)
+
+
+def model_names(client: redis.Redis) -> list[str]:
+    raw: Any = client.zrange(protocol.MODELS_KEY, 0, -1)
+    return sorted(name.decode() for name in raw)
+
+
+def sample(client: redis.Redis, interval_s: float) -> dict[str, ModelStatus]:
+    """Every model's status, with items/s measured over ``interval_s``."""
+    before = {m: read_model(client, m) for m in model_names(client)}
+    started = time.monotonic()
+    time.sleep(interval_s)
+    elapsed = time.monotonic() - started
+    now = {m: read_model(client, m) for m in model_names(client)}
+    for name, status in now.items():
+        if name in before:
+            status.items_per_s = max(0, status.items - before[name].items) / elapsed
+    return now
+
+
+def as_json(statuses: dict[str, ModelStatus]) -> dict[str, Any]:
+    return {"models": [asdict(s) for s in statuses.values()], "time_ms": protocol.now_ms()}
+
+
+def connect(settings: RedisSettings) -> redis.Redis:
+    return redis.Redis.from_url(settings.url, socket_timeout=settings.socket_timeout_s,
+                                socket_connect_timeout=settings.connect_timeout_s)

@@ -1,0 +1,69 @@
+"""Drawing ``redbatch status`` in a terminal (rich), once or live with ``--watch``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import redis
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from redbatch import status
+from redbatch.config import RedisSettings
+from redbatch.errors import RedisUnavailable
+
+COLUMNS = ("model", "queue", "workers (devices)", "items/s", "batch mean / p50 / p99",
+           "queue wait p50 / p99", "forward p50 / p99", "dead letters")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _devices(s: status.ModelStatus) -> str:
+    counts = Counter(str(w.get("device", "?")) for w in s.workers)
+    return f"{len(s.workers)} (" + ", ".join(f"{n}x {d}" for d, n in counts.items()) + ")" \
+        if s.workers else "0"
+
+
+def table(statuses: dict[str, status.ModelStatus]) -> Table:
+    out = Table(title="redbatch status", caption="distributions since each worker started")
+    for column in COLUMNS:
+        out.add_column(column, justify="left" if column == "model" else "right")
+    for s in statuses.values():
+        out.add_row(s.model, str(s.queue_depth), _devices(s), _num(s.items_per_s),
+                    f"{s.mean_batch:.1f} / {_num(s.batch_size_p50)} / {_num(s.batch_size_p99)}",
+                    f"{_ms(s.queue_wait_ms_p50)} / {_ms(s.queue_wait_ms_p99)}",
+                    f"{_ms(s.forward_ms_p50)} / {_ms(s.forward_ms_p99)}", str(s.dead_letters))
+    return out
+
+
+def run(settings: RedisSettings, *, as_json: bool, watch: bool, interval_s: float) -> int:
+    """Print the status (or keep it on screen); 1 when Redis cannot be read."""
+    client = status.connect(settings)
+    try:
+        if watch:
+            _watch(client, interval_s)
+        else:
+            snap = status.sample(client, interval_s)
+            print(json.dumps(status.as_json(snap), indent=2) if as_json else "", end="")
+            if not as_json:
+                Console().print(table(snap))
+    except redis.RedisError as exc:
+        raise RedisUnavailable(f"cannot read redis at {settings.safe_url}: {exc}") from exc
+    finally:
+        client.close()
+    return 0
+
+
+def _watch(client: redis.Redis, interval_s: float) -> None:
+    """Redraw every ``interval_s`` until Ctrl-C."""
+    with Live(table(status.sample(client, interval_s)), refresh_per_second=4) as live:
+        while True:
+            live.update(table(status.sample(client, interval_s)))

@@ -1,0 +1,78 @@
+"""`redbatch status`: per-model figures read from Redis and the workers' heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from redbatch import Client, protocol
+from redbatch.status import HISTS, quantile, sample
+from redbatch.worker.model import batch
+from redbatch.worker.process import Worker
+from tests.conftest import free_port, redbatch_cmd, test_env
+
+
+@batch(name="tripler", max_batch_size=8, batch_wait_timeout_s=0.005)
+def tripler(xs: list[int]) -> list[int]:
+    return [3 * x for x in xs]
+
+
+def test_quantile_interpolates_within_buckets() -> None:
+    bounds = (1.0, 2.0, 4.0)
+    assert quantile(0.5, bounds, [0, 0, 0, 0]) is None
+    assert quantile(0.5, bounds, [0, 10, 0, 0]) == pytest.approx(1.5)
+    assert quantile(0.99, bounds, [10, 0, 0, 0]) == pytest.approx(0.99)
+    assert quantile(0.99, bounds, [0, 0, 0, 5]) == 4.0  # +Inf: the last finite bound
+
+
+async def test_status_reads_queues_workers_and_distributions(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([tripler])
+    async with Client(redis_url) as client:
+        assert await client.predict_many("tripler", list(range(40))) == [3 * i for i in
+                                                                        range(40)]
+        raw_redis.rpush(protocol.dead_letter_key("tripler"), b"junk")
+        stop = asyncio.Event()
+        load = asyncio.create_task(_keep_busy(client, stop))
+        snap = await asyncio.to_thread(sample, raw_redis, 1.5)
+        stop.set()
+        await load  # not cancelled mid-command: it finishes its last call
+    s = snap["tripler"]
+    assert 0 <= s.queue_depth <= 16 and s.dead_letters == 1  # the load has 16 in flight
+    assert len(s.workers) == 1 and s.workers[0]["device"] == "cpu"
+    assert s.items >= 40 and 1 <= s.mean_batch <= 8
+    assert s.items_per_s is not None and s.items_per_s > 0
+    assert s.batch_size_p50 is not None and 1 <= s.batch_size_p50 <= max(HISTS["batch_size"])
+    assert s.forward_ms_p99 is not None and s.queue_wait_ms_p50 is not None
+    assert sum(s.batch_sizes.values()) == s.workers[0]["batches"]
+
+
+async def _keep_busy(client: Client, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await client.predict_many("tripler", list(range(16)))
+
+
+def test_cli_prints_json_and_a_table(redis_url: str, raw_redis: redis.Redis) -> None:
+    raw_redis.zadd(protocol.MODELS_KEY, {"idle": 0})
+    raw_redis.rpush(protocol.queue_key("idle"), b"x", b"y")
+    args = ["status", "--redis-url", redis_url, "--interval-s", "0.1"]
+    out = subprocess.run(redbatch_cmd(*args, "--json"), capture_output=True, text=True,
+                         env=test_env(), timeout=30, check=True).stdout
+    (idle,) = json.loads(out)["models"]
+    assert idle["model"] == "idle" and idle["queue_depth"] == 2 and idle["workers"] == []
+    table = subprocess.run(redbatch_cmd(*args), capture_output=True, text=True,
+                           env={**test_env(), "COLUMNS": "200"}, timeout=30, check=True).stdout
+    assert "idle" in table and "queue wait p50 / p99" in table
+
+
+def test_cli_without_redis_fails_with_a_message() -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    done = subprocess.run(redbatch_cmd("status", "--redis-url", dead), check=False,
+                          capture_output=True,
+                          text=True, env=test_env(), timeout=30)
+    assert done.returncode == 2 and "cannot read redis" in done.stderr
