@@ -89,8 +89,20 @@ def _serve_gateway(config: GatewayConfig, redis: RedisSettings) -> None:
     from redbatch.api import create_app
 
     log.info("gateway listening on http://%s:%d", config.host, config.port)
+    # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's
+    # default action that would kill us before the callers' cleanup (workers, the
+    # embedded Redis) runs, so turn it into an exception that unwinds through them.
+    signal.signal(signal.SIGTERM, _terminated)
     uvicorn.run(create_app(config, redis), host=config.host, port=config.port,
                 log_level="warning", access_log=False)
+
+
+class Terminated(Exception):
+    """SIGTERM reached the gateway: stop cleanly."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def _stop_event() -> threading.Event:
@@ -165,6 +177,22 @@ def cmd_status(args: argparse.Namespace, redis: RedisSettings) -> int:
     return run(redis, as_json=args.json, watch=args.watch, interval_s=args.interval_s)
 
 
+def _dispatch(args: argparse.Namespace, redis_url: str | None) -> int:
+    if args.command == "up":
+        cmd_up(args, redis_url)
+    elif args.command == "gateway":
+        cmd_gateway(args, RedisSettings.from_env(redis_url))
+    elif args.command == "status":
+        return cmd_status(args, RedisSettings.from_env(redis_url))
+    elif args.command == "jobs":
+        from redbatch.jobs.cli import main as jobs_main
+
+        return jobs_main(args)
+    else:
+        cmd_worker(args, RedisSettings.from_env(redis_url))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own flags: see redbatch/bench/run.py
@@ -174,26 +202,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     sys.path.insert(0, os.getcwd())
-    redis_url = args.redis_url or os.environ.get("REDIS_URL")
     try:
-        if args.command == "up":
-            cmd_up(args, redis_url)
-        elif args.command == "gateway":
-            cmd_gateway(args, RedisSettings.from_env(redis_url))
-        elif args.command == "status":
-            return cmd_status(args, RedisSettings.from_env(redis_url))
-        elif args.command == "jobs":
-            from redbatch.jobs.cli import main as jobs_main
-
-            return jobs_main(args)
-        else:
-            cmd_worker(args, RedisSettings.from_env(redis_url))
+        return _dispatch(args, args.redis_url or os.environ.get("REDIS_URL"))
     except RedbatchError as exc:
         log.error("%s", exc)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    except Terminated:
+        log.info("stopped by SIGTERM")
+        return 0
 
 
 if __name__ == "__main__":

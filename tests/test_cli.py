@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 import httpx
+import psutil
 import pytest
 import redis
 
@@ -19,7 +20,9 @@ from tests.conftest import ROOT, Proc, free_port, redbatch_cmd, test_env, wait_h
 
 
 @pytest.mark.e2e
-def test_up_runs_everything_on_an_embedded_redis(spawn: Callable[..., Proc]) -> None:
+@pytest.mark.parametrize("stop_with", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_up_runs_everything_on_an_embedded_redis(spawn: Callable[..., Proc],
+                                                  stop_with: signal.Signals) -> None:
     port = free_port()
     proc = spawn(redbatch_cmd("up", "--port", str(port)), name="up")
     base = f"http://127.0.0.1:{port}"
@@ -28,10 +31,14 @@ def test_up_runs_everything_on_an_embedded_redis(spawn: Callable[..., Proc]) -> 
     assert resp.json() == {"outputs": 42}
     match = re.search(r"embedded redis-server .* at (redis://\S+)", proc.log())
     assert match, proc.log()
-    proc.popen.send_signal(signal.SIGINT)
+    children = psutil.Process(proc.popen.pid).children(recursive=True)
+    assert len(children) >= 2  # redis-server and the worker processes
+    proc.popen.send_signal(stop_with)
     assert proc.popen.wait(60) == 0, proc.log()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(match.group(1), socket_connect_timeout=1).ping()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {alive}"  # nothing orphaned
 
 
 @pytest.mark.e2e
