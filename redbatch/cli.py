@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="gateway + workers + demo model, one command")
     up.add_argument("--models", default=DEMO_TARGET, help=f"MODULE:OBJECT ({DEMO_TARGET})")
+    up.add_argument("-c", "--config", help="a TOML file describing the gateway and the "
+                    "models (see redbatch/configfile.py); flags given too override it")
     for add in (_add_redis, _add_gateway, _add_worker):
         add(up)  # --block-timeout-s comes from _add_gateway and serves both
     gateway = sub.add_parser("gateway", help="run the HTTP gateway alone")
@@ -134,39 +137,71 @@ def cmd_gateway(args: argparse.Namespace, redis: RedisSettings) -> None:
 def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     from redbatch.embedded import start_embedded
 
-    gateway_config = from_env(GatewayConfig, _overrides(args))
-    worker_config = from_env(WorkerConfig, _overrides(args))
+    gateway_config, entries, file_url = _up_plan(args)
+    redis_url = redis_url if args.redis_url or not file_url else file_url
     embedded = None if redis_url else start_embedded()
     if redis_url:
-        log.info("using REDIS_URL")
+        log.info("using the given Redis URL")
     redis = RedisSettings.from_env(embedded.url if embedded else redis_url)
     log.info("redis: %s", redis.safe_url)
     try:
-        _up(args.models, gateway_config, worker_config, redis, _log_level(args))
+        _up(entries, gateway_config, redis, _log_level(args))
     finally:
         if embedded:
             embedded.stop()
         log.info("stopped")
 
 
-def _up(target: str, gateway_config: GatewayConfig, worker_config: WorkerConfig,
-        redis: RedisSettings, log_level: str) -> None:
+Entry = tuple[str, WorkerConfig, dict[str, Any]]
+
+
+def _up_plan(args: argparse.Namespace) -> tuple[GatewayConfig, list[Entry], str | None]:
+    """The gateway's config and the (target, worker config, batching overrides) to
+    run: from flags and env, or from ``-c FILE`` (flags override the file's gateway
+    and workers)."""
+    if not args.config:
+        return (from_env(GatewayConfig, _overrides(args)),
+                [(args.models, from_env(WorkerConfig, _overrides(args)), {})], None)
+    from redbatch import configfile
+
+    plan = configfile.load(args.config)
+    flags = {k: v for k, v in _overrides(args).items() if k not in {"models", "config"}}
+    gateway = dataclasses.replace(plan.gateway, **_fields_of(GatewayConfig, flags))
+    entries = [(m.target, dataclasses.replace(m.worker, **_fields_of(WorkerConfig, flags)),
+                m.policy) for m in plan.models]
+    return gateway, entries, plan.redis_url
+
+
+def _fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSettings,
+        log_level: str) -> None:
     """Workers (supervised) in the background, the gateway in the foreground."""
+    from redbatch.worker.loader import load_models
     from redbatch.worker.pool import Pool
 
-    pool = Pool(target, redis, worker_config, log_level)
+    for target, _config, _policy in entries:
+        load_models(target)  # fail here, loudly, rather than in every replica
+    pools = [Pool(target, redis, config, log_level, policy)
+             for target, config, policy in entries]
     stop = threading.Event()
-    pool.start()
-    supervisor = threading.Thread(target=pool.supervise, args=(stop,), daemon=True)
-    supervisor.start()
+    supervisors = []
+    for pool in pools:
+        pool.start()
+        supervisors.append(threading.Thread(target=pool.supervise, args=(stop,), daemon=True))
+        supervisors[-1].start()
     try:
         _serve_gateway(gateway_config, redis)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
         log.info("stopping workers")
         stop.set()
-        supervisor.join(5)
-        pool.stop()
+        for pool, supervisor in zip(pools, supervisors, strict=True):
+            supervisor.join(5)
+            pool.stop()
 
 
 def cmd_status(args: argparse.Namespace, redis: RedisSettings) -> int:

@@ -1,0 +1,134 @@
+"""One declarative TOML file for ``redbatch up -c FILE``: the gateway, the workers'
+defaults and every model to serve.
+
+```toml
+redis_url = "redis://127.0.0.1:6379/0"   # optional; else $REDIS_URL, else embedded
+
+[gateway]                 # any GatewayConfig field: port, max_queue_len, ...
+port = 8000
+default_timeout_s = 10    # the deadline of requests that name none
+max_queue_len = 5000      # the cap of every model's queue
+
+[worker]                  # defaults for every [[models]] entry: any WorkerConfig field
+lease_ttl_s = 10
+
+[[models]]
+target = "redbatch.demo:models"   # MODULE:OBJECT, as `redbatch worker` takes
+device = "cpu"
+replicas = 2
+max_batch_size = 16               # batching knobs override the models' own policy
+batch_wait_timeout_s = 0.002
+```
+
+A bad file fails at start with a ``ConfigError`` that names the field
+(``models[0].replicas: ...``).  Queue caps and deadlines are gateway-wide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from redbatch.config import GatewayConfig, WorkerConfig
+from redbatch.errors import ConfigError
+
+T = TypeVar("T")
+POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s")
+TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
+                                      "bool": (bool,)}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    target: str
+    worker: WorkerConfig
+    policy: dict[str, Any]  # BatchPolicy overrides, applied in each replica
+
+
+@dataclass(frozen=True)
+class Deployment:
+    redis_url: str | None
+    gateway: GatewayConfig
+    models: list[ModelEntry]
+
+
+def load(path: str | Path) -> Deployment:
+    """Read and check the file; every error names the field it is about."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    _only(data, {"redis_url", "gateway", "worker", "models"}, "")
+    redis_url = data.get("redis_url")
+    if redis_url is not None and not isinstance(redis_url, str):
+        raise ConfigError("redis_url: must be a string")
+    gateway = build(GatewayConfig, _table(data, "gateway"), "gateway")
+    worker = _table(data, "worker")
+    build(WorkerConfig, worker, "worker")
+    models = data.get("models")
+    if not isinstance(models, list) or not models:
+        raise ConfigError("models: need at least one [[models]] table")
+    return Deployment(redis_url, gateway, [_model(m, worker, f"models[{i}]")
+                                           for i, m in enumerate(models)])
+
+
+def _model(raw: Any, defaults: dict[str, Any], where: str) -> ModelEntry:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a table")
+    target = raw.get("target")
+    if not isinstance(target, str) or ":" not in target:
+        raise ConfigError(f"{where}.target: must be MODULE:OBJECT")
+    policy = {k: raw[k] for k in POLICY_KEYS if k in raw}
+    _check_policy(policy, where)
+    rest = {k: v for k, v in raw.items() if k != "target" and k not in POLICY_KEYS}
+    worker = build(WorkerConfig, {**defaults, **rest}, where)
+    return ModelEntry(target, worker, policy)
+
+
+def _check_policy(policy: dict[str, Any], where: str) -> None:
+    from redbatch.worker.policy import BatchPolicy
+
+    try:
+        BatchPolicy(**policy)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def build(cls: type[T], values: dict[str, Any], where: str) -> T:
+    """``cls(**values)`` with each key and type checked, errors prefixed by ``where``."""
+    known = {f.name: str(f.type) for f in fields(cls) if f.init}  # type: ignore[arg-type]
+    _only(values, set(known), where)
+    for key, value in values.items():
+        kinds = TYPES.get(known[key], (object,))
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise ConfigError(f"{where}.{key}: must be {known[key]}, got {value!r}")
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _only(table: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field (known: "
+                          f"{', '.join(sorted(allowed))})")
+
+
+def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{name}: must be a table")
+    return table
+
+
+def with_policy(models: list[Any], overrides: dict[str, Any]) -> list[Any]:
+    """The models with their batching policy overridden (in a worker replica)."""
+    if not overrides:
+        return models
+    return [dataclasses.replace(m, policy=dataclasses.replace(m.policy, **overrides))
+            for m in models]

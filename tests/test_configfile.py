@@ -1,0 +1,93 @@
+"""`redbatch up -c FILE`: one TOML file for the gateway and the models."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from redbatch import configfile
+from redbatch.errors import ConfigError
+from tests.conftest import Proc, free_port, redbatch_cmd, test_env, wait_http
+
+GOOD = """
+redis_url = "redis://127.0.0.1:{redis_port}/0"
+
+[gateway]
+port = {port}
+default_timeout_s = 5
+max_queue_len = 500
+
+[worker]
+lease_ttl_s = 5
+heartbeat_interval_s = 0.5
+
+[[models]]
+target = "redbatch.demo:models"
+device = "cpu"
+replicas = 1
+max_batch_size = 4
+batch_wait_timeout_s = 0.001
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "redbatch.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_good_file(tmp_path: Path) -> None:
+    plan = configfile.load(write(tmp_path, GOOD.format(redis_port=6390, port=8123)))
+    assert plan.redis_url == "redis://127.0.0.1:6390/0"
+    assert plan.gateway.port == 8123 and plan.gateway.max_queue_len == 500
+    (model,) = plan.models
+    assert model.target == "redbatch.demo:models" and model.worker.device == "cpu"
+    assert model.worker.lease_ttl_s == 5  # [worker] defaults reach every model
+    assert model.policy == {"max_batch_size": 4, "batch_wait_timeout_s": 0.001}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[gateway]\nprot = 1\n[[models]]\ntarget='a:b'", r"gateway\.prot: unknown field"),
+    ("[[models]]\ntarget='a:b'\n[[models]]\ntarget='a:b'\nreplicas='2'",
+     r"models\[1\]\.replicas: must be int"),
+    ("[[models]]\ntarget='a:b'\nmax_batch_size=0", r"models\[0\]: max_batch_size"),
+    ("[[models]]\ndevice='cpu'", r"models\[0\]\.target: must be MODULE:OBJECT"),
+    ("[[models]]\ntarget='a:b'\ndevice='tpu'", r"models\[0\]: device must be"),
+    ("[gateway]\nport = 99999\n[[models]]\ntarget='a:b'", r"gateway: port must be"),
+    ("[gateway]\nport = true\n[[models]]\ntarget='a:b'", r"gateway\.port: must be int"),
+    ("[gateway]\nport = 8000\n", r"models: need at least one"),
+    ("[gateway\n", r"redbatch\.toml: "),
+])
+def test_a_bad_file_names_the_field(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        configfile.load(write(tmp_path, text))
+
+
+@pytest.mark.e2e
+def test_up_runs_the_file(spawn: Callable[..., Proc], redis_url: str, tmp_path: Path) -> None:
+    port, redis_port = free_port(), urlsplit(redis_url).port
+    path = write(tmp_path, GOOD.format(redis_port=redis_port, port=port))
+    proc = spawn(redbatch_cmd("up", "-c", str(path)), name="up")
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/readyz", 90, proc)
+    resp = httpx.post(f"{base}/v1/models/adder/predict", json={"inputs": 1}, timeout=30)
+    assert resp.json() == {"outputs": 2}
+    models = {m["name"]: m for m in httpx.get(f"{base}/v1/models", timeout=10).json()["models"]}
+    assert models["mlp"]["policy"]["max_batch_size"] == 4  # the file's batching knobs
+    assert models["mlp"]["workers"][0]["device"] == "cpu"
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(60) == 0, proc.log()
+
+
+def test_up_refuses_a_bad_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[[models]]\ntarget='redbatch.demo:models'\nreplicas=0\n")
+    done = subprocess.run(redbatch_cmd("up", "-c", str(path)), capture_output=True, text=True,
+                          env=test_env(), timeout=60, check=False)
+    assert done.returncode == 2 and "models[0]: replicas and threads must be >= 1" in \
+        done.stderr
