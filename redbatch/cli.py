@@ -138,10 +138,12 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     from redbatch.embedded import start_embedded
 
     gateway_config, entries, file_url = _up_plan(args)
-    redis_url = redis_url if args.redis_url or not file_url else file_url
+    source = "--redis-url" if args.redis_url else "REDIS_URL"
+    if file_url and not args.redis_url:
+        redis_url, source = file_url, f"redis_url of {args.config}"
     embedded = None if redis_url else start_embedded()
     if redis_url:
-        log.info("using the given Redis URL")
+        log.info("using %s", source)
     redis = RedisSettings.from_env(embedded.url if embedded else redis_url)
     log.info("redis: %s", redis.safe_url)
     try:

@@ -76,6 +76,7 @@ def test_up_runs_the_file(spawn: Callable[..., Proc], redis_url: str, tmp_path: 
     proc = spawn(redbatch_cmd("up", "-c", str(path)), name="up")
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", 90, proc)
+    assert f"using redis_url of {path}" in proc.log()  # the file's Redis, not an embedded one
     resp = httpx.post(f"{base}/v1/models/adder/predict", json={"inputs": 1}, timeout=30)
     assert resp.json() == {"outputs": 2}
     models = {m["name"]: m for m in httpx.get(f"{base}/v1/models", timeout=10).json()["models"]}
