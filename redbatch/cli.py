@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -50,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="gateway + workers + demo model, one command")
-    up.add_argument("--models", default=DEMO_TARGET, help=f"MODULE:OBJECT ({DEMO_TARGET})")
+    up.add_argument("--models", help=f"MODULE:OBJECT ({DEMO_TARGET})")
     up.add_argument("-c", "--config", help="a TOML file describing the gateway and the "
                     "models (see redbatch/configfile.py); flags given too override it")
     for add in (_add_redis, _add_gateway, _add_worker):
@@ -70,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(status)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
-    status.add_argument("--interval-s", type=float, default=1.0,
-                        help="sampling interval for items/s (1.0)")
+    status.add_argument("--interval-s", type=float, default=2.0,
+                        help="sampling interval for items/s (2.0; workers publish their "
+                             "counters once a heartbeat)")
     from redbatch.jobs.cli import register as register_jobs
 
     register_jobs(sub)
@@ -161,22 +161,26 @@ def _up_plan(args: argparse.Namespace) -> tuple[GatewayConfig, list[Entry], str 
     """The gateway's config and the (target, worker config, batching overrides) to
     run: from flags and env, or from ``-c FILE`` (flags override the file's gateway
     and workers)."""
+    flags = _overrides(args)
     if not args.config:
-        return (from_env(GatewayConfig, _overrides(args)),
-                [(args.models, from_env(WorkerConfig, _overrides(args)), {})], None)
+        return (from_env(GatewayConfig, flags),
+                [(args.models or DEMO_TARGET, from_env(WorkerConfig, flags), {})], None)
+    if args.models:
+        raise ConfigError("--models and -c/--config do not mix: list the models in the file")
     from redbatch import configfile
 
     plan = configfile.load(args.config)
-    flags = {k: v for k, v in _overrides(args).items() if k not in {"models", "config"}}
-    gateway = dataclasses.replace(plan.gateway, **_fields_of(GatewayConfig, flags))
-    entries = [(m.target, dataclasses.replace(m.worker, **_fields_of(WorkerConfig, flags)),
-                m.policy) for m in plan.models]
+    gateway = from_env(GatewayConfig, flags, base=plan.gateway_values)
+    entries = [(m.target, _worker_config(flags, m.worker_values, i), m.policy)
+               for i, m in enumerate(plan.models)]
     return gateway, entries, plan.redis_url
 
 
-def _fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
+def _worker_config(flags: dict[str, Any], values: dict[str, Any], index: int) -> WorkerConfig:
+    try:
+        return from_env(WorkerConfig, flags, base=values)
+    except ConfigError as exc:
+        raise ConfigError(f"models[{index}] with the flags and environment: {exc}") from exc
 
 
 def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSettings,
@@ -198,12 +202,22 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
     try:
         _serve_gateway(gateway_config, redis)
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not skip cleanup
+            signal.signal(sig, signal.SIG_IGN)
         log.info("stopping workers")
         stop.set()
-        for pool, supervisor in zip(pools, supervisors, strict=True):
+        for supervisor in supervisors:
             supervisor.join(5)
-            pool.stop()
+        _stop_all(pools)
+
+
+def _stop_all(pools: list[Any]) -> None:
+    """Stop every pool at once: their grace periods run side by side, not in a row."""
+    stoppers = [threading.Thread(target=pool.stop) for pool in pools]
+    for thread in stoppers:
+        thread.start()
+    for thread in stoppers:
+        thread.join()
 
 
 def cmd_status(args: argparse.Namespace, redis: RedisSettings) -> int:

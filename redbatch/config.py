@@ -55,10 +55,12 @@ def _convert(kind: Callable[[str], T], name: str, raw: str) -> T:
 
 
 def from_env(cls: type[T], overrides: Mapping[str, Any] | None = None,
-             env: Mapping[str, str] | None = None) -> T:
-    """Build a config dataclass: explicit overrides > ``REDBATCH_<FIELD>`` env > defaults."""
+             env: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
+             ) -> T:
+    """Build a config dataclass: explicit overrides (flags) > ``REDBATCH_<FIELD>`` env >
+    ``base`` (a config file's table) > defaults."""
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(base or {})
     for f in fields(cls):  # type: ignore[arg-type]
         if not f.init:
             continue

@@ -21,7 +21,9 @@ batch_wait_timeout_s = 0.002
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
-(``models[0].replicas: ...``).  Queue caps and deadlines are gateway-wide.
+(``models[0].replicas: ...``).  Queue caps and deadlines are gateway-wide.  Flags and
+``REDBATCH_*`` variables win over the file (secrets such as ``REDBATCH_API_KEY``
+belong in the environment, not in the file).
 """
 
 from __future__ import annotations
@@ -44,14 +46,19 @@ TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str
 @dataclass(frozen=True)
 class ModelEntry:
     target: str
-    worker: WorkerConfig
+    worker: WorkerConfig  # the file's values alone (checked)
+    worker_values: dict[str, Any]  # what the file set, for from_env(base=...)
     policy: dict[str, Any]  # BatchPolicy overrides, applied in each replica
 
 
 @dataclass(frozen=True)
 class Deployment:
+    """The file, checked.  ``redbatch up`` rebuilds the configs with
+    ``config.from_env(cls, flags, base=<the file's values>)``: flags > env > file."""
+
     redis_url: str | None
     gateway: GatewayConfig
+    gateway_values: dict[str, Any]
     models: list[ModelEntry]
 
 
@@ -65,14 +72,15 @@ def load(path: str | Path) -> Deployment:
     redis_url = data.get("redis_url")
     if redis_url is not None and not isinstance(redis_url, str):
         raise ConfigError("redis_url: must be a string")
-    gateway = build(GatewayConfig, _table(data, "gateway"), "gateway")
+    gateway_values = _table(data, "gateway")
+    gateway = build(GatewayConfig, gateway_values, "gateway")
     worker = _table(data, "worker")
     build(WorkerConfig, worker, "worker")
     models = data.get("models")
     if not isinstance(models, list) or not models:
         raise ConfigError("models: need at least one [[models]] table")
-    return Deployment(redis_url, gateway, [_model(m, worker, f"models[{i}]")
-                                           for i, m in enumerate(models)])
+    return Deployment(redis_url, gateway, gateway_values,
+                      [_model(m, worker, f"models[{i}]") for i, m in enumerate(models)])
 
 
 def _model(raw: Any, defaults: dict[str, Any], where: str) -> ModelEntry:
@@ -84,13 +92,19 @@ def _model(raw: Any, defaults: dict[str, Any], where: str) -> ModelEntry:
     policy = {k: raw[k] for k in POLICY_KEYS if k in raw}
     _check_policy(policy, where)
     rest = {k: v for k, v in raw.items() if k != "target" and k not in POLICY_KEYS}
-    worker = build(WorkerConfig, {**defaults, **rest}, where)
-    return ModelEntry(target, worker, policy)
+    values = {**defaults, **rest}
+    return ModelEntry(target, build(WorkerConfig, values, where), values, policy)
 
 
 def _check_policy(policy: dict[str, Any], where: str) -> None:
     from redbatch.worker.policy import BatchPolicy
 
+    size = policy.get("max_batch_size", 1)
+    if type(size) is not int:
+        raise ConfigError(f"{where}.max_batch_size: must be int, got {size!r}")
+    wait = policy.get("batch_wait_timeout_s", 0.0)
+    if type(wait) not in (int, float):
+        raise ConfigError(f"{where}.batch_wait_timeout_s: must be float, got {wait!r}")
     try:
         BatchPolicy(**policy)
     except (ConfigError, TypeError, ValueError) as exc:

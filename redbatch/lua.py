@@ -77,18 +77,27 @@ end
 """
 
 # KEYS[1]=inflight  KEYS[2]=dead letters  KEYS[1+2j]=marker j  KEYS[2+2j]=reply_to j
-# ARGV[1]=entries to ack (from the in-flight head)  ARGV[2]=reply ttl s  ARGV[3]=nd
-# ARGV[4..3+nd]=dead-letter entries  ARGV[3+nd+2j-1]=marker ttl ms j  ARGV[3+nd+2j]=reply j
-# Replies (each at most once), dead letters and the ack, in one step.  Returns replies sent.
+# ARGV[1]=entries to ack (from the in-flight head)  ARGV[2]=reply ttl s
+# ARGV[3]=sha1 hex of those entries, concatenated  ARGV[4]=nd
+# ARGV[5..4+nd]=dead-letter entries  ARGV[4+nd+2j-1]=marker ttl ms j  ARGV[4+nd+2j]=reply j
+# Replies (each at most once), dead letters and the ack, in one step.  The ack trims
+# the batch off the in-flight head only if the head still holds exactly the batch: a
+# reaper that took over this worker's list (its lease had lapsed) changes it, and then
+# nothing is trimmed.  Returns the replies sent, or -1 - sent when the ack was refused.
 PUBLISH: Final = _HELPERS + """
-local nd = tonumber(ARGV[3])
-dead_letter(KEYS[2], 4, 3 + nd)
+local nd = tonumber(ARGV[4])
+dead_letter(KEYS[2], 5, 4 + nd)
 local sent = 0
 for j = 1, (#KEYS - 2) / 2 do
-  sent = sent + reply_once(KEYS[1 + 2 * j], KEYS[2 + 2 * j], ARGV[3 + nd + 2 * j - 1],
-                           ARGV[3 + nd + 2 * j], ARGV[2])
+  sent = sent + reply_once(KEYS[1 + 2 * j], KEYS[2 + 2 * j], ARGV[4 + nd + 2 * j - 1],
+                           ARGV[4 + nd + 2 * j], ARGV[2])
 end
-redis.call('LTRIM', KEYS[1], ARGV[1], -1)
+local n = tonumber(ARGV[1])
+local head = redis.call('LRANGE', KEYS[1], 0, n - 1)
+if n > 0 and redis.sha1hex(table.concat(head)) ~= ARGV[3] then
+  return -1 - sent
+end
+redis.call('LTRIM', KEYS[1], n, -1)
 return sent
 """
 

@@ -43,9 +43,11 @@ class ModelStatus:
     batch_sizes: dict[str, int] = field(default_factory=dict)
 
 
-def quantile(q: float, bounds: tuple[float, ...], counts: list[int]) -> float | None:
+def quantile(q: float, bounds: tuple[float, ...], counts: list[int], *,
+             upper: bool = False) -> float | None:
     """The q-quantile from bucket counts, linear within a bucket (as PromQL's
-    histogram_quantile); the +Inf bucket answers with the last finite bound."""
+    histogram_quantile), or with ``upper`` the bucket's upper bound (for whole numbers
+    such as batch sizes); the +Inf bucket answers with the last finite bound."""
     total = sum(counts)
     if not total:
         return None
@@ -54,6 +56,8 @@ def quantile(q: float, bounds: tuple[float, ...], counts: list[int]) -> float | 
         if seen + count >= rank and count:
             if i >= len(bounds):
                 return bounds[-1]
+            if upper:
+                return bounds[i]
             low = bounds[i - 1] if i else 0.0
             return low + (bounds[i] - low) * (rank - seen) / count
         seen += count
@@ -84,8 +88,8 @@ def _fill_quantiles(status: ModelStatus, workers: list[dict[str, Any]]) -> None:
     sizes = _merged(workers, "batch_size")
     bounds = HISTS["batch_size"]
     status.batch_sizes = {f"<={b:g}": c for b, c in zip(bounds, sizes, strict=False) if c}
-    status.batch_size_p50 = quantile(0.5, bounds, sizes)
-    status.batch_size_p99 = quantile(0.99, bounds, sizes)
+    status.batch_size_p50 = quantile(0.5, bounds, sizes, upper=True)
+    status.batch_size_p99 = quantile(0.99, bounds, sizes, upper=True)
     for name, attr in (("queue_wait_s", "queue_wait_ms"), ("forward_s", "forward_ms")):
         counts = _merged(workers, name)
         for q, suffix in ((0.5, "p50"), (0.99, "p99")):
@@ -99,7 +103,9 @@ def model_names(client: redis.Redis) -> list[str]:
 
 
 def sample(client: redis.Redis, interval_s: float) -> dict[str, ModelStatus]:
-    """Every model's status, with items/s measured over ``interval_s``."""
+    """Every model's status, with items/s measured over ``interval_s`` (workers publish
+    their counters once a heartbeat, 1 s by default: sample 2 s or more for steady
+    figures)."""
     before = {m: read_model(client, m) for m in model_names(client)}
     started = time.monotonic()
     time.sleep(interval_s)
@@ -107,8 +113,16 @@ def sample(client: redis.Redis, interval_s: float) -> dict[str, ModelStatus]:
     now = {m: read_model(client, m) for m in model_names(client)}
     for name, status in now.items():
         if name in before:
-            status.items_per_s = max(0, status.items - before[name].items) / elapsed
+            status.items_per_s = _served(before[name].workers, status.workers) / elapsed
     return now
+
+
+def _served(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> int:
+    """Items served between two samples, by workers present in both (a worker that
+    joined, left or restarted in between would skew a plain difference of sums)."""
+    then = {w.get("worker_id"): int(w.get("items", 0)) for w in before}
+    return sum(max(0, int(w.get("items", 0)) - then[w.get("worker_id")])
+               for w in after if w.get("worker_id") in then)
 
 
 def as_json(statuses: dict[str, ModelStatus]) -> dict[str, Any]:

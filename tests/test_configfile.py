@@ -57,6 +57,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     ("[[models]]\ntarget='a:b'\n[[models]]\ntarget='a:b'\nreplicas='2'",
      r"models\[1\]\.replicas: must be int"),
     ("[[models]]\ntarget='a:b'\nmax_batch_size=0", r"models\[0\]: max_batch_size"),
+    ("[[models]]\ntarget='a:b'\nmax_batch_size=16.5", r"models\[0\]\.max_batch_size: must"),
+    ("[[models]]\ntarget='a:b'\nmax_batch_size=true", r"models\[0\]\.max_batch_size: must"),
     ("[[models]]\ndevice='cpu'", r"models\[0\]\.target: must be MODULE:OBJECT"),
     ("[[models]]\ntarget='a:b'\ndevice='tpu'", r"models\[0\]: device must be"),
     ("[gateway]\nport = 99999\n[[models]]\ntarget='a:b'", r"gateway: port must be"),
@@ -92,3 +94,23 @@ def test_up_refuses_a_bad_file(tmp_path: Path) -> None:
                           env=test_env(), timeout=60, check=False)
     assert done.returncode == 2 and "models[0]: replicas and threads must be >= 1" in \
         done.stderr
+
+
+def test_flags_and_environment_win_over_the_file(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from redbatch import cli
+
+    path = write(tmp_path, GOOD.format(redis_port=6390, port=8123))
+    monkeypatch.setenv("REDBATCH_API_KEY", "s3cret")  # secrets live in the environment
+    monkeypatch.setenv("REDBATCH_MAX_QUEUE_LEN", "77")
+    args = cli.build_parser().parse_args(["up", "-c", str(path), "--replicas", "3"])
+    gateway, entries, url = cli._up_plan(args)
+    assert gateway.api_key == "s3cret" and gateway.max_queue_len == 77
+    assert gateway.port == 8123  # the file, where nothing overrides it
+    ((target, worker, policy),) = entries
+    assert target == "redbatch.demo:models"
+    assert worker.replicas == 3 and worker.device == "cpu" and worker.lease_ttl_s == 5
+    assert url == "redis://127.0.0.1:6390/0" and policy["max_batch_size"] == 4
+    both = cli.build_parser().parse_args(["up", "-c", str(path), "--models", "a:b"])
+    with pytest.raises(ConfigError, match="do not mix"):
+        cli._up_plan(both)

@@ -124,6 +124,7 @@ async def test_request_id_in_and_out(http: httpx.AsyncClient,
     bad = await http.post("/v1/models/vec/predict", json={"x": [1, 2, 3]},
                           headers={"X-Request-ID": "has spaces"})
     assert bad.status_code == 400 and "X-Request-ID" in bad.json()["error"]["message"]
+    assert re.fullmatch(r"[0-9a-f]{32}", bad.headers["x-request-id"])  # ours, not theirs
 
 
 def test_trace_id_on_the_wire() -> None:

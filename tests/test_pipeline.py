@@ -102,3 +102,71 @@ async def test_slow_cpu_passes_stay_off_the_loop() -> None:
         forwarder = Forwarder(Model("s", fn=slow), slow, pool, device="cpu")
         await forwarder.run([1])
         assert not forwarder.inline
+
+
+async def test_a_lost_lease_is_noticed_and_nothing_is_lost(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    """A reaper takes over the in-flight list mid-pass (as when the lease lapsed): the
+    ack must not trim the wrong entries; the worker returns what it holds, goes on,
+    and every request is answered."""
+    model, gate, entered = gated_model("taken", 0.0)
+    start_worker([model])
+    async with Client(redis_url) as client:
+        assert await client.predict_many(model.name, [1, 2, 3]) == [1, 2, 3]
+        pending = [asyncio.create_task(client.predict(model.name, x)) for x in (-1, 7, 8)]
+        await asyncio.to_thread(entered.wait, 10)
+        await _held(raw_redis, model.name, 2)
+        key = next(iter(raw_redis.scan_iter(protocol.inflight_key(model.name, "*"))))
+        held = raw_redis.lrange(key, 0, -1)
+        raw_redis.delete(key)  # what a reaper does: requeue at the front, drop the list
+        raw_redis.lpush(protocol.queue_key(model.name), *reversed(held))
+        gate.set()
+        assert [await t for t in pending] == [-1, 7, 8]
+        assert await client.predict_many(model.name, [4, 5]) == [4, 5]
+        assert client.stats()["duplicates"] == 0
+    assert raw_redis.llen(key) == 0 and raw_redis.llen(protocol.queue_key(model.name)) == 0
+
+
+async def test_one_slow_pass_sends_the_next_ones_to_the_thread() -> None:
+    calls: list[str] = []
+    slow = [False]
+
+    def fn(xs: list[int]) -> list[int]:
+        calls.append(threading.current_thread().name)
+        if slow[0]:
+            time.sleep(AUTO_INLINE_MS * 2 / 1000)
+        return xs
+
+    with ThreadPoolExecutor(1, thread_name_prefix="fwd") as pool:
+        forwarder = Forwarder(Model("f", fn=fn), fn, pool, device="cpu")
+        await forwarder.run([1])
+        await forwarder.run([2])
+        assert forwarder.inline
+        slow[0] = True
+        await forwarder.run([3])  # inline, measured slow
+        slow[0] = False
+        await forwarder.run([4])
+    assert calls[3].startswith("fwd") and not forwarder.inline
+    alone = Forwarder(Model("m", fn=fn), fn, pool, device="cpu", alone=False)
+    assert alone.pass_ms is None and not alone.inline
+
+
+def test_the_ack_trims_only_its_own_batch(raw_redis: redis.Redis) -> None:
+    """PUBLISH acks by trimming the in-flight head only if it holds exactly the batch."""
+    import hashlib
+
+    from redbatch import lua
+
+    publish = raw_redis.register_script(lua.PUBLISH)
+    inflight, dead = "rb:{t}:inflight:w", "rb:{t}:dead"
+
+    def ack(batch: list[bytes]) -> int:
+        digest = hashlib.sha1(b"".join(batch), usedforsecurity=False).hexdigest()
+        return int(publish(keys=[inflight, dead], args=[len(batch), 60, digest, 0]))
+
+    raw_redis.rpush(inflight, b"a1", b"a2", b"b1")
+    assert ack([b"a1", b"a2"]) == 0 and raw_redis.lrange(inflight, 0, -1) == [b"b1"]
+    raw_redis.delete(inflight)  # a reaper took the list; then the next batch was claimed
+    raw_redis.rpush(inflight, b"c1")
+    assert ack([b"b1"]) == -1  # refused: c1 stays in flight
+    assert raw_redis.lrange(inflight, 0, -1) == [b"c1"]

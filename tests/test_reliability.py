@@ -91,8 +91,8 @@ async def test_paused_worker_cannot_answer_twice(spawn: Callable[..., Proc], red
     first = await asyncio.to_thread(read_reply, raw_redis, reply_to)
     assert first.ok and first.payload == 7 and first.id == req.id
     os.killpg(proc.popen.pid, signal.SIGCONT)
-    await asyncio.to_thread(wait_for, lambda: "model=slow n=1" in proc.log(), 30,
-                            "the paused worker to finish its batch")
+    await asyncio.to_thread(wait_for, lambda: "in-flight list changed" in proc.log(), 30,
+                            "the paused worker to notice that its batch was taken over")
     await asyncio.sleep(0.5)
     assert raw_redis.llen(reply_to) == 0, "a second reply was delivered"
 

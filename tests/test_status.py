@@ -28,6 +28,15 @@ def test_quantile_interpolates_within_buckets() -> None:
     assert quantile(0.5, bounds, [0, 10, 0, 0]) == pytest.approx(1.5)
     assert quantile(0.99, bounds, [10, 0, 0, 0]) == pytest.approx(0.99)
     assert quantile(0.99, bounds, [0, 0, 0, 5]) == 4.0  # +Inf: the last finite bound
+    assert quantile(0.5, bounds, [10, 0, 0, 0], upper=True) == 1.0  # batch sizes: bounds
+
+
+def test_rate_counts_only_workers_seen_twice() -> None:
+    from redbatch.status import _served
+
+    before = [{"worker_id": "a", "items": 100}, {"worker_id": "gone", "items": 900}]
+    after = [{"worker_id": "a", "items": 160}, {"worker_id": "new", "items": 50}]
+    assert _served(before, after) == 60
 
 
 async def test_status_reads_queues_workers_and_distributions(

@@ -20,11 +20,11 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from redbatch import metrics
+from redbatch import metrics, protocol
 from redbatch.api import body, metrics_view
 from redbatch.api.auth import presented_key
 from redbatch.api.errors import error_response, from_exception
-from redbatch.errors import RedbatchError
+from redbatch.errors import BadRequest, RedbatchError
 
 if TYPE_CHECKING:
     from redbatch.api.app import Gateway
@@ -104,6 +104,9 @@ class GatewayApp(Starlette):
         try:
             trace = body.trace_id(headers)
             response = await gateway.predict_core(model, headers, receive, trace)
+        except BadRequest as exc:  # a bad X-Request-ID too: answer with one of ours
+            trace = trace or protocol.new_request_id()
+            response = from_exception(exc)
         except RedbatchError as exc:
             response = from_exception(exc)
         except Exception:

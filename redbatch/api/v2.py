@@ -54,6 +54,7 @@ V2_DATATYPES: dict[str, str] = {
 DTYPES: dict[str, str] = {v2: dtype for dtype, v2 in V2_DATATYPES.items()}
 ANY_DATATYPE = "ANY"  # metadata of a model without a TensorSpec: any numeric datatype
 VERSION = "1"  # every model has this one version
+MAX_ROWS = 4096  # rows (requests) in one infer call
 MAX_DIMS = 32
 HEADER_LENGTH = b"inference-header-content-length"
 Handler = Callable[[Request], Awaitable[Response]]
@@ -194,12 +195,13 @@ def _dtype(datatype: Any, info: ModelInfo) -> str:
 
 def _shape(raw: Any) -> tuple[int, ...]:
     ok = isinstance(raw, list) and 1 <= len(raw) <= MAX_DIMS and all(
-        type(d) is int and d >= 0 for d in raw)
+        type(d) is int and d >= 1 for d in raw)
     if not ok:
-        raise BadRequest(f"'shape' must be a list of 1 to {MAX_DIMS} non-negative integers, "
+        raise BadRequest(f"'shape' must be a list of 1 to {MAX_DIMS} positive integers, "
                          f"the first one the batch dimension; got {raw!r}")
-    if raw[0] == 0:
-        raise BadRequest("the batch dimension (the first of 'shape') must be at least 1")
+    if raw[0] > MAX_ROWS:  # each row is a request: bound the work one call can ask for
+        raise BadRequest(f"the batch dimension is {raw[0]}; one call may hold at most "
+                         f"{MAX_ROWS} rows")
     return tuple(raw)
 
 

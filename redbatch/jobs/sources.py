@@ -158,6 +158,10 @@ def _download(url: str) -> Iterator[Path]:
                 resp.raise_for_status()
                 for block in resp.iter_bytes(1 << 20):
                     out.write(block)
+        except httpx.HTTPStatusError as exc:  # never the URL itself: it may hold a token
+            raise BadSource(f"cannot download {describe(url)}: HTTP "
+                            f"{exc.response.status_code}") from None
         except httpx.HTTPError as exc:
-            raise BadSource(f"cannot download {describe(url)}: {exc}") from exc
+            raise BadSource(f"cannot download {describe(url)}: "
+                            f"{type(exc).__name__}") from None
         yield path

@@ -78,6 +78,9 @@ class Client:
             self._listener.start()
 
     async def close(self) -> None:
+        if self._enqueuer is not None:
+            await self._enqueuer.drain()
+            self._enqueuer = None
         if self._listener is not None:
             await self._listener.stop()
             self._listener = None
@@ -145,12 +148,13 @@ class Client:
         protocol.check_model_name(model)
         deadline = self.deadline_ms(timeout_s)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
+        if self._listener.waiting + len(inputs) > self.max_waiters:  # before any work
+            raise QueueFull(f"{len(inputs)} more requests would pass this process's "
+                            f"max_waiters={self.max_waiters} ({self._listener.waiting} "
+                            "already wait)", QUEUE_FULL_RETRY_AFTER_S)
         requests = [self._request(model, x, deadline, rid) for x, rid in zip(inputs, ids,
                                                                               strict=True)]
         entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
-        if self._listener.waiting + len(requests) > self.max_waiters:
-            raise QueueFull(f"{self._listener.waiting} requests already wait in this process "
-                            f"(max_waiters={self.max_waiters})", QUEUE_FULL_RETRY_AFTER_S)
         self._listener.check_new([r.id for r in requests])
         futures = [self._listener.expect(r.id, deadline, want_reply) for r in requests]
         await self._push(model, requests, entries)
@@ -219,14 +223,16 @@ class Client:
 
     def _pushed(self, request_id: str,
                 pushed: asyncio.Future[tuple[int, QueueFull | None]]) -> None:
-        """Fail the waiter of a push that was refused or failed."""
-        assert self._listener is not None
-        if pushed.cancelled():
-            self._listener.fail(request_id, asyncio.CancelledError())
-        elif (exc := pushed.exception()) is not None:
-            self._listener.fail(request_id, exc)
+        """Fail the waiter of a push that was refused or failed (the outcome is read
+        first, so that it is consumed even after ``close``)."""
+        exc = asyncio.CancelledError() if pushed.cancelled() else pushed.exception()
+        listener = self._listener
+        if listener is None:  # closed meanwhile: close() already failed every waiter
+            return
+        if exc is not None:
+            listener.fail(request_id, exc)
         elif (result := pushed.result())[0] < 1:
-            self._listener.fail(request_id, result[1] or QueueFull("queue full"))
+            listener.fail(request_id, result[1] or QueueFull("queue full"))
 
     async def predict_many(self, model: str, inputs: Sequence[Any],
                            timeout_s: float | None = None, *, return_exceptions: bool = False

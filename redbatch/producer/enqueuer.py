@@ -47,6 +47,11 @@ class Enqueuer:
         self._pending: dict[str, list[Push]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Let the pushes in flight finish (bounded), before the connection closes."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
     def push(self, model: str, requests: list[Request], entries: list[bytes]
              ) -> asyncio.Future[tuple[int, QueueFull | None]]:
         """Queue a push for this tick's flush; resolves to (accepted, refusal)."""

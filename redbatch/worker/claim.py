@@ -115,7 +115,7 @@ class Claimer:
         try:
             await self._prepare()
             return await self._claim_batch()
-        except Exception:
+        except BaseException:  # an error, or a cancel (the pipeline abandoning a claim):
             self._client_id = None  # the connection may have been replaced: ask again
             raise
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import Executor
 from typing import Any
 
@@ -16,6 +17,7 @@ from redbatch.worker.model import BatchFn, Model
 
 log = logging.getLogger("redbatch.worker")
 AUTO_INLINE_MS = 5.0  # on a CPU worker, passes shorter than this run on the event loop
+RECENT_PASSES = 8
 
 
 class ContractError(ModelError):
@@ -24,19 +26,28 @@ class ContractError(ModelError):
 
 class Forwarder:
     def __init__(self, model: Model, fn: BatchFn, executor: Executor,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", *, alone: bool = True) -> None:
         self.model = model
         self._fn = fn
         self._executor = executor
-        self._auto = model.inline is None and device == "cpu"
-        self.pass_ms: float | None = None  # smoothed duration of a sync pass
+        # auto-inline only on a CPU worker serving this model alone: with several, an
+        # inline pass would run beside another model's pass in the forward thread
+        self._auto = model.inline is None and device == "cpu" and alone
+        self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
+
+    @property
+    def pass_ms(self) -> float | None:
+        """The longest of the recent sync passes (ms), None before the first."""
+        return max(self._recent) if self._recent else None
 
     @property
     def inline(self) -> bool:
-        """Whether the next sync pass runs on the event loop."""
+        """Whether the next sync pass runs on the event loop: while every recent pass
+        was short (one slow pass sends the next ones back to the thread)."""
         if self.model.inline is not None:
             return self.model.inline
-        return self._auto and self.pass_ms is not None and self.pass_ms < AUTO_INLINE_MS
+        longest = self.pass_ms
+        return self._auto and longest is not None and longest < AUTO_INLINE_MS
 
     async def run(self, inputs: list[Any]) -> list[Any]:
         """One result per input: the model's output, or a ``RedbatchError``."""
@@ -70,13 +81,17 @@ class Forwarder:
 
     async def _call_sync(self, arg: Any) -> Any:
         started = time.perf_counter()
-        if self.inline:
-            outputs = self._fn(arg)
-        else:
-            loop = asyncio.get_running_loop()
-            outputs = await loop.run_in_executor(self._executor, self._fn, arg)
-        took_ms = (time.perf_counter() - started) * 1000
-        self.pass_ms = took_ms if self.pass_ms is None else 0.8 * self.pass_ms + 0.2 * took_ms
+        inline = self.inline
+        try:
+            if inline:
+                outputs = self._fn(arg)
+            else:
+                loop = asyncio.get_running_loop()
+                outputs = await loop.run_in_executor(self._executor, self._fn, arg)
+        finally:
+            self._recent.append((time.perf_counter() - started) * 1000)
+        if inline:
+            await asyncio.sleep(0)  # let the heartbeat and replies run between passes
         return outputs
 
     def _check_outputs(self, outputs: Any, n: int) -> list[Any]:

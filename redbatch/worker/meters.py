@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import bisect
 
-from redbatch import metrics
+from redbatch import metrics, protocol
 from redbatch.errors import DeadlineExceeded
 from redbatch.worker.decode import Decoded
+
+MAX_WAIT_MS = protocol.MAX_TIMEOUT_S * 1000  # no request waits longer than its deadline
 
 
 class Buckets:
@@ -45,9 +47,10 @@ class WorkerMeters:
         if decoded.items:
             self.forward.observe(fwd_ms / 1000)
             self.hist["forward_s"].add(fwd_ms / 1000)
-        for wait_ms in waits_ms:
-            self.queue_wait.observe(wait_ms / 1000)
-            self.hist["queue_wait_s"].add(wait_ms / 1000)
+        for wait_ms in waits_ms:  # clamped: foreign producers' clocks may be off
+            wait_s = min(max(wait_ms, 0), MAX_WAIT_MS) / 1000
+            self.queue_wait.observe(wait_s)
+            self.hist["queue_wait_s"].add(wait_s)
         expired = sum(isinstance(exc, DeadlineExceeded) for _r, _f, exc in decoded.early)
         self.items["computed"].inc(len(decoded.items) - failed)
         self.items["error"].inc(failed)

@@ -44,9 +44,9 @@ async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
                 return
             backoff_s = BACKOFF_START_S
             continue
-        except (*REDIS_ERRORS, RedbatchError) as exc:
-            log.warning("%s: redis unavailable (%s: %s); retrying in %.2f s", name,
-                        type(exc).__name__, exc, backoff_s)
+        except (*REDIS_ERRORS, RedbatchError) as exc:  # Redis down, or a lost lease
+            log.warning("%s: %s: %s; retrying in %.2f s", name, type(exc).__name__, exc,
+                        backoff_s)
         except Exception:
             log.exception("%s: unexpected error; retrying in %.2f s", name, backoff_s)
         await _sleep_or_stop(stop, backoff_s)
@@ -96,7 +96,7 @@ class Worker:
         try:
             self.runners = [BatchRunner(redis, m, m.bind(self.device), self.worker_id, executor,
                                         self.config.block_timeout_s, self.config.max_attempts,
-                                        b, self.device)
+                                        b, self.device, alone=len(self.models) == 1)
                             for m, b in zip(self.models, blocking, strict=True)]
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
             self._meters = [CapacityMeter(r) for r in self.runners]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from concurrent.futures import Executor
@@ -23,16 +24,24 @@ from redbatch.worker.reaper import Reaper
 from redbatch.worker.replies import Outgoing, error_reply, outgoing, publish_args
 
 log = logging.getLogger("redbatch.worker")
+
+
+class LeaseLost(RedbatchError):
+    """The worker's in-flight list was taken over: stop, and return what is left."""
+
+
 PREFETCH_MAX_MS = 50.0  # prefetch the next batch only while passes are shorter than this
 
 
 @dataclass(slots=True)
 class Claimed:
-    """A claimed batch, decoded: ``claimed`` entries moved to the in-flight list."""
+    """A claimed batch, decoded: ``claimed`` entries moved to the in-flight list, whose
+    SHA-1 the ack checks."""
 
     claimed: int
     decoded: Decoded
     claimed_ms: int
+    digest: str
 
 
 @dataclass(slots=True)
@@ -59,11 +68,12 @@ class BatchRunner:
 
     def __init__(self, redis: aioredis.Redis, model: Model, fn: BatchFn, worker_id: str,
                  executor: Executor, block_timeout_s: float, max_attempts: int = 3,
-                 blocking: aioredis.Redis | None = None, device: str = "cpu") -> None:
+                 blocking: aioredis.Redis | None = None, device: str = "cpu",
+                 alone: bool = True) -> None:
         self._redis = redis
         self.model = model
         self._worker_id = worker_id
-        self._forwarder = Forwarder(model, fn, executor, device)
+        self._forwarder = Forwarder(model, fn, executor, device, alone=alone)
         self._publish = redis.register_script(lua.PUBLISH)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
@@ -80,8 +90,7 @@ class BatchRunner:
     async def run_batch(self) -> int:
         """Serve one batch, step by step; return how many entries it claimed (0 on an
         idle timeout).  ``serve`` overlaps these steps across batches."""
-        if self._unacked:  # the last batch failed before its ack: requeue it, in order
-            await self.reaper.reap(self._worker_id, force=True)
+        await self._return_unacked()
         self._unacked = True  # set first: a claim can fail after moving some entries
         batch = await self._take()
         if batch is not None:
@@ -96,13 +105,15 @@ class BatchRunner:
         idle worker can take the next batch instead.  Batches are published in claim
         order (each ack trims the head of the in-flight list).  After an error, the
         next call first returns what this worker still held to the queue's front."""
-        if self._unacked:
-            await self.reaper.reap(self._worker_id, force=True)
+        await self._return_unacked()
         self._unacked = True
         claiming: asyncio.Task[Claimed | None] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
             while claiming is not None or not stop.is_set():
+                if publishing is not None and publishing.done():
+                    await _settle(publishing)  # its error, if any, now: not at the next batch
+                    publishing = None
                 batch = await (claiming or self._take())
                 claiming = None if stop.is_set() else self._prefetch()
                 if batch is not None:
@@ -115,6 +126,12 @@ class BatchRunner:
                 await _settle(task, abandon=True)
         self._unacked = False  # only after a clean stop: everything claimed was answered
 
+    async def _return_unacked(self) -> None:
+        """After a failure, requeue (in order) whatever this worker still holds."""
+        if self._unacked and await self.reaper.reap(self._worker_id, force=True) == -2:
+            raise LeaseLost("the in-flight list changed while it was being returned; "
+                            "trying again")
+
     def _prefetch(self) -> asyncio.Task[Claimed | None] | None:
         if self.fwd_ms_avg is None or self.fwd_ms_avg >= PREFETCH_MAX_MS:
             return None
@@ -126,7 +143,9 @@ class BatchRunner:
         if not raws:
             return None
         claimed_ms = protocol.now_ms()
-        return Claimed(len(raws), decode_batch(raws, self.model, claimed_ms), claimed_ms)
+        digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
+        return Claimed(len(raws), decode_batch(raws, self.model, claimed_ms), claimed_ms,
+                       digest)
 
     async def _compute(self, batch: Claimed) -> Computed:
         """Forward and encode: the replies of one batch."""
@@ -141,7 +160,7 @@ class BatchRunner:
 
     async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
         published = time.perf_counter()
-        await self.publish(computed.outs, batch.claimed, batch.decoded.dead)
+        await self.publish(computed.outs, batch, batch.decoded.dead)
         reply_ms = (time.perf_counter() - published) * 1000
         self._log_batch(batch, computed, reply_ms)
 
@@ -167,11 +186,17 @@ class BatchRunner:
         wait_ms = max(0, claimed_ms - request.enqueue_ms) if request.enqueue_ms else 0
         return Timings(wait_ms, n, fwd_ms, self._worker_id)
 
-    async def publish(self, outs: list[Outgoing], claimed: int, dead: list[bytes]) -> None:
-        """Replies (each at most once), dead letters and the ack: one atomic script."""
+    async def publish(self, outs: list[Outgoing], batch: Claimed, dead: list[bytes]) -> None:
+        """Replies (each at most once), dead letters and the ack: one atomic script.
+        Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
         keys, argv = publish_args(outs, dead)
         keys = [self.claimer.inflight, protocol.dead_letter_key(self.model.name), *keys]
-        await self._publish(keys=keys, args=[claimed, protocol.REPLY_TTL_S, *argv])
+        sent = int(await self._publish(keys=keys, args=[batch.claimed, protocol.REPLY_TTL_S,
+                                                        batch.digest, *argv]))
+        if sent < 0:
+            raise LeaseLost(f"model={self.model.name}: the in-flight list changed under "
+                            "this worker (its lease lapsed and a reaper took it over); "
+                            "returning what it still holds")
 
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
         decoded, claimed, fwd_ms = batch.decoded, batch.claimed, computed.fwd_ms
