@@ -147,8 +147,6 @@ async def test_one_slow_pass_sends_the_next_ones_to_the_thread() -> None:
         slow[0] = False
         await forwarder.run([4])
     assert calls[3].startswith("fwd") and not forwarder.inline
-    alone = Forwarder(Model("m", fn=fn), fn, pool, device="cpu", alone=False)
-    assert alone.pass_ms is None and not alone.inline
 
 
 def test_the_ack_trims_only_its_own_batch(raw_redis: redis.Redis) -> None:

@@ -26,13 +26,13 @@ class ContractError(ModelError):
 
 class Forwarder:
     def __init__(self, model: Model, fn: BatchFn, executor: Executor,
-                 device: str = "cpu", *, alone: bool = True) -> None:
+                 device: str = "cpu") -> None:
         self.model = model
         self._fn = fn
         self._executor = executor
-        # auto-inline only on a CPU worker serving this model alone: with several, an
-        # inline pass would run beside another model's pass in the forward thread
-        self._auto = model.inline is None and device == "cpu" and alone
+        # auto-inline only on a CPU worker (an inline pass may then run beside another
+        # model's pass in the forward thread: harmless on CPU, unlike one GPU)
+        self._auto = model.inline is None and device == "cpu"
         self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
 
     @property

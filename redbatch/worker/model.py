@@ -103,8 +103,8 @@ class Model:
     loader: Loader | None = None
     # Where a sync batch function runs: True on the event loop, False in the forward
     # thread, None (auto) on the loop while its last passes all took under
-    # ``forward.AUTO_INLINE_MS`` on a CPU worker serving this model alone, else in the
-    # thread.  Use False for a function that waits on the worker's event loop.  On the loop it
+    # ``forward.AUTO_INLINE_MS`` on a CPU worker, else in the thread.  Use False for a
+    # function that waits on the worker's event loop.  On the loop it
     # skips the thread handoff and the GIL ping-pong with the loop (measured: +7-16 %
     # items/s for the W2 MLP on 2 cores); the heartbeat waits while it runs.
     inline: bool | None = None

@@ -96,7 +96,7 @@ class Worker:
         try:
             self.runners = [BatchRunner(redis, m, m.bind(self.device), self.worker_id, executor,
                                         self.config.block_timeout_s, self.config.max_attempts,
-                                        b, self.device, alone=len(self.models) == 1)
+                                        b, self.device)
                             for m, b in zip(self.models, blocking, strict=True)]
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
             self._meters = [CapacityMeter(r) for r in self.runners]

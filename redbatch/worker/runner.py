@@ -68,12 +68,11 @@ class BatchRunner:
 
     def __init__(self, redis: aioredis.Redis, model: Model, fn: BatchFn, worker_id: str,
                  executor: Executor, block_timeout_s: float, max_attempts: int = 3,
-                 blocking: aioredis.Redis | None = None, device: str = "cpu",
-                 alone: bool = True) -> None:
+                 blocking: aioredis.Redis | None = None, device: str = "cpu") -> None:
         self._redis = redis
         self.model = model
         self._worker_id = worker_id
-        self._forwarder = Forwarder(model, fn, executor, device, alone=alone)
+        self._forwarder = Forwarder(model, fn, executor, device)
         self._publish = redis.register_script(lua.PUBLISH)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
