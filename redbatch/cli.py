@@ -251,9 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
     sys.path.insert(0, os.getcwd())
     try:
+        setup_logging(args.log_level)
         return _dispatch(args, args.redis_url or os.environ.get("REDIS_URL"))
     except RedbatchError as exc:
         log.error("%s", exc)
