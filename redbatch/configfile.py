@@ -18,10 +18,12 @@ device = "cpu"
 replicas = 2
 max_batch_size = 16               # batching knobs override the models' own policy
 batch_wait_timeout_s = 0.002
+max_queue_len = 1000              # this model's queue cap (the lower of it and the gateway's)
+default_timeout_s = 5             # deadline of its requests that set none
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
-(``models[0].replicas: ...``).  Queue caps and deadlines are gateway-wide.  Flags and
+(``models[0].replicas: ...``).  Flags and
 ``REDBATCH_*`` variables win over the file (secrets such as ``REDBATCH_API_KEY``
 belong in the environment, not in the file).
 """
@@ -38,7 +40,8 @@ from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
 
 T = TypeVar("T")
-POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s")
+POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s")  # -> the models' BatchPolicy
+LIMIT_KEYS = ("max_queue_len", "default_timeout_s")  # -> the models' own limits
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}
 
@@ -48,7 +51,7 @@ class ModelEntry:
     target: str
     worker: WorkerConfig  # the file's values alone (checked)
     worker_values: dict[str, Any]  # what the file set, for from_env(base=...)
-    policy: dict[str, Any]  # BatchPolicy overrides, applied in each replica
+    policy: dict[str, Any]  # BatchPolicy and limit overrides, applied in each replica
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,13 @@ def _model(raw: Any, defaults: dict[str, Any], where: str) -> ModelEntry:
         raise ConfigError(f"{where}.target: must be MODULE:OBJECT")
     policy = {k: raw[k] for k in POLICY_KEYS if k in raw}
     _check_policy(policy, where)
-    rest = {k: v for k, v in raw.items() if k != "target" and k not in POLICY_KEYS}
+    limits = {k: raw[k] for k in LIMIT_KEYS if k in raw}
+    _check_limits(limits, where)
+    rest = {k: v for k, v in raw.items()
+            if k != "target" and k not in POLICY_KEYS and k not in LIMIT_KEYS}
     values = {**defaults, **rest}
-    return ModelEntry(target, build(WorkerConfig, values, where), values, policy)
+    return ModelEntry(target, build(WorkerConfig, values, where), values,
+                      {**policy, **limits})
 
 
 def _check_policy(policy: dict[str, Any], where: str) -> None:
@@ -109,6 +116,15 @@ def _check_policy(policy: dict[str, Any], where: str) -> None:
         BatchPolicy(**policy)
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _check_limits(limits: dict[str, Any], where: str) -> None:
+    cap = limits.get("max_queue_len", 1)
+    if type(cap) is not int or cap < 1:
+        raise ConfigError(f"{where}.max_queue_len: must be an int >= 1, got {cap!r}")
+    timeout = limits.get("default_timeout_s", 1.0)
+    if type(timeout) not in (int, float) or not timeout > 0:
+        raise ConfigError(f"{where}.default_timeout_s: must be a number > 0, got {timeout!r}")
 
 
 def build(cls: type[T], values: dict[str, Any], where: str) -> T:
@@ -141,8 +157,10 @@ def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def with_policy(models: list[Any], overrides: dict[str, Any]) -> list[Any]:
-    """The models with their batching policy overridden (in a worker replica)."""
+    """The models with their batching policy and limits overridden (in a replica)."""
     if not overrides:
         return models
-    return [dataclasses.replace(m, policy=dataclasses.replace(m.policy, **overrides))
+    policy = {k: v for k, v in overrides.items() if k in POLICY_KEYS}
+    limits = {k: v for k, v in overrides.items() if k in LIMIT_KEYS}
+    return [dataclasses.replace(m, policy=dataclasses.replace(m.policy, **policy), **limits)
             for m in models]

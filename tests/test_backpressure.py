@@ -117,3 +117,31 @@ async def test_overload_refuses_the_excess_fast(start_worker: Callable[..., Work
     assert np.percentile(by["refused"], 99) < 0.2
     assert len(by["late"]) <= 0.1 * (len(by["ok"]) + len(by["late"]))
     assert np.percentile(by["ok"], 99) < 1.0
+
+
+async def test_a_model_brings_its_own_queue_cap_and_default_deadline(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    release = threading.Event()
+
+    def held(xs: list[int]) -> list[int]:
+        release.wait(20)
+        return xs
+
+    model = Model("capped", fn=held, policy=BatchPolicy(max_batch_size=1,
+                                                        batch_wait_timeout_s=0),
+                  max_queue_len=2, default_timeout_s=0.5, inline=False)
+    start_worker([model])
+    try:
+        async with gateway(redis_url, max_queue_len=100, default_timeout_s=10) as http:
+            await _wait_registered(http)
+            started = time.monotonic()
+            pending = [asyncio.create_task(http.post("/v1/models/capped/predict",
+                                                     json={"inputs": i})) for i in range(3)]
+            await asyncio.sleep(0.2)  # one in the pass, two queued: the model's cap
+            full = await http.post("/v1/models/capped/predict", json={"inputs": 9})
+            assert full.status_code == 503 and "cap 2" in full.json()["error"]["message"]
+            statuses = [(await t).status_code for t in pending]
+            assert statuses == [504] * 3  # the model's 0.5 s default, not the gateway's 10 s
+            assert time.monotonic() - started < 3
+    finally:
+        release.set()

@@ -33,6 +33,8 @@ device = "cpu"
 replicas = 1
 max_batch_size = 4
 batch_wait_timeout_s = 0.001
+max_queue_len = 1000
+default_timeout_s = 4
 """
 
 
@@ -49,7 +51,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     (model,) = plan.models
     assert model.target == "redbatch.demo:models" and model.worker.device == "cpu"
     assert model.worker.lease_ttl_s == 5  # [worker] defaults reach every model
-    assert model.policy == {"max_batch_size": 4, "batch_wait_timeout_s": 0.001}
+    assert model.policy == {"max_batch_size": 4, "batch_wait_timeout_s": 0.001,
+                            "max_queue_len": 1000, "default_timeout_s": 4}
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -64,6 +67,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     ("[gateway]\nport = 99999\n[[models]]\ntarget='a:b'", r"gateway: port must be"),
     ("[gateway]\nport = true\n[[models]]\ntarget='a:b'", r"gateway\.port: must be int"),
     ("[gateway]\nport = 8000\n", r"models: need at least one"),
+    ("[[models]]\ntarget='a:b'\nmax_queue_len=0", r"models\[0\]\.max_queue_len: must"),
+    ("[[models]]\ntarget='a:b'\ndefault_timeout_s='5'", r"models\[0\]\.default_timeout_s"),
     ("[gateway\n", r"redbatch\.toml: "),
 ])
 def test_a_bad_file_names_the_field(tmp_path: Path, text: str, message: str) -> None:
@@ -83,6 +88,7 @@ def test_up_runs_the_file(spawn: Callable[..., Proc], redis_url: str, tmp_path: 
     assert resp.json() == {"outputs": 2}
     models = {m["name"]: m for m in httpx.get(f"{base}/v1/models", timeout=10).json()["models"]}
     assert models["mlp"]["policy"]["max_batch_size"] == 4  # the file's batching knobs
+    assert models["mlp"]["limits"] == {"max_queue_len": 1000, "default_timeout_s": 4}
     assert models["mlp"]["workers"][0]["device"] == "cpu"
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(60) == 0, proc.log()

@@ -84,10 +84,17 @@ class Gateway:
         data = body.parse_json(await body.read_body(headers, receive,
                                                     self.config.max_body_bytes))
         value = body.model_input(data, info)
-        timeout = body.timeout_s(headers, data, self.config.default_timeout_s,
+        timeout = body.timeout_s(headers, data, self.model_default_s(info),
                                  self.config.max_timeout_s)
+        self.client.set_queue_cap(model, info.max_queue_len)
         return _reply_response(info, await self.client.predict_reply(model, value, timeout,
                                                                      trace_id=trace_id))
+
+    def model_default_s(self, info: ModelInfo) -> float:
+        """The deadline of a request that sets none: the model's own default if it has
+        one, else the gateway's; never past ``max_timeout_s``."""
+        return min(info.default_timeout_s or self.config.default_timeout_s,
+                   self.config.max_timeout_s)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"models": await self.directory.listing()})

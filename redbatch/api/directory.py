@@ -24,12 +24,18 @@ class ModelInfo:
     output_name: str
     spec: TensorSpec | None
     meta: dict[str, Any]
+    max_queue_len: int | None = None  # the model's own limits (None: the gateway's)
+    default_timeout_s: float | None = None
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> ModelInfo:
         spec = TensorSpec.from_json(meta["spec"]) if meta.get("spec") else None
+        limits = meta.get("limits") or {}
+        cap, timeout = limits.get("max_queue_len"), limits.get("default_timeout_s")
         return cls(name=meta["name"], input_name=meta.get("input_name", "inputs"),
-                   output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta)
+                   output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta,
+                   max_queue_len=int(cap) if cap else None,
+                   default_timeout_s=float(timeout) if timeout else None)
 
 
 MAX_CACHED = 1024

@@ -425,8 +425,9 @@ class V2Api:
         gateway = self.gateway
         headers = dict(request.headers.raw)
         raw = await body.read_body(headers, request.receive, gateway.config.max_body_bytes)
-        call = parse_infer(raw, headers, info, gateway.config.default_timeout_s,
+        call = parse_infer(raw, headers, info, gateway.model_default_s(info),
                            gateway.config.max_timeout_s)
+        gateway.client.set_queue_cap(info.name, info.max_queue_len)
         futures = await gateway.client.submit_many(info.name, list(call.tensor),
                                                    call.timeout_s, want_reply=True)
         results = await asyncio.gather(*futures, return_exceptions=True)

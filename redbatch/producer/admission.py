@@ -30,7 +30,12 @@ class Admission:
     def __init__(self, redis: aioredis.Redis, max_queue_len: int) -> None:
         self._redis = redis
         self.max_queue_len = max_queue_len
+        self.model_caps: dict[str, int] = {}  # a model's own, lower cap (its meta)
         self._cache: dict[str, tuple[float, float, int]] = {}
+
+    def limit(self, model: str) -> int:
+        """The cap of ``model``'s queue: its own if lower than this process's."""
+        return min(self.max_queue_len, self.model_caps.get(model, self.max_queue_len))
 
     def live_cached(self, model: str) -> int | None:
         """Live workers from the cache, or None when it is stale (no I/O)."""
@@ -59,18 +64,18 @@ class Admission:
 
     async def cap(self, model: str, deadline_ms: int) -> int:
         """The queue length at which this request is refused."""
-        rate = await self.capacity(model)
+        rate, limit = await self.capacity(model), self.limit(model)
         if rate <= 0:
-            return self.max_queue_len
+            return limit
         budget_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         admitted = math.floor(rate * budget_s * ADMIT_FRACTION)
-        return min(self.max_queue_len, max(MIN_CAP, admitted))
+        return min(limit, max(MIN_CAP, admitted))
 
     async def queue_full(self, model: str, depth: int, cap: int) -> QueueFull:
         """The error for a refused request, with Retry-After from the drain rate."""
         rate = await self.capacity(model)
         low, high = RETRY_AFTER_RANGE_S
         retry_s = min(high, max(low, depth / rate)) if rate > 0 else low
-        why = "is full" if cap >= self.max_queue_len else "could not drain before the deadline"
+        why = "is full" if cap >= self.limit(model) else "could not drain before the deadline"
         return QueueFull(f"queue of model {model!r} {why} ({depth} queued, cap {cap}, "
                          f"drain rate {rate:.0f}/s)", retry_s)

@@ -102,6 +102,15 @@ class Client:
             raise RedbatchError("client is not started")
         return self._redis
 
+    def set_queue_cap(self, model: str, cap: int | None) -> None:
+        """A lower queue cap for ``model`` than ``max_queue_len`` (None: back to it)."""
+        if self._listener is None:
+            return  # set again on the next request, once started
+        if cap is None:
+            self._admission.model_caps.pop(model, None)
+        else:
+            self._admission.model_caps[model] = cap
+
     async def live_workers(self, model: str) -> int:
         """Live workers of ``model`` (cached for a second)."""
         if self._listener is None:

@@ -108,11 +108,21 @@ class Model:
     # skips the thread handoff and the GIL ping-pong with the loop (measured: +7-16 %
     # items/s for the W2 MLP on 2 cores); the heartbeat waits while it runs.
     inline: bool | None = None
+    # Limits the gateways apply to this model's requests (published in its meta): a
+    # queue cap (the lower of it and the gateway's max_queue_len), and the deadline of
+    # requests that set none (instead of the gateway's default_timeout_s, still capped
+    # by its max_timeout_s).  None: the gateway's.
+    max_queue_len: int | None = None
+    default_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         protocol.check_model_name(self.name)
         if (self.fn is None) == (self.loader is None):
             raise ConfigError(f"model {self.name!r} needs exactly one of fn or loader")
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            raise ConfigError(f"model {self.name!r}: max_queue_len must be >= 1")
+        if self.default_timeout_s is not None and not self.default_timeout_s > 0:
+            raise ConfigError(f"model {self.name!r}: default_timeout_s must be > 0")
 
     @property
     def is_async(self) -> bool:
@@ -137,6 +147,8 @@ class Model:
             "output_name": self.output_name,
             "spec": self.spec.to_json() if self.spec else None,
             "policy": self.policy.to_json(),
+            "limits": {"max_queue_len": self.max_queue_len,
+                       "default_timeout_s": self.default_timeout_s},
         }
 
 
