@@ -114,11 +114,16 @@ class BatchRunner:
                     await _settle(publishing)  # its error, if any, now: not at the next batch
                     publishing = None
                 batch = await (claiming or self._take())
-                claiming = None if stop.is_set() else self._prefetch()
+                # a pass in the thread overlaps the next claim; an inline one cannot, so
+                # then the claim is sent after this batch's replies, not ahead of them
+                early = not self._forwarder.inline
+                claiming = self._prefetch() if early and not stop.is_set() else None
                 if batch is not None:
                     computed = await self._compute(batch)
                     await _settle(publishing)  # done by now, or waited for: claim order
                     publishing = asyncio.create_task(self._publish_batch(batch, computed))
+                if not early and not stop.is_set():
+                    claiming = self._prefetch()
             await _settle(publishing)
         finally:
             for task in (claiming, publishing):
