@@ -158,7 +158,7 @@ Entry = tuple[str, WorkerConfig, dict[str, Any]]
 
 
 def _up_plan(args: argparse.Namespace) -> tuple[GatewayConfig, list[Entry], str | None]:
-    """The gateway's config and the (target, worker config, batching overrides) to
+    """The gateway's config and the (target, worker config, knob overrides) to
     run: from flags and env, or from ``-c FILE`` (flags override the file's gateway
     and workers)."""
     flags = _overrides(args)
@@ -171,7 +171,7 @@ def _up_plan(args: argparse.Namespace) -> tuple[GatewayConfig, list[Entry], str 
 
     plan = configfile.load(args.config)
     gateway = from_env(GatewayConfig, flags, base=plan.gateway_values)
-    entries = [(m.target, _worker_config(flags, m.worker_values, i), m.policy)
+    entries = [(m.target, _worker_config(flags, m.worker_values, i), m.overrides)
                for i, m in enumerate(plan.models)]
     return gateway, entries, plan.redis_url
 
@@ -189,10 +189,10 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
     from redbatch.worker.loader import load_models
     from redbatch.worker.pool import Pool
 
-    for target, _config, _policy in entries:
+    for target, _, _ in entries:
         load_models(target)  # fail here, loudly, rather than in every replica
-    pools = [Pool(target, redis, config, log_level, policy)
-             for target, config, policy in entries]
+    pools = [Pool(target, redis, config, log_level, overrides)
+             for target, config, overrides in entries]
     stop = threading.Event()
     supervisors = []
     for pool in pools:

@@ -51,7 +51,7 @@ class ModelEntry:
     target: str
     worker: WorkerConfig  # the file's values alone (checked)
     worker_values: dict[str, Any]  # what the file set, for from_env(base=...)
-    policy: dict[str, Any]  # BatchPolicy and limit overrides, applied in each replica
+    overrides: dict[str, Any]  # batching knobs and limits, applied in each replica
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def _table(data: dict[str, Any], name: str) -> dict[str, Any]:
     return table
 
 
-def with_policy(models: list[Any], overrides: dict[str, Any]) -> list[Any]:
+def with_overrides(models: list[Any], overrides: dict[str, Any]) -> list[Any]:
     """The models with their batching policy and limits overridden (in a replica)."""
     if not overrides:
         return models

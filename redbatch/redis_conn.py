@@ -46,6 +46,12 @@ def async_client(settings: RedisSettings, max_connections: int = 32) -> aioredis
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
+def sync_client(settings: RedisSettings) -> redis.Redis:
+    """A blocking client with the same timeouts (``redbatch status``, ``redbatch jobs``)."""
+    return redis.Redis.from_url(settings.url, socket_timeout=settings.socket_timeout_s,
+                                socket_connect_timeout=settings.connect_timeout_s)
+
+
 def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable:
     return RedisUnavailable(f"redis at {settings.safe_url} unavailable: {type(exc).__name__}: "
                             f"{exc}")

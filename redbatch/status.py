@@ -16,7 +16,6 @@ from typing import Any
 import redis
 
 from redbatch import metrics, protocol
-from redbatch.config import RedisSettings
 from redbatch.worker.heartbeat import live_workers_sync
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
@@ -127,8 +126,3 @@ def _served(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> int:
 
 def as_json(statuses: dict[str, ModelStatus]) -> dict[str, Any]:
     return {"models": [asdict(s) for s in statuses.values()], "time_ms": protocol.now_ms()}
-
-
-def connect(settings: RedisSettings) -> redis.Redis:
-    return redis.Redis.from_url(settings.url, socket_timeout=settings.socket_timeout_s,
-                                socket_connect_timeout=settings.connect_timeout_s)

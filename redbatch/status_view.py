@@ -13,6 +13,7 @@ from rich.table import Table
 from redbatch import status
 from redbatch.config import RedisSettings
 from redbatch.errors import RedisUnavailable
+from redbatch.redis_conn import sync_client
 
 COLUMNS = ("model", "queue", "workers (devices)", "items/s", "batch mean / p50 / p99",
            "queue wait p50 / p99", "forward p50 / p99", "dead letters")
@@ -46,7 +47,7 @@ def table(statuses: dict[str, status.ModelStatus]) -> Table:
 
 def run(settings: RedisSettings, *, as_json: bool, watch: bool, interval_s: float) -> int:
     """Print the status (or keep it on screen); 1 when Redis cannot be read."""
-    client = status.connect(settings)
+    client = sync_client(settings)
     try:
         if watch:
             _watch(client, interval_s)

@@ -466,46 +466,41 @@ def dockerfile_problems(text: str) -> Problems:
 # --- fixtures -------------------------------------------------------------------------
 
 
+def load_dict(path: Path) -> dict[str, Any]:
+    """A JSON or YAML file whose top level must be a mapping."""
+    data = json.loads(path.read_text()) if path.suffix == ".json" else load_yaml(path)
+    assert isinstance(data, dict), f"{path}: top level is not a mapping"
+    return data
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    data = load_yaml(COMPOSE_FILE)
-    assert isinstance(data, dict)
-    return data
+    return load_dict(COMPOSE_FILE)
 
 
 @pytest.fixture(scope="module")
 def schema() -> dict[str, Any]:
-    data = json.loads(SCHEMA_FILE.read_text())
-    assert isinstance(data, dict)
-    return data
+    return load_dict(SCHEMA_FILE)
 
 
 @pytest.fixture(scope="module")
 def prometheus() -> dict[str, Any]:
-    data = load_yaml(PROMETHEUS_FILE)
-    assert isinstance(data, dict)
-    return data
+    return load_dict(PROMETHEUS_FILE)
 
 
 @pytest.fixture(scope="module")
 def datasources() -> dict[str, Any]:
-    data = load_yaml(DATASOURCES_FILE)
-    assert isinstance(data, dict)
-    return data
+    return load_dict(DATASOURCES_FILE)
 
 
 @pytest.fixture(scope="module")
 def providers() -> dict[str, Any]:
-    data = load_yaml(PROVIDERS_FILE)
-    assert isinstance(data, dict)
-    return data
+    return load_dict(PROVIDERS_FILE)
 
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict[str, Any]:
-    data = json.loads(DASHBOARD_FILE.read_text())
-    assert isinstance(data, dict)
-    return data
+    return load_dict(DASHBOARD_FILE)
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ def test_a_good_file(tmp_path: Path) -> None:
     (model,) = plan.models
     assert model.target == "redbatch.demo:models" and model.worker.device == "cpu"
     assert model.worker.lease_ttl_s == 5  # [worker] defaults reach every model
-    assert model.policy == {"max_batch_size": 4, "batch_wait_timeout_s": 0.001,
+    assert model.overrides == {"max_batch_size": 4, "batch_wait_timeout_s": 0.001,
                             "max_queue_len": 1000, "default_timeout_s": 4}
 
 
@@ -113,10 +113,10 @@ def test_flags_and_environment_win_over_the_file(tmp_path: Path,
     gateway, entries, url = cli._up_plan(args)
     assert gateway.api_key == "s3cret" and gateway.max_queue_len == 77
     assert gateway.port == 8123  # the file, where nothing overrides it
-    ((target, worker, policy),) = entries
+    ((target, worker, overrides),) = entries
     assert target == "redbatch.demo:models"
     assert worker.replicas == 3 and worker.device == "cpu" and worker.lease_ttl_s == 5
-    assert url == "redis://127.0.0.1:6390/0" and policy["max_batch_size"] == 4
+    assert url == "redis://127.0.0.1:6390/0" and overrides["max_batch_size"] == 4
     both = cli.build_parser().parse_args(["up", "-c", str(path), "--models", "a:b"])
     with pytest.raises(ConfigError, match="do not mix"):
         cli._up_plan(both)

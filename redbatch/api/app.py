@@ -87,8 +87,8 @@ class Gateway:
         timeout = body.timeout_s(headers, data, self.model_default_s(info),
                                  self.config.max_timeout_s)
         self.client.set_queue_cap(model, info.max_queue_len)
-        return _reply_response(info, await self.client.predict_reply(model, value, timeout,
-                                                                     trace_id=trace_id))
+        reply = await self.client.predict_reply(model, value, timeout, trace_id=trace_id)
+        return _reply_response(info, reply, trace_id or reply.id)
 
     def model_default_s(self, info: ModelInfo) -> float:
         """The deadline of a request that sets none: the model's own default if it has
@@ -116,15 +116,19 @@ class Gateway:
         return JSONResponse({"status": "ready"})
 
 
-def _reply_response(info: ModelInfo, reply: Reply) -> Response | RawResponse:
-    """200 with the model's output, or the reply's typed error as JSON."""
+def _reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response | RawResponse:
+    """200 with the model's output, or the reply's typed error as JSON; both carry
+    ``X-Request-ID``."""
     if not reply.ok:
-        return from_exception(error_from_code(reply.error_code, reply.error_message))
+        response = from_exception(error_from_code(reply.error_code, reply.error_message))
+        response.headers["x-request-id"] = request_id
+        return response
     content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
                            option=orjson.OPT_SERIALIZE_NUMPY)
     timings = reply.timings
     return RawResponse(200, [
         (b"content-type", b"application/json"),
+        (b"x-request-id", request_id.encode()),
         (b"x-redbatch-batch-size", b"%d" % timings.batch_size),
         (b"x-redbatch-queue-wait-ms", b"%.1f" % timings.queue_wait_ms),
         (b"x-redbatch-forward-ms", b"%.2f" % timings.forward_ms),

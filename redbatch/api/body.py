@@ -83,10 +83,11 @@ def timeout_s(headers: Headers, data: dict[str, Any], default_s: float, max_s: f
 
 
 def trace_id(headers: Headers) -> str:
-    """The caller's ``X-Request-ID``, checked, or a fresh id when it sent none."""
+    """The caller's ``X-Request-ID``, checked; "" when it sent none (the request's own
+    id then stands for it, and nothing extra travels)."""
     raw = headers.get(REQUEST_ID_HEADER)
     if raw is None:
-        return protocol.new_request_id()
+        return ""
     value = raw.decode("latin-1")
     if not protocol.TRACE_ID_RE.fullmatch(value):
         raise BadRequest("X-Request-ID must be 1-128 characters of [A-Za-z0-9._:/-]")

@@ -53,8 +53,6 @@ class ModelDirectory:
     async def get(self, name: str) -> ModelInfo:
         """The model's info, or ``UnknownModel`` if no worker ever registered it."""
         hit = self._cache.get(name)
-        if hit is not None and hit[1] is not None and time.monotonic() - hit[0] <= self._refresh_s:
-            return hit[1]  # the hot path: a fresh hit
         if hit is None or time.monotonic() - hit[0] > self._refresh_s:
             hit = (time.monotonic(), await self._fetch(name))
             if len(self._cache) >= MAX_CACHED:  # names come from URLs: keep this bounded

@@ -35,13 +35,21 @@ def error_response(status: int, code: str, message: str,
                         headers=headers)
 
 
+def status_of(exc: errors.RedbatchError) -> int:
+    return next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 500)
+
+
+def retry_headers(exc: errors.RedbatchError, status: int) -> dict[str, str] | None:
+    """``Retry-After`` for a 503: from the drain rate for a full queue, else 1 s."""
+    if status != 503:
+        return None
+    retry_s = exc.retry_after_s if isinstance(exc, errors.QueueFull) else 1.0
+    return {"Retry-After": str(max(1, math.ceil(retry_s)))}
+
+
 def from_exception(exc: errors.RedbatchError) -> JSONResponse:
-    status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 500)
-    headers = None
-    if status == 503:
-        retry_s = exc.retry_after_s if isinstance(exc, errors.QueueFull) else 1.0
-        headers = {"Retry-After": str(max(1, math.ceil(retry_s)))}
-    return error_response(status, exc.code, str(exc), headers)
+    status = status_of(exc)
+    return error_response(status, exc.code, str(exc), retry_headers(exc, status))
 
 
 async def on_redbatch_error(request: Request, exc: Exception) -> Response:

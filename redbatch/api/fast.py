@@ -24,7 +24,7 @@ from redbatch import metrics, protocol
 from redbatch.api import body, metrics_view
 from redbatch.api.auth import presented_key
 from redbatch.api.errors import error_response, from_exception
-from redbatch.errors import BadRequest, RedbatchError
+from redbatch.errors import RedbatchError
 
 if TYPE_CHECKING:
     from redbatch.api.app import Gateway
@@ -99,21 +99,19 @@ class GatewayApp(Starlette):
 
     async def _respond(self, gateway: Gateway, model: str, headers: dict[bytes, bytes],
                        scope: Scope, receive: Receive) -> RawResponse | Response:
-        """The response, with ``X-Request-ID`` (the caller's, or a fresh one) on it."""
+        """The response, with ``X-Request-ID``: the caller's, else the request's id (set
+        by ``predict_core`` on answers from a worker), else a fresh one (errors before
+        enqueueing, a bad X-Request-ID among them)."""
         trace = ""
         try:
             trace = body.trace_id(headers)
-            response = await gateway.predict_core(model, headers, receive, trace)
-        except BadRequest as exc:  # a bad X-Request-ID too: answer with one of ours
-            trace = trace or protocol.new_request_id()
-            response = from_exception(exc)
+            return await gateway.predict_core(model, headers, receive, trace)
         except RedbatchError as exc:
             response = from_exception(exc)
         except Exception:
             log.exception("unexpected error on POST %s (request id %s)", scope["path"], trace)
             response = error_response(500, "internal", "internal error; see the gateway log")
-        if trace:
-            _set_header(response, b"x-request-id", trace.encode())
+        response.headers["x-request-id"] = trace or protocol.new_request_id()
         return response
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -122,9 +120,3 @@ class GatewayApp(Starlette):
         response = RawResponse(200, [(b"content-type", metrics.CONTENT_TYPE.encode())], body)
         await response(scope, receive, send)
 
-
-def _set_header(response: RawResponse | Response, name: bytes, value: bytes) -> None:
-    if isinstance(response, RawResponse):
-        response.headers.append((name, value))
-    else:
-        response.headers[name.decode()] = value.decode("latin-1")

@@ -13,9 +13,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from redbatch import __version__
+from redbatch.api.v2 import V2_DATATYPES
 
 Schema = dict[str, Any]
-V2_DATATYPE_NAMES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64"]
 
 
 def _ref(name: str) -> Schema:
@@ -120,21 +120,20 @@ def _v1_paths() -> dict[str, Schema]:
 def _v2_paths() -> dict[str, Schema]:
     model, version = "/v2/models/{name}", "/v2/models/{name}/versions/{version}"
     meta = _json("model metadata", _ref("ModelMetadata"))
-    not_ready = _v2_errors("404", "503")
+    missing = _v2_errors("404", "503")
     return {
         "/v2": _get("server metadata", _json("server", _ref("ServerMetadata")), {}, "v2"),
         "/v2/health/live": _get("the server is live", EMPTY_OK, {}, "v2"),
         "/v2/health/ready": _get("Redis answers and some worker is live", EMPTY_OK,
                                  _v2_errors("503"), "v2"),
-        model: _get("model metadata", meta, _v2_errors("404", "503"), "v2", [MODEL]),
-        version: _get("model metadata", meta, _v2_errors("404", "503"), "v2",
-                      [MODEL, VERSION]),
+        model: _get("model metadata", meta, missing, "v2", [MODEL]),
+        version: _get("model metadata", meta, missing, "v2", [MODEL, VERSION]),
         f"{model}/config": _get("Triton-style model configuration",
                                 _json("config", {"type": "object"}), _v2_errors("404"),
                                 "v2", [MODEL]),
-        f"{model}/ready": _get("the model has a live worker", EMPTY_OK, not_ready, "v2",
+        f"{model}/ready": _get("the model has a live worker", EMPTY_OK, missing, "v2",
                                [MODEL]),
-        f"{version}/ready": _get("the model has a live worker", EMPTY_OK, not_ready, "v2",
+        f"{version}/ready": _get("the model has a live worker", EMPTY_OK, missing, "v2",
                                  [MODEL, VERSION]),
         f"{model}/infer": _infer([MODEL]),
         f"{version}/infer": _infer([MODEL, VERSION]),
@@ -143,24 +142,19 @@ def _v2_paths() -> dict[str, Schema]:
 
 def _tensor_schemas() -> dict[str, Schema]:
     shape = {"type": "array", "items": {"type": "integer", "minimum": -1}}
-    datatype = {"type": "string", "enum": V2_DATATYPE_NAMES}
+    datatype = {"type": "string", "enum": list(V2_DATATYPES.values())}
     data = {"type": "array", "description": "row-major, flat (or nested) numbers"}
+    tensor = {"type": "object", "required": ["name", "shape", "datatype"],
+              "properties": {"name": {"type": "string"}, "shape": shape, "datatype": datatype,
+                             "parameters": {"type": "object", "properties": {
+                                 "binary_data_size": {"type": "integer", "minimum": 0}}},
+                             "data": data}}
     return {
         "MetadataTensor": {"type": "object", "required": ["name", "datatype", "shape"],
                            "properties": {"name": {"type": "string"},
                                           "datatype": {"type": "string"}, "shape": shape}},
-        "InferInputTensor": {
-            "type": "object", "required": ["name", "shape", "datatype"],
-            "properties": {"name": {"type": "string"}, "shape": shape, "datatype": datatype,
-                           "parameters": {"type": "object", "properties": {
-                               "binary_data_size": {"type": "integer", "minimum": 0}}},
-                           "data": data}},
-        "InferOutputTensor": {
-            "type": "object", "required": ["name", "shape", "datatype"],
-            "properties": {"name": {"type": "string"}, "shape": shape, "datatype": datatype,
-                           "parameters": {"type": "object", "properties": {
-                               "binary_data_size": {"type": "integer", "minimum": 0}}},
-                           "data": data}},
+        "InferInputTensor": tensor,
+        "InferOutputTensor": tensor,  # the same fields both ways
         "RequestedOutput": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"}, "parameters": {"type": "object", "properties": {
                 "binary_data": {"type": "boolean"}}}}},

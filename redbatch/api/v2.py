@@ -27,7 +27,7 @@ from starlette.routing import Route
 from redbatch import __version__, protocol
 from redbatch.api import body
 from redbatch.api.directory import ModelInfo
-from redbatch.api.errors import from_exception
+from redbatch.api.errors import retry_headers, status_of
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import (
     BadRequest,
@@ -62,12 +62,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def v2_error(exc: RedbatchError) -> JSONResponse:
     """``{"error": message}`` with the gateway's status for ``exc`` (422 -> 400)."""
-    v1 = from_exception(exc)
-    status = 400 if v1.status_code == 422 else v1.status_code
-    headers = {"x-redbatch-error-code": exc.code}
-    if "retry-after" in v1.headers:
-        headers["Retry-After"] = v1.headers["retry-after"]
-    return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
+    status = status_of(exc)
+    headers = {"x-redbatch-error-code": exc.code, **(retry_headers(exc, status) or {})}
+    return JSONResponse({"error": str(exc)}, status_code=400 if status == 422 else status,
+                        headers=headers)
 
 
 def _v2_errors(handler: Handler) -> Handler:
@@ -216,8 +214,7 @@ def _json_data(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any,
     if arr.size != math.prod(shape):
         raise BadRequest(f"shape {list(shape)} holds {math.prod(shape)} elements but 'data' "
                          f"has {arr.size}")
-    flat = TensorSpec(dtype, (None,)).check(arr.reshape(-1))  # kinds, ranges, finite
-    return flat.reshape(shape)
+    return arr.reshape(shape)
 
 
 def _binary_data(raw: bytes, size: Any, dtype: str, shape: tuple[int, ...]
@@ -247,7 +244,7 @@ def _tensor_data(tensor: dict[str, Any], binary: bytes, dtype: str, shape: tuple
 
 
 def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo) -> np.ndarray[Any, Any]:
-    """Every row must match the model's TensorSpec (free dims are free)."""
+    """Every row must have the shape of the model's TensorSpec (free dims are free)."""
     if info.spec is None:
         return arr
     want = (None, *info.spec.shape)
@@ -256,15 +253,17 @@ def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo) -> np.ndarray[Any, An
     if not fits:
         raise BadRequest(f"input {info.input_name!r} has shape {list(arr.shape)}; model "
                          f"{info.name!r} takes {[-1, *_row_dims(info)]}")
-    return TensorSpec(info.spec.dtype, want).check(arr)  # NaN/inf in binary floats
+    return arr
 
 
 def input_tensor(data: dict[str, Any], info: ModelInfo, binary: bytes) -> np.ndarray[Any, Any]:
-    """The request's one input as an array of shape ``[batch, *row]``."""
+    """The request's one input as an array of shape ``[batch, *row]``, its values
+    checked once (kinds, ranges, NaN/inf) against the datatype."""
     tensor = _only_input(data, info)
     dtype = _dtype(tensor.get("datatype"), info)
     shape = _shape(tensor.get("shape"))
-    return _fit_model(_tensor_data(tensor, binary, dtype, shape), info)
+    arr = _tensor_data(tensor, binary, dtype, shape)
+    return _fit_model(TensorSpec(dtype, (None,) * len(shape)).check(arr), info)
 
 
 def _binary_output(data: dict[str, Any], params: dict[str, Any], info: ModelInfo) -> bool:

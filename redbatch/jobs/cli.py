@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -30,8 +29,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from redbatch.config import DEFAULT_REDIS_URL
-from redbatch.errors import RedbatchError
+from redbatch.config import RedisSettings
+from redbatch.errors import ConfigError, RedbatchError
 from redbatch.jobs.submit import (
     BULK_QUEUE,
     DEFAULT_JOB_TIMEOUT_S,
@@ -42,6 +41,7 @@ from redbatch.jobs.submit import (
     submit_bulk,
 )
 from redbatch.jobs.tasks import BulkOptions
+from redbatch.redis_conn import sync_client
 
 DONE_STATES = frozenset(status.value for status in TERMINAL)
 POLL_S = 0.5
@@ -96,8 +96,11 @@ def _add_pacing(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``redbatch jobs ...``; return the exit status."""
-    url = args.redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-    conn = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=2)
+    try:
+        conn = sync_client(RedisSettings.from_env(args.redis_url))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.jobs_command == "submit":
             return _submit(args, conn)

@@ -200,12 +200,11 @@ class _Runner:
 
     async def _submit(self, chunk: list[Any]) -> list[Slot]:
         """Push a chunk's readable items; a slot per item (its future, or its error)."""
-        slots: list[Slot | None] = [ItemError(InvalidPayload.code, x.message)
-                                    if isinstance(x, BadRow) else None for x in chunk]
-        todo = [i for i, slot in enumerate(slots) if slot is None]
-        for index, slot in zip(todo, await self._push([chunk[i] for i in todo]), strict=True):
-            slots[index] = slot
-        return [slot for slot in slots if slot is not None]
+        bad = [ItemError(InvalidPayload.code, x.message) if isinstance(x, BadRow) else None
+               for x in chunk]
+        pushed = iter(await self._push([x for x, b in zip(chunk, bad, strict=True)
+                                        if b is None]))
+        return [next(pushed) if b is None else b for b in bad]
 
     async def _push(self, items: list[Any]) -> list[Slot]:
         try:

@@ -136,11 +136,24 @@ class Client:
         chosen = min(max(chosen, 0.0), self.max_timeout_s)
         return protocol.now_ms() + round(chosen * 1000)
 
-    def _request(self, model: str, inputs: Any, deadline_ms: int, request_id: str | None
-                 ) -> Request:
+    def _request(self, model: str, inputs: Any, deadline_ms: int, request_id: str | None,
+                 trace_id: str = "") -> Request:
         return Request(id=request_id or protocol.new_request_id(), model=model,
                        enqueue_ms=protocol.now_ms(), deadline_ms=deadline_ms,
-                       reply_to=self.reply_to, payload=inputs)
+                       reply_to=self.reply_to, payload=inputs, trace_id=trace_id)
+
+    async def _ready(self, model: str, count: int) -> ReplyListener:
+        """The listener (starting the client if needed), once ``model`` is a valid name
+        and ``count`` more waiters fit under ``max_waiters``: checked before any work."""
+        if self._listener is None:
+            await self.start()
+        assert self._listener is not None
+        protocol.check_model_name(model)
+        if self._listener.waiting + count > self.max_waiters:
+            raise QueueFull(f"{count} more requests would pass this process's "
+                            f"max_waiters={self.max_waiters} ({self._listener.waiting} "
+                            "already wait)", QUEUE_FULL_RETRY_AFTER_S)
+        return self._listener
 
     async def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
                           *, want_reply: bool = False, request_ids: Sequence[str] | None = None
@@ -151,21 +164,14 @@ class Client:
         ``Reply``) and raises a typed ``RedbatchError`` otherwise."""
         if not inputs:
             return []
-        if self._listener is None:
-            await self.start()
-        assert self._listener is not None
-        protocol.check_model_name(model)
+        listener = await self._ready(model, len(inputs))
         deadline = self.deadline_ms(timeout_s)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
-        if self._listener.waiting + len(inputs) > self.max_waiters:  # before any work
-            raise QueueFull(f"{len(inputs)} more requests would pass this process's "
-                            f"max_waiters={self.max_waiters} ({self._listener.waiting} "
-                            "already wait)", QUEUE_FULL_RETRY_AFTER_S)
         requests = [self._request(model, x, deadline, rid) for x, rid in zip(inputs, ids,
                                                                               strict=True)]
         entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
-        self._listener.check_new([r.id for r in requests])
-        futures = [self._listener.expect(r.id, deadline, want_reply) for r in requests]
+        listener.check_new([r.id for r in requests])
+        futures = [listener.expect(r.id, deadline, want_reply) for r in requests]
         await self._push(model, requests, entries)
         return futures
 
@@ -215,17 +221,12 @@ class Client:
         """The lean path of ``predict``: one waiter, whose deadline timer also bounds
         the enqueue; the push's outcome settles it through a callback (no task, no
         second timer)."""
-        if self._listener is None:
-            await self.start()
-        assert self._listener is not None and self._enqueuer is not None
-        protocol.check_model_name(model)
-        request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id)
-        request.trace_id = trace_id
+        listener = await self._ready(model, 1)
+        assert self._enqueuer is not None
+        request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id,
+                                trace_id)
         entry = codec.encode(request.to_wire(), self.fmt)
-        if self._listener.waiting >= self.max_waiters:
-            raise QueueFull(f"{self._listener.waiting} requests already wait in this process "
-                            f"(max_waiters={self.max_waiters})", QUEUE_FULL_RETRY_AFTER_S)
-        future = self._listener.expect(request.id, request.deadline_ms, want_reply)
+        future = listener.expect(request.id, request.deadline_ms, want_reply)
         pushed = self._enqueuer.push(model, [request], [entry])
         pushed.add_done_callback(functools.partial(self._pushed, request.id))
         return future

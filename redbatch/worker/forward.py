@@ -30,21 +30,22 @@ class Forwarder:
         self.model = model
         self._fn = fn
         self._executor = executor
-        # auto-inline only on a CPU worker (an inline pass may then run beside another
-        # model's pass in the forward thread: harmless on CPU, unlike one GPU)
-        self._auto = model.inline is None and device == "cpu"
+        # auto-inline only a sync function on a CPU worker (an inline pass may then run
+        # beside another model's pass in the forward thread: harmless on CPU, unlike on
+        # one GPU)
+        self._auto = model.inline is None and device == "cpu" and not model.is_async
         self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
 
     @property
     def pass_ms(self) -> float | None:
-        """The longest of the recent sync passes (ms), None before the first."""
+        """The longest of the recent passes (ms), None before the first."""
         return max(self._recent) if self._recent else None
 
     @property
     def inline(self) -> bool:
         """Whether the next sync pass runs on the event loop: while every recent pass
         was short (one slow pass sends the next ones back to the thread)."""
-        if self.model.inline is not None:
+        if self.model.inline is not None and not self.model.is_async:
             return self.model.inline
         longest = self.pass_ms
         return self._auto and longest is not None and longest < AUTO_INLINE_MS
@@ -73,25 +74,21 @@ class Forwarder:
 
     async def _call(self, inputs: list[Any]) -> list[Any]:
         arg: Any = np.stack(inputs) if self.model.stack else inputs
-        if self.model.is_async:
-            outputs = await self._fn(arg)
-        else:
-            outputs = await self._call_sync(arg)
-        return self._check_outputs(outputs, len(inputs))
-
-    async def _call_sync(self, arg: Any) -> Any:
         started = time.perf_counter()
-        inline = self.inline
         try:
-            if inline:
-                outputs = self._fn(arg)
-            else:
-                loop = asyncio.get_running_loop()
-                outputs = await loop.run_in_executor(self._executor, self._fn, arg)
+            outputs = await self._pass(arg)
         finally:
             self._recent.append((time.perf_counter() - started) * 1000)
-        if inline:
-            await asyncio.sleep(0)  # let the heartbeat and replies run between passes
+        return self._check_outputs(outputs, len(inputs))
+
+    async def _pass(self, arg: Any) -> Any:
+        if self.model.is_async:
+            return await self._fn(arg)
+        if not self.inline:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._fn, arg)
+        outputs = self._fn(arg)
+        await asyncio.sleep(0)  # let the heartbeat and replies run between inline passes
         return outputs
 
     def _check_outputs(self, outputs: Any, n: int) -> list[Any]:

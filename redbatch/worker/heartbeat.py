@@ -64,16 +64,15 @@ async def live_workers(redis: aioredis.Redis, model: str) -> list[dict[str, Any]
     ids: Any = await redis.zrangebyscore(protocol.workers_key(model), protocol.now_ms(), "+inf")
     if not ids:
         return []
-    infos: Any = await redis.hmget(protocol.worker_info_key(model), ids)
-    return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
-            for wid, raw in zip(ids, infos, strict=True)]
+    return _with_info(ids, await redis.hmget(protocol.worker_info_key(model), ids))
 
 
 def live_workers_sync(redis: Any, model: str) -> list[dict[str, Any]]:
     """``live_workers`` for a synchronous client (``redbatch status``)."""
     ids: Any = redis.zrangebyscore(protocol.workers_key(model), protocol.now_ms(), "+inf")
-    if not ids:
-        return []
-    infos: Any = redis.hmget(protocol.worker_info_key(model), ids)
+    return _with_info(ids, redis.hmget(protocol.worker_info_key(model), ids)) if ids else []
+
+
+def _with_info(ids: Any, infos: Any) -> list[dict[str, Any]]:
     return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
             for wid, raw in zip(ids, infos, strict=True)]

@@ -30,14 +30,14 @@ def replica_device(device: str, index: int, gpu_count: int) -> str:
 
 
 def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
-           log_level: str, policy: dict[str, Any] | None = None) -> None:
+           log_level: str, overrides: dict[str, Any] | None = None) -> None:
     from redbatch.worker.process import run_worker_process, set_threads
 
     set_threads(config.threads)  # before _gpu_count() may import torch
     device = config.device
     if device in {"auto", "cuda"} or "," in device:
         device = replica_device(device, index, _gpu_count())
-    run_worker_process(target, redis, config, device, log_level, index, policy)
+    run_worker_process(target, redis, config, device, log_level, index, overrides)
 
 
 def _gpu_count() -> int:
@@ -60,9 +60,9 @@ class Pool:
     """Starts ``config.replicas`` worker processes with the spawn start method."""
 
     def __init__(self, target: str, redis: RedisSettings, config: WorkerConfig,
-                 log_level: str = "INFO", policy: dict[str, Any] | None = None) -> None:
+                 log_level: str = "INFO", overrides: dict[str, Any] | None = None) -> None:
         self.target = target
-        self.policy = policy or {}  # batching overrides (redbatch up -c FILE)
+        self.overrides = overrides or {}  # batching overrides (redbatch up -c FILE)
         self.redis = redis
         self.config = config
         self.log_level = log_level
@@ -73,7 +73,7 @@ class Pool:
     def _spawn(self, index: int) -> BaseProcess:
         proc = self._ctx.Process(target=_child, name=f"redbatch-worker-{index}",
                                  args=(self.target, self.redis, self.config, index,
-                                       self.log_level, self.policy))
+                                       self.log_level, self.overrides))
         proc.start()
         log.info("started worker replica %d (pid %s) for %s", index, proc.pid, self.target)
         return proc

@@ -200,15 +200,15 @@ async def _main(worker: Worker) -> None:
 
 def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, device: str,
                        log_level: str = "INFO", index: int = 0,
-                       policy: dict[str, Any] | None = None) -> None:
-    """Entry point of a spawned worker process (replica ``index``); ``policy``
-    overrides the models' batching knobs."""
-    from redbatch.configfile import with_policy
+                       overrides: dict[str, Any] | None = None) -> None:
+    """Entry point of a spawned worker process (replica ``index``); ``overrides``
+    replace the models' batching knobs and limits (``redbatch up -c FILE``)."""
+    from redbatch.configfile import with_overrides
     from redbatch.logs import setup_logging
 
     setup_logging(log_level)
     set_threads(config.threads)  # before anything imports torch; Worker.run applies it too
-    models = with_policy(load_models(target), policy or {})
+    models = with_overrides(load_models(target), overrides or {})
     worker = Worker(models, redis, config, device=device)
     if config.metrics_port:
         serve_metrics(config.metrics_port + index)

@@ -30,7 +30,7 @@ class LeaseLost(RedbatchError):
     """The worker's in-flight list was taken over: stop, and return what is left."""
 
 
-PREFETCH_MAX_MS = 50.0  # prefetch the next batch only while passes are shorter than this
+PREFETCH_MAX_MS = 50.0  # prefetch the next batch only while recent passes were shorter
 
 
 @dataclass(slots=True)
@@ -84,26 +84,16 @@ class BatchRunner:
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
         self.forward_ms = 0.0  # total forward time
         self.queue_wait_ms = 0.0  # total queue wait of computed requests
-        self.fwd_ms_avg: float | None = None  # smoothed forward time of a batch
-
-    async def run_batch(self) -> int:
-        """Serve one batch, step by step; return how many entries it claimed (0 on an
-        idle timeout).  ``serve`` overlaps these steps across batches."""
-        await self._return_unacked()
-        self._unacked = True  # set first: a claim can fail after moving some entries
-        batch = await self._take()
-        if batch is not None:
-            await self._publish_batch(batch, await self._compute(batch))
-        self._unacked = False
-        return batch.claimed if batch else 0
 
     async def serve(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop``.  While a short pass (under ``PREFETCH_MAX_MS``) computes,
-        the next batch is claimed and decoded, and the last one published, so the model
-        does not wait on Redis; a slow model claims only when it is free, so that an
-        idle worker can take the next batch instead.  Batches are published in claim
-        order (each ack trims the head of the in-flight list).  After an error, the
-        next call first returns what this worker still held to the queue's front."""
+        """Serve until ``stop``: claim -> decode (``_take``), forward -> encode
+        (``_compute``), publish (``_publish_batch``).  While recent passes were short
+        (under ``PREFETCH_MAX_MS``), the next batch is claimed and decoded during this
+        pass, and this one is published during the next, so the model does not wait on
+        Redis; a slow model claims only when it is free, so that an idle worker can take
+        the next batch instead.  Batches are published in claim order (each ack trims
+        the head of the in-flight list).  After an error, the next call first returns
+        what this worker still held to the queue's front."""
         await self._return_unacked()
         self._unacked = True
         claiming: asyncio.Task[Claimed | None] | None = None
@@ -137,7 +127,8 @@ class BatchRunner:
                             "trying again")
 
     def _prefetch(self) -> asyncio.Task[Claimed | None] | None:
-        if self.fwd_ms_avg is None or self.fwd_ms_avg >= PREFETCH_MAX_MS:
+        longest = self._forwarder.pass_ms
+        if longest is None or longest >= PREFETCH_MAX_MS:
             return None
         return asyncio.create_task(self._take())
 
@@ -158,8 +149,6 @@ class BatchRunner:
         fwd_ms = (time.perf_counter() - started) * 1000
         outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
         self.busy_s += time.perf_counter() - started
-        avg = self.fwd_ms_avg
-        self.fwd_ms_avg = fwd_ms if avg is None else 0.8 * avg + 0.2 * fwd_ms
         return Computed(outs, fwd_ms, sum(isinstance(r, RedbatchError) for r in results))
 
     async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
