@@ -32,6 +32,7 @@ MAX_TIMEOUT_S: Final = 600.0  # no deadline may be further out than this
 MARKER_GRACE_MS: Final = 5000  # a request marker outlives its deadline by this much
 DEFAULT_MAX_ATTEMPTS: Final = 3  # crashes a request may cause before it is dead-lettered
 MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
+MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")
@@ -46,6 +47,9 @@ F_REPLY_TO: Final = "reply_to"
 F_ATTEMPT: Final = "attempt"
 F_TRACE_ID: Final = "trace_id"  # optional: the caller's correlation id (X-Request-ID)
 TRACE_ID_RE: Final = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
+F_ROWS: Final = "rows"  # optional: the payload is a tensor of this many rows, one item each
+F_ROW_ERRORS: Final = "row_errors"  # reply to a multi-row request: the rows that failed
+F_ROW: Final = "row"
 F_PAYLOAD: Final = "payload"
 F_OK: Final = "ok"
 F_ERROR: Final = "error"
@@ -154,6 +158,7 @@ class Request:
     payload: Any
     attempt: int = 0
     trace_id: str = ""
+    rows: int = 0  # 0: one input; n >= 1: the payload's first dimension, n items
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -168,6 +173,8 @@ class Request:
         }
         if self.trace_id:
             wire[F_TRACE_ID] = self.trace_id
+        if self.rows:
+            wire[F_ROWS] = self.rows
         return wire
 
 
@@ -197,6 +204,8 @@ class Reply:
     error_code: str = ""
     error_message: str = ""
     timings: Timings = field(default_factory=Timings)
+    # a multi-row request's failed rows: row -> (error code, message); their outputs are nil
+    row_errors: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {F_VERSION: PROTOCOL_VERSION, F_ID: self.id, F_OK: self.ok}
@@ -204,6 +213,9 @@ class Reply:
             wire[F_PAYLOAD] = self.payload
         else:
             wire[F_ERROR] = {F_CODE: self.error_code, F_MESSAGE: self.error_message}
+        if self.row_errors:
+            wire[F_ROW_ERRORS] = [{F_ROW: row, F_CODE: code, F_MESSAGE: message}
+                                  for row, (code, message) in self.row_errors.items()]
         wire[F_TIMINGS] = self.timings.to_wire()
         return wire
 
@@ -246,7 +258,16 @@ def request_from_wire(wire: Any) -> Request:
         attempt=_field(wire, F_ATTEMPT, int),
         payload=wire[F_PAYLOAD],
         trace_id=_trace_id(wire.get(F_TRACE_ID)),
+        rows=_rows(wire.get(F_ROWS)),
     )
+
+
+def _rows(value: Any) -> int:
+    if value is None:
+        return 0
+    if type(value) is not int or not 1 <= value <= MAX_ROWS:
+        raise InvalidPayload(f"field 'rows' must be an integer 1-{MAX_ROWS}")
+    return value
 
 
 def _trace_id(value: Any) -> str:
@@ -282,4 +303,14 @@ def reply_from_wire(wire: Any) -> Reply:
         error = wire.get(F_ERROR) or {}
         reply.error_code = str(error.get(F_CODE, "internal"))
         reply.error_message = str(error.get(F_MESSAGE, ""))
+    if F_ROW_ERRORS in wire:
+        reply.row_errors = _row_errors(wire[F_ROW_ERRORS])
     return reply
+
+
+def _row_errors(value: Any) -> dict[int, tuple[str, str]]:
+    if not isinstance(value, list) or not all(
+            isinstance(e, dict) and type(e.get(F_ROW)) is int for e in value):
+        raise InvalidPayload("field 'row_errors' must be a list of {row, code, message}")
+    return {e[F_ROW]: (str(e.get(F_CODE, "internal")), str(e.get(F_MESSAGE, "")))
+            for e in value}

@@ -35,10 +35,12 @@ def test_report_compares_with_each_baseline_of_the_run(capsys: pytest.CaptureFix
            "redbatch_w2": _case(4000, 1500), "naive_w2": _case(2000, 500),
            "ray_w2": _case(400, 12000),
            "bare_model": {"batch32_items_per_s": 28000.0, "batch1_items_per_s": 8000.0},
-           "producer_items_per_s": 14000.0}
+           "producer": {"1 replica": {"predict": 14000.0, "predict_many": 16800.0},
+                        "2 replicas": {"predict": 11200.0, "predict_many": 21000.0}}}
     run.report(res)
     out = capsys.readouterr().out
     assert "w1: throughput x1.20 of naive; p50@1 +0.50 ms" in out
     assert "w2: throughput x10.00 of ray; p50@1 -10.50 ms" in out
     assert "ray_w1" not in out  # not measured in this run: no row, no ratio
-    assert "= 50% of the bare model" in out
+    assert "1 replica   predict x64 14000 (50%); predict_many 8x128 16800 (60%)" in out
+    assert "2 replicas  predict x64 11200 (40%); predict_many 8x128 21000 (75%)" in out

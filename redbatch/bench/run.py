@@ -4,7 +4,7 @@ measured in one run on this machine, with ratios against the baselines.
 Workloads are those of ../shared/anchors/README.md: POST {"x": [16 or 64 floats]},
 wrk -t1 at 64 connections (throughput, p50/p90/p99) and at 1 connection (latency);
 W2 is the torch MLP (64-1024-1024-16, one torch thread), batched at most 32 with a
-5 ms window.  Also: the producer path (Client.predict from 64 tasks, no HTTP), mean
+5 ms window.  Also: the producer path (``bench/producer.py``: no HTTP), mean
 batch size and queue wait vs forward time (from the workers' counters), a
 concurrency sweep plotted to a PNG, and a JSON file for comparing runs.
 """
@@ -12,7 +12,6 @@ concurrency sweep plotted to a PNG, and a JSON file for comparing runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import subprocess
@@ -22,16 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import redis
 
-from redbatch import Client, protocol
-from redbatch.bench import servers
+from redbatch import protocol
+from redbatch.bench import producer, servers
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds
-from redbatch.worker.process import run_loop
 
 WRK = Path(__file__).resolve().parent / "wrk"
+PRODUCER_LABELS = {"predict": f"predict x{producer.PREDICT_TASKS}",
+                   "predict_many": f"predict_many {producer.MANY_TASKS}x{producer.MANY_PER_CALL}"}
 
 
 def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, Any]:
@@ -105,25 +104,6 @@ def bare_model(duration_s: float) -> dict[str, float]:
     return out
 
 
-async def producer_path(redis_url: str, duration_s: float, concurrency: int = 64) -> float:
-    """W2 items/s through Client.predict from many tasks (no HTTP), on uvloop."""
-    x = np.asarray(W2_X, dtype=np.float32)
-    async with Client(redis_url) as client:
-        await client.predict_many("mlp", [x] * 64)
-        done = 0
-        stop_at = time.monotonic() + duration_s
-
-        async def loop() -> None:
-            nonlocal done
-            while time.monotonic() < stop_at:
-                await client.predict("mlp", x)
-                done += 1
-
-        started = time.monotonic()
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-        return done / (time.monotonic() - started)
-
-
 def sweep(urls: dict[str, str], levels: list[int], duration_s: float) -> dict[str, Any]:
     return {name: {str(c): wrk(url, "w2.lua", c, duration_s) for c in levels}
             for name, url in urls.items()}
@@ -178,8 +158,11 @@ def report(res: dict[str, Any]) -> None:
     bare = res["bare_model"]["batch32_items_per_s"]
     print(f"  bare model: {bare:.0f} items/s at batch 32, "
           f"{res['bare_model']['batch1_items_per_s']:.0f} at batch 1")
-    print(f"  producer path (Client.predict x64, no HTTP): {res['producer_items_per_s']:.0f} "
-          f"items/s = {res['producer_items_per_s'] / bare:.0%} of the bare model at batch 32")
+    print("  producer path, no HTTP (items/s, and % of the bare model at batch 32):")
+    for layout, figures in res["producer"].items():
+        print(f"    {layout:<10}  " + "; ".join(
+            f"{PRODUCER_LABELS[way]} {rate:.0f} ({rate / bare:.0%})"
+            for way, rate in figures.items()))
 
 
 def ratios(ours: dict[str, Any], other: dict[str, Any], name: str) -> str:
@@ -201,7 +184,7 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         res["redbatch_w2"] = http_case(f"{ours}/v1/models/mlp/predict", "w2.lua", args, mine,
                                        redis_url, "mlp")
         res["naive_w2"] = http_case(f"{naive}/w2", "w2.lua", args, procs.pids("naive"))
-        res["producer_items_per_s"] = run_loop(producer_path(redis_url, args.duration_s))
+        res["producer"] = producer.measure(procs, redis_url, args.duration_s)
         res["bare_model"] = bare_model(min(args.duration_s, 3.0))
         levels = [1, 64] if args.quick else [1, 4, 16, 64, 256]
         res["sweep_w2"] = sweep({"redbatch": f"{ours}/v1/models/mlp/predict",

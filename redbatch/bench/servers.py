@@ -39,14 +39,23 @@ class Procs:
         return [self.by_name[n] for n in names if n in self.by_name]
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(self.procs)
+
+    def stop_one(self, name: str) -> None:
+        pid = self.by_name.pop(name)
+        _stop([p for p in self.procs if p.pid == pid])
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM, then SIGKILL whatever is still running after 30 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def wait_ok(url: str, body: Any, timeout_s: float = 60) -> None:
@@ -67,8 +76,7 @@ def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
     procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
                           "--save", "", "--appendonly", "no"])
     env = {"REDBATCH_LOG_LEVEL": "WARNING"}
-    procs.start("worker", [sys.executable, "-m", "redbatch", "worker", "redbatch.demo:models",
-                           "--redis-url", url, "--threads", "1", "--device", "cpu"], env)
+    start_worker(procs, url, "worker")
     procs.start("gateway", [sys.executable, "-m", "uvicorn", "--factory",
                             "redbatch.api.serve:app_from_env", "--host", "127.0.0.1",
                             "--port", str(http_port), "--workers", str(gateways),
@@ -77,6 +85,13 @@ def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
     base = f"http://127.0.0.1:{http_port}"
     wait_ok(f"{base}/v1/models/mlp/predict", {"x": W2_X})
     return url, base
+
+
+def start_worker(procs: Procs, redis_url: str, name: str) -> None:
+    """One worker replica of the demo models (W2's MLP: one torch thread, on the CPU)."""
+    procs.start(name, [sys.executable, "-m", "redbatch", "worker", "redbatch.demo:models",
+                       "--redis-url", redis_url, "--threads", "1", "--device", "cpu"],
+                {"REDBATCH_LOG_LEVEL": "WARNING"})
 
 
 def start_ray(procs: Procs, python: str, timeout_s: float = 180) -> str:

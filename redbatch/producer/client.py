@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from redbatch import codec, lua, protocol
@@ -16,6 +17,7 @@ from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, check_socket_timeout
 from redbatch.errors import ConfigError, DeadlineExceeded, QueueFull, RedbatchError
+from redbatch.producer import rows
 from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer
 from redbatch.producer.listener import ReplyListener
@@ -37,7 +39,8 @@ class Client:
     def __init__(self, url: str | None = None, *, settings: RedisSettings | None = None,
                  default_timeout_s: float = 30.0, max_timeout_s: float = protocol.MAX_TIMEOUT_S,
                  max_queue_len: int = 10_000, max_waiters: int = 10_000,
-                 block_timeout_s: float = 1.0, fmt: Format = "msgpack") -> None:
+                 block_timeout_s: float = 1.0, fmt: Format = "msgpack",
+                 pack_rows: int = 32) -> None:
         self.settings = settings or RedisSettings.from_env(url)
         check_socket_timeout(self.settings, block_timeout_s)
         if not 0 < default_timeout_s <= max_timeout_s <= protocol.MAX_TIMEOUT_S:
@@ -48,6 +51,9 @@ class Client:
         self.max_queue_len = max_queue_len
         self.max_waiters = max_waiters
         self.fmt: Format = fmt
+        if not 1 <= pack_rows <= protocol.MAX_ROWS:
+            raise ConfigError(f"pack_rows must be 1..{protocol.MAX_ROWS}, got {pack_rows}")
+        self.pack_rows = pack_rows
         self.client_id = protocol.new_id()
         self.reply_to = protocol.reply_key(self.client_id)
         self._block_timeout_s = block_timeout_s
@@ -137,10 +143,10 @@ class Client:
         return protocol.now_ms() + round(chosen * 1000)
 
     def _request(self, model: str, inputs: Any, deadline_ms: int, request_id: str | None,
-                 trace_id: str = "") -> Request:
+                 trace_id: str = "", rows: int = 0) -> Request:
         return Request(id=request_id or protocol.new_request_id(), model=model,
                        enqueue_ms=protocol.now_ms(), deadline_ms=deadline_ms,
-                       reply_to=self.reply_to, payload=inputs, trace_id=trace_id)
+                       reply_to=self.reply_to, payload=inputs, trace_id=trace_id, rows=rows)
 
     async def _ready(self, model: str, count: int) -> ReplyListener:
         """The listener (starting the client if needed), once ``model`` is a valid name
@@ -164,6 +170,8 @@ class Client:
         ``Reply``) and raises a typed ``RedbatchError`` otherwise."""
         if not inputs:
             return []
+        if not want_reply and not request_ids and rows.packable(inputs, self.pack_rows):
+            return await self._submit_rows(model, inputs, timeout_s)
         listener = await self._ready(model, len(inputs))
         deadline = self.deadline_ms(timeout_s)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
@@ -174,6 +182,21 @@ class Client:
         futures = [listener.expect(r.id, deadline, want_reply) for r in requests]
         await self._push(model, requests, entries)
         return futures
+
+    async def _submit_rows(self, model: str, inputs: Sequence[Any], timeout_s: float | None
+                           ) -> list[asyncio.Future[Any]]:
+        """Same-shape arrays go as multi-row requests of up to ``pack_rows`` rows: one
+        queue entry and one reply per chunk, one future per input all the same."""
+        chunks = rows.chunks(inputs, self.pack_rows)
+        listener = await self._ready(model, len(chunks))
+        deadline = self.deadline_ms(timeout_s)
+        requests = [self._request(model, np.stack(chunk), deadline, None, rows=len(chunk))
+                    for chunk in chunks]
+        entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
+        waiters = [listener.expect(r.id, deadline, True) for r in requests]
+        await self._push(model, requests, entries)
+        return [f for waiter, chunk in zip(waiters, chunks, strict=True)
+                for f in rows.split(waiter, len(chunk))]
 
     async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
         assert self._listener is not None

@@ -109,24 +109,24 @@ class Claimer:
         if self._precise and self._client_id is None:
             self._client_id = int(await self._blocking.client_id())
 
-    async def claim(self) -> list[bytes]:
-        """Return up to ``max_batch_size`` raw entries, or [] after the block timeout."""
+    async def claim(self, count: int | None = None) -> list[bytes]:
+        """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
+        the block timeout."""
         await self._pace()
         try:
             await self._prepare()
-            return await self._claim_batch()
+            return await self._claim_batch(count or self._policy.max_batch_size)
         except BaseException:  # an error, or a cancel (the pipeline abandoning a claim):
             self._client_id = None  # the connection may have been replaced: ask again
             raise
 
-    async def _claim_batch(self) -> list[bytes]:
-        size = self._policy.max_batch_size
+    async def _claim_batch(self, size: int) -> list[bytes]:
         items = await self._take(size)
         if not items:
             first = await self._block_one(self._block_timeout_s)
             if first is None:
                 return []
-            if not self._worth_waiting(1):
+            if size == 1 or not self._worth_waiting(1):
                 return [first]  # a lone request in a quiet spell: not even a top-up
             items = [first, *await self._take(size - 1)]
         elif not self._worth_waiting(len(items)):
@@ -135,7 +135,7 @@ class Claimer:
             claimed_ms = protocol.now_ms()
             oldest_ms = peek_enqueue_ms(items[0], claimed_ms)
             found = len(items)
-            await self._fill(items, self._policy.window_end_ms(oldest_ms, claimed_ms))
+            await self._fill(items, size, self._policy.window_end_ms(oldest_ms, claimed_ms))
             self._gain += GAIN_SMOOTHING * (len(items) - found - self._gain)
         return items
 
@@ -147,16 +147,16 @@ class Claimer:
         self._lone += 1
         return self._gain >= GAIN_MIN or self._lone % PROBE_EVERY == 0
 
-    async def _fill(self, items: list[bytes], window_end_ms: int) -> None:
+    async def _fill(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         if self._precise and self._client_id is not None:
-            await self._fill_precise(items, window_end_ms)
+            await self._fill_precise(items, size, window_end_ms)
         else:
-            await self._fill_coarse(items, window_end_ms)
+            await self._fill_coarse(items, size, window_end_ms)
 
-    async def _fill_precise(self, items: list[bytes], window_end_ms: int) -> None:
+    async def _fill_precise(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         """Top up until full, or the window ends, or (adaptive) no request came for a
         quiet gap: nobody else is on the way, so the batch goes now."""
-        size, quiet_ms = self._policy.max_batch_size, self._policy.quiet_ms()
+        quiet_ms = self._policy.quiet_ms()
         while len(items) < size:
             now = protocol.now_ms()
             if window_end_ms - now < 1:
@@ -171,12 +171,11 @@ class Claimer:
             items.append(item)
             items.extend(await self._take(size - len(items)))
 
-    async def _fill_coarse(self, items: list[bytes], window_end_ms: int) -> None:
+    async def _fill_coarse(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         """Top the batch up until it is full or its window closes, without a connection of
         our own: Redis wakes blocked clients on its own timer (``hz``, 100 ms by default),
         so a server-side timeout is only used while it cannot overshoot the window; the
         last stretch is a client-side sleep followed by one non-blocking claim."""
-        size = self._policy.max_batch_size
         while len(items) < size:
             remaining_s = (window_end_ms - protocol.now_ms()) / 1000
             if remaining_s < MIN_BLOCK_S:

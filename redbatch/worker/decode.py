@@ -4,6 +4,9 @@ A malformed entry is dead-lettered (and answered with ``invalid_payload`` if its
 and reply_to can still be read); an expired request is answered with
 ``deadline_exceeded``; an input that does not match the model's spec is answered
 with ``invalid_payload``.  None of them reaches the model.
+
+A multi-row request (``rows``) becomes one item per row, gathered back into one
+reply by its ``Pack``; a row that does not match the spec fails alone.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from redbatch import codec, protocol
 from redbatch.codec import Format
@@ -22,10 +27,22 @@ log = logging.getLogger("redbatch.worker")
 
 
 @dataclass(slots=True)
+class Pack:
+    """A multi-row request: its rows' outputs and errors, gathered for its one reply."""
+
+    request: Request
+    fmt: Format
+    outputs: list[Any]
+    errors: dict[int, RedbatchError]
+
+
+@dataclass(slots=True)
 class Item:
     request: Request
     fmt: Format
     value: Any
+    pack: Pack | None = None  # set for a row of a multi-row request
+    row: int = 0
 
 
 @dataclass
@@ -33,6 +50,13 @@ class Decoded:
     items: list[Item] = field(default_factory=list)
     early: list[tuple[Request, Format, RedbatchError]] = field(default_factory=list)
     dead: list[bytes] = field(default_factory=list)
+    packs: list[Pack] = field(default_factory=list)
+    invalid_rows: int = 0  # rows of packs refused by the spec
+
+    @property
+    def rows(self) -> int:
+        """Items this batch was asked for: requests, counting each row of a pack."""
+        return len(self.items) + len(self.early) + self.invalid_rows
 
 
 def loose_reply_target(raw: bytes) -> tuple[str, str, Format] | None:
@@ -75,12 +99,50 @@ def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
         out.early.append((request, fmt, DeadlineExceeded(
             f"deadline passed {late_ms} ms before a worker took the request")))
         return
+    if request.rows:
+        _decode_rows(request, fmt, model, out)
+        return
     try:
         value = model.spec.check(request.payload) if model.spec else request.payload
     except InvalidPayload as exc:
         out.early.append((request, fmt, exc))
         return
     out.items.append(Item(request, fmt, value))
+
+
+def _decode_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> None:
+    """One item per row of a multi-row request; rows that fail the spec fail alone."""
+    payload, rows = request.payload, request.rows
+    if not isinstance(payload, np.ndarray) or payload.ndim == 0 or payload.shape[0] != rows:
+        out.early.append((request, fmt, InvalidPayload(
+            f"a request of {rows} rows needs a tensor payload whose first dimension is "
+            f"{rows}")))
+        return
+    pack = Pack(request, fmt, [None] * rows, {})
+    out.packs.append(pack)
+    checked = _checked_rows(payload, model, pack)
+    out.invalid_rows += len(pack.errors)
+    out.items.extend(Item(request, fmt, value, pack, row) for row, value in checked)
+
+
+def _checked_rows(payload: np.ndarray[Any, Any], model: Model, pack: Pack
+                  ) -> list[tuple[int, Any]]:
+    """The rows, checked against the spec in one go; if that fails, row by row (the
+    failures go to ``pack.errors``)."""
+    spec = model.spec
+    if spec is None:
+        return list(enumerate(payload))
+    try:
+        return list(enumerate(spec.check_rows(payload)))
+    except InvalidPayload:
+        pass
+    rows = []
+    for row, value in enumerate(payload):
+        try:
+            rows.append((row, spec.check(value)))
+        except InvalidPayload as exc:
+            pack.errors[row] = exc
+    return rows
 
 
 def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded) -> None:

@@ -50,6 +50,17 @@ class Forwarder:
         longest = self.pass_ms
         return self._auto and longest is not None and longest < AUTO_INLINE_MS
 
+    async def run_batches(self, inputs: list[Any]) -> list[Any]:
+        """``run`` in passes of at most ``max_batch_size`` inputs (the rows of multi-row
+        requests can make a claimed batch larger)."""
+        size = self.model.policy.max_batch_size
+        if len(inputs) <= size:
+            return await self.run(inputs)
+        results: list[Any] = []
+        for start in range(0, len(inputs), size):
+            results += await self.run(inputs[start:start + size])
+        return results
+
     async def run(self, inputs: list[Any]) -> list[Any]:
         """One result per input: the model's output, or a ``RedbatchError``."""
         if not inputs:

@@ -38,12 +38,12 @@ class WorkerMeters:
         self.dead_letters = metrics.DEAD_LETTERS.labels(model)
         self.retries = metrics.RETRIES.labels(model)
 
-    def batch(self, decoded: Decoded, claimed: int, waits_ms: list[int], fwd_ms: float,
+    def batch(self, decoded: Decoded, size: int, waits_ms: list[int], fwd_ms: float,
               failed: int) -> None:
-        """One served batch: its size, forward time, queue waits and outcomes."""
-        self.batch_size.observe(claimed)
-        self.hist["batch_size"].add(claimed)
-        self.fill.observe(min(1.0, claimed / self.max_batch_size))
+        """One served batch: its size (items), forward time, queue waits and outcomes."""
+        self.batch_size.observe(size)
+        self.hist["batch_size"].add(size)
+        self.fill.observe(min(1.0, size / self.max_batch_size))
         if decoded.items:
             self.forward.observe(fwd_ms / 1000)
             self.hist["forward_s"].add(fwd_ms / 1000)
@@ -55,7 +55,7 @@ class WorkerMeters:
         self.items["computed"].inc(len(decoded.items) - failed)
         self.items["error"].inc(failed)
         self.items["expired"].inc(expired)
-        self.items["invalid"].inc(len(decoded.early) - expired)
+        self.items["invalid"].inc(len(decoded.early) - expired + decoded.invalid_rows)
         self.dead_letters.inc(len(decoded.dead))
 
     def snapshot(self) -> dict[str, list[int]]:

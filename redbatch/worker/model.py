@@ -8,6 +8,7 @@ inside the worker process instead, on the device the worker was given.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,14 @@ class TensorSpec:
                 cast = arr.astype(self._np_dtype)
         self._check_range(arr, cast)
         return cast
+
+    def check_rows(self, value: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Check a multi-row payload (first dimension: the rows) in one go."""
+        return self._rows_spec.check(value)
+
+    @functools.cached_property
+    def _rows_spec(self) -> TensorSpec:
+        return TensorSpec(self.dtype, (None, *self.shape))
 
     @property
     def _np_dtype(self) -> np.dtype[Any]:

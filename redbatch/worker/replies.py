@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from redbatch import codec, protocol
 from redbatch.codec import Format
 from redbatch.errors import InvalidPayload, ModelError, RedbatchError
 from redbatch.protocol import Reply, Request, Timings
+from redbatch.worker.decode import Pack
 
 
 @dataclass(slots=True)
@@ -40,6 +43,28 @@ def encode_reply(model: str, reply: Reply, fmt: Format) -> bytes:
 def error_reply(request: Request, exc: RedbatchError, timings: Timings) -> Reply:
     return Reply(request.id, False, error_code=exc.code, error_message=str(exc),
                  timings=timings)
+
+
+def pack_reply(pack: Pack, timings: Timings) -> Reply:
+    """The one reply to a multi-row request: its rows' outputs (stacked into one tensor
+    when they all succeeded and stack), and the rows that failed."""
+    for row, output in enumerate(pack.outputs):
+        if isinstance(output, RedbatchError):
+            pack.errors[row] = output
+    for row in pack.errors:
+        pack.outputs[row] = None
+    errors = {row: (exc.code, str(exc)) for row, exc in sorted(pack.errors.items())}
+    return Reply(pack.request.id, True, _stacked(pack.outputs) if not errors else
+                 pack.outputs, timings=timings, row_errors=errors)
+
+
+def _stacked(outputs: list[Any]) -> Any:
+    first = outputs[0] if outputs else None
+    if not isinstance(first, np.ndarray) or not all(
+            isinstance(o, np.ndarray) and o.shape == first.shape and o.dtype == first.dtype
+            for o in outputs):
+        return outputs
+    return np.stack(outputs)
 
 
 def publish_args(outs: list[Outgoing], dead: list[bytes]) -> tuple[list[str], list[Any]]:

@@ -21,7 +21,7 @@ from redbatch.worker.forward import Forwarder
 from redbatch.worker.meters import WorkerMeters
 from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.reaper import Reaper
-from redbatch.worker.replies import Outgoing, error_reply, outgoing, publish_args
+from redbatch.worker.replies import Outgoing, error_reply, outgoing, pack_reply, publish_args
 
 log = logging.getLogger("redbatch.worker")
 
@@ -42,6 +42,11 @@ class Claimed:
     decoded: Decoded
     claimed_ms: int
     digest: str
+
+    @property
+    def size(self) -> int:
+        """The batch's size in items: entries, counting each row of a multi-row one."""
+        return self.claimed + sum(p.request.rows - 1 for p in self.decoded.packs)
 
 
 @dataclass(slots=True)
@@ -79,6 +84,8 @@ class BatchRunner:
         self.meters = WorkerMeters(model.name, model.policy.max_batch_size)
         self.reaper = Reaper(redis, model.name, max_attempts, self.meters)
         self._unacked = False
+        self._claim_count = model.policy.max_batch_size  # entries per claim
+        self._busy = False  # the last claim came back full
         self.batches = 0
         self.items = 0
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
@@ -104,16 +111,14 @@ class BatchRunner:
                     await _settle(publishing)  # its error, if any, now: not at the next batch
                     publishing = None
                 batch = await (claiming or self._take())
-                # a pass in the thread overlaps the next claim; an inline one cannot, so
-                # then the claim is sent after this batch's replies, not ahead of them
-                early = not self._forwarder.inline
-                claiming = self._prefetch() if early and not stop.is_set() else None
+                early = self._claims_early()
+                claiming = await self._prefetch() if early and not stop.is_set() else None
                 if batch is not None:
                     computed = await self._compute(batch)
                     await _settle(publishing)  # done by now, or waited for: claim order
                     publishing = asyncio.create_task(self._publish_batch(batch, computed))
                 if not early and not stop.is_set():
-                    claiming = self._prefetch()
+                    claiming = await self._prefetch()
             await _settle(publishing)
         finally:
             for task in (claiming, publishing):
@@ -126,26 +131,44 @@ class BatchRunner:
             raise LeaseLost("the in-flight list changed while it was being returned; "
                             "trying again")
 
-    def _prefetch(self) -> asyncio.Task[Claimed | None] | None:
+    def _claims_early(self) -> bool:
+        """Claim the next batch before this one's pass, or after its replies?  Before,
+        beside a pass in the thread, or while the queue is busy (the last claim came
+        back full).  An idle queue's claim ends in a blocking pop, which, beside an
+        inline pass, would go out ahead of this batch's replies: then after them."""
+        return not self._forwarder.inline or self._busy
+
+    async def _prefetch(self) -> asyncio.Task[Claimed | None] | None:
         longest = self._forwarder.pass_ms
         if longest is None or longest >= PREFETCH_MAX_MS:
             return None
-        return asyncio.create_task(self._take())
+        task = asyncio.create_task(self._take())
+        await asyncio.sleep(0)  # its command goes out now, before an inline pass holds us
+        return task
 
     async def _take(self) -> Claimed | None:
         """Claim and decode the next batch (None on an idle timeout)."""
-        raws = await self.claimer.claim()
+        raws = await self.claimer.claim(self._claim_count)
+        self._busy = len(raws) >= self._claim_count
         if not raws:
             return None
         claimed_ms = protocol.now_ms()
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
-        return Claimed(len(raws), decode_batch(raws, self.model, claimed_ms), claimed_ms,
-                       digest)
+        batch = Claimed(len(raws), decode_batch(raws, self.model, claimed_ms), claimed_ms,
+                        digest)
+        self._claim_count = self._next_claim_count(batch)
+        return batch
+
+    def _next_claim_count(self, batch: Claimed) -> int:
+        """Entries to claim next so that about ``max_batch_size`` items come: fewer
+        while the queue holds multi-row requests (rows per entry as in this batch)."""
+        size = self.model.policy.max_batch_size
+        return max(1, min(size, size * batch.claimed // batch.size))
 
     async def _compute(self, batch: Claimed) -> Computed:
         """Forward and encode: the replies of one batch."""
         started = time.perf_counter()
-        results = await self._forwarder.run([item.value for item in batch.decoded.items])
+        results = await self._forwarder.run_batches([i.value for i in batch.decoded.items])
         fwd_ms = (time.perf_counter() - started) * 1000
         outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
         self.busy_s += time.perf_counter() - started
@@ -165,14 +188,20 @@ class BatchRunner:
 
     def encode(self, decoded: Decoded, results: list[Any], claimed_ms: int, fwd_ms: float
                ) -> list[Outgoing]:
-        name, n = self.model.name, len(decoded.items)
+        name, n = self.model.name, min(len(decoded.items), self.model.policy.max_batch_size)
         outs = [outgoing(name, req, error_reply(req, exc, self._timings(req, claimed_ms, 0, 0)),
                          fmt) for req, fmt, exc in decoded.early]
         for item, result in zip(decoded.items, results, strict=True):
+            if item.pack is not None:
+                item.pack.outputs[item.row] = result
+                continue
             timings = self._timings(item.request, claimed_ms, n, fwd_ms)
             reply = error_reply(item.request, result, timings) if isinstance(
                 result, RedbatchError) else Reply(item.request.id, True, result, timings=timings)
             outs.append(outgoing(name, item.request, reply, item.fmt))
+        for pack in decoded.packs:
+            reply = pack_reply(pack, self._timings(pack.request, claimed_ms, n, fwd_ms))
+            outs.append(outgoing(name, pack.request, reply, pack.fmt))
         return outs
 
     def _timings(self, request: Request, claimed_ms: int, n: int, fwd_ms: float) -> Timings:
@@ -192,16 +221,19 @@ class BatchRunner:
                             "returning what it still holds")
 
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
-        decoded, claimed, fwd_ms = batch.decoded, batch.claimed, computed.fwd_ms
+        decoded, size, fwd_ms = batch.decoded, batch.size, computed.fwd_ms
         self.batches += 1
-        self.items += claimed
+        self.items += size
         self.forward_ms += fwd_ms
-        waits = [batch.claimed_ms - item.request.enqueue_ms for item in decoded.items]
+        waits = [batch.claimed_ms - item.request.enqueue_ms for item in decoded.items
+                 if item.pack is None]  # one wait per request: a pack's rows share theirs
+        waits += [batch.claimed_ms - pack.request.enqueue_ms for pack in decoded.packs]
         self.queue_wait_ms += sum(waits)
-        self.meters.batch(decoded, claimed, waits, fwd_ms, computed.failed)
+        self.meters.batch(decoded, size, waits, fwd_ms, computed.failed)
         log.info("model=%s n=%d computed=%d rejected=%d wait_ms=%.1f fwd_ms=%.2f "
-                 "reply_ms=%.2f", self.model.name, claimed, len(decoded.items),
-                 len(decoded.early), max(waits, default=0), fwd_ms, reply_ms)
+                 "reply_ms=%.2f", self.model.name, size, len(decoded.items),
+                 len(decoded.early) + decoded.invalid_rows, max(waits, default=0), fwd_ms,
+                 reply_ms)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(
                 r.trace_id or r.id for r in _requests(decoded)))

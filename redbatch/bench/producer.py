@@ -1,0 +1,92 @@
+"""The producer path of a bench run: W2 through the Python client, no HTTP.
+
+Two ways in, each measured with the run's one worker replica and again with a second
+replica started for it (the layout for 2 cores: the client and Redis leave most of a
+core free):
+
+* ``predict``: 64 tasks, each awaiting one ``Client.predict`` after another (one
+  queue entry per item);
+* ``predict_many``: 8 tasks, each sending 128 inputs per ``Client.predict_many``
+  (same-shape arrays travel as multi-row requests of 32 rows: one entry per 32 items).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import redis
+
+from redbatch import Client, protocol
+from redbatch.bench import servers
+from redbatch.bench.servers import W2_X, Procs
+from redbatch.worker.process import run_loop
+
+PREDICT_TASKS = 64
+MANY_TASKS, MANY_PER_CALL = 8, 128
+
+
+async def _closed_loop(redis_url: str, duration_s: float, tasks: int, per_call: int,
+                       call: Callable[[Client, np.ndarray[Any, Any], int], Awaitable[Any]]
+                       ) -> float:
+    """Items/s of ``tasks`` callers, each sending ``per_call`` items per call."""
+    x = np.asarray(W2_X, dtype=np.float32)
+    async with Client(redis_url) as client:
+        await client.predict_many("mlp", [x] * 64)  # warm: connections, auto-inline
+        done = 0
+        stop_at = time.monotonic() + duration_s
+
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() < stop_at:
+                await call(client, x, per_call)
+                done += per_call
+
+        started = time.monotonic()
+        await asyncio.gather(*(loop() for _ in range(tasks)))
+        return done / (time.monotonic() - started)
+
+
+async def _one(client: Client, x: np.ndarray[Any, Any], _n: int) -> Any:
+    return await client.predict("mlp", x)
+
+
+async def _many(client: Client, x: np.ndarray[Any, Any], n: int) -> Any:
+    return await client.predict_many("mlp", [x] * n)
+
+
+def both(redis_url: str, duration_s: float) -> dict[str, float]:
+    """Items/s through ``predict`` and through ``predict_many`` (on uvloop)."""
+    return {
+        "predict": run_loop(_closed_loop(redis_url, duration_s, PREDICT_TASKS, 1, _one)),
+        "predict_many": run_loop(_closed_loop(redis_url, duration_s, MANY_TASKS,
+                                              MANY_PER_CALL, _many)),
+    }
+
+
+def measure(procs: Procs, redis_url: str, duration_s: float) -> dict[str, dict[str, float]]:
+    """``both`` with the run's worker, then with a second replica beside it."""
+    out = {"1 replica": both(redis_url, duration_s)}
+    servers.start_worker(procs, redis_url, "worker-extra")
+    try:
+        wait_live_workers(redis_url, "mlp", 2)
+        out["2 replicas"] = both(redis_url, duration_s)
+    finally:
+        procs.stop_one("worker-extra")
+    return out
+
+
+def wait_live_workers(redis_url: str, model: str, count: int, timeout_s: float = 60) -> None:
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if client.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf") >= count:
+                return
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise SystemExit(f"bench: {count} workers of {model!r} never came up")

@@ -1,0 +1,151 @@
+"""Multi-row requests: ``predict_many`` sends same-shape arrays as one queue entry per
+``pack_rows`` rows; the worker computes each row as its own item (in passes of at most
+``max_batch_size``), and a row that is bad or fails the model fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from redbatch import Client, codec, protocol
+from redbatch.errors import InvalidPayload, ModelError
+from redbatch.producer import rows
+from redbatch.protocol import Reply
+from redbatch.worker.decode import decode_batch
+from redbatch.worker.model import Model, TensorSpec
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from redbatch.worker.runner import BatchRunner, Claimed
+
+SPEC = TensorSpec("float32", (4,))
+
+
+def doubler(name: str, max_batch_size: int = 32, seen: list[int] | None = None) -> Model:
+    """Doubles each row; records each pass's size in ``seen``; fails on a row of -1s."""
+
+    def forward(batch: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        if seen is not None:
+            seen.append(len(batch))
+        if (batch == -1).all(axis=1).any():
+            raise ValueError("-1 is unlucky")
+        return batch * 2
+
+    return Model(name, fn=forward, spec=SPEC, stack=True,
+                 policy=BatchPolicy(max_batch_size=max_batch_size, batch_wait_timeout_s=0.002))
+
+
+def inputs(n: int) -> list[np.ndarray[Any, Any]]:
+    return [np.full(4, i, dtype=np.float32) for i in range(n)]
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_predict_many_sends_rows_and_returns_one_output_per_input(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        fmt: str) -> None:
+    async with Client(redis_url, fmt=fmt, pack_rows=32) as client:  # type: ignore[arg-type]
+        futures = await client.submit_many("double", inputs(70), timeout_s=10)
+        entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
+        assert [codec.decode(e)[protocol.F_ROWS] for e in entries] == [32, 32, 6]
+        start_worker([doubler("double")])
+        outputs = await asyncio.gather(*futures)
+    assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(70)]
+
+
+async def test_a_row_that_is_invalid_or_fails_the_model_fails_alone(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([doubler("double")])
+    xs = inputs(10)
+    xs[3] = np.full(4, np.nan, dtype=np.float32)  # refused by the spec
+    xs[7] = np.full(4, -1, dtype=np.float32)  # raises in the model
+    async with Client(redis_url) as client:
+        out = await client.predict_many("double", xs, timeout_s=10, return_exceptions=True)
+    assert isinstance(out[3], InvalidPayload) and "NaN" in str(out[3])
+    assert isinstance(out[7], ModelError) and "unlucky" in str(out[7])
+    assert [o.tolist() for i, o in enumerate(out) if i not in (3, 7)] == [
+        [2.0 * i] * 4 for i in range(10) if i not in (3, 7)]
+
+
+async def test_rows_beyond_max_batch_size_run_in_passes_of_that_size(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    seen: list[int] = []
+    start_worker([doubler("double8", max_batch_size=8, seen=seen)])
+    async with Client(redis_url, pack_rows=20) as client:
+        outputs = await client.predict_many("double8", inputs(60), timeout_s=10)
+    assert [o[0] for o in outputs] == [2.0 * i for i in range(60)]
+    assert sum(seen) == 60 and max(seen) == 8
+
+
+async def test_inputs_of_mixed_shapes_go_one_entry_each(redis_url: str,
+                                                        raw_redis: redis.Redis) -> None:
+    mixed = [np.zeros(4, dtype=np.float32), np.zeros(5, dtype=np.float32)]
+    async with Client(redis_url) as client:
+        futures = await client.submit_many("double", mixed, timeout_s=5)
+        entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
+        for future in futures:
+            future.cancel()
+    assert [protocol.F_ROWS in codec.decode(e) for e in entries] == [False, False]
+    assert not rows.packable([np.zeros(4), [0.0] * 4], 32)
+    assert not rows.packable([np.zeros(4, dtype=np.float32), np.zeros(4)], 32)  # dtypes
+    assert not rows.packable(inputs(5), 1)
+
+
+def _entry(payload: Any, count: Any) -> bytes:
+    wire = protocol.Request("r1", "double", protocol.now_ms(), protocol.now_ms() + 10_000,
+                            protocol.reply_key("c1"), payload).to_wire()
+    wire[protocol.F_ROWS] = count
+    return codec.encode(wire)
+
+
+def test_a_rows_field_that_does_not_match_the_payload_is_refused() -> None:
+    model = doubler("double")
+    now = protocol.now_ms()
+    mismatched = decode_batch([_entry(np.zeros((2, 4), np.float32), 3)], model, now)
+    assert not mismatched.items and "first dimension is 3" in str(mismatched.early[0][2])
+    for bad in (0, protocol.MAX_ROWS + 1, True, "3"):
+        decoded = decode_batch([_entry(np.zeros((2, 4), np.float32), bad)], model, now)
+        assert decoded.dead and "field 'rows'" in str(decoded.early[0][2])
+
+
+def test_a_reply_that_does_not_hold_one_output_per_row_fails_each_row() -> None:
+    """A worker without multi-row support would answer with one output for the lot."""
+    outcomes = rows._outcomes(Reply("r1", True, payload=[1.0, 2.0]), 3)
+    assert all(isinstance(o, InvalidPayload) for o in outcomes)
+    failed = rows._outcomes(Reply("r1", False, error_code="deadline_exceeded",
+                                  error_message="late"), 2)
+    assert [type(o).__name__ for o in failed] == ["DeadlineExceeded"] * 2
+    partly = rows._outcomes(Reply("r1", True, payload=[1.0, None], row_errors={
+        1: ("model_error", "boom")}), 2)
+    assert partly[0] == 1.0 and isinstance(partly[1], ModelError)
+
+
+def test_reply_row_errors_round_trip() -> None:
+    reply = Reply("r1", True, payload=[1, None], row_errors={1: ("invalid_payload", "bad")})
+    again = protocol.reply_from_wire(codec.decode(codec.encode(reply.to_wire())))
+    assert again.row_errors == {1: ("invalid_payload", "bad")} and again.payload == [1, None]
+    with pytest.raises(InvalidPayload, match="row_errors"):
+        protocol.reply_from_wire({**reply.to_wire(), protocol.F_ROW_ERRORS: [{"row": "1"}]})
+
+
+async def test_claims_shrink_to_about_max_batch_size_rows() -> None:
+    model = doubler("double", max_batch_size=32)
+    client = redis.asyncio.Redis()  # never connects: only the arithmetic is tested
+    with ThreadPoolExecutor(1) as executor:
+        runner = BatchRunner(client, model, model.fn, "w1", executor, 0.2)
+    await client.aclose()
+    now = protocol.now_ms()
+
+    def claimed(entries: list[bytes]) -> Claimed:
+        return Claimed(len(entries), decode_batch(entries, model, now), now, "")
+
+    packs = claimed([_entry(np.zeros((16, 4), np.float32), 16)] * 4)
+    assert packs.size == 64 and runner._next_claim_count(packs) == 2
+    singles = claimed([codec.encode(protocol.Request(
+        "s1", "double", now, now + 10_000, protocol.reply_key("c1"),
+        np.zeros(4, np.float32)).to_wire())] * 3)
+    assert singles.size == 3 and runner._next_claim_count(singles) == 32
