@@ -312,9 +312,10 @@ async def test_queue_full_is_503_with_retry_after(start_worker: Callable[..., Wo
             if (await client.get("/v2/health/ready")).status_code == 200:
                 break
             await asyncio.sleep(0.05)
+        # 100 rows travel as 4 entries of up to 32 rows: the cap of 2 entries takes 2
         resp = await client.post("/v2/models/double/infer",
-                                 json=infer_body("x", "FP32", [5, 4], [1] * 20))
-    assert resp.status_code == 503 and "row 2 of 5" in v2_error(resp)
+                                 json=infer_body("x", "FP32", [100, 4], [1] * 400))
+    assert resp.status_code == 503 and "row 64 of 100" in v2_error(resp)
     assert int(resp.headers["retry-after"]) >= 1
 
 

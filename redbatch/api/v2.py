@@ -1,9 +1,9 @@
 """KServe v2 / Open Inference Protocol routes on the gateway (``docs/v2.md``).
 
 ``POST /v2/models/{name}/infer`` takes one input tensor whose first dimension is the
-batch: each row becomes one redbatch request, all rows of a call go out in one
-enqueue (``Client.submit_many``) and are batched by the workers with everyone else's
-traffic, and the rows' outputs are stacked back into one output tensor.  Errors are
+batch: the rows go out as multi-row requests (``Client.submit_many``, one enqueue), are
+batched row by row by the workers with everyone else's traffic, and the rows' outputs
+are stacked back into one output tensor.  Errors are
 the v2 shape ``{"error": "message"}``; the status comes from ``redbatch.api.errors``
 (v1's 422 for a bad payload becomes 400 here, as v2 clients expect).
 """

@@ -170,8 +170,8 @@ class Client:
         ``Reply``) and raises a typed ``RedbatchError`` otherwise."""
         if not inputs:
             return []
-        if not want_reply and not request_ids and rows.packable(inputs, self.pack_rows):
-            return await self._submit_rows(model, inputs, timeout_s)
+        if not request_ids and rows.packable(inputs, self.pack_rows):
+            return await self._submit_rows(model, inputs, timeout_s, want_reply)
         listener = await self._ready(model, len(inputs))
         deadline = self.deadline_ms(timeout_s)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
@@ -183,8 +183,8 @@ class Client:
         await self._push(model, requests, entries)
         return futures
 
-    async def _submit_rows(self, model: str, inputs: Sequence[Any], timeout_s: float | None
-                           ) -> list[asyncio.Future[Any]]:
+    async def _submit_rows(self, model: str, inputs: Sequence[Any], timeout_s: float | None,
+                           want_reply: bool) -> list[asyncio.Future[Any]]:
         """Same-shape arrays go as multi-row requests of up to ``pack_rows`` rows: one
         queue entry and one reply per chunk, one future per input all the same."""
         chunks = rows.chunks(inputs, self.pack_rows)
@@ -196,7 +196,7 @@ class Client:
         waiters = [listener.expect(r.id, deadline, True) for r in requests]
         await self._push(model, requests, entries)
         return [f for waiter, chunk in zip(waiters, chunks, strict=True)
-                for f in rows.split(waiter, len(chunk))]
+                for f in rows.split(waiter, len(chunk), want_reply)]
 
     async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
         assert self._listener is not None

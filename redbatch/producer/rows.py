@@ -29,21 +29,26 @@ def chunks(inputs: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [inputs[start:start + size] for start in range(0, len(inputs), size)]
 
 
-def split(waiter: asyncio.Future[Any], n: int) -> list[asyncio.Future[Any]]:
-    """One future per row of the request ``waiter`` waits on (its whole ``Reply``)."""
+def split(waiter: asyncio.Future[Any], n: int, want_reply: bool = False
+          ) -> list[asyncio.Future[Any]]:
+    """One future per row of the request ``waiter`` waits on (its whole ``Reply``): the
+    row's output (or, with ``want_reply``, a ``Reply`` of its own), or its error."""
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(n)]
-    waiter.add_done_callback(lambda done: _settle(done, futures))
+    waiter.add_done_callback(lambda done: _settle(done, futures, want_reply))
     return futures
 
 
-def _settle(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]]) -> None:
+def _settle(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]],
+            want_reply: bool) -> None:
     if done.cancelled():
         for future in futures:
             future.cancel()
         return
     exc = done.exception()
     outcomes = _outcomes(done.result(), len(futures)) if exc is None else [exc] * len(futures)
+    if want_reply and exc is None:
+        outcomes = [_row_reply(done.result(), row, o) for row, o in enumerate(outcomes)]
     for future, outcome in zip(futures, outcomes, strict=True):
         if future.done():
             continue
@@ -51,6 +56,15 @@ def _settle(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]]) -> No
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def _row_reply(reply: Reply, row: int, outcome: Any) -> Reply:
+    """A row's own ``Reply`` (id ``<request id>:<row>``, the request's timings)."""
+    row_id = f"{reply.id}:{row}"
+    if isinstance(outcome, RedbatchError):
+        return Reply(row_id, False, error_code=outcome.code, error_message=str(outcome),
+                     timings=reply.timings)
+    return Reply(row_id, True, outcome, timings=reply.timings)
 
 
 def _outcomes(reply: Reply, n: int) -> list[Any]:
