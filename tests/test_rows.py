@@ -21,6 +21,7 @@ from redbatch.worker.decode import decode_batch
 from redbatch.worker.model import Model, TensorSpec
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
+from redbatch.worker.replies import encode_reply
 from redbatch.worker.runner import BatchRunner, Claimed
 
 SPEC = TensorSpec("float32", (4,))
@@ -90,9 +91,43 @@ async def test_inputs_of_mixed_shapes_go_one_entry_each(redis_url: str,
         for future in futures:
             future.cancel()
     assert [protocol.F_ROWS in codec.decode(e) for e in entries] == [False, False]
-    assert not rows.packable([np.zeros(4), [0.0] * 4], 32)
-    assert not rows.packable([np.zeros(4, dtype=np.float32), np.zeros(4)], 32)  # dtypes
-    assert not rows.packable(inputs(5), 1)
+    assert rows.rows_per_request([np.zeros(4), [0.0] * 4], 32) == 1
+    assert rows.rows_per_request([np.zeros(4, np.float32), np.zeros(4)], 32) == 1  # dtypes
+    assert rows.rows_per_request(inputs(5), 1) == 1
+    assert rows.rows_per_request(inputs(5), 32) == 32
+
+
+def test_requests_of_rows_stay_far_below_the_entry_limit() -> None:
+    big = [np.zeros((3, 256, 256), np.float32)] * 40  # 768 KiB a row
+    assert rows.rows_per_request(big, 32) == 1  # one request each, as without rows
+    medium = [np.zeros(64 * 1024, np.uint8)] * 40  # 64 KiB a row
+    assert rows.rows_per_request(medium, 32) == rows.PACK_BYTES // (64 * 1024) == 16
+
+
+def test_a_reply_over_the_entry_limit_is_sent_as_an_error() -> None:
+    huge = Reply("r1", True, payload=np.zeros(protocol.MAX_ENTRY_BYTES // 4 + 1, np.float32))
+    sent = protocol.reply_from_wire(codec.decode(encode_reply("double", huge, "msgpack")))
+    assert not sent.ok and sent.error_code == "model_error" and "limit" in sent.error_message
+
+
+async def test_row_futures_given_up_free_their_waiter() -> None:
+    waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    futures = rows.split(waiter, 3)
+    futures[0].cancel()
+    futures[1].cancel()
+    await asyncio.sleep(0)
+    assert not waiter.done()  # one row still waits
+    futures[2].cancel()
+    await asyncio.sleep(0)
+    assert waiter.cancelled()
+
+
+async def test_a_reply_that_cannot_be_split_still_settles_every_row() -> None:
+    waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    futures = rows.split(waiter, 2)
+    waiter.set_result(Reply("r1", True, payload=np.float32(1.0)))  # a 0-d answer
+    done = await asyncio.gather(*futures, return_exceptions=True)
+    assert all(isinstance(o, InvalidPayload) for o in done)
 
 
 def _entry(payload: Any, count: Any) -> bytes:
@@ -144,8 +179,12 @@ async def test_claims_shrink_to_about_max_batch_size_rows() -> None:
         return Claimed(len(entries), decode_batch(entries, model, now), now, "")
 
     packs = claimed([_entry(np.zeros((16, 4), np.float32), 16)] * 4)
-    assert packs.size == 64 and runner._next_claim_count(packs) == 2
+    assert packs.size == 64
+    counts = [runner._next_claim_count(packs) for _ in range(6)]
+    assert counts[0] < 32 and counts[-1] == 2  # 2 packs of 16 rows: 32 rows a claim
     singles = claimed([codec.encode(protocol.Request(
         "s1", "double", now, now + 10_000, protocol.reply_key("c1"),
         np.zeros(4, np.float32)).to_wire())] * 3)
-    assert singles.size == 3 and runner._next_claim_count(singles) == 32
+    assert singles.size == 3
+    counts = [runner._next_claim_count(singles) for _ in range(12)]
+    assert counts[0] < 8 and counts == sorted(counts) and counts[-1] == 32  # grows back

@@ -170,8 +170,9 @@ class Client:
         ``Reply``) and raises a typed ``RedbatchError`` otherwise."""
         if not inputs:
             return []
-        if not request_ids and rows.packable(inputs, self.pack_rows):
-            return await self._submit_rows(model, inputs, timeout_s, want_reply)
+        per_request = 1 if request_ids else rows.rows_per_request(inputs, self.pack_rows)
+        if per_request > 1:
+            return await self._submit_rows(model, inputs, per_request, timeout_s, want_reply)
         listener = await self._ready(model, len(inputs))
         deadline = self.deadline_ms(timeout_s)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
@@ -183,11 +184,12 @@ class Client:
         await self._push(model, requests, entries)
         return futures
 
-    async def _submit_rows(self, model: str, inputs: Sequence[Any], timeout_s: float | None,
-                           want_reply: bool) -> list[asyncio.Future[Any]]:
-        """Same-shape arrays go as multi-row requests of up to ``pack_rows`` rows: one
+    async def _submit_rows(self, model: str, inputs: Sequence[Any], per_request: int,
+                           timeout_s: float | None, want_reply: bool
+                           ) -> list[asyncio.Future[Any]]:
+        """Same-shape arrays go as multi-row requests of ``per_request`` rows: one
         queue entry and one reply per chunk, one future per input all the same."""
-        chunks = rows.chunks(inputs, self.pack_rows)
+        chunks = rows.chunks(inputs, per_request)
         listener = await self._ready(model, len(chunks))
         deadline = self.deadline_ms(timeout_s)
         requests = [self._request(model, np.stack(chunk), deadline, None, rows=len(chunk))

@@ -12,11 +12,19 @@ import numpy as np
 from redbatch.errors import InvalidPayload, RedbatchError, error_from_code
 from redbatch.protocol import Reply
 
+PACK_BYTES = 1 << 20  # input bytes per multi-row request: far below the entry limit
 
-def packable(inputs: Sequence[Any], pack_rows: int) -> bool:
-    """Whether ``inputs`` can travel as rows: two or more arrays of one shape and dtype."""
-    if pack_rows < 2 or len(inputs) < 2:
-        return False
+
+def rows_per_request(inputs: Sequence[Any], pack_rows: int) -> int:
+    """How many of ``inputs`` go in one multi-row request: up to ``pack_rows`` and
+    ``PACK_BYTES`` of arrays of one shape and dtype; 1 means one request each."""
+    if pack_rows < 2 or len(inputs) < 2 or not _same_arrays(inputs):
+        return 1
+    row_bytes: int = inputs[0].nbytes
+    return max(1, min(pack_rows, PACK_BYTES // max(1, row_bytes)))
+
+
+def _same_arrays(inputs: Sequence[Any]) -> bool:
     first = inputs[0]
     if type(first) is not np.ndarray:
         return False
@@ -36,11 +44,29 @@ def split(waiter: asyncio.Future[Any], n: int, want_reply: bool = False
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(n)]
     waiter.add_done_callback(lambda done: _settle(done, futures, want_reply))
+    for future in futures:  # every caller gave up: so does the waiter (its slot frees)
+        future.add_done_callback(lambda _f: _cancel_if_abandoned(waiter, futures))
     return futures
+
+
+def _cancel_if_abandoned(waiter: asyncio.Future[Any],
+                         futures: list[asyncio.Future[Any]]) -> None:
+    if not waiter.done() and all(f.cancelled() for f in futures):
+        waiter.cancel()
 
 
 def _settle(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]],
             want_reply: bool) -> None:
+    try:
+        _settle_rows(done, futures, want_reply)
+    except Exception as exc:  # never leave a row unsettled: it has no timer of its own
+        for future in futures:
+            if not future.done():
+                future.set_exception(RedbatchError(f"could not read the reply: {exc!r}"))
+
+
+def _settle_rows(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]],
+                 want_reply: bool) -> None:
     if done.cancelled():
         for future in futures:
             future.cancel()
@@ -72,7 +98,8 @@ def _outcomes(reply: Reply, n: int) -> list[Any]:
     if not reply.ok:
         return [error_from_code(reply.error_code, reply.error_message) for _ in range(n)]
     payload = reply.payload
-    if not isinstance(payload, np.ndarray | list) or len(payload) != n:
+    if not isinstance(payload, np.ndarray | list) or (
+            isinstance(payload, np.ndarray) and payload.ndim == 0) or len(payload) != n:
         exc: RedbatchError = InvalidPayload(
             f"a reply to {n} rows did not hold {n} outputs (a worker without multi-row "
             "support?)")

@@ -53,11 +53,6 @@ class Decoded:
     packs: list[Pack] = field(default_factory=list)
     invalid_rows: int = 0  # rows of packs refused by the spec
 
-    @property
-    def rows(self) -> int:
-        """Items this batch was asked for: requests, counting each row of a pack."""
-        return len(self.items) + len(self.early) + self.invalid_rows
-
 
 def loose_reply_target(raw: bytes) -> tuple[str, str, Format] | None:
     """Find (id, reply_to) in an entry that failed validation, to tell its sender."""

@@ -54,7 +54,9 @@ async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
 
 
 class CapacityMeter:
-    """Items served per busy second of one runner (idle time excluded), smoothed."""
+    """Queue entries served per busy second of one runner (idle time excluded),
+    smoothed: the queue's own unit (a multi-row request is one entry), which admission
+    compares with the queue's length.  Published as ``items_per_s``."""
 
     def __init__(self, runner: BatchRunner) -> None:
         self._runner = runner
@@ -63,8 +65,8 @@ class CapacityMeter:
         self.items_per_s = 0.0
 
     def sample(self) -> float:
-        items, busy = self._runner.items - self._items, self._runner.busy_s - self._busy_s
-        self._items, self._busy_s = self._runner.items, self._runner.busy_s
+        items, busy = self._runner.entries - self._items, self._runner.busy_s - self._busy_s
+        self._items, self._busy_s = self._runner.entries, self._runner.busy_s
         if busy > 0 and items > 0:  # idle keeps the last estimate
             rate = items / busy
             self.items_per_s = rate if not self.items_per_s else 0.5 * (self.items_per_s + rate)

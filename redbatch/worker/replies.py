@@ -32,12 +32,21 @@ def outgoing(model: str, request: Request, reply: Reply, fmt: Format) -> Outgoin
 
 def encode_reply(model: str, reply: Reply, fmt: Format) -> bytes:
     try:
-        return codec.encode(reply.to_wire(), fmt)
+        data = codec.encode(reply.to_wire(), fmt)
     except InvalidPayload as exc:
-        failed = Reply(reply.id, False, error_code=ModelError.code,
-                       error_message=f"model {model!r} returned an output that cannot be "
-                                     f"encoded: {exc}", timings=reply.timings)
-        return codec.encode(failed.to_wire(), fmt)
+        return _failed(reply, fmt, f"model {model!r} returned an output that cannot be "
+                                   f"encoded: {exc}")
+    if len(data) > protocol.MAX_ENTRY_BYTES:  # no reader would take it: say so instead
+        return _failed(reply, fmt, f"the reply of model {model!r} takes {len(data)} bytes, "
+                                   f"over the {protocol.MAX_ENTRY_BYTES}-byte limit "
+                                   "(send fewer rows per request)")
+    return data
+
+
+def _failed(reply: Reply, fmt: Format, message: str) -> bytes:
+    failed = Reply(reply.id, False, error_code=ModelError.code, error_message=message,
+                   timings=reply.timings)
+    return codec.encode(failed.to_wire(), fmt)
 
 
 def error_reply(request: Request, exc: RedbatchError, timings: Timings) -> Reply:

@@ -31,6 +31,7 @@ class LeaseLost(RedbatchError):
 
 
 PREFETCH_MAX_MS = 50.0  # prefetch the next batch only while recent passes were shorter
+ROWS_SMOOTHING = 0.5  # weight of the last claim in the rows-per-entry estimate
 
 
 @dataclass(slots=True)
@@ -85,9 +86,11 @@ class BatchRunner:
         self.reaper = Reaper(redis, model.name, max_attempts, self.meters)
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
+        self._rows_per_entry = 1.0  # smoothed over recent claims
         self._busy = False  # the last claim came back full
         self.batches = 0
-        self.items = 0
+        self.entries = 0  # queue entries answered (a multi-row request is one)
+        self.items = 0  # requests answered, each row of a multi-row request counting
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
         self.forward_ms = 0.0  # total forward time
         self.queue_wait_ms = 0.0  # total queue wait of computed requests
@@ -112,13 +115,15 @@ class BatchRunner:
                     publishing = None
                 batch = await (claiming or self._take())
                 early = self._claims_early()
-                claiming = await self._prefetch() if early and not stop.is_set() else None
+                claiming = self._prefetch() if early and not stop.is_set() else None
+                if claiming is not None and self._forwarder.inline:
+                    await asyncio.sleep(0)  # the claim goes out before the pass holds us
                 if batch is not None:
                     computed = await self._compute(batch)
                     await _settle(publishing)  # done by now, or waited for: claim order
                     publishing = asyncio.create_task(self._publish_batch(batch, computed))
                 if not early and not stop.is_set():
-                    claiming = await self._prefetch()
+                    claiming = self._prefetch()
             await _settle(publishing)
         finally:
             for task in (claiming, publishing):
@@ -138,13 +143,11 @@ class BatchRunner:
         inline pass, would go out ahead of this batch's replies: then after them."""
         return not self._forwarder.inline or self._busy
 
-    async def _prefetch(self) -> asyncio.Task[Claimed | None] | None:
+    def _prefetch(self) -> asyncio.Task[Claimed | None] | None:
         longest = self._forwarder.pass_ms
         if longest is None or longest >= PREFETCH_MAX_MS:
             return None
-        task = asyncio.create_task(self._take())
-        await asyncio.sleep(0)  # its command goes out now, before an inline pass holds us
-        return task
+        return asyncio.create_task(self._take())
 
     async def _take(self) -> Claimed | None:
         """Claim and decode the next batch (None on an idle timeout)."""
@@ -161,9 +164,14 @@ class BatchRunner:
 
     def _next_claim_count(self, batch: Claimed) -> int:
         """Entries to claim next so that about ``max_batch_size`` items come: fewer
-        while the queue holds multi-row requests (rows per entry as in this batch)."""
+        while the queue holds multi-row requests.  Rows per entry are smoothed, so
+        that one batch of single requests between packs does not bring the next claim
+        back to ``max_batch_size`` packs at once."""
         size = self.model.policy.max_batch_size
-        return max(1, min(size, size * batch.claimed // batch.size))
+        rows = self._rows_per_entry + ROWS_SMOOTHING * (batch.size / batch.claimed
+                                                        - self._rows_per_entry)
+        self._rows_per_entry = rows if rows > 1.05 else 1.0  # back to single requests
+        return max(1, min(size, int(size / self._rows_per_entry)))
 
     async def _compute(self, batch: Claimed) -> Computed:
         """Forward and encode: the replies of one batch."""
@@ -223,6 +231,7 @@ class BatchRunner:
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
         decoded, size, fwd_ms = batch.decoded, batch.size, computed.fwd_ms
         self.batches += 1
+        self.entries += batch.claimed
         self.items += size
         self.forward_ms += fwd_ms
         waits = [batch.claimed_ms - item.request.enqueue_ms for item in decoded.items
