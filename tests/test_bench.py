@@ -26,7 +26,8 @@ def _case(rps: float, p50_us: float) -> dict[str, Any]:
          "server_cpu_ms_per_request": 0.25}
     return {"c64": c, "c1": c, "batching": {"mean_batch": 20.0, "fill_ratio": 0.625,
                                              "forward_ms_per_batch": 1.0,
-                                             "queue_wait_ms_per_item": 2.0}}
+                                             "queue_wait_ms_per_entry": 2.0,
+                                             "items_per_entry": 1.5}}
 
 
 def test_report_compares_with_each_baseline_of_the_run(capsys: pytest.CaptureFixture[str]

@@ -149,12 +149,12 @@ def test_a_rows_field_that_does_not_match_the_payload_is_refused() -> None:
 
 def test_a_reply_that_does_not_hold_one_output_per_row_fails_each_row() -> None:
     """A worker without multi-row support would answer with one output for the lot."""
-    outcomes = rows._outcomes(Reply("r1", True, payload=[1.0, 2.0]), 3)
+    outcomes = rows.split_reply(Reply("r1", True, payload=[1.0, 2.0]), 3)
     assert all(isinstance(o, InvalidPayload) for o in outcomes)
-    failed = rows._outcomes(Reply("r1", False, error_code="deadline_exceeded",
+    failed = rows.split_reply(Reply("r1", False, error_code="deadline_exceeded",
                                   error_message="late"), 2)
     assert [type(o).__name__ for o in failed] == ["DeadlineExceeded"] * 2
-    partly = rows._outcomes(Reply("r1", True, payload=[1.0, None], row_errors={
+    partly = rows.split_reply(Reply("r1", True, payload=[1.0, None], row_errors={
         1: ("model_error", "boom")}), 2)
     assert partly[0] == 1.0 and isinstance(partly[1], ModelError)
 
@@ -188,3 +188,56 @@ async def test_claims_shrink_to_about_max_batch_size_rows() -> None:
     assert singles.size == 3
     counts = [runner._next_claim_count(singles) for _ in range(12)]
     assert counts[0] < 8 and counts == sorted(counts) and counts[-1] == 32  # grows back
+
+
+async def _queued(raw: redis.Redis, model: str) -> list[dict[str, Any]]:
+    for _ in range(100):  # the flush runs on the next tick, the script a moment later
+        if raw.llen(protocol.queue_key(model)):
+            break
+        await asyncio.sleep(0.01)
+    return [codec.decode(e) for e in raw.lrange(protocol.queue_key(model), 0, -1)]
+
+
+async def test_lone_requests_of_one_tick_travel_as_one_entry(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    xs = inputs(10)
+    xs[4] = np.full(4, np.inf, dtype=np.float32)
+    async with Client(redis_url) as client:
+        calls = [asyncio.create_task(client.predict("double", x, timeout_s=10)) for x in xs]
+        traced = asyncio.create_task(client.predict_reply("double", xs[1], 10,
+                                                          trace_id="caller-1"))
+        queued = await _queued(raw_redis, "double")
+        start_worker([doubler("double")])
+        out = await asyncio.gather(*calls, return_exceptions=True)
+        reply = await traced
+    assert sorted(e.get(protocol.F_ROWS, 0) for e in queued) == [0, 10]  # traced: alone
+    assert isinstance(out[4], InvalidPayload)
+    assert [o.tolist() for i, o in enumerate(out) if i != 4] == [
+        [2.0 * i] * 4 for i in range(10) if i != 4]
+    assert reply.ok and reply.payload.tolist() == [2.0] * 4
+
+
+async def test_a_member_that_gives_up_leaves_the_others_their_answers(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    async with Client(redis_url) as client:
+        calls = [asyncio.create_task(client.predict("double", x, timeout_s=10))
+                 for x in inputs(5)]
+        await _queued(raw_redis, "double")
+        calls[2].cancel()
+        start_worker([doubler("double")])
+        out = await asyncio.gather(*calls, return_exceptions=True)
+        assert client.waiting == 0
+    assert isinstance(out[2], asyncio.CancelledError)
+    assert [o[0] for i, o in enumerate(out) if i != 2] == [0.0, 2.0, 6.0, 8.0]
+
+
+async def test_pack_rows_1_sends_every_input_as_its_own_entry(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    async with Client(redis_url, pack_rows=1) as client:
+        calls = [asyncio.create_task(client.predict("double", x, timeout_s=5))
+                 for x in inputs(4)]
+        many = await client.submit_many("double", inputs(3), timeout_s=5)
+        queued = await _queued(raw_redis, "double")
+        for future in [*calls, *many]:
+            future.cancel()
+    assert len(queued) == 7 and not any(protocol.F_ROWS in e for e in queued)

@@ -49,7 +49,8 @@ def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, An
 
 def batch_counters(redis_url: str, model: str) -> dict[str, float]:
     raw = redis.Redis.from_url(redis_url)
-    totals = {"batches": 0.0, "items": 0.0, "forward_ms": 0.0, "queue_wait_ms": 0.0}
+    totals = {"batches": 0.0, "items": 0.0, "entries": 0.0, "forward_ms": 0.0,
+              "queue_wait_ms": 0.0}
     for value in raw.hvals(protocol.worker_info_key(model)):
         info = json.loads(value)
         for key in totals:
@@ -83,7 +84,8 @@ def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     batches = max(d["batches"], 1.0)
     return {"mean_batch": d["items"] / batches, "fill_ratio": d["items"] / batches / 32,
             "forward_ms_per_batch": d["forward_ms"] / batches,
-            "queue_wait_ms_per_item": d["queue_wait_ms"] / max(d["items"], 1.0)}
+            "queue_wait_ms_per_entry": d["queue_wait_ms"] / max(d["entries"], 1.0),
+            "items_per_entry": d["items"] / max(d["entries"], 1.0)}
 
 
 def bare_model(duration_s: float) -> dict[str, float]:
@@ -154,7 +156,8 @@ def report(res: dict[str, Any]) -> None:
     b = res["redbatch_w2"]["batching"]
     print(f"  w2 batching: mean batch {b['mean_batch']:.1f} (fill {b['fill_ratio']:.0%}), "
           f"forward {b['forward_ms_per_batch']:.2f} ms/batch, queue wait "
-          f"{b['queue_wait_ms_per_item']:.2f} ms/request")
+          f"{b['queue_wait_ms_per_entry']:.2f} ms per queue entry, "
+          f"{b['items_per_entry']:.1f} requests per entry")
     bare = res["bare_model"]["batch32_items_per_s"]
     print(f"  bare model: {bare:.0f} items/s at batch 32, "
           f"{res['bare_model']['batch1_items_per_s']:.0f} at batch 1")

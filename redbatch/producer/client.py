@@ -33,7 +33,10 @@ class Client:
     ``predict_many`` (one pipelined round trip for many requests).
 
     Use ``async with Client(url) as client`` or call ``start``/``close``; the first
-    request starts a client that was not started.
+    request starts a client that was not started.  Numpy inputs of one shape and dtype
+    travel as multi-row requests of up to ``pack_rows`` rows: those of one
+    ``predict_many``, and lone requests that reach one tick's enqueue together
+    (``docs/protocol.md`` §3.1); ``pack_rows=1`` sends every input as its own entry.
     """
 
     def __init__(self, url: str | None = None, *, settings: RedisSettings | None = None,
@@ -79,9 +82,11 @@ class Client:
                 raise
             self._redis = redis
             self._admission = Admission(redis, self.max_queue_len)
-            self._enqueuer = Enqueuer(redis, self.settings, self._admission)
-            self._listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
-            self._listener.start()
+            listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
+            self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
+                                      self.pack_rows, listener.route_pack)
+            self._listener = listener
+            listener.start()
 
     async def close(self) -> None:
         if self._enqueuer is not None:
@@ -250,9 +255,8 @@ class Client:
         assert self._enqueuer is not None
         request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id,
                                 trace_id)
-        entry = codec.encode(request.to_wire(), self.fmt)
         future = listener.expect(request.id, request.deadline_ms, want_reply)
-        pushed = self._enqueuer.push(model, [request], [entry])
+        pushed = self._enqueuer.push(model, [request], None)  # encoded (or packed) at flush
         pushed.add_done_callback(functools.partial(self._pushed, request.id))
         return future
 

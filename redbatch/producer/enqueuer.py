@@ -1,6 +1,7 @@
 """Coalesced enqueue: the pushes of one event-loop tick go to Redis as ONE call of
 the ENQUEUE script per model, so a busy gateway pays one round trip for many
-requests instead of one each."""
+requests instead of one each; and lone requests of one shape travel as multi-row
+requests (``coalesce``), one queue entry for many."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from redbatch import lua, protocol
+from redbatch.codec import Format
 from redbatch.config import RedisSettings
 from redbatch.errors import QueueFull
+from redbatch.producer import coalesce
 from redbatch.producer.admission import Admission
+from redbatch.producer.coalesce import RoutePack, Unit
 from redbatch.protocol import Request
 from redbatch.redis_conn import translated
 
@@ -23,7 +27,7 @@ ENQUEUE_CHUNK = 1000  # entries per script call: keeps each call short for Redis
 @dataclass(slots=True)
 class Push:
     requests: list[Request]
-    entries: list[bytes]
+    entries: list[bytes] | None  # None: encoded (or coalesced) at the flush
     done: asyncio.Future[tuple[int, QueueFull | None]]
 
 
@@ -38,11 +42,15 @@ def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
 
 
 class Enqueuer:
-    def __init__(self, redis: aioredis.Redis, settings: RedisSettings,
-                 admission: Admission) -> None:
+    def __init__(self, redis: aioredis.Redis, settings: RedisSettings, admission: Admission,
+                 fmt: Format = "msgpack", pack_rows: int = 1,
+                 route_pack: RoutePack | None = None) -> None:
         self._redis = redis
         self._settings = settings
         self._admission = admission
+        self._fmt: Format = fmt
+        self._pack_rows = pack_rows
+        self._route_pack = route_pack
         self._script = redis.register_script(lua.ENQUEUE)
         self._pending: dict[str, list[Push]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -52,7 +60,7 @@ class Enqueuer:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
-    def push(self, model: str, requests: list[Request], entries: list[bytes]
+    def push(self, model: str, requests: list[Request], entries: list[bytes] | None
              ) -> asyncio.Future[tuple[int, QueueFull | None]]:
         """Queue a push for this tick's flush; resolves to (accepted, refusal)."""
         loop = asyncio.get_running_loop()
@@ -70,21 +78,25 @@ class Enqueuer:
             task.add_done_callback(self._tasks.discard)
 
     async def _send(self, model: str, pushes: list[Push]) -> None:
-        requests = [r for p in pushes for r in p.requests]
+        units, failed = coalesce.plan([p.requests for p in pushes], [p.entries for p in pushes],
+                                      self._fmt, self._pack_rows, self._route_pack)
+        for index, error in failed.items():
+            _fail(pushes[index], error)
+        if not units:
+            return
         try:
             async with translated(self._settings):
-                deadline = min(r.deadline_ms for r in requests)
+                deadline = min(u.request.deadline_ms for u in units)
                 cap = await self._admission.cap(model, deadline)
-                accepted, depth = await self._run(model, requests,
-                                                  [e for p in pushes for e in p.entries], cap)
-                full = None if accepted == len(requests) else \
+                accepted, depth = await self._run(model, [u.request for u in units],
+                                                  [u.entry for u in units], cap)
+                full = None if accepted == len(units) else \
                     await self._admission.queue_full(model, depth, cap)
         except Exception as exc:
             for push in pushes:
-                if not push.done.done():
-                    push.done.set_exception(exc)
+                _fail(push, exc)
             return
-        _settle(pushes, accepted, full)
+        _settle(pushes, units[:accepted], full)
 
     async def _run(self, model: str, requests: list[Request], entries: list[bytes], cap: int
                    ) -> tuple[int, int]:
@@ -117,10 +129,17 @@ def _calls(model: str, requests: list[Request], entries: list[bytes], cap: int
     return calls
 
 
-def _settle(pushes: list[Push], accepted: int, full: QueueFull | None) -> None:
-    """Hand each push its share of the accepted prefix."""
-    for push in pushes:
-        mine = max(0, min(accepted, len(push.requests)))
-        accepted -= mine
+def _fail(push: Push, exc: Exception) -> None:
+    if not push.done.done():
+        push.done.set_exception(exc)
+
+
+def _settle(pushes: list[Push], accepted: list[Unit], full: QueueFull | None) -> None:
+    """Hand each push its share of the accepted entries (a prefix of its requests)."""
+    counts = [0] * len(pushes)
+    for unit in accepted:
+        for index in unit.owners:
+            counts[index] += 1
+    for push, count in zip(pushes, counts, strict=True):
         if not push.done.done():
-            push.done.set_result((mine, full))
+            push.done.set_result((count, full))

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
 from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError, error_from_code
+from redbatch.producer import rows
 
 log = logging.getLogger("redbatch.producer")
 DRAIN_COUNT = 1024
@@ -71,6 +72,7 @@ class ReplyListener:
         self.reply_to = reply_to
         self._block_timeout_s = block_timeout_s
         self._waiters: dict[str, Waiter] = {}
+        self._packs: dict[str, list[str]] = {}  # coalesced request id -> member ids
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.stats = ListenerStats()
@@ -92,6 +94,14 @@ class ReplyListener:
             self._task = None
         for request_id in list(self._waiters):
             self.fail(request_id, RedbatchError("client closed before the reply arrived"))
+        self._packs.clear()
+
+    def route_pack(self, pack_id: str, member_ids: list[str], deadline_ms: int) -> None:
+        """Split the reply to ``pack_id`` (a multi-row request of lone requests) into
+        replies to ``member_ids``, row by row; forgotten after the deadline."""
+        self._packs[pack_id] = member_ids
+        delay_s = max(0.0, (deadline_ms - protocol.now_ms() + protocol.MARKER_GRACE_MS) / 1000)
+        asyncio.get_running_loop().call_later(delay_s, self._packs.pop, pack_id, None)
 
     def check_new(self, request_ids: list[str]) -> None:
         """Refuse ids that repeat, or that already wait: routing is by id."""
@@ -144,6 +154,14 @@ class ReplyListener:
             log.warning("dropped an undecodable reply on %s: %s: %s", self.reply_to,
                         type(exc).__name__, exc)
             return
+        members = self._packs.pop(reply.id, None)
+        if members is None:
+            self._deliver(reply)
+            return
+        for row, outcome in enumerate(rows.split_reply(reply, len(members))):
+            self._deliver(rows.row_reply(reply, members[row], outcome))
+
+    def _deliver(self, reply: protocol.Reply) -> None:
         waiter = self._waiters.pop(reply.id, None)
         self.stats.count(reply.id, answered=waiter is not None)
         if waiter is None:

@@ -72,9 +72,11 @@ def _settle_rows(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]],
             future.cancel()
         return
     exc = done.exception()
-    outcomes = _outcomes(done.result(), len(futures)) if exc is None else [exc] * len(futures)
+    outcomes = split_reply(done.result(), len(futures)) if exc is None else \
+        [exc] * len(futures)
     if want_reply and exc is None:
-        outcomes = [_row_reply(done.result(), row, o) for row, o in enumerate(outcomes)]
+        reply = done.result()
+        outcomes = [row_reply(reply, f"{reply.id}:{row}", o) for row, o in enumerate(outcomes)]
     for future, outcome in zip(futures, outcomes, strict=True):
         if future.done():
             continue
@@ -84,16 +86,15 @@ def _settle_rows(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]],
             future.set_result(outcome)
 
 
-def _row_reply(reply: Reply, row: int, outcome: Any) -> Reply:
-    """A row's own ``Reply`` (id ``<request id>:<row>``, the request's timings)."""
-    row_id = f"{reply.id}:{row}"
+def row_reply(reply: Reply, row_id: str, outcome: Any) -> Reply:
+    """A row's own ``Reply`` (id ``row_id``, the request's timings) from its outcome."""
     if isinstance(outcome, RedbatchError):
         return Reply(row_id, False, error_code=outcome.code, error_message=str(outcome),
                      timings=reply.timings)
     return Reply(row_id, True, outcome, timings=reply.timings)
 
 
-def _outcomes(reply: Reply, n: int) -> list[Any]:
+def split_reply(reply: Reply, n: int) -> list[Any]:
     """Each row's output, or its error."""
     if not reply.ok:
         return [error_from_code(reply.error_code, reply.error_message) for _ in range(n)]

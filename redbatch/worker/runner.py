@@ -93,7 +93,7 @@ class BatchRunner:
         self.items = 0  # requests answered, each row of a multi-row request counting
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
         self.forward_ms = 0.0  # total forward time
-        self.queue_wait_ms = 0.0  # total queue wait of computed requests
+        self.queue_wait_ms = 0.0  # total queue wait of answered entries (one per pack)
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until ``stop``: claim -> decode (``_take``), forward -> encode
@@ -190,7 +190,7 @@ class BatchRunner:
 
     def counters(self) -> dict[str, Any]:
         """Totals since start, published with each heartbeat (``rb:{m}:worker_info``)."""
-        return {"batches": self.batches, "items": self.items,
+        return {"batches": self.batches, "items": self.items, "entries": self.entries,
                 "forward_ms": round(self.forward_ms, 3),
                 "queue_wait_ms": round(self.queue_wait_ms, 3), "hist": self.meters.snapshot()}
 
