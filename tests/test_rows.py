@@ -15,8 +15,8 @@ import redis
 
 from redbatch import Client, codec, protocol
 from redbatch.errors import InvalidPayload, ModelError
-from redbatch.producer import rows
-from redbatch.protocol import Reply
+from redbatch.producer import coalesce, rows
+from redbatch.protocol import Reply, Request
 from redbatch.worker.decode import decode_batch
 from redbatch.worker.model import Model, TensorSpec
 from redbatch.worker.policy import BatchPolicy
@@ -190,27 +190,58 @@ async def test_claims_shrink_to_about_max_batch_size_rows() -> None:
     assert counts[0] < 8 and counts == sorted(counts) and counts[-1] == 32  # grows back
 
 
-async def _queued(raw: redis.Redis, model: str) -> list[dict[str, Any]]:
-    for _ in range(100):  # the flush runs on the next tick, the script a moment later
-        if raw.llen(protocol.queue_key(model)):
-            break
-        await asyncio.sleep(0.01)
-    return [codec.decode(e) for e in raw.lrange(protocol.queue_key(model), 0, -1)]
+def _lone(x: np.ndarray[Any, Any], deadline_ms: int, trace_id: str = "") -> list[Request]:
+    return [Request(protocol.new_request_id(), "double", protocol.now_ms(), deadline_ms,
+                    protocol.reply_key("c1"), x, trace_id=trace_id)]
+
+
+def test_a_flush_packs_lone_requests_of_one_shape_and_close_deadlines() -> None:
+    now = protocol.now_ms()
+    routes: list[tuple[str, list[str], int]] = []
+    requests = [_lone(x, now + 5000) for x in inputs(5)]
+    requests += [_lone(x, now + 9000) for x in inputs(2)]  # a later deadline: a pack apart
+    requests += [_lone(np.zeros(3, np.float32), now + 5000)]  # another shape: alone
+    requests += [_lone(np.zeros(4, np.float32), now + 5000, trace_id="caller-1")]  # alone
+    units, failed = coalesce.plan(requests, [None] * len(requests), "msgpack", 32,
+                                  lambda *route: routes.append(route))
+    assert not failed
+    assert [u.request.rows for u in units] == [5, 2, 0, 0]
+    assert [u.owners for u in units] == [[0, 1, 2, 3, 4], [5, 6], [7], [8]]
+    assert [len(members) for _id, members, _ms in routes] == [5, 2]
+    assert units[0].request.deadline_ms == now + 5000 and routes[1][2] == now + 9000
+    again, _ = coalesce.plan(requests, [None] * len(requests), "msgpack", 1, None)
+    assert all(u.request.rows == 0 for u in again)  # pack_rows=1, or no route: no packs
+
+
+def test_a_pack_that_cannot_be_encoded_fails_its_members_alone() -> None:
+    now = protocol.now_ms()
+    requests = [_lone(np.zeros(4, np.uint16), now + 5000) for _ in range(3)]
+    requests += [_lone(x, now + 5000) for x in inputs(2)]
+    routes: list[Any] = []
+    units, failed = coalesce.plan(requests, [None] * 5, "msgpack", 32,
+                                  lambda *route: routes.append(route))
+    assert sorted(failed) == [0, 1, 2] and all(isinstance(e, InvalidPayload)
+                                              for e in failed.values())
+    assert [u.owners for u in units] == [[3, 4]] and len(routes) == 1
 
 
 async def test_lone_requests_of_one_tick_travel_as_one_entry(
-        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    worker = start_worker([doubler("double")])
     xs = inputs(10)
     xs[4] = np.full(4, np.inf, dtype=np.float32)
     async with Client(redis_url) as client:
-        calls = [asyncio.create_task(client.predict("double", x, timeout_s=10)) for x in xs]
-        traced = asyncio.create_task(client.predict_reply("double", xs[1], 10,
-                                                          trace_id="caller-1"))
-        queued = await _queued(raw_redis, "double")
-        start_worker([doubler("double")])
-        out = await asyncio.gather(*calls, return_exceptions=True)
-        reply = await traced
-    assert sorted(e.get(protocol.F_ROWS, 0) for e in queued) == [0, 10]  # traced: alone
+        assert await client.predict("double", xs[0], timeout_s=10) is not None  # warm up
+        while not await client._admission.takes_rows("double"):
+            await asyncio.sleep(0.05)
+        before = (worker.runners[0].entries, worker.runners[0].items)
+        out = await asyncio.gather(*(client.predict("double", x, timeout_s=10) for x in xs),
+                                   return_exceptions=True)
+        reply = await client.predict_reply("double", xs[1], 10, trace_id="caller-1")
+        await asyncio.sleep(0.3)  # the worker counts a batch once its replies are out
+        entries, items = (worker.runners[0].entries - before[0],
+                          worker.runners[0].items - before[1])
+    assert items == 11 and entries <= 3  # one or two packs, and the traced one alone
     assert isinstance(out[4], InvalidPayload)
     assert [o.tolist() for i, o in enumerate(out) if i != 4] == [
         [2.0 * i] * 4 for i in range(10) if i != 4]
@@ -218,26 +249,19 @@ async def test_lone_requests_of_one_tick_travel_as_one_entry(
 
 
 async def test_a_member_that_gives_up_leaves_the_others_their_answers(
-        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    seen: list[int] = []
+    start_worker([doubler("double", seen=seen)])
     async with Client(redis_url) as client:
+        await client.predict("double", inputs(1)[0], timeout_s=10)
+        while not await client._admission.takes_rows("double"):
+            await asyncio.sleep(0.05)
         calls = [asyncio.create_task(client.predict("double", x, timeout_s=10))
                  for x in inputs(5)]
-        await _queued(raw_redis, "double")
+        await asyncio.sleep(0)  # pushed; the flush runs on the next tick
         calls[2].cancel()
-        start_worker([doubler("double")])
         out = await asyncio.gather(*calls, return_exceptions=True)
         assert client.waiting == 0
     assert isinstance(out[2], asyncio.CancelledError)
     assert [o[0] for i, o in enumerate(out) if i != 2] == [0.0, 2.0, 6.0, 8.0]
-
-
-async def test_pack_rows_1_sends_every_input_as_its_own_entry(
-        redis_url: str, raw_redis: redis.Redis) -> None:
-    async with Client(redis_url, pack_rows=1) as client:
-        calls = [asyncio.create_task(client.predict("double", x, timeout_s=5))
-                 for x in inputs(4)]
-        many = await client.submit_many("double", inputs(3), timeout_s=5)
-        queued = await _queued(raw_redis, "double")
-        for future in [*calls, *many]:
-            future.cancel()
-    assert len(queued) == 7 and not any(protocol.F_ROWS in e for e in queued)
+    assert 5 in seen  # the five went through the model as one pass

@@ -31,7 +31,7 @@ class Admission:
         self._redis = redis
         self.max_queue_len = max_queue_len
         self.model_caps: dict[str, int] = {}  # a model's own, lower cap (its meta)
-        self._cache: dict[str, tuple[float, float, int]] = {}
+        self._cache: dict[str, tuple[float, float, int, bool]] = {}
 
     def limit(self, model: str) -> int:
         """The cap of ``model``'s queue: its own if lower than this process's."""
@@ -44,15 +44,21 @@ class Admission:
             return None
         return cached[2]
 
-    async def _workers(self, model: str) -> tuple[float, int]:
-        """(items per second the live workers can serve, how many are live), cached."""
+    async def _workers(self, model: str) -> tuple[float, int, bool]:
+        """(entries per second the live workers can serve, how many are live, whether
+        they all take multi-row requests), cached."""
         cached = self._cache.get(model)
         if cached is None or time.monotonic() - cached[0] > REFRESH_S:
             workers = await live_workers(self._redis, model)
             total = sum(float(w.get("items_per_s", 0.0)) for w in workers)
-            cached = (time.monotonic(), total, len(workers))
+            rows = bool(workers) and all(w.get(protocol.F_ROWS) is True for w in workers)
+            cached = (time.monotonic(), total, len(workers), rows)
             self._cache[model] = cached
-        return cached[1], cached[2]
+        return cached[1], cached[2], cached[3]
+
+    async def takes_rows(self, model: str) -> bool:
+        """Whether every live worker of ``model`` takes multi-row requests (cached)."""
+        return (await self._workers(model))[2]
 
     async def capacity(self, model: str) -> float:
         """Items per second the model's live workers can serve (0 when unknown)."""

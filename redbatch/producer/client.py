@@ -255,8 +255,11 @@ class Client:
         assert self._enqueuer is not None
         request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id,
                                 trace_id)
+        # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
+        # that its marker dedupes the caller's retries
+        entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
         future = listener.expect(request.id, request.deadline_ms, want_reply)
-        pushed = self._enqueuer.push(model, [request], None)  # encoded (or packed) at flush
+        pushed = self._enqueuer.push(model, [request], entries)
         pushed.add_done_callback(functools.partial(self._pushed, request.id))
         return future
 

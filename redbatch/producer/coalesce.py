@@ -5,8 +5,10 @@ concurrent ``predict`` calls then pays the queue's per-entry costs (encoding, Re
 the worker's decode and encode) once per pack instead of once per request.
 
 Each member keeps its own id and waiter: the listener splits the pack's reply back
-(``ReplyListener.route_pack``).  Requests that carry a caller's ``trace_id`` travel
-alone, so that the id the worker logs is theirs."""
+(``ReplyListener.route_pack``).  Only requests whose ids the client made up are packed
+(a caller's own id names a marker that dedupes its retries), and only while every live
+worker of the model takes multi-row requests.  Requests that carry a caller's
+``trace_id`` travel alone, so that the id the worker logs is theirs."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from redbatch.protocol import Request
 
 # route_pack(pack id, member ids, deadline_ms): tell the listener how to split a reply
 RoutePack = Callable[[str, list[str], int], None]
+DEADLINE_SPAN_MS = 100  # members of one pack have deadlines within this of each other
 
 
 @dataclass(slots=True)
@@ -45,14 +48,14 @@ def plan(requests: list[list[Request]], entries: list[list[bytes] | None], fmt: 
     groups: dict[tuple[Any, ...], list[int]] = {}
     if route_pack is not None and pack_rows > 1:
         for index, reqs in enumerate(requests):
-            key = _pack_key(reqs)
+            key = _pack_key(reqs) if entries[index] is None else None
             if key is not None:
                 groups.setdefault(key, []).append(index)
     packed = {i for members in groups.values() if len(members) > 1 for i in members}
     for members in groups.values():
         if len(members) > 1:
             assert route_pack is not None
-            units += _packs(members, requests, fmt, pack_rows, route_pack)
+            units += _packs(members, requests, fmt, pack_rows, route_pack, failed)
     for index, reqs in enumerate(requests):
         if index not in packed:
             _add_alone(index, reqs, entries[index], fmt, units, failed)
@@ -72,20 +75,40 @@ def _pack_key(reqs: list[Request]) -> tuple[Any, ...] | None:
 
 
 def _packs(members: list[int], requests: list[list[Request]], fmt: Format, pack_rows: int,
-           route_pack: RoutePack) -> list[Unit]:
+           route_pack: RoutePack, failed: dict[int, Exception]) -> list[Unit]:
     row_bytes: int = requests[members[0]][0].payload.nbytes
     size = max(1, min(pack_rows, PACK_BYTES // max(1, row_bytes)))
-    units = []
-    for start in range(0, len(members), size):
-        chunk = members[start:start + size]
+    units: list[Unit] = []
+    for chunk in _chunks(members, requests, size):
         if len(chunk) == 1:  # a lone leftover travels as itself
-            request = requests[chunk[0]][0]
-            units.append(Unit(request, codec.encode(request.to_wire(), fmt), chunk))
+            _add_alone(chunk[0], requests[chunk[0]], None, fmt, units, failed)
             continue
         pack = _pack_request([requests[i][0] for i in chunk])
-        route_pack(pack.id, [requests[i][0].id for i in chunk], pack.deadline_ms)
-        units.append(Unit(pack, codec.encode(pack.to_wire(), fmt), chunk))
+        try:
+            entry = codec.encode(pack.to_wire(), fmt)
+        except Exception:  # e.g. a dtype the wire lacks: each member fails on its own
+            for index in chunk:
+                _add_alone(index, requests[index], None, fmt, units, failed)
+            continue
+        route_pack(pack.id, [requests[i][0].id for i in chunk],
+                   max(requests[i][0].deadline_ms for i in chunk))
+        units.append(Unit(pack, entry, chunk))
     return units
+
+
+def _chunks(members: list[int], requests: list[list[Request]], size: int
+            ) -> list[list[int]]:
+    """Members in packs of at most ``size``, each spanning at most ``DEADLINE_SPAN_MS``
+    of deadlines (a pack expires at its earliest member's)."""
+    chunks: list[list[int]] = []
+    first_ms = 0
+    for index in sorted(members, key=lambda i: requests[i][0].deadline_ms):
+        deadline_ms = requests[index][0].deadline_ms
+        if not chunks or len(chunks[-1]) == size or deadline_ms - first_ms > DEADLINE_SPAN_MS:
+            chunks.append([])
+            first_ms = deadline_ms
+        chunks[-1].append(index)
+    return chunks
 
 
 def _pack_request(members: list[Request]) -> Request:

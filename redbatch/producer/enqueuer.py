@@ -78,14 +78,11 @@ class Enqueuer:
             task.add_done_callback(self._tasks.discard)
 
     async def _send(self, model: str, pushes: list[Push]) -> None:
-        units, failed = coalesce.plan([p.requests for p in pushes], [p.entries for p in pushes],
-                                      self._fmt, self._pack_rows, self._route_pack)
-        for index, error in failed.items():
-            _fail(pushes[index], error)
-        if not units:
-            return
         try:
             async with translated(self._settings):
+                units = await self._plan(model, pushes)
+                if not units:
+                    return
                 deadline = min(u.request.deadline_ms for u in units)
                 cap = await self._admission.cap(model, deadline)
                 accepted, depth = await self._run(model, [u.request for u in units],
@@ -97,6 +94,18 @@ class Enqueuer:
                 _fail(push, exc)
             return
         _settle(pushes, units[:accepted], full)
+
+    async def _plan(self, model: str, pushes: list[Push]) -> list[Unit]:
+        """The flush's entries (lone same-shape requests packed, while the model's
+        workers take multi-row requests); pushes that cannot be encoded fail now."""
+        packing = self._pack_rows > 1 and any(p.entries is None for p in pushes) and \
+            await self._admission.takes_rows(model)
+        units, failed = coalesce.plan([p.requests for p in pushes], [p.entries for p in pushes],
+                                      self._fmt, self._pack_rows,
+                                      self._route_pack if packing else None)
+        for index, error in failed.items():
+            _fail(pushes[index], error)
+        return units
 
     async def _run(self, model: str, requests: list[Request], entries: list[bytes], cap: int
                    ) -> tuple[int, int]:

@@ -72,7 +72,8 @@ class ReplyListener:
         self.reply_to = reply_to
         self._block_timeout_s = block_timeout_s
         self._waiters: dict[str, Waiter] = {}
-        self._packs: dict[str, list[str]] = {}  # coalesced request id -> member ids
+        # coalesced request id -> its member ids, and the timer that forgets the route
+        self._packs: dict[str, tuple[list[str], asyncio.TimerHandle]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.stats = ListenerStats()
@@ -94,14 +95,17 @@ class ReplyListener:
             self._task = None
         for request_id in list(self._waiters):
             self.fail(request_id, RedbatchError("client closed before the reply arrived"))
+        for _members, timer in self._packs.values():
+            timer.cancel()
         self._packs.clear()
 
     def route_pack(self, pack_id: str, member_ids: list[str], deadline_ms: int) -> None:
         """Split the reply to ``pack_id`` (a multi-row request of lone requests) into
-        replies to ``member_ids``, row by row; forgotten after the deadline."""
-        self._packs[pack_id] = member_ids
+        replies to ``member_ids``, row by row; forgotten once ``deadline_ms`` (the
+        members' latest) and the marker's grace have passed."""
         delay_s = max(0.0, (deadline_ms - protocol.now_ms() + protocol.MARKER_GRACE_MS) / 1000)
-        asyncio.get_running_loop().call_later(delay_s, self._packs.pop, pack_id, None)
+        timer = asyncio.get_running_loop().call_later(delay_s, self._packs.pop, pack_id, None)
+        self._packs[pack_id] = (member_ids, timer)
 
     def check_new(self, request_ids: list[str]) -> None:
         """Refuse ids that repeat, or that already wait: routing is by id."""
@@ -154,10 +158,12 @@ class ReplyListener:
             log.warning("dropped an undecodable reply on %s: %s: %s", self.reply_to,
                         type(exc).__name__, exc)
             return
-        members = self._packs.pop(reply.id, None)
-        if members is None:
+        route = self._packs.pop(reply.id, None)
+        if route is None:
             self._deliver(reply)
             return
+        members, timer = route
+        timer.cancel()
         for row, outcome in enumerate(rows.split_reply(reply, len(members))):
             self._deliver(rows.row_reply(reply, members[row], outcome))
 

@@ -105,7 +105,9 @@ def split_reply(reply: Reply, n: int) -> list[Any]:
             f"a reply to {n} rows did not hold {n} outputs (a worker without multi-row "
             "support?)")
         return [exc] * n
-    outcomes = list(payload)
+    # as a lone request's output decodes: Python numbers for scalar rows
+    outcomes = payload.tolist() if isinstance(payload, np.ndarray) and payload.ndim == 1 \
+        else list(payload)
     for row, (code, message) in reply.row_errors.items():
         if 0 <= row < n:
             outcomes[row] = error_from_code(code, message)

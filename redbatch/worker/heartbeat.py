@@ -18,7 +18,8 @@ REAP_SCAN = 16  # expired workers looked at per model per heartbeat
 
 def static_info(worker_id: str, device: str) -> dict[str, Any]:
     return {"worker_id": worker_id, "device": device, "pid": os.getpid(),
-            "host": socket.gethostname(), "started_ms": protocol.now_ms()}
+            "host": socket.gethostname(), "started_ms": protocol.now_ms(),
+            protocol.F_ROWS: True}  # this worker understands multi-row requests
 
 
 async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
