@@ -23,7 +23,11 @@ def test_perf_analyzer_drives_the_demo_mlp(spawn: Callable[..., Proc], redis_url
     done = subprocess.run(
         [str(ROOT / "scripts" / "perf_analyzer"), "-m", "mlp", "-u", f"127.0.0.1:{port}",
          "-i", "http", "-b", "4", "--concurrency-range", "2", "--measurement-interval",
-         "1000"], capture_output=True, text=True, timeout=200, check=False)
+         "1000",
+         # what is tested is that it runs against us, not how steady this shared 2-core
+         # machine is: 3 windows within 50 % of each other are stable enough
+         "--stability-percentage", "50", "--max-trials", "20"],
+        capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     match = re.search(r"Concurrency: 2, throughput: ([0-9.]+) infer/sec", done.stdout)
     assert match and float(match.group(1)) > 0, done.stdout
