@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import redis
 
-from redbatch import Client, protocol
+from redbatch import Client
 from redbatch.bench import servers
 from redbatch.bench.servers import W2_X, Procs
+from redbatch.worker.heartbeat import live_workers_sync
 from redbatch.worker.process import run_loop
 
 PREDICT_TASKS = 64
@@ -84,7 +85,7 @@ def wait_live_workers(redis_url: str, model: str, count: int, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            if client.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf") >= count:
+            if len(live_workers_sync(client, model)) >= count:
                 return
             time.sleep(0.2)
     finally:

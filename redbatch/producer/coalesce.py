@@ -20,7 +20,7 @@ import numpy as np
 
 from redbatch import codec, protocol
 from redbatch.codec import Format
-from redbatch.producer.rows import PACK_BYTES
+from redbatch.producer.rows import pack_size
 from redbatch.protocol import Request
 
 # route_pack(pack id, member ids, deadline_ms): tell the listener how to split a reply
@@ -69,15 +69,14 @@ def _pack_key(reqs: list[Request]) -> tuple[Any, ...] | None:
     request = reqs[0]
     payload = request.payload
     if type(payload) is not np.ndarray or request.rows or request.trace_id or \
-            2 * payload.nbytes > PACK_BYTES:
+            pack_size(payload.nbytes, 2) < 2:
         return None
     return payload.shape, payload.dtype.str
 
 
 def _packs(members: list[int], requests: list[list[Request]], fmt: Format, pack_rows: int,
            route_pack: RoutePack, failed: dict[int, Exception]) -> list[Unit]:
-    row_bytes: int = requests[members[0]][0].payload.nbytes
-    size = max(1, min(pack_rows, PACK_BYTES // max(1, row_bytes)))
+    size = pack_size(requests[members[0]][0].payload.nbytes, pack_rows)
     units: list[Unit] = []
     for chunk in _chunks(members, requests, size):
         if len(chunk) == 1:  # a lone leftover travels as itself

@@ -20,7 +20,12 @@ def rows_per_request(inputs: Sequence[Any], pack_rows: int) -> int:
     ``PACK_BYTES`` of arrays of one shape and dtype; 1 means one request each."""
     if pack_rows < 2 or len(inputs) < 2 or not _same_arrays(inputs):
         return 1
-    row_bytes: int = inputs[0].nbytes
+    return pack_size(inputs[0].nbytes, pack_rows)
+
+
+def pack_size(row_bytes: int, pack_rows: int) -> int:
+    """Rows of ``row_bytes`` each in one multi-row request: at most ``pack_rows`` and
+    ``PACK_BYTES`` (1: too big to pack)."""
     return max(1, min(pack_rows, PACK_BYTES // max(1, row_bytes)))
 
 
@@ -72,11 +77,14 @@ def _settle_rows(done: asyncio.Future[Any], futures: list[asyncio.Future[Any]],
             future.cancel()
         return
     exc = done.exception()
-    outcomes = split_reply(done.result(), len(futures)) if exc is None else \
-        [exc] * len(futures)
-    if want_reply and exc is None:
+    if exc is not None:
+        outcomes: list[Any] = [exc] * len(futures)
+    else:
         reply = done.result()
-        outcomes = [row_reply(reply, f"{reply.id}:{row}", o) for row, o in enumerate(outcomes)]
+        outcomes = split_reply(reply, len(futures))
+        if want_reply:
+            outcomes = [row_reply(reply, f"{reply.id}:{row}", o)
+                        for row, o in enumerate(outcomes)]
     for future, outcome in zip(futures, outcomes, strict=True):
         if future.done():
             continue

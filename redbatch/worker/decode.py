@@ -33,7 +33,7 @@ class Pack:
     request: Request
     fmt: Format
     outputs: list[Any]
-    errors: dict[int, RedbatchError]
+    errors: dict[int, RedbatchError]  # rows refused by the spec
 
 
 @dataclass(slots=True)
@@ -51,7 +51,11 @@ class Decoded:
     early: list[tuple[Request, Format, RedbatchError]] = field(default_factory=list)
     dead: list[bytes] = field(default_factory=list)
     packs: list[Pack] = field(default_factory=list)
-    invalid_rows: int = 0  # rows of packs refused by the spec
+
+    @property
+    def invalid_rows(self) -> int:
+        """Rows of multi-row requests refused by the spec."""
+        return sum(len(pack.errors) for pack in self.packs)
 
 
 def loose_reply_target(raw: bytes) -> tuple[str, str, Format] | None:
@@ -115,9 +119,8 @@ def _decode_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> N
         return
     pack = Pack(request, fmt, [None] * rows, {})
     out.packs.append(pack)
-    checked = _checked_rows(payload, model, pack)
-    out.invalid_rows += len(pack.errors)
-    out.items.extend(Item(request, fmt, value, pack, row) for row, value in checked)
+    out.items.extend(Item(request, fmt, value, pack, row)
+                     for row, value in _checked_rows(payload, model, pack))
 
 
 def _checked_rows(payload: np.ndarray[Any, Any], model: Model, pack: Pack

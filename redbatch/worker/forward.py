@@ -54,8 +54,6 @@ class Forwarder:
         """``run`` in passes of at most ``max_batch_size`` inputs (the rows of multi-row
         requests can make a claimed batch larger)."""
         size = self.model.policy.max_batch_size
-        if len(inputs) <= size:
-            return await self.run(inputs)
         results: list[Any] = []
         for start in range(0, len(inputs), size):
             results += await self.run(inputs[start:start + size])

@@ -60,15 +60,16 @@ class CapacityMeter:
 
     def __init__(self, runner: BatchRunner) -> None:
         self._runner = runner
-        self._items = 0
+        self._entries = 0
         self._busy_s = 0.0
         self.items_per_s = 0.0
 
     def sample(self) -> float:
-        items, busy = self._runner.entries - self._items, self._runner.busy_s - self._busy_s
-        self._items, self._busy_s = self._runner.entries, self._runner.busy_s
-        if busy > 0 and items > 0:  # idle keeps the last estimate
-            rate = items / busy
+        entries = self._runner.entries - self._entries
+        busy = self._runner.busy_s - self._busy_s
+        self._entries, self._busy_s = self._runner.entries, self._runner.busy_s
+        if busy > 0 and entries > 0:  # idle keeps the last estimate
+            rate = entries / busy
             self.items_per_s = rate if not self.items_per_s else 0.5 * (self.items_per_s + rate)
         return self.items_per_s
 

@@ -57,14 +57,13 @@ def error_reply(request: Request, exc: RedbatchError, timings: Timings) -> Reply
 def pack_reply(pack: Pack, timings: Timings) -> Reply:
     """The one reply to a multi-row request: its rows' outputs (stacked into one tensor
     when they all succeeded and stack), and the rows that failed."""
-    for row, output in enumerate(pack.outputs):
-        if isinstance(output, RedbatchError):
-            pack.errors[row] = output
-    for row in pack.errors:
-        pack.outputs[row] = None
-    errors = {row: (exc.code, str(exc)) for row, exc in sorted(pack.errors.items())}
-    return Reply(pack.request.id, True, _stacked(pack.outputs) if not errors else
-                 pack.outputs, timings=timings, row_errors=errors)
+    failed = {**pack.errors, **{row: out for row, out in enumerate(pack.outputs)
+                                 if isinstance(out, RedbatchError)}}
+    if not failed:
+        return Reply(pack.request.id, True, _stacked(pack.outputs), timings=timings)
+    outputs = [None if row in failed else out for row, out in enumerate(pack.outputs)]
+    errors = {row: (exc.code, str(exc)) for row, exc in sorted(failed.items())}
+    return Reply(pack.request.id, True, outputs, timings=timings, row_errors=errors)
 
 
 def _stacked(outputs: list[Any]) -> Any:
