@@ -210,7 +210,7 @@ async def test_a_failing_item_fails_alone(start_worker: Callable[..., Worker], r
 async def test_a_claim_that_fails_midway_is_returned_not_lost(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    take, block_one = Claimer._take, Claimer._block_one
+    top_up, block_one = Claimer._top_up, Claimer._block_one
     state = {"moved": False, "failed": 0}
 
     async def blocking(self: Claimer, timeout_s: float) -> bytes | None:
@@ -222,9 +222,9 @@ async def test_a_claim_that_fails_midway_is_returned_not_lost(
         if state["moved"] and not state["failed"]:  # BLMOVE just moved a request in flight
             state["failed"] += 1
             raise redis.ConnectionError("injected")
-        return await take(self, count)
+        return await top_up(self, count)
 
-    monkeypatch.setattr(Claimer, "_take", flaky)
+    monkeypatch.setattr(Claimer, "_top_up", flaky)
     monkeypatch.setattr(Claimer, "_block_one", blocking)
     worker = start_worker([fast_slow], config=TAKEOVER)
     async with Client(redis_url) as client:

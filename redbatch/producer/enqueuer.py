@@ -15,6 +15,7 @@ from redbatch import lua, protocol
 from redbatch.codec import Format
 from redbatch.config import RedisSettings
 from redbatch.errors import QueueFull
+from redbatch.lean import LeanLink
 from redbatch.producer import coalesce
 from redbatch.producer.admission import Admission
 from redbatch.producer.coalesce import RoutePack, Unit
@@ -52,6 +53,7 @@ class Enqueuer:
         self._pack_rows = pack_rows
         self._route_pack = route_pack
         self._script = redis.register_script(lua.ENQUEUE)
+        self._link = LeanLink(redis)
         self._pending: dict[str, list[Push]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -113,7 +115,8 @@ class Enqueuer:
         worker drains the queue between them, so the cap holds for all)."""
         calls = _calls(model, requests, entries, cap)
         if len(calls) == 1:
-            accepted, depth = await self._script(keys=calls[0][0], args=calls[0][1])
+            accepted, depth = await self._link.script(self._script.sha, lua.ENQUEUE,
+                                                      *calls[0])
             return int(accepted), int(depth)
         async with self._redis.pipeline(transaction=True) as pipe:
             for keys, args in calls:

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
 from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError, error_from_code
+from redbatch.lean import LeanLink
 from redbatch.producer import rows
 
 log = logging.getLogger("redbatch.producer")
@@ -68,7 +69,7 @@ def resolve(future: asyncio.Future[Any], reply: protocol.Reply, want_reply: bool
 
 class ReplyListener:
     def __init__(self, redis: aioredis.Redis, reply_to: str, block_timeout_s: float) -> None:
-        self._redis = redis
+        self._link = LeanLink(redis)  # the blocking pops: one held connection
         self.reply_to = reply_to
         self._block_timeout_s = block_timeout_s
         self._waiters: dict[str, Waiter] = {}
@@ -176,8 +177,8 @@ class ReplyListener:
         resolve(waiter.future, reply, waiter.want_reply)
 
     async def _pop(self) -> list[bytes]:
-        result: Any = await self._redis.blmpop(self._block_timeout_s, 1, self.reply_to,
-                                          direction="LEFT", count=DRAIN_COUNT)
+        result: Any = await self._link.execute("BLMPOP", self._block_timeout_s, 1,
+                                               self.reply_to, "LEFT", "COUNT", DRAIN_COUNT)
         return list(result[1]) if result else []
 
     async def _run(self) -> None:

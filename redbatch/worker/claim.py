@@ -17,6 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from redbatch import lua, protocol
+from redbatch.lean import LeanLink
 from redbatch.worker.policy import BatchPolicy
 
 MIN_BLOCK_S = 0.001
@@ -56,21 +57,27 @@ class Claimer:
         self._block_timeout_s = block_timeout_s
         self.queue = protocol.queue_key(model)
         self.inflight = protocol.inflight_key(model, worker_id)
-        self._claim = self._blocking.register_script(lua.CLAIM)
+        self._link = LeanLink(self._blocking)  # the claims and blocking pops: one connection
+        self._claim_sha = self._blocking.register_script(lua.CLAIM).sha
         self._last_claim = 0.0
         self._loaded = False
         self._client_id: int | None = None
         self._unblocks: set[asyncio.Task[Any]] = set()
         self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
         self._lone = 0
+        self._drained = False  # the queue was empty at the last look: block at once
 
     async def _take(self, count: int) -> list[bytes]:
         ttl_ms = protocol.INFLIGHT_TTL_S * 1000
-        items = await self._claim(keys=[self.queue, self.inflight], args=[count, ttl_ms])
-        return list(items)
+        items = list(await self._link.script(self._claim_sha, lua.CLAIM,
+                                             [self.queue, self.inflight], [count, ttl_ms]))
+        self._drained = not items  # found some: more may come while this batch runs
+        return items
 
     async def _block_one(self, timeout_s: float, wake_at_ms: int | None = None) -> bytes | None:
-        """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment."""
+        """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment.
+        An LLEN rides in the same write (Redis runs it once the pop is served), so the
+        next step knows, without a round trip, whether the queue holds more."""
         timer = None
         if wake_at_ms is not None and self._client_id is not None:
             delay_s = max(0.0, (wake_at_ms - protocol.now_ms()) / 1000)
@@ -78,14 +85,20 @@ class Claimer:
                                                           self._client_id)
         timeout: Any = max(timeout_s, MIN_BLOCK_S)  # redis takes fractional seconds
         try:
-            item: Any = await self._blocking.blmove(self.queue, self.inflight, timeout, "LEFT",
-                                                    "RIGHT")
+            item, left = await self._link.pipeline(
+                ("BLMOVE", self.queue, self.inflight, "LEFT", "RIGHT", timeout),
+                ("LLEN", self.queue))
         finally:
             if timer is not None:
                 timer.cancel()
             if self._unblocks:  # a fired unblock must land before our next blocking pop
                 await asyncio.gather(*self._unblocks, return_exceptions=True)
+        self._drained = left == 0
         return item if isinstance(item, bytes) else None
+
+    async def _top_up(self, count: int) -> list[bytes]:
+        """Up to ``count`` more entries, unless the last pop left the queue empty."""
+        return [] if self._drained or count < 1 else await self._take(count)
 
     def _unblock(self, client_id: int) -> None:
         task = asyncio.create_task(self._send_unblock(client_id))
@@ -104,10 +117,10 @@ class Claimer:
 
     async def _prepare(self) -> None:
         if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
-            await self._blocking.script_load(lua.CLAIM)
+            await self._link.execute("SCRIPT", "LOAD", lua.CLAIM)
             self._loaded = True
         if self._precise and self._client_id is None:
-            self._client_id = int(await self._blocking.client_id())
+            self._client_id = int(await self._link.execute("CLIENT", "ID"))
 
     async def claim(self, count: int | None = None) -> list[bytes]:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
@@ -121,16 +134,14 @@ class Claimer:
             raise
 
     async def _claim_batch(self, size: int) -> list[bytes]:
-        items = await self._take(size)
+        items = await self._top_up(size)
         if not items:
             first = await self._block_one(self._block_timeout_s)
             if first is None:
                 return []
-            if size == 1 or not self._worth_waiting(1):
-                return [first]  # a lone request in a quiet spell: not even a top-up
-            items = [first, *await self._take(size - 1)]
-        elif not self._worth_waiting(len(items)):
-            return items
+            items = [first, *await self._top_up(size - 1)]  # those queued behind it
+        if len(items) >= size or not self._worth_waiting(len(items)):
+            return items  # full, or a lone request in a quiet spell: not even a top-up
         if len(items) < size and self._policy.batch_wait_timeout_s > 0:
             claimed_ms = protocol.now_ms()
             oldest_ms = peek_enqueue_ms(items[0], claimed_ms)
@@ -169,7 +180,7 @@ class Claimer:
                     return
                 continue
             items.append(item)
-            items.extend(await self._take(size - len(items)))
+            items.extend(await self._top_up(size - len(items)))
 
     async def _fill_coarse(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         """Top the batch up until it is full or its window closes, without a connection of
@@ -188,4 +199,4 @@ class Claimer:
                                              self._block_timeout_s))
             if item is not None:
                 items.append(item)
-                items.extend(await self._take(size - len(items)))
+                items.extend(await self._top_up(size - len(items)))

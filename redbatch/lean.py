@@ -1,0 +1,97 @@
+"""A lean command path for the hot loops (claim, publish, enqueue, reply pop).
+
+``Redis.execute_command`` wraps every command in a pool checkout, a retry wrapper, a
+timeout context and a health check; on this project's 2-vCPU machines that costs
+about 100 µs of CPU and 60 µs of latency per command, and a lone request crosses
+four such commands.  ``LeanLink`` keeps ONE connection of the client's pool for
+itself and sends commands straight on it: the connection, its settings (URL, auth,
+TLS, db, socket timeout) and its reply parser and errors are still redis-py's.
+
+* The socket timeout still bounds every read (it is longer than any blocking pop).
+* Any error but a Redis error reply, or a cancel, drops the connection (its state
+  is unknown); the next call reconnects.  Nothing is ever re-sent.
+* While one command is in flight, another caller goes through the full client
+  instead of queueing behind it (whose response callbacks leave the replies of
+  EVALSHA, BLMOVE, BLMPOP and LLEN as they are).  Callers whose commands must stay on this one
+  connection (a blocking pop that ``CLIENT UNBLOCK`` ends) are sequential.
+* The connection goes back with the client: ``aclose`` disconnects the pool's
+  connections, in use or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import NoScriptError, ResponseError
+
+
+class LeanLink:
+    """Commands on one held connection of ``client``'s pool (see the module doc)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._client: Any = client  # (its stubs leave these calls untyped)
+        self._conn: AbstractConnection | None = None
+        self._busy = False
+
+    async def execute(self, *args: Any) -> Any:
+        """One command's parsed reply (no response callbacks: bytes, ints, lists)."""
+        if self._busy:
+            return await self._client.execute_command(*args)
+        return (await self.pipeline(args))[0]
+
+    async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """Several commands in one write, their replies in order (no transaction):
+        a blocking pop followed by a read runs the read once the pop is served."""
+        if self._busy:
+            pipe: Any = self._client.pipeline(transaction=False)
+            async with pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                return list(await pipe.execute())
+        self._busy = True
+        try:
+            return await self._send_many(commands)
+        finally:
+            self._busy = False
+
+    async def script(self, sha: str, source: str, keys: list[Any], args: list[Any]) -> Any:
+        """EVALSHA, loading the script once if Redis lost it (a restart, a flush)."""
+        command = ("EVALSHA", sha, len(keys), *keys, *args)
+        try:
+            return await self.execute(*command)
+        except NoScriptError:
+            await self.execute("SCRIPT", "LOAD", source)
+            return await self.execute(*command)
+
+    async def _send_many(self, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
+        conn = await self._connection()
+        replies: list[Any] = []
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            for _ in commands:
+                replies.append(await _reply(conn))
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply  # a reply: the connection is in step
+        return replies
+
+    async def _connection(self) -> AbstractConnection:
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = await self._client.connection_pool.get_connection()
+        if not conn.is_connected:
+            await conn.connect()
+        return conn
+
+
+async def _reply(conn: AbstractConnection) -> Any:
+    """One reply; an error reply is returned, so that the next replies are still read."""
+    try:
+        return await conn.read_response()
+    except ResponseError as exc:
+        return exc

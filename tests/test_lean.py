@@ -1,0 +1,98 @@
+"""LeanLink: the hot loops' command path on one held connection, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import lua
+from redbatch.config import RedisSettings
+from redbatch.lean import LeanLink
+from redbatch.redis_conn import async_client
+from tests.conftest import RedisServer
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = async_client(RedisSettings(redis_url, socket_timeout_s=5.0))
+    yield client
+    await client.aclose()
+
+
+async def test_commands_and_a_pipeline_in_order(client: aioredis.Redis) -> None:
+    link = LeanLink(client)
+    assert await link.execute("RPUSH", "q", "a", "b") == 2
+    item, left = await link.pipeline(("BLMOVE", "q", "p", "LEFT", "RIGHT", 1), ("LLEN", "q"))
+    assert (item, left) == (b"a", 1)
+    assert await link.execute("LRANGE", "p", 0, -1) == [b"a"]
+
+
+async def test_an_error_reply_keeps_the_connection_in_step(client: aioredis.Redis) -> None:
+    link = LeanLink(client)
+    before = await link.execute("CLIENT", "ID")
+    await link.execute("SET", "s", "x")
+    with pytest.raises(redis.ResponseError):
+        await link.pipeline(("LLEN", "s"), ("GET", "s"))  # LLEN on a string: WRONGTYPE
+    assert await link.execute("GET", "s") == b"x"  # not the GET's stale reply
+    assert await link.execute("CLIENT", "ID") == before  # the same connection
+
+
+async def test_a_script_redis_lost_is_loaded_again(client: aioredis.Redis) -> None:
+    link = LeanLink(client)
+    sha = client.register_script(lua.CLAIM).sha
+    await link.execute("RPUSH", "q", "a")
+    await link.execute("SCRIPT", "FLUSH")
+    assert await link.script(sha, lua.CLAIM, ["q", "inflight"], [5, 60_000]) == [b"a"]
+
+
+async def test_a_busy_link_sends_through_the_client(client: aioredis.Redis) -> None:
+    link = LeanLink(client)
+    blocked = asyncio.create_task(link.execute("BLPOP", "nothing", 1))
+    await asyncio.sleep(0.05)
+    assert await link.execute("LLEN", "nothing") == 0  # not queued behind the BLPOP
+    assert await blocked is None
+
+
+async def test_a_cancel_drops_the_connection(client: aioredis.Redis) -> None:
+    link = LeanLink(client)
+    await link.execute("PING")
+    pop = asyncio.create_task(link.execute("BLMOVE", "q", "p", "LEFT", "RIGHT", 5))
+    await asyncio.sleep(0.05)
+    pop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pop
+    assert await link.execute("RPUSH", "q", "a") == 1  # a fresh connection: no stale reply
+    assert await link.execute("LLEN", "p") == 0  # the abandoned pop took nothing
+
+
+async def test_it_reconnects_after_redis_restarts(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    server = redis_server_factory()
+    client = async_client(RedisSettings(server.url, socket_timeout_s=2.0,
+                                        connect_timeout_s=0.5))
+    link = LeanLink(client)
+    try:
+        assert await link.execute("PING") == b"PONG"
+        server.kill()
+        with pytest.raises((redis.ConnectionError, OSError)):
+            await link.execute("PING")
+        server.start()
+        assert await link.execute("PING") == b"PONG"
+    finally:
+        await client.aclose()
+        server.kill()
+
+
+async def test_closing_the_client_closes_the_held_connection(redis_url: str,
+                                                             raw_redis: redis.Redis) -> None:
+    client = async_client(RedisSettings(redis_url, socket_timeout_s=5.0))
+    link = LeanLink(client)
+    await link.execute("CLIENT", "SETNAME", "lean-test")
+    assert "lean-test" in repr(raw_redis.client_list())
+    await client.aclose()
+    await asyncio.sleep(0.05)
+    assert "lean-test" not in repr(raw_redis.client_list())
