@@ -7,7 +7,10 @@ four such commands.  ``LeanLink`` keeps ONE connection of the client's pool for
 itself and sends commands straight on it: the connection, its settings (URL, auth,
 TLS, db, socket timeout) and its reply parser and errors are still redis-py's.
 
-* The socket timeout still bounds every read (it is longer than any blocking pop).
+* Commands are written in the caller's task (redis-py writes under ``wait_for``, in
+  a task of its own: one more loop iteration per command).
+* The socket timeout still bounds every read (it is longer than any blocking pop)
+  and every write the socket does not take at once.
 * Any error but a Redis error reply, or a cancel, drops the connection (its state
   is unknown); the next call reconnects.  Nothing is ever re-sent.
 * While one command is in flight, another caller goes through the full client
@@ -20,6 +23,7 @@ TLS, db, socket timeout) and its reply parser and errors are still redis-py's.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -69,7 +73,7 @@ class LeanLink:
         conn = await self._connection()
         replies: list[Any] = []
         try:
-            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            await _write(conn, conn.pack_commands(commands))
             for _ in commands:
                 replies.append(await _reply(conn))
         except BaseException:
@@ -87,6 +91,19 @@ class LeanLink:
         if not conn.is_connected:
             await conn.connect()
         return conn
+
+
+async def _write(conn: AbstractConnection, packed: list[bytes]) -> None:
+    """Write in this task: ``send_packed_command`` runs its write under ``wait_for``,
+    in a task of its own, one loop iteration later.  Only a write the socket did not
+    take at once waits (for the socket timeout at most)."""
+    writer: Any = getattr(conn, "_writer", None)  # redis-py's stream, where it has one
+    if writer is None or writer.is_closing():
+        await conn.send_packed_command(packed, check_health=False)
+        return
+    writer.writelines(packed)
+    if writer.transport.get_write_buffer_size():
+        await asyncio.wait_for(writer.drain(), conn.socket_timeout)
 
 
 async def _reply(conn: AbstractConnection) -> Any:
