@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
@@ -140,6 +141,27 @@ async def _lone_claims(c: Claimer, redis: aioredis.Redis, n: int) -> list[float]
         assert len(await c.claim()) == 1
         durations.append(time.monotonic() - started)
     return durations
+
+
+async def test_a_quiet_queue_costs_one_command_per_lone_request(
+        aredis: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """Once a claim found the queue empty, the next one blocks at once (no CLAIM script
+    first), and its pop's LLEN says that nothing waits behind (no top-up)."""
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0)
+
+    async def arrives_while_blocked(n: int) -> list[str]:
+        claim = asyncio.create_task(c.claim())
+        await asyncio.sleep(0.05)
+        await push(aredis, entry(n))
+        return ids(await claim)
+
+    assert await arrives_while_blocked(0) == ["id0"]
+    raw_redis.config_resetstat()
+    assert [await arrives_while_blocked(n) for n in range(1, 6)] == [[f"id{n}"]
+                                                                     for n in range(1, 6)]
+    stats = raw_redis.info("commandstats")
+    assert stats["cmdstat_blmove"]["calls"] == 5
+    assert "cmdstat_evalsha" not in stats
 
 
 async def test_adaptive_window_stops_holding_lone_requests(aredis: aioredis.Redis) -> None:
