@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -65,6 +66,9 @@ async def test_fakeredis_fallback_serves_the_whole_path(start_worker: Callable[.
         start_worker([triple], url=embedded.url)
         async with Client(embedded.url) as client:
             assert await client.predict_many("triple", [1, 2, 3]) == [3, 6, 9]
+            for x in (5, 7):  # each arrives while the worker is blocked in its pop
+                await asyncio.sleep(0.1)
+                assert await client.predict("triple", x, timeout_s=10) == 3 * x
     finally:
         embedded.stop()
 

@@ -57,6 +57,16 @@ async def test_a_busy_link_sends_through_the_client(client: aioredis.Redis) -> N
     assert await blocked is None
 
 
+async def test_a_busy_link_sends_a_pipeline_through_the_client(client: aioredis.Redis
+                                                              ) -> None:
+    link = LeanLink(client)
+    blocked = asyncio.create_task(link.execute("BLPOP", "nothing", 1))
+    await asyncio.sleep(0.05)
+    await client.rpush("q", "a")
+    assert await link.pipeline(("LLEN", "q"), ("LPOP", "q")) == [1, b"a"]
+    assert await blocked is None
+
+
 async def test_a_cancel_drops_the_connection(client: aioredis.Redis) -> None:
     link = LeanLink(client)
     await link.execute("PING")
