@@ -24,6 +24,8 @@ TLS, db, socket timeout) and its reply parser and errors are still redis-py's.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -60,9 +62,9 @@ class LeanLink:
         finally:
             self._busy = False
 
-    async def script(self, sha: str, source: str, keys: list[Any], args: list[Any]) -> Any:
-        """EVALSHA, loading the script once if Redis lost it (a restart, a flush)."""
-        command = ("EVALSHA", sha, len(keys), *keys, *args)
+    async def script(self, source: str, keys: list[Any], args: list[Any]) -> Any:
+        """EVALSHA of ``source``, loading it once if Redis lost it (a restart, a flush)."""
+        command = ("EVALSHA", _sha1(source), len(keys), *keys, *args)
         try:
             return await self.execute(*command)
         except NoScriptError:
@@ -91,6 +93,11 @@ class LeanLink:
         if not conn.is_connected:
             await conn.connect()
         return conn
+
+
+@functools.cache
+def _sha1(source: str) -> str:
+    return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
 
 async def _write(conn: AbstractConnection, packed: list[bytes]) -> None:

@@ -43,10 +43,9 @@ async def test_an_error_reply_keeps_the_connection_in_step(client: aioredis.Redi
 
 async def test_a_script_redis_lost_is_loaded_again(client: aioredis.Redis) -> None:
     link = LeanLink(client)
-    sha = client.register_script(lua.CLAIM).sha
     await link.execute("RPUSH", "q", "a")
     await link.execute("SCRIPT", "FLUSH")
-    assert await link.script(sha, lua.CLAIM, ["q", "inflight"], [5, 60_000]) == [b"a"]
+    assert await link.script(lua.CLAIM, ["q", "inflight"], [5, 60_000]) == [b"a"]
 
 
 async def test_a_busy_link_sends_through_the_client(client: aioredis.Redis) -> None:

@@ -115,8 +115,7 @@ class Enqueuer:
         worker drains the queue between them, so the cap holds for all)."""
         calls = _calls(model, requests, entries, cap)
         if len(calls) == 1:
-            accepted, depth = await self._link.script(self._script.sha, lua.ENQUEUE,
-                                                      *calls[0])
+            accepted, depth = await self._link.script(lua.ENQUEUE, *calls[0])
             return int(accepted), int(depth)
         async with self._redis.pipeline(transaction=True) as pipe:
             for keys, args in calls:

@@ -51,14 +51,12 @@ class Claimer:
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, policy: BatchPolicy,
                  block_timeout_s: float, blocking: aioredis.Redis | None = None) -> None:
         self._redis = redis
-        self._blocking = blocking or redis
         self._precise = blocking is not None
         self._policy = policy
         self._block_timeout_s = block_timeout_s
         self.queue = protocol.queue_key(model)
         self.inflight = protocol.inflight_key(model, worker_id)
-        self._link = LeanLink(self._blocking)  # the claims and blocking pops: one connection
-        self._claim_sha = self._blocking.register_script(lua.CLAIM).sha
+        self._link = LeanLink(blocking or redis)  # claims and blocking pops: one connection
         self._last_claim = 0.0
         self._loaded = False
         self._client_id: int | None = None
@@ -69,8 +67,8 @@ class Claimer:
 
     async def _take(self, count: int) -> list[bytes]:
         ttl_ms = protocol.INFLIGHT_TTL_S * 1000
-        items = list(await self._link.script(self._claim_sha, lua.CLAIM,
-                                             [self.queue, self.inflight], [count, ttl_ms]))
+        items = list(await self._link.script(lua.CLAIM, [self.queue, self.inflight],
+                                             [count, ttl_ms]))
         self._drained = not items  # found some: more may come while this batch runs
         return items
 

@@ -80,7 +80,6 @@ class BatchRunner:
         self.model = model
         self._worker_id = worker_id
         self._forwarder = Forwarder(model, fn, executor, device)
-        self._publish_sha = redis.register_script(lua.PUBLISH).sha
         self._link = LeanLink(redis)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
@@ -223,9 +222,9 @@ class BatchRunner:
         Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
         keys, argv = publish_args(outs, dead)
         keys = [self.claimer.inflight, protocol.dead_letter_key(self.model.name), *keys]
-        sent = int(await self._link.script(self._publish_sha, lua.PUBLISH, keys,
-                                           [batch.claimed, protocol.REPLY_TTL_S, batch.digest,
-                                            *argv]))
+        sent = int(await self._link.script(lua.PUBLISH, keys, [batch.claimed,
+                                                               protocol.REPLY_TTL_S,
+                                                               batch.digest, *argv]))
         if sent < 0:
             raise LeaseLost(f"model={self.model.name}: the in-flight list changed under "
                             "this worker (its lease lapsed and a reaper took it over); "
