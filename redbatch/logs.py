@@ -19,6 +19,8 @@ from redbatch.errors import ConfigError
 FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
 PAIR = re.compile(r"\b([a-z_]+)=(\S+)")
 RESERVED = frozenset({"ts", "level", "logger", "pid", "msg", "exc"})
+TEXT_KEYS = frozenset({"model", "request_ids"})  # names and ids: text even when numeric
+NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
 class JsonFormatter(logging.Formatter):
@@ -30,19 +32,18 @@ class JsonFormatter(logging.Formatter):
                                   "logger": record.name, "pid": record.process, "msg": message}
         for key, value in PAIR.findall(message):
             if key not in RESERVED:
-                out[key] = _number(value)
+                out[key] = value if key in TEXT_KEYS else _number(value)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(out).decode()
 
 
 def _number(text: str) -> object:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
+    """A plain decimal as a number; anything else (a model named ``1e3`` or ``nan``
+    among them) stays text."""
+    if NUMBER.fullmatch(text) is None:
+        return text
+    return float(text) if "." in text else int(text)
 
 
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:

@@ -21,6 +21,15 @@ def test_the_batch_line_becomes_fields() -> None:
     assert line["level"] == "INFO" and line["logger"] == "redbatch.worker"
 
 
+@pytest.mark.parametrize("name", ["123", "1e3", "nan", "inf"])
+def test_a_model_name_stays_text(name: str) -> None:
+    record = logging.LogRecord("redbatch.worker", logging.INFO, __file__, 1,
+                               "model=%s n=%d tag=%s", (name, 2, name), None)
+    line = json.loads(JsonFormatter().format(record))
+    assert (line["model"], line["n"]) == (name, 2)
+    assert line["tag"] == (123 if name == "123" else name)  # only plain decimals turn numbers
+
+
 def test_exceptions_are_one_field() -> None:
     try:
         raise RuntimeError("boom")

@@ -156,3 +156,16 @@ async def test_redis_refusing_writes_is_a_typed_error(redis_url: str,
             assert client.waiting == 0
     finally:
         raw_redis.config_set("maxmemory", "0")
+
+
+async def test_a_queue_cap_set_before_start_holds_from_the_first_request(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    client = Client(redis_url)
+    client.set_queue_cap("capped", 2)  # the gateway sets it before its first request
+    try:
+        out = await client.predict_many("capped", [1, 2, 3], timeout_s=0.5,
+                                        return_exceptions=True)
+    finally:
+        await client.close()
+    assert isinstance(out[2], QueueFull) and "cap 2" in str(out[2])
+    assert all(isinstance(o, DeadlineExceeded) for o in out[:2])  # queued; no worker

@@ -27,10 +27,11 @@ RETRY_AFTER_RANGE_S = (1.0, 60.0)
 
 
 class Admission:
-    def __init__(self, redis: aioredis.Redis, max_queue_len: int) -> None:
+    def __init__(self, redis: aioredis.Redis, max_queue_len: int,
+                 model_caps: dict[str, int] | None = None) -> None:
         self._redis = redis
         self.max_queue_len = max_queue_len
-        self.model_caps: dict[str, int] = {}  # a model's own, lower cap (its meta)
+        self.model_caps = {} if model_caps is None else model_caps  # a model's own, lower cap
         self._cache: dict[str, tuple[float, float, int, bool]] = {}
 
     def limit(self, model: str) -> int:

@@ -64,6 +64,7 @@ class Client:
         self._listener: ReplyListener | None = None
         self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
+        self._model_caps: dict[str, int] = {}  # set_queue_cap's, shared with admission
 
     # --- life cycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -81,7 +82,7 @@ class Client:
                 await redis.aclose()
                 raise
             self._redis = redis
-            self._admission = Admission(redis, self.max_queue_len)
+            self._admission = Admission(redis, self.max_queue_len, self._model_caps)
             listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
                                       self.pack_rows, listener.route_pack)
@@ -115,12 +116,10 @@ class Client:
 
     def set_queue_cap(self, model: str, cap: int | None) -> None:
         """A lower queue cap for ``model`` than ``max_queue_len`` (None: back to it)."""
-        if self._listener is None:
-            return  # set again on the next request, once started
         if cap is None:
-            self._admission.model_caps.pop(model, None)
+            self._model_caps.pop(model, None)
         else:
-            self._admission.model_caps[model] = cap
+            self._model_caps[model] = cap  # kept here: it holds before (and across) a start
 
     async def live_workers(self, model: str) -> int:
         """Live workers of ``model`` (cached for a second)."""

@@ -83,22 +83,23 @@ class Forwarder:
 
     async def _call(self, inputs: list[Any]) -> list[Any]:
         arg: Any = np.stack(inputs) if self.model.stack else inputs
+        inline = self.inline
         started = time.perf_counter()
         try:
-            outputs = await self._pass(arg)
+            outputs = await self._pass(arg, inline)
         finally:
             self._recent.append((time.perf_counter() - started) * 1000)
+        if inline:  # let the heartbeat and replies run between inline passes (untimed)
+            await asyncio.sleep(0)
         return self._check_outputs(outputs, len(inputs))
 
-    async def _pass(self, arg: Any) -> Any:
+    async def _pass(self, arg: Any, inline: bool) -> Any:
         if self.model.is_async:
             return await self._fn(arg)
-        if not self.inline:
+        if not inline:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, self._fn, arg)
-        outputs = self._fn(arg)
-        await asyncio.sleep(0)  # let the heartbeat and replies run between inline passes
-        return outputs
+        return self._fn(arg)
 
     def _check_outputs(self, outputs: Any, n: int) -> list[Any]:
         name = self.model.name
