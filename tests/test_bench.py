@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from typing import Any
@@ -45,3 +46,62 @@ def test_report_compares_with_each_baseline_of_the_run(capsys: pytest.CaptureFix
     assert "ray_w1" not in out  # not measured in this run: no row, no ratio
     assert "1 replica   predict x64 14000 (50%); predict_many 8x128 16800 (60%)" in out
     assert "2 replicas  predict x64 11200 (40%); predict_many 8x128 21000 (75%)" in out
+
+
+def _wrk_result(rps: float, p50_us: float, errors: int = 0) -> dict[str, Any]:
+    return {"requests": int(rps * 2), "duration_us": 2_000_000, "rps": rps,
+            "lat_p50_us": p50_us, "lat_p99_us": 3 * p50_us, "err_read": errors,
+            "errors": errors, "cpu_s": rps * 2 * 0.0001}
+
+
+def test_merge_adds_up_rounds_and_takes_median_latencies() -> None:
+    merged = run.merge([_wrk_result(1000, 900), _wrk_result(3000, 500, 2),
+                        _wrk_result(2000, 700)])
+    assert merged["requests"] == 12000 and merged["duration_us"] == 6_000_000
+    assert merged["rps"] == pytest.approx(2000)  # all requests over all the time
+    assert merged["rps_rounds"] == [1000, 3000, 2000]
+    assert merged["lat_p50_us"] == 700 and merged["lat_p99_us"] == 2100
+    assert merged["errors"] == 2 and merged["err_read"] == 2
+    assert merged["server_cpu_ms_per_request"] == pytest.approx(0.1)
+    assert "cpu_s" not in merged
+
+
+def test_interleaved_rounds_take_the_servers_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+
+    def fake_wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, Any]:
+        calls.append((url, connections))
+        return _wrk_result(100.0, 1000)
+
+    monkeypatch.setattr(run, "wrk", fake_wrk)
+    monkeypatch.setattr(run, "cpu_seconds", lambda pids: 0.0)
+    args = argparse.Namespace(rounds=2, duration_s=1.0, warmup_s=1.0)
+    targets = [run.Target("a", "A", "w1.lua", []), run.Target("b", "B", "w1.lua", [])]
+    cases = run.interleaved(targets, args)
+    assert calls == [("A", 64), ("B", 64),  # warm-up
+                     ("A", 64), ("B", 64), ("A", 64), ("B", 64),
+                     ("A", 1), ("B", 1), ("A", 1), ("B", 1)]
+    assert cases["a"]["c64"]["rps_rounds"] == [100.0, 100.0]
+    assert set(cases["b"]) == {"c64", "c1"}  # no batching counters without Redis
+
+
+def test_batching_counters_cover_the_64_connection_rounds_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    served = {"batches": 0.0, "items": 0.0}
+
+    def fake_wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, Any]:
+        batch = 20 if connections == 64 else 1  # lone requests at one connection
+        served["batches"] += 10
+        served["items"] += 10 * batch
+        return _wrk_result(100.0, 1000)
+
+    def counters(redis_url: str, model: str) -> dict[str, float]:
+        return {**dict.fromkeys(("entries", "forward_ms", "queue_wait_ms"), 0.0), **served}
+
+    monkeypatch.setattr(run, "wrk", fake_wrk)
+    monkeypatch.setattr(run, "cpu_seconds", lambda pids: 0.0)
+    monkeypatch.setattr(run, "batch_counters", counters)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    args = argparse.Namespace(rounds=2, duration_s=1.0, warmup_s=1.0)
+    cases = run.interleaved([run.Target("r", "R", "w2.lua", [], "redis://x", "mlp")], args)
+    assert cases["r"]["batching"]["mean_batch"] == 20.0

@@ -1,8 +1,9 @@
 """redbatch bench (or scripts/bench): W1 and W2 through redbatch, the naive baseline and
-measured in one run on this machine, with ratios against the baselines.
+the bare model, measured in one run on this machine, with ratios against the baselines.
 
 Workloads are those of ../shared/anchors/README.md: POST {"x": [16 or 64 floats]},
-wrk -t1 at 64 connections (throughput, p50/p90/p99) and at 1 connection (latency);
+wrk -t1 at 64 connections (throughput, p50/p90/p99) and at 1 connection (latency),
+in rounds where redbatch and the naive server take turns (--rounds);
 W2 is the torch MLP (64-1024-1024-16, one torch thread), batched at most 32 with a
 5 ms window.  Also: the producer path (``bench/producer.py``: no HTTP), mean
 batch size and queue wait vs forward time (from the workers' counters), a
@@ -14,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,24 +62,69 @@ def batch_counters(redis_url: str, model: str) -> dict[str, float]:
     return totals
 
 
-def http_case(url: str, lua: str, args: argparse.Namespace, pids: list[int],
-              redis_url: str | None = None, model: str = "") -> dict[str, Any]:
-    """wrk at 64 connections (with the servers' CPU per request and, for redbatch, the
-    batching counters), then at 1 connection."""
-    wrk(url, lua, 64, args.warmup_s)
-    if redis_url:
+@dataclass(frozen=True)
+class Target:
+    """One server's side of a workload: where wrk sends it, and whose CPU it uses."""
+
+    name: str
+    url: str
+    lua: str
+    pids: list[int]
+    redis_url: str | None = None  # redbatch: the workers' counters live there
+    model: str = ""
+
+
+def interleaved(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each target at 64 connections (with its servers' CPU per request and, for
+    redbatch, the batching counters), then at 1 connection; ``args.rounds`` rounds that
+    take the targets in turn, so that a machine that speeds up or slows down during the
+    run (a shared VM does) moves every target's figures alike."""
+    for target in targets:
+        wrk(target.url, target.lua, 64, args.warmup_s)
+    counted = [t for t in targets if t.redis_url]
+    if counted:
         time.sleep(1.2)  # the workers' counters ride on their 1 s heartbeat
-    before = batch_counters(redis_url, model) if redis_url else None
-    cpu_before = cpu_seconds(pids)
-    c64 = wrk(url, lua, 64, args.duration_s)
-    c64["server_cpu_ms_per_request"] = (cpu_seconds(pids) - cpu_before) * 1000 / max(
-        c64["requests"], 1)
-    case: dict[str, Any] = {"c64": c64}
-    if redis_url and before is not None:
+    before = {t.name: batch_counters(t.redis_url or "", t.model) for t in counted}
+    c64 = _rounds(targets, args, 64)
+    if counted:
         time.sleep(1.2)
-        case["batching"] = batching(before, batch_counters(redis_url, model))
-    case["c1"] = wrk(url, lua, 1, args.duration_s)
-    return case
+    cases: dict[str, dict[str, Any]] = {t.name: {"c64": c64[t.name]} for t in targets}
+    for t in counted:  # the 64-connection rounds only
+        cases[t.name]["batching"] = batching(before[t.name],
+                                             batch_counters(t.redis_url or "", t.model))
+    c1 = _rounds(targets, args, 1)
+    for t in targets:
+        cases[t.name]["c1"] = c1[t.name]
+    return cases
+
+
+def _rounds(targets: list[Target], args: argparse.Namespace, connections: int
+            ) -> dict[str, dict[str, Any]]:
+    runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+    for _ in range(args.rounds):
+        for target in targets:
+            cpu_before = cpu_seconds(target.pids)
+            result = wrk(target.url, target.lua, connections, args.duration_s)
+            result["cpu_s"] = cpu_seconds(target.pids) - cpu_before
+            runs[target.name].append(result)
+    return {name: merge(results) for name, results in runs.items()}
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one target as one figure: throughput over all of them, each latency
+    percentile the median of the rounds', errors summed; each round's req/s kept."""
+    requests = sum(r["requests"] for r in runs)
+    duration_us = sum(r["duration_us"] for r in runs)
+    out: dict[str, Any] = {"requests": requests, "duration_us": duration_us,
+                           "rps": requests * 1e6 / max(duration_us, 1),
+                           "rps_rounds": [round(r["rps"], 1) for r in runs]}
+    for key in runs[0]:
+        if key.startswith("lat_"):
+            out[key] = statistics.median(r[key] for r in runs)
+        elif key.startswith("err") or key == "cpu_s":
+            out[key] = sum(r[key] for r in runs)
+    out["server_cpu_ms_per_request"] = out.pop("cpu_s") * 1000 / max(requests, 1)
+    return out
 
 
 def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -180,14 +228,13 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         redis_url, ours = servers.start_redbatch(procs, args.gateways)
         naive = servers.start_naive(procs)
         res: dict[str, Any] = {"args": vars(args), "started": time.strftime("%FT%TZ")}
-        mine = procs.pids("redis", "worker", "gateway")
-        res["redbatch_w1"] = http_case(f"{ours}/v1/models/echo/predict", "w1.lua", args, mine,
-                                       redis_url, "echo")
-        res["naive_w1"] = http_case(f"{naive}/w1", "w1.lua", args, procs.pids("naive"))
-        res["redbatch_w2"] = http_case(f"{ours}/v1/models/mlp/predict", "w2.lua", args, mine,
-                                       redis_url, "mlp")
-        res["naive_w2"] = http_case(f"{naive}/w2", "w2.lua", args, procs.pids("naive"))
-        res["producer"] = producer.measure(procs, redis_url, args.duration_s)
+        mine, theirs = procs.pids("redis", "worker", "gateway"), procs.pids("naive")
+        for wl, model in (("w1", "echo"), ("w2", "mlp")):
+            res.update(interleaved([
+                Target(f"redbatch_{wl}", f"{ours}/v1/models/{model}/predict", f"{wl}.lua",
+                       mine, redis_url, model),
+                Target(f"naive_{wl}", f"{naive}/{wl}", f"{wl}.lua", theirs)], args))
+        res["producer"] = producer.measure(procs, redis_url, args.duration_s * args.rounds)
         res["bare_model"] = bare_model(min(args.duration_s, 3.0))
         levels = [1, 64] if args.quick else [1, 4, 16, 64, 256]
         res["sweep_w2"] = sweep({"redbatch": f"{ours}/v1/models/mlp/predict",
@@ -204,8 +251,8 @@ def run_ray(procs: Procs, args: argparse.Namespace, res: dict[str, Any]) -> str:
     """Ray Serve's W1 and W2 in this run (its whole process tree counts as its CPU)."""
     base = servers.start_ray(procs, args.ray)
     pids = procs.pids("ray")
-    res["ray_w1"] = http_case(f"{base}/w1", "w1.lua", args, pids)
-    res["ray_w2"] = http_case(f"{base}/w2", "w2.lua", args, pids)
+    for wl in ("w1", "w2"):
+        res.update(interleaved([Target(f"ray_{wl}", f"{base}/{wl}", f"{wl}.lua", pids)], args))
     return base
 
 
@@ -213,14 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="redbatch bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")
-    parser.add_argument("--duration-s", type=float, help="each wrk run (default 10; quick 3)")
-    parser.add_argument("--gateways", type=int, default=1, help="gateway processes (1)")
+    parser.add_argument("--duration-s", type=float, help="each wrk run (default 4; quick 3)")
+    parser.add_argument("--rounds", type=int, help="rounds of wrk runs per figure, the "
+                        "servers of a workload taking turns (default 3; quick 1)")
+    parser.add_argument("--gateways", type=int, default=2, help="gateway processes (2: the "
+                        "best layout measured on 2 cores, docs/benchmarks.md)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
                              "torch==2.13.0: see docs/benchmarks.md)")
     args = parser.parse_args(argv)
-    args.duration_s = args.duration_s or (3.0 if args.quick else 10.0)
+    args.duration_s = args.duration_s or (3.0 if args.quick else 4.0)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    if args.rounds < 1 or args.duration_s <= 0 or args.gateways < 1:
+        parser.error("--rounds and --gateways must be at least 1, --duration-s positive")
     args.warmup_s = 1.0 if args.quick else 3.0
     args.sweep_s = 2.0 if args.quick else 5.0
     out = Path(args.out)
