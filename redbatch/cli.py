@@ -90,14 +90,17 @@ def _serve_gateway(config: GatewayConfig, redis: RedisSettings) -> None:
     import uvicorn
 
     from redbatch.api import create_app
+    from redbatch.heap import freeze_startup_heap
 
     log.info("gateway listening on http://%s:%d", config.host, config.port)
     # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's
     # default action that would kill us before the callers' cleanup (workers, the
     # embedded Redis) runs, so turn it into an exception that unwinds through them.
     signal.signal(signal.SIGTERM, _terminated)
-    uvicorn.run(create_app(config, redis), host=config.host, port=config.port,
-                log_level="warning", access_log=False)
+    app = create_app(config, redis)
+    freeze_startup_heap()
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
+                access_log=False)
 
 
 class Terminated(Exception):

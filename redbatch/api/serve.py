@@ -8,9 +8,12 @@ from starlette.applications import Starlette
 
 from redbatch.api.app import create_app
 from redbatch.config import GatewayConfig, RedisSettings, from_env
+from redbatch.heap import freeze_startup_heap
 from redbatch.logs import setup_logging
 
 
 def app_from_env() -> Starlette:
     setup_logging()
-    return create_app(from_env(GatewayConfig), RedisSettings.from_env())
+    app = create_app(from_env(GatewayConfig), RedisSettings.from_env())
+    freeze_startup_heap()  # redbatch.heap: no full collection walks the imports under load
+    return app

@@ -207,6 +207,7 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
     """Entry point of a spawned worker process (replica ``index``); ``overrides``
     replace the models' batching knobs and limits (``redbatch up -c FILE``)."""
     from redbatch.configfile import with_overrides
+    from redbatch.heap import freeze_startup_heap
     from redbatch.logs import setup_logging
 
     setup_logging(log_level)
@@ -215,6 +216,7 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
     worker = Worker(models, redis, config, device=device)
     if config.metrics_port:
         serve_metrics(config.metrics_port + index)
+    freeze_startup_heap()  # redbatch.heap: no full collection walks torch under load
     run_loop(_main(worker))
 
 
