@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -125,6 +127,22 @@ async def test_client_can_shorten_its_deadline(http: httpx.AsyncClient) -> None:
                            headers={"x-redbatch-timeout-ms": "200"})
     assert resp.status_code == 504 and error_code(resp) == "deadline_exceeded"
     assert time.monotonic() - started < 0.9  # well before the 1 s forward ends
+
+
+async def test_a_504_names_the_request_the_worker_logs(http: httpx.AsyncClient,
+                                                        caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    caplog.set_level(logging.DEBUG, logger="redbatch.worker")
+    resp = await http.post("/v1/models/sleepy/predict", json={"inputs": 1},
+                           headers={"x-redbatch-timeout-ms": "200"})
+    assert resp.status_code == 504
+    request_id = resp.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    deadline = time.monotonic() + 5
+    while not any("request_ids=" in r.getMessage() and request_id in r.getMessage()
+                  for r in caplog.records):
+        assert time.monotonic() < deadline, "the worker never logged the timed-out request"
+        await asyncio.sleep(0.05)
 
 
 async def test_client_cannot_lengthen_past_the_maximum(start_worker: Callable[..., Worker],

@@ -87,8 +87,15 @@ class Gateway:
         timeout = body.timeout_s(headers, data, self.model_default_s(info),
                                  self.config.max_timeout_s)
         self.client.set_queue_cap(model, info.max_queue_len)
-        reply = await self.client.predict_reply(model, value, timeout, trace_id=trace_id)
-        return _reply_response(info, reply, trace_id or reply.id)
+        request_id, pending = await self.client.submit_reply(model, value, timeout,
+                                                             trace_id=trace_id)
+        try:
+            reply = await pending
+        except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request
+            response = from_exception(exc)
+            response.headers["x-request-id"] = trace_id or request_id
+            return response
+        return _reply_response(info, reply, trace_id or request_id)
 
     def model_default_s(self, info: ModelInfo) -> float:
         """The deadline of a request that sets none: the model's own default if it has

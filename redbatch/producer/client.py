@@ -234,22 +234,31 @@ class Client:
 
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None) -> Any:
         """Run ``model`` on one input and return its output (or raise a typed error)."""
-        return await (await self._send_one(model, inputs, timeout_s, None, want_reply=False))
+        _id, future = await self._send_one(model, inputs, timeout_s, None, want_reply=False)
+        return await future
 
     async def predict_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
                             request_id: str | None = None, *, trace_id: str = "") -> Reply:
         """Like ``predict`` but return the whole ``Reply`` (timings, error code);
         ``trace_id`` travels with the request (``X-Request-ID``) for the logs."""
-        reply: Reply = await (await self._send_one(model, inputs, timeout_s, request_id,
-                                                   want_reply=True, trace_id=trace_id))
+        _id, future = await self._send_one(model, inputs, timeout_s, request_id,
+                                           want_reply=True, trace_id=trace_id)
+        reply: Reply = await future
         return reply
+
+    async def submit_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
+                           *, trace_id: str = "") -> tuple[str, asyncio.Future[Reply]]:
+        """Enqueue one request as ``predict_reply`` does; return its id at once, with a
+        future for its ``Reply`` (the gateway names the request in its errors too)."""
+        return await self._send_one(model, inputs, timeout_s, None, want_reply=True,
+                                    trace_id=trace_id)
 
     async def _send_one(self, model: str, inputs: Any, timeout_s: float | None,
                         request_id: str | None, *, want_reply: bool, trace_id: str = ""
-                        ) -> asyncio.Future[Any]:
+                        ) -> tuple[str, asyncio.Future[Any]]:
         """The lean path of ``predict``: one waiter, whose deadline timer also bounds
         the enqueue; the push's outcome settles it through a callback (no task, no
-        second timer)."""
+        second timer).  Returns the request's id and its waiter."""
         listener = await self._ready(model, 1)
         assert self._enqueuer is not None
         request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id,
@@ -260,7 +269,7 @@ class Client:
         future = listener.expect(request.id, request.deadline_ms, want_reply)
         pushed = self._enqueuer.push(model, [request], entries)
         pushed.add_done_callback(functools.partial(self._pushed, request.id))
-        return future
+        return request.id, future
 
     def _pushed(self, request_id: str,
                 pushed: asyncio.Future[tuple[int, QueueFull | None]]) -> None:
