@@ -121,6 +121,15 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def queue_wait_ms(claimed_ms: int, enqueue_ms: int) -> int:
+    """How long a request waited in its queue, clamped to [0, MAX_TIMEOUT_S]: a foreign
+    producer's clock may be off, and no request waits longer than its deadline.  An
+    ``enqueue_ms`` of 0 (unknown) counts as no wait."""
+    if not enqueue_ms:
+        return 0
+    return min(max(claimed_ms - enqueue_ms, 0), int(MAX_TIMEOUT_S * 1000))
+
+
 def new_id() -> str:
     """A random 128-bit id in hex (as ``uuid4().hex``, without building a UUID)."""
     return os.urandom(16).hex()

@@ -552,6 +552,18 @@ async def test_future_enqueue_ms_does_not_hold_the_batch(
     await enqueue(rc, MODEL, mp(skewed))
     got = await rc.blpop([reply_to], timeout=2)  # the model's window is 10 ms
     assert got is not None, "a 10 ms batch window was held open by a future enqueue_ms"
+    assert decode_reply(got[1])["timings"]["queue_wait_ms"] == 0  # not negative
+
+
+async def test_queue_waits_are_clamped_to_the_longest_deadline(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    reply_to = new_reply_to()
+    slow_clock = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=20_000)
+    slow_clock["enqueue_ms"] -= 3_600_000  # the producer's clock runs an hour behind
+    await enqueue(rc, MODEL, mp(slow_clock))
+    start_worker([double_model()])
+    _raw, reply = await next_reply(rc, reply_to)
+    assert reply["ok"] and reply["timings"]["queue_wait_ms"] == 600_000  # MAX_TIMEOUT_S
 
 
 async def test_dead_workers_entries_are_requeued_in_front_or_dead_lettered(

@@ -77,3 +77,10 @@ def test_request_ids_are_unique_and_change_after_fork() -> None:
     os.close(read)
     os.close(write)
     assert child[:16] != protocol.new_request_id()[:16]
+
+
+def test_queue_wait_is_clamped_to_zero_and_the_longest_deadline() -> None:
+    assert protocol.queue_wait_ms(10_000, 9_000) == 1_000
+    assert protocol.queue_wait_ms(10_000, 15_000) == 0  # a producer clock ahead of ours
+    assert protocol.queue_wait_ms(10_000_000, 1) == protocol.MAX_TIMEOUT_S * 1000
+    assert protocol.queue_wait_ms(10_000, 0) == 0  # unknown enqueue time

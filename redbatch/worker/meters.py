@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import bisect
 
-from redbatch import metrics, protocol
+from redbatch import metrics
 from redbatch.errors import DeadlineExceeded
 from redbatch.worker.decode import Decoded
-
-MAX_WAIT_MS = protocol.MAX_TIMEOUT_S * 1000  # no request waits longer than its deadline
 
 
 class Buckets:
@@ -47,8 +45,8 @@ class WorkerMeters:
         if decoded.items:
             self.forward.observe(fwd_ms / 1000)
             self.hist["forward_s"].add(fwd_ms / 1000)
-        for wait_ms in waits_ms:  # clamped: foreign producers' clocks may be off
-            wait_s = min(max(wait_ms, 0), MAX_WAIT_MS) / 1000
+        for wait_ms in waits_ms:  # clamped by protocol.queue_wait_ms
+            wait_s = wait_ms / 1000
             self.queue_wait.observe(wait_s)
             self.hist["queue_wait_s"].add(wait_s)
         expired = sum(isinstance(exc, DeadlineExceeded) for _r, _f, exc in decoded.early)

@@ -214,8 +214,8 @@ class BatchRunner:
         return outs
 
     def _timings(self, request: Request, claimed_ms: int, n: int, fwd_ms: float) -> Timings:
-        wait_ms = max(0, claimed_ms - request.enqueue_ms) if request.enqueue_ms else 0
-        return Timings(wait_ms, n, fwd_ms, self._worker_id)
+        return Timings(protocol.queue_wait_ms(claimed_ms, request.enqueue_ms), n, fwd_ms,
+                       self._worker_id)
 
     async def publish(self, outs: list[Outgoing], batch: Claimed, dead: list[bytes]) -> None:
         """Replies (each at most once), dead letters and the ack: one atomic script.
@@ -236,9 +236,10 @@ class BatchRunner:
         self.entries += batch.claimed
         self.items += size
         self.forward_ms += fwd_ms
-        waits = [batch.claimed_ms - item.request.enqueue_ms for item in decoded.items
-                 if item.pack is None]  # one wait per request: a pack's rows share theirs
-        waits += [batch.claimed_ms - pack.request.enqueue_ms for pack in decoded.packs]
+        waits = [protocol.queue_wait_ms(batch.claimed_ms, item.request.enqueue_ms)
+                 for item in decoded.items if item.pack is None]  # a pack's rows share one
+        waits += [protocol.queue_wait_ms(batch.claimed_ms, pack.request.enqueue_ms)
+                  for pack in decoded.packs]
         self.queue_wait_ms += sum(waits)
         self.meters.batch(decoded, size, waits, fwd_ms, computed.failed)
         log.info("model=%s n=%d computed=%d rejected=%d wait_ms=%.1f fwd_ms=%.2f "
