@@ -105,3 +105,11 @@ def test_batching_counters_cover_the_64_connection_rounds_only(
     args = argparse.Namespace(rounds=2, duration_s=1.0, warmup_s=1.0)
     cases = run.interleaved([run.Target("r", "R", "w2.lua", [], "redis://x", "mlp")], args)
     assert cases["r"]["batching"]["mean_batch"] == 20.0
+
+
+def test_the_bare_model_counts_at_its_faster_measurement() -> None:
+    before = {"batch32_items_per_s": 22000.0, "batch1_items_per_s": 8000.0}
+    after = {"batch32_items_per_s": 28000.0, "batch1_items_per_s": 7000.0}
+    bare = run.faster_of(before, after)
+    assert bare["batch32_items_per_s"] == 28000.0 and bare["batch1_items_per_s"] == 8000.0
+    assert bare["runs"] == [before, after]
