@@ -81,21 +81,24 @@ def interleaved(targets: list[Target], args: argparse.Namespace) -> dict[str, di
     run (a shared VM does) moves every target's figures alike."""
     for target in targets:
         wrk(target.url, target.lua, 64, args.warmup_s)
-    counted = [t for t in targets if t.redis_url]
-    if counted:
-        time.sleep(1.2)  # the workers' counters ride on their 1 s heartbeat
-    before = {t.name: batch_counters(t.redis_url or "", t.model) for t in counted}
+    before = _counters(targets)
     c64 = _rounds(targets, args, 64)
-    if counted:
-        time.sleep(1.2)
+    after = _counters(targets)  # the 64-connection rounds only
     cases: dict[str, dict[str, Any]] = {t.name: {"c64": c64[t.name]} for t in targets}
-    for t in counted:  # the 64-connection rounds only
-        cases[t.name]["batching"] = batching(before[t.name],
-                                             batch_counters(t.redis_url or "", t.model))
+    for name, counters in after.items():
+        cases[name]["batching"] = batching(before[name], counters)
     c1 = _rounds(targets, args, 1)
     for t in targets:
         cases[t.name]["c1"] = c1[t.name]
     return cases
+
+
+def _counters(targets: list[Target]) -> dict[str, dict[str, float]]:
+    """The workers' counters for the targets served through Redis (redbatch)."""
+    counted = [(t.name, t.redis_url, t.model) for t in targets if t.redis_url]
+    if counted:
+        time.sleep(1.2)  # the workers' counters ride on their 1 s heartbeat
+    return {name: batch_counters(url, model) for name, url, model in counted}
 
 
 def _rounds(targets: list[Target], args: argparse.Namespace, connections: int
