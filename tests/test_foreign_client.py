@@ -749,3 +749,14 @@ def test_document_matches_the_code() -> None:
         assert f"`{code}`" in doc, code
     assert "`items_per_s`" in doc
     assert protocol.PROTOCOL_VERSION == 1
+    # The bounds a worker enforces on entries, and what workers publish as meta.
+    assert f"0-{protocol.MAX_ATTEMPT} (`MAX_ATTEMPT`)" in doc
+    skew_s = protocol.CLOCK_SKEW_MS // 1000
+    assert f"{skew_s} s (`CLOCK_SKEW_MS`)" in doc
+    assert f"{protocol.MAX_TIMEOUT_S + skew_s:g} s" in doc
+    assert "`redbatch worker redbatch.demo:models`" in doc
+    meta_example = json.loads(doc.split("## 8.", 1)[1].split("```json\n", 1)[1].split("```")[0])
+    published = double_model().meta()
+    assert set(meta_example) == set(published)
+    assert set(meta_example["policy"]) == set(published["policy"])
+    assert set(meta_example["limits"]) == set(published["limits"])
