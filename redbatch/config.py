@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from redbatch.errors import ConfigError
-from redbatch.protocol import MAX_TIMEOUT_S
+from redbatch.protocol import MAX_ATTEMPT, MAX_TIMEOUT_S
 
 T = TypeVar("T")
 ENV_PREFIX = "REDBATCH_"
@@ -150,8 +150,8 @@ class WorkerConfig:
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0 (off) or 1-65535, got "
                               f"{self.metrics_port}")
-        if self.max_attempts < 1:
-            raise ConfigError("max_attempts must be >= 1")
+        if not 1 <= self.max_attempts <= MAX_ATTEMPT:
+            raise ConfigError(f"max_attempts must be 1..{MAX_ATTEMPT}")
         for name in ("block_timeout_s", "heartbeat_interval_s", "lease_ttl_s", "grace_s"):
             _positive(name, getattr(self, name))
         if self.replicas < 1 or self.threads < 1:

@@ -472,8 +472,8 @@ async def test_malformed_entries_are_dead_lettered_and_answered_when_readable(
     await push_plain(rc, QUEUE, *dead, pack(bad_shape))
     await push_plain(rc, QUEUE, pack(good))  # FIFO: answered after all of the above
 
-    replies = await replies_by_id(rc, reply_to, 5)
-    for bad in (wrong_type, wrong_version, wrong_model, bad_shape):
+    replies = await replies_by_id(rc, reply_to, 6)
+    for bad in (wrong_type, wrong_version, wrong_model, bad_tensor, bad_shape):
         assert_error(replies[bad["id"]], bad["id"], "invalid_payload")
     assert replies[good["id"]]["ok"] is True
     assert_timings(replies[good["id"]], worker.worker_id)
@@ -482,8 +482,7 @@ async def test_malformed_entries_are_dead_lettered_and_answered_when_readable(
     # Dead letters are written in the same script as the replies of their batch.
     assert await rc.lrange(DEAD, 0, -1) == dead  # off-spec payloads are not dead letters
     assert 0 < await rc.ttl(DEAD) <= 7 * 24 * 3600
-    assert await rc.llen(reply_to) == 0  # the undecodable ones got no reply
-    assert bad_tensor["id"] not in replies
+    assert await rc.llen(reply_to) == 0  # the unreadable ones (no id) got no reply
 
 
 class _Mkdir:
@@ -516,6 +515,111 @@ async def test_pickled_entries_are_never_unpickled(rc: aioredis.Redis,
     assert replies[good["id"]]["ok"] is True
     assert not marker.exists()
     assert await rc.lrange(DEAD, 0, -1) == hostile
+
+
+def as_json(request: dict[str, Any]) -> bytes:
+    return json.dumps(request, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("encode", [pack, as_json], ids=["msgpack", "json"])
+async def test_out_of_range_deadlines_and_attempts_are_refused_at_once(
+        rc: aioredis.Redis, start_worker: Callable[..., Any],
+        encode: Callable[[dict[str, Any]], bytes]) -> None:
+    """A foreign "no deadline" (Long.MAX_VALUE, or 2**64-1 as an unsigned int), a
+    deadline past the 600 s maximum (+60 s of clock skew), and an attempt outside
+    0..1000 are answered invalid_payload and dead-lettered; the model goes on serving."""
+    start_worker([double_model()])
+    reply_to = new_reply_to()
+    bad = []
+    for name, value in (("deadline_ms", 2**64 - 1), ("deadline_ms", 2**63 - 1),
+                        ("deadline_ms", epoch_ms() + 700_000), ("deadline_ms", -1),
+                        ("enqueue_ms", 2**63 - 1), ("attempt", -2**62), ("attempt", 1001)):
+        request = envelope(MODEL, reply_to, [1, 2, 3, 4])
+        request[name] = value
+        bad.append(request)
+    skewed = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=600_000 + 30_000)
+    good = envelope(MODEL, reply_to, [1, 2, 3, 4])
+    await push_plain(rc, QUEUE, *map(encode, bad), encode(skewed), encode(good))
+
+    replies = await replies_by_id(rc, reply_to, len(bad) + 2)
+    for request in bad:
+        assert_error(replies[request["id"]], request["id"], "invalid_payload")
+    assert replies[skewed["id"]]["ok"] is True  # within the clock-skew slack
+    assert replies[good["id"]]["ok"] is True
+    assert await rc.lrange(DEAD, 0, -1) == [encode(r) for r in bad]
+    later = envelope(MODEL, reply_to, [0, 0, 0, 1])  # and the worker is not wedged
+    await push_plain(rc, QUEUE, encode(later))
+    _raw, reply = await next_reply(rc, reply_to)
+    assert reply["id"] == later["id"] and reply["ok"] is True
+
+
+async def test_undecodable_payload_is_answered_when_id_and_reply_to_are_readable(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    """The envelope is read without its payload, so a payload the worker cannot decode
+    still gets its caller an invalid_payload reply, in the caller's format."""
+    start_worker([echo_model()])
+    reply_to = new_reply_to()
+    base64_in_msgpack = envelope(LOOSE, reply_to, {"__tensor__": {  # JSON's spelling
+        "dtype": "float32", "shape": [1], "data": "AACAPw=="}})
+    bad_base64_json = envelope(LOOSE, reply_to, {"__tensor__": {
+        "dtype": "float32", "shape": [1], "data": "not base64!"}})
+    bad_utf8 = envelope(LOOSE, reply_to, None)
+    bad_utf8["payload"] = b"\xff\xfe"  # a msgpack str (old spec) that is not UTF-8
+    good = envelope(LOOSE, reply_to, "fine")
+    entries = [pack(base64_in_msgpack), as_json(bad_base64_json),
+               msgpack.packb(bad_utf8, use_bin_type=False)]
+    await push_plain(rc, queue_key(LOOSE), *entries, pack(good))
+
+    raws: dict[str, bytes] = {}
+    for _ in range(4):
+        raw, reply = await next_reply(rc, reply_to)
+        raws[reply["id"]] = raw
+    for request in (base64_in_msgpack, bad_base64_json, bad_utf8):
+        assert_error(decode_reply(raws[request["id"]]), request["id"], "invalid_payload")
+    assert raws[bad_base64_json["id"]][:1] == b"{"  # JSON in, JSON out
+    assert raws[base64_in_msgpack["id"]][:1] != b"{"
+    assert decode_reply(raws[good["id"]])["payload"] == "fine"
+    assert await rc.lrange("rb:{fc-echo}:dead", 0, -1) == entries
+
+
+@pytest.mark.parametrize("trace_id", ["has space", "x" * 129, 12345, None, ""],
+                         ids=["space", "129-chars", "int", "null", "empty"])
+async def test_a_bad_trace_id_is_dropped_not_held_against_the_request(
+        rc: aioredis.Redis, start_worker: Callable[..., Any], trace_id: Any) -> None:
+    start_worker([echo_model()])
+    reply_to = new_reply_to()
+    request = envelope(LOOSE, reply_to, "traced")
+    request["trace_id"] = trace_id
+    await push_plain(rc, queue_key(LOOSE), as_json(request))
+    _raw, reply = await next_reply(rc, reply_to)
+    assert reply["id"] == request["id"] and reply["ok"] is True, reply
+    assert reply["payload"] == "traced"
+    assert await rc.llen("rb:{fc-echo}:dead") == 0
+
+
+@pytest.mark.parametrize("encode", [pack, as_json], ids=["msgpack", "json"])
+async def test_multi_row_request_takes_a_nested_list(
+        rc: aioredis.Redis, start_worker: Callable[..., Any],
+        encode: Callable[[dict[str, Any]], bytes]) -> None:
+    start_worker([double_model(), echo_model()])
+    reply_to = new_reply_to()
+    rows = [[1, 2, 3, 4], [5, 6, 7, 8.5], [0, 0, 0, 0]]
+    spec_rows = {**envelope(MODEL, reply_to, rows), "rows": 3}
+    loose_rows = {**envelope(LOOSE, reply_to, [[1, 2], [3, 4]]), "rows": 2}
+    ragged = {**envelope(MODEL, reply_to, [[1, 2, 3, 4], [5, 6, 7]]), "rows": 2}
+    text = {**envelope(MODEL, reply_to, [["a", "b", "c", "d"]]), "rows": 1}
+    wrong_count = {**envelope(MODEL, reply_to, rows), "rows": 2}
+    await push_plain(rc, QUEUE, *map(encode, (spec_rows, ragged, text, wrong_count)))
+    await push_plain(rc, queue_key(LOOSE), encode(loose_rows))
+
+    replies = await replies_by_id(rc, reply_to, 5)
+    doubled = tensor_from_reply(replies[spec_rows["id"]]["payload"])
+    np.testing.assert_array_equal(doubled, np.array(rows, dtype=np.float32) * 2)
+    assert "row_errors" not in replies[spec_rows["id"]]
+    echoed = tensor_from_reply(replies[loose_rows["id"]]["payload"])
+    np.testing.assert_array_equal(echoed, [[1, 2], [3, 4]])
+    for request in (ragged, text, wrong_count):
+        assert_error(replies[request["id"]], request["id"], "invalid_payload")
 
 
 async def test_tensor_tagged_top_level_entry_is_dead_lettered(
@@ -645,3 +749,14 @@ def test_document_matches_the_code() -> None:
         assert f"`{code}`" in doc, code
     assert "`items_per_s`" in doc
     assert protocol.PROTOCOL_VERSION == 1
+    # The bounds a worker enforces on entries, and what workers publish as meta.
+    assert f"0-{protocol.MAX_ATTEMPT} (`MAX_ATTEMPT`)" in doc
+    skew_s = protocol.CLOCK_SKEW_MS // 1000
+    assert f"{skew_s} s (`CLOCK_SKEW_MS`)" in doc
+    assert f"{protocol.MAX_TIMEOUT_S + skew_s:g} s" in doc
+    assert "`redbatch worker redbatch.demo:models`" in doc
+    meta_example = json.loads(doc.split("## 8.", 1)[1].split("```json\n", 1)[1].split("```")[0])
+    published = double_model().meta()
+    assert set(meta_example) == set(published)
+    assert set(meta_example["policy"]) == set(published["policy"])
+    assert set(meta_example["limits"]) == set(published["limits"])

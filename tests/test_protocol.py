@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -62,21 +63,72 @@ def test_reply_round_trip_ok_and_error() -> None:
     assert not back.ok and back.error_code == "model_error" and back.error_message == "boom"
 
 
-def test_request_ids_are_unique_and_change_after_fork() -> None:
+def test_request_ids_are_random_128_bit_hex_and_differ_after_fork() -> None:
     import os
 
-    ids = {protocol.new_request_id() for _ in range(10_000)}
-    assert len(ids) == 10_000 and all(len(i) == 32 for i in ids)
+    ids = [protocol.new_request_id() for _ in range(10_000)]
+    assert len(set(ids)) == 10_000
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    # No shared prefix and no counter: the next id cannot be told from the last ones.
+    assert len({i[:16] for i in ids}) == 10_000
+    assert len({i[16:] for i in ids}) == 10_000
+    steps = {int(b[16:], 16) - int(a[16:], 16) for a, b in itertools.pairwise(ids)}
+    assert len(steps) > 9_000
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child draws a new prefix: its ids cannot repeat the parent's
-        os.write(write, protocol.new_request_id().encode())
+    if pid == 0:  # the child's ids are its own, not a continuation of the parent's
+        os.write(write, "".join(protocol.new_request_id() for _ in range(4)).encode())
         os._exit(0)
     os.waitpid(pid, 0)
-    child = os.read(read, 64).decode()
+    child = os.read(read, 256).decode()
     os.close(read)
     os.close(write)
-    assert child[:16] != protocol.new_request_id()[:16]
+    parent = "".join(protocol.new_request_id() for _ in range(4))
+    assert len(child) == 128 and child != parent
+    assert {child[k:k + 32] for k in range(0, 128, 32)}.isdisjoint(ids)
+
+
+@pytest.mark.parametrize("changes", [
+    {"deadline_ms": 2**64 - 1}, {"deadline_ms": 2**63 - 1}, {"deadline_ms": -1},
+    {"enqueue_ms": 2**63 - 1}, {"enqueue_ms": -5},
+    {"attempt": -2**62}, {"attempt": -1}, {"attempt": protocol.MAX_ATTEMPT + 1},
+])
+def test_out_of_range_times_and_attempts_are_invalid_payload(
+        changes: dict[str, object]) -> None:
+    for wire in (_request(**changes), codec.decode(codec.encode(_request(**changes)))):
+        with pytest.raises(InvalidPayload, match=next(iter(changes))):
+            protocol.request_from_wire(wire)
+
+
+def test_deadline_bound_is_the_longest_timeout_plus_clock_skew() -> None:
+    now = protocol.now_ms()
+    latest = protocol.latest_ms(now)
+    assert latest == now + int(protocol.MAX_TIMEOUT_S * 1000) + protocol.CLOCK_SKEW_MS
+    req = protocol.request_from_wire(_request(deadline_ms=latest, enqueue_ms=latest,
+                                              attempt=protocol.MAX_ATTEMPT))
+    assert (req.deadline_ms, req.attempt) == (latest, protocol.MAX_ATTEMPT)
+    far = latest + 10_000  # well past the bound, even if the clock ticks meanwhile
+    with pytest.raises(InvalidPayload, match="deadline_ms"):
+        protocol.request_from_wire(_request(deadline_ms=far))
+
+
+@pytest.mark.parametrize("trace_id", ["has space", "x" * 129, "", 7, ["a"], None])
+def test_a_bad_or_null_trace_id_is_dropped(trace_id: object) -> None:
+    assert protocol.request_from_wire(_request(trace_id=trace_id)).trace_id == ""
+
+
+def test_a_good_trace_id_is_kept() -> None:
+    good = "a" * 128
+    assert protocol.request_from_wire(_request(trace_id=good)).trace_id == good
+
+
+def test_max_attempts_cannot_pass_the_attempt_bound() -> None:
+    from redbatch.config import WorkerConfig
+    from redbatch.errors import ConfigError
+
+    assert WorkerConfig(max_attempts=protocol.MAX_ATTEMPT).max_attempts == protocol.MAX_ATTEMPT
+    with pytest.raises(ConfigError, match="max_attempts"):
+        WorkerConfig(max_attempts=protocol.MAX_ATTEMPT + 1)
 
 
 def test_queue_wait_is_clamped_to_zero_and_the_longest_deadline() -> None:

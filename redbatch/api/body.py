@@ -56,7 +56,32 @@ def model_input(data: dict[str, Any], info: ModelInfo) -> Any:
         raise InvalidPayload(f"body has no {info.input_name!r} field (model {info.name!r} "
                              f"reads its input from {info.input_name!r})")
     value = data[info.input_name]
-    return info.spec.check(value) if info.spec else value
+    if info.spec:
+        return info.spec.check(value)
+    _refuse_tensor_tags(value)
+    return value
+
+
+_CONTAINERS = (dict, list)
+_CONTAINERS_SET = frozenset(_CONTAINERS)
+
+
+def _refuse_tensor_tags(value: Any) -> None:
+    """A spec-less model takes any JSON, except a map whose one key is the tensor tag:
+    that is how the queue spells an array, and a JSON one (base64 text) would not
+    decode in the worker, so its caller would hear nothing until its deadline."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if len(item) == 1 and protocol.TENSOR_TAG in item:
+                raise InvalidPayload(
+                    f"a map whose only key is {protocol.TENSOR_TAG!r} is how the queue "
+                    "spells a tensor, and this model has no tensor spec: send the array "
+                    "as a nested list, or give the map another key")
+            stack.extend(v for v in item.values() if isinstance(v, _CONTAINERS))
+        elif isinstance(item, list) and not _CONTAINERS_SET.isdisjoint(map(type, item)):
+            stack.extend(v for v in item if isinstance(v, _CONTAINERS))
 
 
 def _positive_ms(raw: Any, where: str) -> float:

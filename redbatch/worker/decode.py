@@ -15,7 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
+import orjson
 
 from redbatch import codec, protocol
 from redbatch.codec import Format
@@ -59,16 +61,42 @@ class Decoded:
 
 
 def loose_reply_target(raw: bytes) -> tuple[str, str, Format] | None:
-    """Find (id, reply_to) in an entry that failed validation, to tell its sender."""
+    """Find (id, reply_to) in an entry that failed validation, to tell its sender.  They
+    are read from the envelope alone, so a payload that cannot be decoded (a bad
+    tensor, an ext type) does not hide them."""
+    fmt = codec.sniff_format(raw)
     try:
-        wire = codec.decode(raw)
-        request_id, reply_to = wire[protocol.F_ID], wire[protocol.F_REPLY_TO]
+        fields = _loose_json(raw) if fmt == "json" else _loose_msgpack(raw)
     except Exception:  # any shape of garbage: there is simply no one to tell
         return None
+    request_id, reply_to = fields.get(protocol.F_ID), fields.get(protocol.F_REPLY_TO)
     if isinstance(request_id, str) and isinstance(reply_to, str) and \
             protocol.REPLY_TO_RE.fullmatch(reply_to) and 0 < len(request_id) <= 128:
-        return request_id, reply_to, codec.sniff_format(raw)
+        return request_id, reply_to, fmt
     return None
+
+
+_TARGET_FIELDS = (protocol.F_ID, protocol.F_REPLY_TO)
+
+
+def _loose_json(raw: bytes) -> dict[Any, Any]:
+    wire = orjson.loads(raw)  # tensors stay plain maps: nothing checks them here
+    return wire if isinstance(wire, dict) else {}
+
+
+def _loose_msgpack(raw: bytes) -> dict[Any, Any]:
+    """The top-level id and reply_to of a msgpack map; every other value is skipped
+    without being built, so its tensors, ext types or odd keys do not matter."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 1))
+    unpacker.feed(raw)
+    found = {}
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        if key in _TARGET_FIELDS:
+            found[key] = unpacker.unpack()
+        else:
+            unpacker.skip()
+    return found
 
 
 def parse_entry(raw: bytes, model: str) -> Request:
@@ -111,16 +139,31 @@ def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
 
 def _decode_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> None:
     """One item per row of a multi-row request; rows that fail the spec fail alone."""
-    payload, rows = request.payload, request.rows
-    if not isinstance(payload, np.ndarray) or payload.ndim == 0 or payload.shape[0] != rows:
+    rows = request.rows
+    payload = _rows_array(request.payload)
+    if payload is None or payload.ndim == 0 or payload.shape[0] != rows:
         out.early.append((request, fmt, InvalidPayload(
-            f"a request of {rows} rows needs a tensor payload whose first dimension is "
-            f"{rows}")))
+            f"a request of {rows} rows needs a tensor (or a rectangular nested list of "
+            f"numbers) whose first dimension is {rows}")))
         return
     pack = Pack(request, fmt, [None] * rows, {})
     out.packs.append(pack)
     out.items.extend(Item(request, fmt, value, pack, row)
                      for row, value in _checked_rows(payload, model, pack))
+
+
+def _rows_array(payload: Any) -> np.ndarray[Any, Any] | None:
+    """A multi-row payload as an array: a tensor as it is, a nested list of numbers
+    converted (as a tensor of a wire dtype would be); anything else ``None``."""
+    if isinstance(payload, np.ndarray):
+        return payload
+    if not isinstance(payload, list):
+        return None
+    try:
+        arr = np.asarray(payload)
+    except (ValueError, TypeError, OverflowError):  # ragged, or not numbers
+        return None
+    return arr if arr.dtype.name in codec.DTYPES else None
 
 
 def _checked_rows(payload: np.ndarray[Any, Any], model: Model, pack: Pack
