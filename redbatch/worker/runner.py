@@ -205,17 +205,15 @@ class BatchRunner:
         return await self._forward_suspects(items)
 
     async def _forward_suspects(self, items: list[Item]) -> list[Any]:
-        """A batch holding entries of a batch that crashed a worker: the others go
-        together, then each suspect entry in passes of its own, named in this worker's
-        crashing key while they run, so that a crash blames that entry alone (the
-        reaper reads the key)."""
+        """A batch holding entries of a batch that crashed a worker: each suspect entry
+        (requeued at the queue's front: they come first) in passes of its own, named in
+        this worker's crashing key while they run, so that a crash blames that entry
+        alone (the reaper reads the key); then the others together."""
         groups: dict[int, list[int]] = {}  # suspect entry -> its items (a pack has several)
         for i, item in enumerate(items):
             if item.request.suspect:
                 groups.setdefault(id(item.request), []).append(i)
         results: list[Any] = [None] * len(items)
-        await self._run_into(results, items, [i for i, item in enumerate(items)
-                                              if not item.request.suspect])
         for indices in groups.values():
             await self._redis.set(self._crashing, items[indices[0]].request.id,
                                   ex=protocol.CRASHING_TTL_S)
@@ -223,6 +221,8 @@ class BatchRunner:
                 await self._run_into(results, items, indices)
             finally:
                 await self._redis.delete(self._crashing)
+        await self._run_into(results, items, [i for i, item in enumerate(items)
+                                              if not item.request.suspect])
         return results
 
     async def _run_into(self, results: list[Any], items: list[Item], indices: list[int]
