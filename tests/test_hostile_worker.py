@@ -20,7 +20,7 @@ from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
 from tests.conftest import Proc, redbatch_cmd, test_env
 from tests.crash_models import KILLER_INPUT
-from tests.test_reliability import FAST_LEASE, TAKEOVER, inflight_total, raw_request, read_reply
+from tests.test_reliability import FAST_LEASE, TAKEOVER, inflight_total, read_reply
 from tests.test_rows import doubler, inputs
 
 pytestmark = pytest.mark.e2e

@@ -51,9 +51,16 @@ DEFAULT_DEAD_LETTERS: Final = DeadLetters()
 
 def refused_entries(outs: list[Outgoing], refused: list[Any]) -> list[bytes]:
     """The requests whose replies Redis refused (1-based indices into ``outs``), encoded
-    again for the dead-letter list."""
-    return [codec.encode(outs[int(i) - 1].request.to_wire(), outs[int(i) - 1].fmt)
-            for i in refused]
+    again for the dead-letter list (without the payload, if that no longer encodes)."""
+    return [_entry(outs[int(i) - 1]) for i in refused]
+
+
+def _entry(out: Outgoing) -> bytes:
+    wire = out.request.to_wire()
+    try:
+        return codec.encode(wire, out.fmt)
+    except InvalidPayload:
+        return codec.encode({**wire, protocol.F_PAYLOAD: None}, out.fmt)
 
 
 def encode_reply(model: str, reply: Reply, fmt: Format) -> bytes:
