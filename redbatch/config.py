@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from redbatch.errors import ConfigError
-from redbatch.protocol import MAX_ATTEMPT, MAX_TIMEOUT_S
+from redbatch.protocol import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_TTL_S, MAX_ATTEMPT, MAX_TIMEOUT_S
 
 T = TypeVar("T")
 ENV_PREFIX = "REDBATCH_"
@@ -145,8 +145,12 @@ class WorkerConfig:
     max_attempts: int = 3
     grace_s: float = 30.0
     metrics_port: int = 0  # Prometheus /metrics of replica i on metrics_port + i; 0: off
+    dead_letter_ttl_s: int = DEAD_LETTER_TTL_S  # dead letters expire this long after the last
+    dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES  # each keeps the entry's first bytes
 
     def __post_init__(self) -> None:
+        if self.dead_letter_ttl_s < 1 or self.dead_letter_max_bytes < 1:
+            raise ConfigError("dead_letter_ttl_s and dead_letter_max_bytes must be >= 1")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0 (off) or 1-65535, got "
                               f"{self.metrics_port}")

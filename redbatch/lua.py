@@ -55,15 +55,41 @@ return items
 """
 
 # Shared helpers: answer a request at most once (its marker turns to 'd' with the
-# first reply), and append entries to a capped dead-letter list.
+# first reply), and append entries to a capped dead-letter list.  A command that Redis
+# refuses because of one request's keys (someone SET its reply_to as a string: WRONGTYPE)
+# fails that request alone: ``redis.pcall``, never an error that would abort the script
+# and leave its batch to be retried, unchanged, for ever.  Out of memory still aborts.
+# The replies' and dead letters' ARGV start at t: ARGV[t]=dead-letter ttl s  ARGV[t+1]=nd
+# ARGV[t+2..t+1+nd]=dead letters, then pairs (marker ttl ms, reply); their keys are pairs
+# (marker, reply_to) from KEYS[k].
 _HELPERS: Final = f"""
-local function reply_once(marker, reply_to, marker_ttl_ms, data, reply_ttl_s)
-  if redis.call('SET', marker, 'd', 'PX', marker_ttl_ms, 'GET') == 'd' then
-    return 0
+local function refused(r)
+  if type(r) == 'table' and r.err then
+    if string.sub(r.err, 1, 3) == 'OOM' then error(r) end
+    return true
   end
-  redis.call('RPUSH', reply_to, data)
+  return false
+end
+
+local function reply_once(marker, reply_to, marker_ttl_ms, data, reply_ttl_s)
+  local prev = redis.pcall('SET', marker, 'd', 'PX', marker_ttl_ms, 'GET')
+  if refused(prev) then return -1 end
+  if prev == 'd' then return 0 end
+  if refused(redis.pcall('RPUSH', reply_to, data)) then return -1 end
   redis.call('EXPIRE', reply_to, reply_ttl_s)
   return 1
+end
+
+-- Sends the replies; returns {{sent, index of each reply Redis refused (1-based)...}}.
+local function replies(t, k, reply_ttl_s)
+  local base = t + 1 + tonumber(ARGV[t + 1])
+  local out = {{0}}
+  for j = 0, (#KEYS - k + 1) / 2 - 1 do
+    local r = reply_once(KEYS[k + 2 * j], KEYS[k + 1 + 2 * j], ARGV[base + 2 * j + 1],
+                         ARGV[base + 2 * j + 2], reply_ttl_s)
+    if r < 0 then out[#out + 1] = j + 1 else out[1] = out[1] + r end
+  end
+  return out
 end
 
 -- The SHA-1 of a list's entries; where the server lacks redis.sha1hex (the fakeredis
@@ -73,48 +99,43 @@ local function digest(entries)
   return redis.sha1hex(table.concat(entries))
 end
 
-local function dead_letter(key, first, last)
-  if last < first then return end
-  for i = first, last do
-    redis.call('RPUSH', key, ARGV[i])
+local function dead_letters(key, t)
+  local nd = tonumber(ARGV[t + 1])
+  if nd == 0 then return end
+  for i = t + 2, t + 1 + nd do
+    if refused(redis.pcall('RPUSH', key, ARGV[i])) then return end
   end
   redis.call('LTRIM', key, -{protocol.DEAD_LETTER_MAX}, -1)
-  redis.call('EXPIRE', key, {protocol.DEAD_LETTER_TTL_S})
+  redis.call('EXPIRE', key, ARGV[t])
 end
 """
 
 # KEYS[1]=inflight  KEYS[2]=dead letters  KEYS[1+2j]=marker j  KEYS[2+2j]=reply_to j
 # ARGV[1]=entries to ack (from the in-flight head)  ARGV[2]=reply ttl s
-# ARGV[3]=sha1 hex of those entries, concatenated  ARGV[4]=nd
-# ARGV[5..4+nd]=dead-letter entries  ARGV[4+nd+2j-1]=marker ttl ms j  ARGV[4+nd+2j]=reply j
-# Replies (each at most once), dead letters and the ack, in one step.  The ack trims
-# the batch off the in-flight head only if the head still holds exactly the batch: a
-# reaper that took over this worker's list (its lease had lapsed) changes it, and then
-# nothing is trimmed.  Returns the replies sent, or -1 - sent when the ack was refused.
+# ARGV[3]=sha1 hex of those entries, concatenated  ARGV[4..]=replies and dead letters
+# (t=4, see _HELPERS).  Replies (each at most once), dead letters and the ack, in one
+# step.  The ack trims the batch off the in-flight head only if the head still holds
+# exactly the batch: a reaper that took over this worker's list (its lease had lapsed)
+# changes it, and then nothing is trimmed and nothing dead-lettered (the reaper does
+# that).  Returns {1 (acked) or 0 (refused), replies sent, indices of refused replies}.
 PUBLISH: Final = _HELPERS + """
-local nd = tonumber(ARGV[4])
-dead_letter(KEYS[2], 5, 4 + nd)
-local sent = 0
-for j = 1, (#KEYS - 2) / 2 do
-  sent = sent + reply_once(KEYS[1 + 2 * j], KEYS[2 + 2 * j], ARGV[4 + nd + 2 * j - 1],
-                           ARGV[4 + nd + 2 * j], ARGV[2])
-end
 local n = tonumber(ARGV[1])
-local head = redis.call('LRANGE', KEYS[1], 0, n - 1)
-if n > 0 and digest(head) ~= ARGV[3] then
-  return -1 - sent
-end
-redis.call('LTRIM', KEYS[1], n, -1)
-return sent
+local acked = n == 0 or digest(redis.call('LRANGE', KEYS[1], 0, n - 1)) == ARGV[3]
+local out = replies(4, 3, ARGV[2])
+table.insert(out, 1, acked and 1 or 0)
+if not acked then return out end
+dead_letters(KEYS[2], 4)
+if n > 0 then redis.call('LTRIM', KEYS[1], n, -1) end
+return out
 """
 
 # KEYS[1]=the dead worker's inflight  KEYS[2]=queue  KEYS[3]=dead letters
-# KEYS[4]=workers zset  KEYS[5]=worker info hash  KEYS[4+2j]=marker j  KEYS[5+2j]=reply_to j
+# KEYS[4]=workers zset  KEYS[5]=worker info hash  KEYS[6]=its crashing key
+# KEYS[5+2j]=marker j  KEYS[6+2j]=reply_to j
 # ARGV[1]=worker id  ARGV[2]=now ms, or 'force' (a worker returning its own batch)
 # ARGV[3]=sha1 hex of the in-flight entries the caller read (concatenated)
-# ARGV[4]=reply ttl s  ARGV[5]=nq  ARGV[6]=nd
-# ARGV[7..6+nq]=entries to requeue, in queue order  then nd dead-letter entries
-# then pairs (marker ttl ms, reply) for the callers of dead-lettered entries.
+# ARGV[4]=reply ttl s  ARGV[5]=nq  ARGV[6..5+nq]=entries to requeue, in queue order
+# then the dead letters and the replies to their callers (t=6+nq, see _HELPERS).
 # Returns nq, or -1 if the lease is live again, -2 if the in-flight list changed since.
 REAP: Final = _HELPERS + f"""
 if ARGV[2] ~= 'force' then
@@ -124,20 +145,16 @@ end
 if digest(redis.call('LRANGE', KEYS[1], 0, -1)) ~= ARGV[3] then
   return -2
 end
-local nq, nd = tonumber(ARGV[5]), tonumber(ARGV[6])
-for i = 6 + nq, 7, -1 do
+local nq = tonumber(ARGV[5])
+for i = 5 + nq, 6, -1 do
   redis.call('LPUSH', KEYS[2], ARGV[i])
 end
 if nq > 0 then
   redis.call('PEXPIRE', KEYS[2], {protocol.QUEUE_TTL_S * 1000})
 end
-dead_letter(KEYS[3], 7 + nq, 6 + nq + nd)
-local base = 6 + nq + nd
-for j = 1, (#KEYS - 5) / 2 do
-  reply_once(KEYS[4 + 2 * j], KEYS[5 + 2 * j], ARGV[base + 2 * j - 1], ARGV[base + 2 * j],
-             ARGV[4])
-end
-redis.call('DEL', KEYS[1])
+replies(6 + nq, 7, ARGV[4])
+dead_letters(KEYS[3], 6 + nq)
+redis.call('DEL', KEYS[1], KEYS[6])
 if ARGV[2] ~= 'force' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('HDEL', KEYS[5], ARGV[1])

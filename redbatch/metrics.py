@@ -61,9 +61,14 @@ FORWARD: Final = Histogram(
     "redbatch_forward_seconds", "Forward pass time per batch", ["model"],
     buckets=LATENCY_BUCKETS_S)
 BATCH_SIZE: Final = Histogram(
-    "redbatch_batch_size", "Entries claimed per batch", ["model"], buckets=BATCH_BUCKETS)
+    "redbatch_batch_size", "Items per forward pass (each row of a multi-row request "
+    "counts; a claimed batch over max_batch_size items takes several passes)", ["model"],
+    buckets=BATCH_BUCKETS)
+BATCH_ENTRIES: Final = Histogram(
+    "redbatch_batch_entries", "Queue entries claimed per batch (a multi-row request is "
+    "one)", ["model"], buckets=BATCH_BUCKETS)
 BATCH_FILL: Final = Histogram(
-    "redbatch_batch_fill_ratio", "Batch size over max_batch_size", ["model"],
+    "redbatch_batch_fill_ratio", "Items per forward pass over max_batch_size", ["model"],
     buckets=FILL_BUCKETS)
 WORKER_ITEMS: Final = Counter(
     "redbatch_worker_items", "Claimed entries by outcome: computed (reached the model), "
@@ -74,18 +79,19 @@ RETRIES: Final = Counter(
     ["model"])
 DEAD_LETTERS: Final = Counter(
     "redbatch_dead_letters", "Entries moved to the dead-letter list (malformed, or "
-    "crashed max_attempts workers)", ["model"])
+    "crashed max_attempts workers, or whose reply Redis refused)", ["model"])
 
 GATEWAY_METRICS: Final = ("redbatch_requests_total", "redbatch_request_duration_seconds",
                           "redbatch_inflight_requests", "redbatch_queue_depth",
                           "redbatch_live_workers")
 WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_seconds",
-                         "redbatch_batch_size", "redbatch_batch_fill_ratio",
-                         "redbatch_worker_items_total", "redbatch_retries_total",
-                         "redbatch_dead_letters_total")
+                         "redbatch_batch_size", "redbatch_batch_entries",
+                         "redbatch_batch_fill_ratio", "redbatch_worker_items_total",
+                         "redbatch_retries_total", "redbatch_dead_letters_total")
 HISTOGRAMS: Final = frozenset({"redbatch_request_duration_seconds",
                                "redbatch_queue_wait_seconds", "redbatch_forward_seconds",
-                               "redbatch_batch_size", "redbatch_batch_fill_ratio"})
+                               "redbatch_batch_size", "redbatch_batch_entries",
+                               "redbatch_batch_fill_ratio"})
 
 
 def series_names(names: Iterable[str] = GATEWAY_METRICS + WORKER_METRICS) -> set[str]:

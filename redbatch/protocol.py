@@ -29,8 +29,9 @@ INFLIGHT_TTL_S: Final = 24 * 3600  # refreshed by every claim
 REPLY_TTL_S: Final = 120  # refreshed by every reply pushed to the list
 META_TTL_S: Final = 24 * 3600  # refreshed by worker heartbeats
 WORKERS_TTL_S: Final = 24 * 3600  # refreshed by heartbeats; outlives in-flight lists
-DEAD_LETTER_TTL_S: Final = 7 * 24 * 3600  # refreshed by every dead letter
+DEAD_LETTER_TTL_S: Final = 24 * 3600  # default; refreshed by every dead letter
 DEAD_LETTER_MAX: Final = 10_000  # the list keeps the newest entries only
+DEAD_LETTER_MAX_BYTES: Final = 4096  # default; a dead letter keeps the entry's first bytes
 MAX_TIMEOUT_S: Final = 600.0  # no deadline may be further out than this
 CLOCK_SKEW_MS: Final = 60_000  # a producer's clock may run this far ahead of a worker's
 MAX_ATTEMPT: Final = 1000  # an entry's ``attempt`` is 0..MAX_ATTEMPT; so is max_attempts
@@ -38,6 +39,8 @@ MARKER_GRACE_MS: Final = 5000  # a request marker outlives its deadline by this 
 DEFAULT_MAX_ATTEMPTS: Final = 3  # crashes a request may cause before it is dead-lettered
 MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
 MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
+MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS
+CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worker this long
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")
@@ -53,6 +56,7 @@ F_ATTEMPT: Final = "attempt"
 F_TRACE_ID: Final = "trace_id"  # optional: the caller's correlation id (X-Request-ID)
 TRACE_ID_RE: Final = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 F_ROWS: Final = "rows"  # optional: the payload is a tensor of this many rows, one item each
+F_SUSPECT: Final = "suspect"  # optional: was in a batch that crashed a worker: run it alone
 F_ROW_ERRORS: Final = "row_errors"  # reply to a multi-row request: the rows that failed
 F_ROW: Final = "row"
 F_PAYLOAD: Final = "payload"
@@ -110,8 +114,16 @@ def request_key(model: str, request_id: str) -> str:
 
 
 def marker_ttl_ms(deadline_ms: int, now: int) -> int:
-    """How long a request's marker must live: until its deadline, plus a grace."""
-    return max(deadline_ms - now, 0) + MARKER_GRACE_MS
+    """How long a request's marker must live: until its deadline, plus a grace; never
+    longer than the furthest legal deadline allows (a hostile ``deadline_ms`` of 2**64-1
+    must not make Redis refuse the ``PX``)."""
+    return min(max(deadline_ms - now, 0), MAX_MARKER_TTL_MS - MARKER_GRACE_MS) + \
+        MARKER_GRACE_MS
+
+
+def crashing_key(model: str, worker_id: str) -> str:
+    """String: the id of the suspect entry ``worker_id`` is running alone right now."""
+    return f"{PREFIX}:{{{model}}}:crashing:{worker_id}"
 
 
 MODELS_KEY: Final = f"{PREFIX}:models"  # sorted set: model -> last heartbeat (epoch ms)
@@ -168,6 +180,7 @@ class Request:
     attempt: int = 0
     trace_id: str = ""
     rows: int = 0  # 0: one input; n >= 1: the payload's first dimension, n items
+    suspect: bool = False  # in a batch that crashed a worker: run alone
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -184,6 +197,8 @@ class Request:
             wire[F_TRACE_ID] = self.trace_id
         if self.rows:
             wire[F_ROWS] = self.rows
+        if self.suspect:
+            wire[F_SUSPECT] = True
         return wire
 
 
@@ -269,6 +284,7 @@ def request_from_wire(wire: Any) -> Request:
         payload=wire[F_PAYLOAD],
         trace_id=_trace_id(wire.get(F_TRACE_ID)),
         rows=_rows(wire.get(F_ROWS)),
+        suspect=wire.get(F_SUSPECT) is True,
     )
 
 

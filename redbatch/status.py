@@ -2,7 +2,8 @@
 from Redis (the workers' heartbeats), no gateway needed.
 
 Per model: queue depth, live workers and their devices, items/s (from the workers'
-counters over the sampling interval), the batch-size distribution, p50/p99 queue wait
+counters over the sampling interval), the batch-size distribution (items per forward
+pass) and the queue entries per claimed batch, p50/p99 queue wait
 and forward time (from the bucket counts each worker publishes with its heartbeat,
 since the worker started), and the dead letters waiting.
 """
@@ -19,6 +20,7 @@ from redbatch import metrics, protocol
 from redbatch.worker.heartbeat import live_workers_sync
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
+                                       "batch_entries": metrics.BATCH_BUCKETS,
                                        "queue_wait_s": metrics.LATENCY_BUCKETS_S,
                                        "forward_s": metrics.LATENCY_BUCKETS_S}
 
@@ -32,9 +34,13 @@ class ModelStatus:
     items_per_s: float | None = None
     batches: int = 0
     items: int = 0
-    mean_batch: float = 0.0
+    passes: int = 0
+    mean_batch: float = 0.0  # items per forward pass
     batch_size_p50: float | None = None
     batch_size_p99: float | None = None
+    mean_entries: float = 0.0  # queue entries per claimed batch
+    entries_p50: float | None = None
+    entries_p99: float | None = None
     queue_wait_ms_p50: float | None = None
     queue_wait_ms_p99: float | None = None
     forward_ms_p50: float | None = None
@@ -78,7 +84,11 @@ def read_model(client: redis.Redis, model: str) -> ModelStatus:
                          int(client.llen(protocol.dead_letter_key(model))), workers)
     status.batches = sum(int(w.get("batches", 0)) for w in workers)
     status.items = sum(int(w.get("items", 0)) for w in workers)
-    status.mean_batch = status.items / status.batches if status.batches else 0.0
+    status.passes = sum(int(w.get("passes", 0)) for w in workers)
+    pass_items = sum(int(w.get("pass_items", 0)) for w in workers)
+    status.mean_batch = pass_items / status.passes if status.passes else 0.0
+    entries = sum(int(w.get("entries", 0)) for w in workers)
+    status.mean_entries = entries / status.batches if status.batches else 0.0
     _fill_quantiles(status, workers)
     return status
 
@@ -89,6 +99,9 @@ def _fill_quantiles(status: ModelStatus, workers: list[dict[str, Any]]) -> None:
     status.batch_sizes = {f"<={b:g}": c for b, c in zip(bounds, sizes, strict=False) if c}
     status.batch_size_p50 = quantile(0.5, bounds, sizes, upper=True)
     status.batch_size_p99 = quantile(0.99, bounds, sizes, upper=True)
+    entries = _merged(workers, "batch_entries")
+    status.entries_p50 = quantile(0.5, bounds, entries, upper=True)
+    status.entries_p99 = quantile(0.99, bounds, entries, upper=True)
     for name, attr in (("queue_wait_s", "queue_wait_ms"), ("forward_s", "forward_ms")):
         counts = _merged(workers, name)
         for q, suffix in ((0.5, "p50"), (0.99, "p99")):

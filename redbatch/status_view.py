@@ -15,8 +15,9 @@ from redbatch.config import RedisSettings
 from redbatch.errors import RedisUnavailable
 from redbatch.redis_conn import sync_client
 
-COLUMNS = ("model", "queue", "workers (devices)", "items/s", "batch mean / p50 / p99",
-           "queue wait p50 / p99", "forward p50 / p99", "dead letters")
+COLUMNS = ("model", "queue", "workers (devices)", "items/s", "items/pass mean / p50 / p99",
+           "entries/batch mean / p50 / p99", "queue wait p50 / p99", "forward p50 / p99",
+           "dead letters")
 
 
 def _ms(value: float | None) -> str:
@@ -40,6 +41,7 @@ def table(statuses: dict[str, status.ModelStatus]) -> Table:
     for s in statuses.values():
         out.add_row(s.model, str(s.queue_depth), _devices(s), _num(s.items_per_s),
                     f"{s.mean_batch:.1f} / {_num(s.batch_size_p50)} / {_num(s.batch_size_p99)}",
+                    f"{s.mean_entries:.1f} / {_num(s.entries_p50)} / {_num(s.entries_p99)}",
                     f"{_ms(s.queue_wait_ms_p50)} / {_ms(s.queue_wait_ms_p99)}",
                     f"{_ms(s.forward_ms_p50)} / {_ms(s.forward_ms_p99)}", str(s.dead_letters))
     return out

@@ -158,13 +158,13 @@ def test_the_ack_trims_only_its_own_batch(raw_redis: redis.Redis) -> None:
     publish = raw_redis.register_script(lua.PUBLISH)
     inflight, dead = "rb:{t}:inflight:w", "rb:{t}:dead"
 
-    def ack(batch: list[bytes]) -> int:
+    def ack(batch: list[bytes]) -> list[int]:
         digest = hashlib.sha1(b"".join(batch), usedforsecurity=False).hexdigest()
-        return int(publish(keys=[inflight, dead], args=[len(batch), 60, digest, 0]))
+        return list(publish(keys=[inflight, dead], args=[len(batch), 60, digest, 60, 0]))
 
     raw_redis.rpush(inflight, b"a1", b"a2", b"b1")
-    assert ack([b"a1", b"a2"]) == 0 and raw_redis.lrange(inflight, 0, -1) == [b"b1"]
+    assert ack([b"a1", b"a2"]) == [1, 0] and raw_redis.lrange(inflight, 0, -1) == [b"b1"]
     raw_redis.delete(inflight)  # a reaper took the list; then the next batch was claimed
     raw_redis.rpush(inflight, b"c1")
-    assert ack([b"b1"]) == -1  # refused: c1 stays in flight
+    assert ack([b"b1"]) == [0, 0]  # refused: c1 stays in flight
     assert raw_redis.lrange(inflight, 0, -1) == [b"c1"]

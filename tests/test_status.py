@@ -58,7 +58,8 @@ async def test_status_reads_queues_workers_and_distributions(
     assert s.items_per_s is not None and s.items_per_s > 0
     assert s.batch_size_p50 is not None and 1 <= s.batch_size_p50 <= max(HISTS["batch_size"])
     assert s.forward_ms_p99 is not None and s.queue_wait_ms_p50 is not None
-    assert sum(s.batch_sizes.values()) == s.workers[0]["batches"]
+    assert sum(s.batch_sizes.values()) == s.workers[0]["passes"] == s.passes
+    assert s.entries_p50 is not None and 1 <= s.mean_entries <= 8
 
 
 async def _keep_busy(client: Client, stop: asyncio.Event) -> None:

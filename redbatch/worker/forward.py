@@ -18,6 +18,28 @@ from redbatch.worker.model import BatchFn, Model
 log = logging.getLogger("redbatch.worker")
 AUTO_INLINE_MS = 5.0  # on a CPU worker, passes shorter than this run on the event loop
 RECENT_PASSES = 8
+TRACEBACK_EVERY_S = 60.0  # a model's traceback: once a minute per distinct error
+
+
+class ErrorLog:
+    """Logs a model's failures: the traceback of each distinct error (type and message)
+    at most once per ``every_s``, a one-line warning for the repeats."""
+
+    def __init__(self, model: str, every_s: float = TRACEBACK_EVERY_S) -> None:
+        self.model = model
+        self.every_s = every_s
+        self._last: dict[tuple[str, str], float] = {}
+
+    def failed(self, exc: BaseException, what: str, level: int = logging.WARNING) -> None:
+        key, now = (type(exc).__name__, str(exc)), time.monotonic()
+        first = now - self._last.get(key, -self.every_s) >= self.every_s
+        if first:
+            if len(self._last) >= 1024:  # distinct messages (ids in them) must not pile up
+                self._last.clear()
+            self._last[key] = now
+        log.log(level, "model=%s %s: %s: %s%s", self.model, what, key[0], key[1],
+                "" if first else " (traceback logged within the last minute)",
+                exc_info=exc if first else None)
 
 
 class ContractError(ModelError):
@@ -35,6 +57,8 @@ class Forwarder:
         # one GPU)
         self._auto = model.inline is None and device == "cpu" and not model.is_async
         self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
+        self._passes: list[int] = []  # items in each pass of ``run_batches`` since taken
+        self._errors = ErrorLog(model.name)
 
     @property
     def pass_ms(self) -> float | None:
@@ -56,8 +80,15 @@ class Forwarder:
         size = self.model.policy.max_batch_size
         results: list[Any] = []
         for start in range(0, len(inputs), size):
-            results += await self.run(inputs[start:start + size])
+            chunk = inputs[start:start + size]
+            self._passes.append(len(chunk))
+            results += await self.run(chunk)
         return results
+
+    def take_passes(self) -> list[int]:
+        """The items of each pass ``run_batches`` made since the last call."""
+        passes, self._passes = self._passes, []
+        return passes
 
     async def run(self, inputs: list[Any]) -> list[Any]:
         """One result per input: the model's output, or a ``RedbatchError``."""
@@ -66,14 +97,15 @@ class Forwarder:
         try:
             return await self._call(inputs)
         except ContractError as exc:
+            self._errors.failed(exc, f"broke the batch contract on {len(inputs)} items",
+                                logging.ERROR)
             return [exc] * len(inputs)
         except Exception as exc:
             return await self._isolate(inputs, exc)
 
     async def _isolate(self, inputs: list[Any], exc: Exception) -> list[Any]:
         if len(inputs) == 1:
-            log.warning("model=%s an item failed the forward pass: %s: %s", self.model.name,
-                        type(exc).__name__, exc)
+            self._errors.failed(exc, "an item failed the forward pass")
             return [exc if isinstance(exc, RedbatchError) else self._model_error(exc)]
         mid = len(inputs) // 2
         return await self.run(inputs[:mid]) + await self.run(inputs[mid:])

@@ -25,23 +25,29 @@ class WorkerMeters:
     def __init__(self, model: str, max_batch_size: int) -> None:
         self.max_batch_size = max_batch_size
         self.hist = {"batch_size": Buckets(metrics.BATCH_BUCKETS),
+                     "batch_entries": Buckets(metrics.BATCH_BUCKETS),
                      "queue_wait_s": Buckets(metrics.LATENCY_BUCKETS_S),
                      "forward_s": Buckets(metrics.LATENCY_BUCKETS_S)}
         self.queue_wait = metrics.QUEUE_WAIT.labels(model)
         self.forward = metrics.FORWARD.labels(model)
         self.batch_size = metrics.BATCH_SIZE.labels(model)
+        self.batch_entries = metrics.BATCH_ENTRIES.labels(model)
         self.fill = metrics.BATCH_FILL.labels(model)
         self.items = {o: metrics.WORKER_ITEMS.labels(model, o)
                       for o in ("computed", "expired", "invalid", "error")}
         self.dead_letters = metrics.DEAD_LETTERS.labels(model)
         self.retries = metrics.RETRIES.labels(model)
 
-    def batch(self, decoded: Decoded, size: int, waits_ms: list[int], fwd_ms: float,
-              failed: int) -> None:
-        """One served batch: its size (items), forward time, queue waits and outcomes."""
-        self.batch_size.observe(size)
-        self.hist["batch_size"].add(size)
-        self.fill.observe(min(1.0, size / self.max_batch_size))
+    def batch(self, decoded: Decoded, passes: list[int], entries: int, waits_ms: list[int],
+              fwd_ms: float, failed: int) -> None:
+        """One served batch: the items of each of its forward passes, its queue entries,
+        forward time, queue waits and outcomes."""
+        for size in passes:
+            self.batch_size.observe(size)
+            self.hist["batch_size"].add(size)
+            self.fill.observe(min(1.0, size / self.max_batch_size))
+        self.batch_entries.observe(entries)
+        self.hist["batch_entries"].add(entries)
         if decoded.items:
             self.forward.observe(fwd_ms / 1000)
             self.hist["forward_s"].add(fwd_ms / 1000)

@@ -24,6 +24,7 @@ from redbatch.redis_conn import REDIS_ERRORS, async_client
 from redbatch.worker import heartbeat
 from redbatch.worker.loader import load_models
 from redbatch.worker.model import Model
+from redbatch.worker.replies import DeadLetters
 from redbatch.worker.runner import BatchRunner
 
 log = logging.getLogger("redbatch.worker")
@@ -99,7 +100,9 @@ class Worker:
         try:
             self.runners = [BatchRunner(redis, m, m.bind(self.device), self.worker_id, executor,
                                         self.config.block_timeout_s, self.config.max_attempts,
-                                        b, self.device)
+                                        b, self.device, DeadLetters(
+                                            self.config.dead_letter_ttl_s,
+                                            self.config.dead_letter_max_bytes))
                             for m, b in zip(self.models, blocking, strict=True)]
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
             self._meters = [CapacityMeter(r) for r in self.runners]

@@ -5,12 +5,19 @@ model per beat when nothing is dead).  For each worker whose lease expired it re
 the in-flight list, bumps each request's ``attempt``, and in one atomic script
 pushes them back to the *front* of the queue (in order), dead-letters those that
 reached ``max_attempts`` (their callers get ``worker_crashed``) and forgets the worker.
-The script re-checks the lease and the list length, so a worker that woke up, or a
+The script re-checks the lease and the list's digest, so a worker that woke up, or a
 second reaper, makes it a no-op.
+
+A crash may be the fault of one input: the requeued entries are marked ``suspect``,
+and a worker runs suspects each in passes of its own, naming the one it runs in its
+crashing key.  When that worker dies too, the named entry alone takes the blame
+(attempt + 1); its batch-mates go back unchanged.  Every crash blames someone, so a
+killer input reaches ``max_attempts`` and is dead-lettered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -20,10 +27,17 @@ import redis.asyncio as aioredis
 
 from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
-from redbatch.protocol import Timings
-from redbatch.worker.decode import parse_entry
+from redbatch.protocol import Request, Timings
+from redbatch.worker.decode import loose_reply_target, parse_entry
 from redbatch.worker.meters import WorkerMeters
-from redbatch.worker.replies import Outgoing, error_reply, outgoing, publish_args
+from redbatch.worker.replies import (
+    DEFAULT_DEAD_LETTERS,
+    DeadLetters,
+    Outgoing,
+    error_reply,
+    outgoing,
+    publish_args,
+)
 
 log = logging.getLogger("redbatch.reaper")
 
@@ -32,57 +46,94 @@ log = logging.getLogger("redbatch.reaper")
 class Plan:
     requeue: list[bytes] = field(default_factory=list)
     dead: list[bytes] = field(default_factory=list)
-    crashed: list[Outgoing] = field(default_factory=list)
+    replies: list[Outgoing] = field(default_factory=list)  # to callers of dead entries
 
 
 class Reaper:
     def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int,
-                 meters: WorkerMeters | None = None) -> None:
+                 meters: WorkerMeters | None = None,
+                 dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS) -> None:
         self._redis = redis
         self.model = model
         self.max_attempts = max_attempts
         self.meters = meters
+        self.dead_letters = dead_letters
         self._script = redis.register_script(lua.REAP)
 
-    def plan(self, raws: list[bytes], bump: bool) -> Plan:
+    def plan(self, raws: list[bytes], bump: bool, crashing: str | None = None) -> Plan:
+        """What to do with a worker's in-flight entries.  ``bump`` (the worker died):
+        the entry named by ``crashing`` (the suspect it was running alone) takes the
+        blame, attempt + 1; with no such entry, all of them do.  Every requeued entry
+        of a dead worker is marked suspect, to run alone next time."""
         plan = Plan()
-        for raw in raws:
-            try:
-                request = parse_entry(raw, self.model)
-            except InvalidPayload:
-                plan.dead.append(raw)
-                continue
-            request.attempt += 1 if bump else 0
-            if request.attempt < self.max_attempts:
-                plan.requeue.append(codec.encode(request.to_wire(), codec.sniff_format(raw)))
-                continue
-            plan.dead.append(raw)
-            exc = WorkerCrashed(f"request crashed {request.attempt} workers; dead-lettered")
-            reply = error_reply(request, exc, Timings())
-            plan.crashed.append(outgoing(self.model, request, reply, codec.sniff_format(raw)))
+        requests = [self._parse(raw, plan) for raw in raws]
+        named = crashing if any(r is not None and r.id == crashing for r in requests) else None
+        for raw, request in zip(raws, requests, strict=True):
+            if request is not None:
+                blamed = bump and (named is None or request.id == named)
+                self._place(raw, request, plan, blamed, suspect=bump)
         return plan
+
+    def _parse(self, raw: bytes, plan: Plan) -> Request | None:
+        """The entry's request; a malformed one is dead-lettered, and answered
+        ``invalid_payload`` when its id and reply_to can be read (as a live worker would)."""
+        try:
+            return parse_entry(raw, self.model)
+        except InvalidPayload as exc:
+            plan.dead.append(raw)
+            target = loose_reply_target(raw)
+            if target is not None:
+                request_id, reply_to, fmt = target
+                stub = Request(request_id, self.model, 0,
+                               protocol.now_ms() + protocol.MARKER_GRACE_MS, reply_to, None)
+                plan.replies.append(outgoing(self.model, stub,
+                                             error_reply(stub, exc, Timings()), fmt))
+            return None
+
+    def _place(self, raw: bytes, request: Request, plan: Plan, blamed: bool,
+               suspect: bool) -> None:
+        fmt = codec.sniff_format(raw)
+        request.attempt += 1 if blamed else 0
+        request.suspect = request.suspect or suspect
+        if request.attempt < self.max_attempts:
+            with contextlib.suppress(InvalidPayload):  # one that cannot be encoded dies
+                plan.requeue.append(codec.encode(request.to_wire(), fmt))
+                return
+        plan.dead.append(raw)
+        exc = WorkerCrashed(f"request crashed {request.attempt} workers; dead-lettered")
+        reply = error_reply(request, exc, Timings())
+        plan.replies.append(outgoing(self.model, request, reply, fmt))
+
+    async def _read(self, worker_id: str, force: bool) -> tuple[list[bytes], str | None]:
+        """The worker's in-flight entries and, if it died, the suspect it ran alone."""
+        raws: Any = await self._redis.lrange(protocol.inflight_key(self.model, worker_id), 0, -1)
+        if force or not raws:
+            return raws, None
+        crashing: Any = await self._redis.get(protocol.crashing_key(self.model, worker_id))
+        return raws, crashing.decode(errors="replace") if crashing else None
 
     async def reap(self, worker_id: str, *, force: bool = False) -> int:
         """Requeue ``worker_id``'s in-flight requests.  ``force`` (a stopping worker
         returning its own batch) skips the lease check and the attempt bump.
         Returns how many were requeued, or a negative number if nothing was done."""
-        inflight = protocol.inflight_key(self.model, worker_id)
-        raws: Any = await self._redis.lrange(inflight, 0, -1)
-        plan = self.plan(raws, bump=not force)
-        pair_keys, tail = publish_args(plan.crashed, plan.dead)
-        keys = [inflight, protocol.queue_key(self.model), protocol.dead_letter_key(self.model),
-                protocol.workers_key(self.model), protocol.worker_info_key(self.model),
-                *pair_keys]
+        raws, crashing = await self._read(worker_id, force)
+        plan = self.plan(raws, bump=not force, crashing=crashing)
+        pair_keys, tail = publish_args(plan.replies, plan.dead, self.dead_letters)
+        keys = [protocol.inflight_key(self.model, worker_id), protocol.queue_key(self.model),
+                protocol.dead_letter_key(self.model), protocol.workers_key(self.model),
+                protocol.worker_info_key(self.model),
+                protocol.crashing_key(self.model, worker_id), *pair_keys]
         now = "force" if force else protocol.now_ms()
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),
-                *tail[:1], *plan.requeue, *tail[1:]]
+                *plan.requeue, *tail]
         result = int(await self._script(keys=keys, args=args))
         if result >= 0 and self.meters is not None:
             self.meters.dead_letters.inc(len(plan.dead))
             self.meters.retries.inc(0 if force else len(plan.requeue))
         if result >= 0 and raws:
-            log.warning("model=%s %s worker %s: requeued %d, dead-lettered %d",
+            log.warning("model=%s %s worker %s: requeued %d, dead-lettered %d%s",
                         self.model, "returned the batch of" if force else "reaped", worker_id,
-                        len(plan.requeue), len(plan.dead))
+                        len(plan.requeue), len(plan.dead),
+                        f" (it crashed running request {crashing} alone)" if crashing else "")
         return result

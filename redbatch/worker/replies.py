@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -16,18 +16,51 @@ from redbatch.worker.decode import Pack
 
 @dataclass(slots=True)
 class Outgoing:
-    """One encoded reply, with the marker that makes it the only one."""
+    """One encoded reply, with the marker that makes it the only one (and its request,
+    to dead-letter if Redis refuses the reply)."""
 
     reply_to: str
     marker: str
     marker_ttl_ms: int
     data: bytes
+    request: Request
+    fmt: Format
 
 
 def outgoing(model: str, request: Request, reply: Reply, fmt: Format) -> Outgoing:
     ttl = protocol.marker_ttl_ms(request.deadline_ms, protocol.now_ms())
     return Outgoing(request.reply_to, protocol.request_key(model, request.id), ttl,
-                    encode_reply(model, reply, fmt))
+                    encode_reply(model, reply, fmt), request, fmt)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetters:
+    """How dead letters are kept: the first ``max_bytes`` of each entry, for ``ttl_s``
+    (refreshed by every dead letter), the newest ``DEAD_LETTER_MAX`` of them."""
+
+    ttl_s: int = protocol.DEAD_LETTER_TTL_S
+    max_bytes: int = protocol.DEAD_LETTER_MAX_BYTES
+
+    def args(self, dead: list[bytes]) -> list[Any]:
+        """The scripts' dead-letter ARGV: ttl, count, then the (truncated) entries."""
+        return [self.ttl_s, len(dead), *(raw[:self.max_bytes] for raw in dead)]
+
+
+DEFAULT_DEAD_LETTERS: Final = DeadLetters()
+
+
+def refused_entries(outs: list[Outgoing], refused: list[Any]) -> list[bytes]:
+    """The requests whose replies Redis refused (1-based indices into ``outs``), encoded
+    again for the dead-letter list (without the payload, if that no longer encodes)."""
+    return [_entry(outs[int(i) - 1]) for i in refused]
+
+
+def _entry(out: Outgoing) -> bytes:
+    wire = out.request.to_wire()
+    try:
+        return codec.encode(wire, out.fmt)
+    except InvalidPayload:
+        return codec.encode({**wire, protocol.F_PAYLOAD: None}, out.fmt)
 
 
 def encode_reply(model: str, reply: Reply, fmt: Format) -> bytes:
@@ -75,10 +108,11 @@ def _stacked(outputs: list[Any]) -> Any:
     return np.stack(outputs)
 
 
-def publish_args(outs: list[Outgoing], dead: list[bytes]) -> tuple[list[str], list[Any]]:
+def publish_args(outs: list[Outgoing], dead: list[bytes], policy: DeadLetters | None = None
+                 ) -> tuple[list[str], list[Any]]:
     """KEYS and the tail of ARGV shared by the PUBLISH and REAP scripts."""
     keys: list[str] = []
-    argv: list[Any] = [len(dead), *dead]
+    argv: list[Any] = (policy or DEFAULT_DEAD_LETTERS).args(dead)
     for out in outs:
         keys += [out.marker, out.reply_to]
         argv += [out.marker_ttl_ms, out.data]

@@ -17,12 +17,21 @@ from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
 from redbatch.worker.claim import Claimer
-from redbatch.worker.decode import Decoded, decode_batch
+from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder
 from redbatch.worker.meters import WorkerMeters
 from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.reaper import Reaper
-from redbatch.worker.replies import Outgoing, error_reply, outgoing, pack_reply, publish_args
+from redbatch.worker.replies import (
+    DEFAULT_DEAD_LETTERS,
+    DeadLetters,
+    Outgoing,
+    error_reply,
+    outgoing,
+    pack_reply,
+    publish_args,
+    refused_entries,
+)
 
 log = logging.getLogger("redbatch.worker")
 
@@ -56,6 +65,7 @@ class Computed:
     outs: list[Outgoing]
     fwd_ms: float
     failed: int  # items the model failed on
+    passes: list[int]  # items in each forward pass
 
 
 async def _settle(task: asyncio.Task[Any] | None, *, abandon: bool = False) -> None:
@@ -75,8 +85,11 @@ class BatchRunner:
 
     def __init__(self, redis: aioredis.Redis, model: Model, fn: BatchFn, worker_id: str,
                  executor: Executor, block_timeout_s: float, max_attempts: int = 3,
-                 blocking: aioredis.Redis | None = None, device: str = "cpu") -> None:
+                 blocking: aioredis.Redis | None = None, device: str = "cpu",
+                 dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS) -> None:
         self._redis = redis
+        self._dead_letters = dead_letters
+        self._crashing = protocol.crashing_key(model.name, worker_id)
         self.model = model
         self._worker_id = worker_id
         self._forwarder = Forwarder(model, fn, executor, device)
@@ -84,12 +97,14 @@ class BatchRunner:
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
         self.meters = WorkerMeters(model.name, model.policy.max_batch_size)
-        self.reaper = Reaper(redis, model.name, max_attempts, self.meters)
+        self.reaper = Reaper(redis, model.name, max_attempts, self.meters, dead_letters)
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
         self._busy = False  # the last claim came back full
         self.batches = 0
+        self.passes = 0  # forward passes (a batch larger than max_batch_size takes several)
+        self.pass_items = 0  # items that went through a forward pass
         self.entries = 0  # queue entries answered (a multi-row request is one)
         self.items = 0  # requests answered, each row of a multi-row request counting
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
@@ -177,11 +192,44 @@ class BatchRunner:
     async def _compute(self, batch: Claimed) -> Computed:
         """Forward and encode: the replies of one batch."""
         started = time.perf_counter()
-        results = await self._forwarder.run_batches([i.value for i in batch.decoded.items])
+        results = await self._forward(batch.decoded.items)
         fwd_ms = (time.perf_counter() - started) * 1000
         outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
         self.busy_s += time.perf_counter() - started
-        return Computed(outs, fwd_ms, sum(isinstance(r, RedbatchError) for r in results))
+        return Computed(outs, fwd_ms, sum(isinstance(r, RedbatchError) for r in results),
+                        self._forwarder.take_passes())
+
+    async def _forward(self, items: list[Item]) -> list[Any]:
+        if not any(item.request.suspect for item in items):
+            return await self._forwarder.run_batches([item.value for item in items])
+        return await self._forward_suspects(items)
+
+    async def _forward_suspects(self, items: list[Item]) -> list[Any]:
+        """A batch holding entries of a batch that crashed a worker: each suspect entry
+        (requeued at the queue's front: they come first) in passes of its own, named in
+        this worker's crashing key while they run, so that a crash blames that entry
+        alone (the reaper reads the key); then the others together."""
+        groups: dict[int, list[int]] = {}  # suspect entry -> its items (a pack has several)
+        for i, item in enumerate(items):
+            if item.request.suspect:
+                groups.setdefault(id(item.request), []).append(i)
+        results: list[Any] = [None] * len(items)
+        for indices in groups.values():
+            await self._redis.set(self._crashing, items[indices[0]].request.id,
+                                  ex=protocol.CRASHING_TTL_S)
+            try:
+                await self._run_into(results, items, indices)
+            finally:
+                await self._redis.delete(self._crashing)
+        await self._run_into(results, items, [i for i, item in enumerate(items)
+                                              if not item.request.suspect])
+        return results
+
+    async def _run_into(self, results: list[Any], items: list[Item], indices: list[int]
+                        ) -> None:
+        outputs = await self._forwarder.run_batches([items[i].value for i in indices])
+        for i, output in zip(indices, outputs, strict=True):
+            results[i] = output
 
     async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
         published = time.perf_counter()
@@ -192,6 +240,7 @@ class BatchRunner:
     def counters(self) -> dict[str, Any]:
         """Totals since start, published with each heartbeat (``rb:{m}:worker_info``)."""
         return {"batches": self.batches, "items": self.items, "entries": self.entries,
+                "passes": self.passes, "pass_items": self.pass_items,
                 "forward_ms": round(self.forward_ms, 3),
                 "queue_wait_ms": round(self.queue_wait_ms, 3), "hist": self.meters.snapshot()}
 
@@ -220,15 +269,32 @@ class BatchRunner:
     async def publish(self, outs: list[Outgoing], batch: Claimed, dead: list[bytes]) -> None:
         """Replies (each at most once), dead letters and the ack: one atomic script.
         Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
-        keys, argv = publish_args(outs, dead)
-        keys = [self.claimer.inflight, protocol.dead_letter_key(self.model.name), *keys]
-        sent = int(await self._link.script(lua.PUBLISH, keys, [batch.claimed,
-                                                               protocol.REPLY_TTL_S,
-                                                               batch.digest, *argv]))
-        if sent < 0:
+        done = await self._script_publish(outs, dead, batch.claimed, batch.digest)
+        if done[2:]:
+            await self._dead_letter_refused(outs, done[2:])
+        if not done[0]:
             raise LeaseLost(f"model={self.model.name}: the in-flight list changed under "
                             "this worker (its lease lapsed and a reaper took it over); "
                             "returning what it still holds")
+
+    async def _script_publish(self, outs: list[Outgoing], dead: list[bytes], ack: int,
+                              digest: str) -> list[Any]:
+        keys, argv = publish_args(outs, dead, self._dead_letters)
+        keys = [self.claimer.inflight, protocol.dead_letter_key(self.model.name), *keys]
+        return list(await self._link.script(lua.PUBLISH, keys,
+                                            [ack, protocol.REPLY_TTL_S, digest, *argv]))
+
+    async def _dead_letter_refused(self, outs: list[Outgoing], refused: list[Any]) -> None:
+        """Redis refused some replies (their reply_to or marker key holds another type
+        of value): the rest of the batch went out and was acked; these requests cannot
+        be answered, so they are dead-lettered, never retried."""
+        for i in refused:
+            out = outs[int(i) - 1]
+            log.error("model=%s Redis refused the reply to request %s (its key %s or %s "
+                      "holds a value of another type); dead-lettered it", self.model.name,
+                      out.request.id, out.reply_to, out.marker)
+        await self._script_publish([], refused_entries(outs, refused), 0, "")
+        self.meters.dead_letters.inc(len(refused))
 
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
         decoded, size, fwd_ms = batch.decoded, batch.size, computed.fwd_ms
@@ -241,9 +307,14 @@ class BatchRunner:
         waits += [protocol.queue_wait_ms(batch.claimed_ms, pack.request.enqueue_ms)
                   for pack in decoded.packs]
         self.queue_wait_ms += sum(waits)
-        self.meters.batch(decoded, size, waits, fwd_ms, computed.failed)
-        log.info("model=%s n=%d computed=%d rejected=%d wait_ms=%.1f fwd_ms=%.2f "
-                 "reply_ms=%.2f", self.model.name, size, len(decoded.items),
+        passes = computed.passes
+        self.passes += len(passes)
+        self.pass_items += sum(passes)
+        self.meters.batch(decoded, passes, batch.claimed, waits, fwd_ms, computed.failed)
+        log.info("model=%s n=%d entries=%d passes=%d computed=%d failed=%d rejected=%d "
+                 "wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f", self.model.name,
+                 max(passes, default=0), batch.claimed, len(passes),
+                 len(decoded.items) - computed.failed, computed.failed,
                  len(decoded.early) + decoded.invalid_rows, max(waits, default=0), fwd_ms,
                  reply_ms)
         if log.isEnabledFor(logging.DEBUG):
