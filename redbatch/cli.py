@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env
+from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env, tls_unverified
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.logs import setup_logging
 
@@ -144,10 +144,11 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     source = "--redis-url" if args.redis_url else "REDIS_URL"
     if file_url and not args.redis_url:
         redis_url, source = file_url, f"redis_url of {args.config}"
-    embedded = None if redis_url else start_embedded()
-    if redis_url:
+    given = _redis_settings(redis_url) if redis_url else None  # a bad URL fails first
+    embedded = None if given else start_embedded()
+    if given:
         log.info("using %s", source)
-    redis = RedisSettings.from_env(embedded.url if embedded else redis_url)
+    redis = given or RedisSettings.from_env(embedded.url if embedded else None)
     log.info("redis: %s", redis.safe_url)
     try:
         _up(entries, gateway_config, redis, _log_level(args))
@@ -231,19 +232,29 @@ def cmd_status(args: argparse.Namespace, redis: RedisSettings) -> int:
     return run(redis, as_json=args.json, watch=args.watch, interval_s=args.interval_s)
 
 
+def _redis_settings(url: str | None) -> RedisSettings:
+    """The Redis settings (a URL that does not parse fails here, in one line); warns
+    once, here, when TLS certificates go unchecked."""
+    redis = RedisSettings.from_env(url)
+    if tls_unverified(redis.url):
+        log.warning("redis: ssl_cert_reqs=none: the server's TLS certificate is NOT "
+                    "verified; anyone on the path can pose as Redis")
+    return redis
+
+
 def _dispatch(args: argparse.Namespace, redis_url: str | None) -> int:
     if args.command == "up":
         cmd_up(args, redis_url)
     elif args.command == "gateway":
-        cmd_gateway(args, RedisSettings.from_env(redis_url))
+        cmd_gateway(args, _redis_settings(redis_url))
     elif args.command == "status":
-        return cmd_status(args, RedisSettings.from_env(redis_url))
+        return cmd_status(args, _redis_settings(redis_url))
     elif args.command == "jobs":
         from redbatch.jobs.cli import main as jobs_main
 
         return jobs_main(args)
     else:
-        cmd_worker(args, RedisSettings.from_env(redis_url))
+        cmd_worker(args, _redis_settings(redis_url))
     return 0
 
 

@@ -86,3 +86,24 @@ def test_bad_config_names_the_setting() -> None:
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "REDBATCH_PORT" in result.stderr
+
+
+@pytest.mark.parametrize("command", [("up",), ("gateway",), ("worker", "redbatch.demo:models")])
+def test_a_mangled_redis_url_fails_in_one_line_without_the_password(command: tuple[str, ...]
+                                                                    ) -> None:
+    url = "redis://:Qx7/Kp9#Zw4@127.0.0.1:6379/0"  # a password with a raw '/' and '#'
+    result = subprocess.run(redbatch_cmd(*command, "--redis-url", url), env=test_env(),
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    output = result.stdout + result.stderr
+    assert "percent-encode" in output and "Traceback" not in output
+    assert len(output.strip().splitlines()) == 1, output
+    for secret in ("Qx7", "Kp9", "Zw4"):
+        assert secret not in output
+
+
+def test_unverified_tls_is_warned_about() -> None:
+    url = f"rediss://127.0.0.1:{free_port()}/0?ssl_cert_reqs=none"
+    result = subprocess.run(redbatch_cmd("status", "--redis-url", url), env=test_env(),
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.stderr.count("certificate is NOT verified") == 1, result.stderr
