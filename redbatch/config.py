@@ -188,13 +188,14 @@ class WorkerConfig:
     max_attempts: int = 3
     grace_s: float = 30.0
     metrics_port: int = 0  # Prometheus /metrics of replica i on metrics_port + i; 0: off
+    max_failed_starts: int = 5  # a replica failing this often before it serves stops all
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0 (off) or 1-65535, got "
                               f"{self.metrics_port}")
-        if self.max_attempts < 1:
-            raise ConfigError("max_attempts must be >= 1")
+        if self.max_attempts < 1 or self.max_failed_starts < 1:
+            raise ConfigError("max_attempts and max_failed_starts must be >= 1")
         for name in ("block_timeout_s", "heartbeat_interval_s", "lease_ttl_s", "grace_s"):
             _positive(name, getattr(self, name))
         if self.replicas < 1 or self.threads < 1:
