@@ -59,7 +59,8 @@ class FakePool(Pool):
         self._clock = lambda: self.now
         self.spawned: list[tuple[FakeProc, FakeReport]] = []
 
-    def _spawn(self, index: int) -> tuple[FakeProc, FakeReport]:  # type: ignore[override]
+    def _spawn(self, index: int, quiet: bool = False  # type: ignore[override]
+               ) -> tuple[FakeProc, FakeReport]:
         self.spawned.append((FakeProc(len(self.spawned)), FakeReport()))
         return self.spawned[-1]
 
