@@ -17,7 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from redbatch import lua, metrics, protocol
-from redbatch.checks import check_eviction
+from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.redis_conn import REDIS_ERRORS, async_client
@@ -113,13 +113,18 @@ class Worker:
                 await client.aclose()
 
     async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
-        """Load the scripts and take the lease before the first claim."""
+        """Check the server (warnings logged once), load the scripts and take the lease
+        before the first claim."""
+        async def checks() -> None:
+            for warning in await worker_warnings(redis):
+                log.warning("%s", warning)
+
         async def first() -> None:
-            await check_eviction(redis)
             for script in (lua.CLAIM, lua.PUBLISH, lua.REAP):
                 await redis.script_load(script)
             await self._beat(redis)
 
+        await _keep_going("checks", checks, stop, once=True)
         await _keep_going("register", first, stop, once=True)
 
     async def _beat(self, redis: aioredis.Redis) -> None:
