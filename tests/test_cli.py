@@ -126,6 +126,18 @@ def test_a_model_that_never_builds_stops_the_worker(redis_url: str) -> None:
     assert "failed to start 2 times in a row" in last, result.stderr
     assert "FileNotFoundError: no weights at /models/missing.pt" in last
     assert result.stderr.count("started worker replica") == 2
+    assert result.stderr.count("Traceback") == 1  # the first failure only
+    assert "restart #2" not in result.stderr
+
+
+@pytest.mark.e2e
+def test_up_stops_when_its_model_never_builds() -> None:
+    result = run_cli("up", "--models", "tests.models_broken:broken", "--port",
+                     str(free_port()), "--max-failed-starts", "2", timeout_s=55)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "failed to start 2 times in a row" in last, result.stderr
+    assert "FileNotFoundError: no weights" in last
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")

@@ -37,10 +37,11 @@ def replica_device(device: str, index: int, gpu_count: int) -> str:
 
 
 def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
-           log_level: str, overrides: dict[str, Any], report: mp_connection.Connection
-           ) -> None:
+           log_level: str, overrides: dict[str, Any], report: mp_connection.Connection,
+           quiet: bool = False) -> None:
     """A replica's process: reports ``SERVING`` once it serves, or the last line of
-    the error that stopped it (read by the pool's supervisor; text, never pickle)."""
+    the error that stopped it (read by the pool's supervisor; text, never pickle).
+    ``quiet``: the same error was shown with its traceback already."""
     from redbatch.worker.process import run_worker_process, set_threads
 
     try:
@@ -53,7 +54,8 @@ def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
     except KeyboardInterrupt:  # Ctrl-C while starting: the pool is stopping anyway
         return
     except Exception as exc:
-        log.exception("worker replica %d failed", index)
+        log.error("worker replica %d failed: %s", index, last_line(exc),
+                  exc_info=None if quiet else exc)
         _report(report, last_line(exc).encode())
         raise SystemExit(1) from None
 
@@ -128,11 +130,12 @@ class Pool:
         self._clock: Callable[[], float] = time.monotonic
         self.failure: str | None = None
 
-    def _spawn(self, index: int) -> tuple[BaseProcess, mp_connection.Connection]:
+    def _spawn(self, index: int, quiet: bool = False
+               ) -> tuple[BaseProcess, mp_connection.Connection]:
         reader, writer = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=_child, name=f"redbatch-worker-{index}",
                                  args=(self.target, self.redis, self.config, index,
-                                       self.log_level, self.overrides, writer))
+                                       self.log_level, self.overrides, writer, quiet))
         proc.start()
         writer.close()  # the child holds the only writer: its exit reads as EOF
         log.info("started worker replica %d (pid %s) for %s", index, proc.pid, self.target)
@@ -171,9 +174,10 @@ class Pool:
         if replica.failed_starts >= self.config.max_failed_starts:
             self._give_up(replica)
             return
+        log.warning("worker replica %d: restart #%d", replica.index, replica.restarts)
         delay = min(RESTART_BACKOFF_CAP_S, 0.5 * 2 ** min(replica.restarts, 5))
         replica.report.close()
-        proc, replica.report = self._spawn(replica.index)
+        proc, replica.report = self._spawn(replica.index, quiet=replica.failed_starts > 0)
         replica.process, replica.served, replica.last_error = proc, False, ""
         replica.started_s = self._clock()
         replica.next_start = replica.started_s + delay
@@ -197,16 +201,14 @@ class Pool:
         replica.failed_starts = 0 if replica.served else replica.failed_starts + 1
         if not replica.last_error:  # killed, or died in C code: no line reported
             replica.last_error = f"exit code {proc.exitcode}"
-        log.warning("worker replica %d (pid %s) exited with code %s%s; restart #%d",
-                    replica.index, proc.pid, proc.exitcode,
-                    "" if replica.served else " before it served", replica.restarts)
+        log.warning("worker replica %d (pid %s) exited with code %s%s", replica.index,
+                    proc.pid, proc.exitcode, "" if replica.served else " before it served")
 
     def _give_up(self, replica: _Replica) -> None:
         self.failure = (f"worker replica {replica.index} of {self.target} failed to start "
                         f"{replica.failed_starts} times in a row and never served; last "
                         f"error: {replica.last_error}. Fix what the log above shows (the "
                         "model's build, its files, --device), then start again")
-        log.error("%s", self.failure)
         self._stopping.set()
 
     def stop(self, grace_s: float = 35.0) -> None:
