@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env
+from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env, tls_unverified
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.logs import setup_logging
 
@@ -43,6 +43,8 @@ def _add_worker(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl-s", type=float, help="worker lease (10)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics of replica i on "
                         "this port + i (0: off; $REDBATCH_METRICS_PORT)")
+    parser.add_argument("--max-failed-starts", type=int, help="stop when a replica failed "
+                        "this many starts in a row without serving (5)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,20 +88,17 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if v is not None}
 
 
-def _serve_gateway(config: GatewayConfig, redis: RedisSettings) -> None:
-    import uvicorn
-
+def _serve_gateway(config: GatewayConfig, redis: RedisSettings,
+                   stop: threading.Event | None = None) -> None:
+    """Serve until a signal (or ``stop``); logs "listening" once it listens, and a
+    taken port is a ``ConfigError``."""
+    from redbatch import gateway_server
     from redbatch.api import create_app
     from redbatch.heap import freeze_startup_heap
 
-    log.info("gateway listening on http://%s:%d", config.host, config.port)
-    # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's
-    # default action that would kill us before the callers' cleanup (workers, the
-    # embedded Redis) runs, so turn it into an exception that unwinds through them.
-    signal.signal(signal.SIGTERM, _terminated)
     app = create_app(config, redis)
     freeze_startup_heap()
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
+    gateway_server.run(app, stop, host=config.host, port=config.port, log_level="warning",
                 access_log=False)
 
 
@@ -131,26 +130,37 @@ def cmd_worker(args: argparse.Namespace, redis: RedisSettings) -> None:
         pool.supervise(stop)
     finally:
         pool.stop()
+    if pool.failure:
+        raise ConfigError(pool.failure)
 
 
 def cmd_gateway(args: argparse.Namespace, redis: RedisSettings) -> None:
+    # uvicorn re-raises the signal that stopped it once it is done: SIGTERM's default
+    # action would skip our exit path, so turn it into an exception.
+    signal.signal(signal.SIGTERM, _terminated)
     _serve_gateway(from_env(GatewayConfig, _overrides(args)), redis)
 
 
 def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
+    """Ctrl-C or SIGTERM, whenever it comes, sets one event: the gateway stops, then
+    the workers (no restart), then the embedded Redis (in its own session, so the
+    terminal's SIGINT does not reach it before the workers returned their batches)."""
     from redbatch.embedded import start_embedded
 
+    stop = _stop_event()
     gateway_config, entries, file_url = _up_plan(args)
     source = "--redis-url" if args.redis_url else "REDIS_URL"
     if file_url and not args.redis_url:
         redis_url, source = file_url, f"redis_url of {args.config}"
-    embedded = None if redis_url else start_embedded()
-    if redis_url:
+    given = _redis_settings(redis_url) if redis_url else None  # a bad URL fails first
+    embedded = None if given else start_embedded()
+    if given:
         log.info("using %s", source)
-    redis = RedisSettings.from_env(embedded.url if embedded else redis_url)
+    redis = given or RedisSettings.from_env(embedded.url if embedded else None)
     log.info("redis: %s", redis.safe_url)
     try:
-        _up(entries, gateway_config, redis, _log_level(args))
+        if not stop.is_set():
+            _up(entries, gateway_config, redis, _log_level(args), stop)
     finally:
         if embedded:
             embedded.stop()
@@ -187,8 +197,9 @@ def _worker_config(flags: dict[str, Any], values: dict[str, Any], index: int) ->
 
 
 def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSettings,
-        log_level: str) -> None:
-    """Workers (supervised) in the background, the gateway in the foreground."""
+        log_level: str, stop: threading.Event) -> None:
+    """Workers (supervised) in the background, the gateway in the foreground, until
+    ``stop`` (a signal, or a pool that gave up)."""
     from redbatch.worker.loader import load_models
     from redbatch.worker.pool import Pool
 
@@ -196,14 +207,14 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
         load_models(target)  # fail here, loudly, rather than in every replica
     pools = [Pool(target, redis, config, log_level, overrides)
              for target, config, overrides in entries]
-    stop = threading.Event()
     supervisors = []
-    for pool in pools:
-        pool.start()
-        supervisors.append(threading.Thread(target=pool.supervise, args=(stop,), daemon=True))
-        supervisors[-1].start()
     try:
-        _serve_gateway(gateway_config, redis)
+        for pool in pools:
+            pool.start()
+            supervisors.append(threading.Thread(target=pool.supervise, args=(stop,),
+                                                daemon=True))
+            supervisors[-1].start()
+        _serve_gateway(gateway_config, redis, stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not skip cleanup
             signal.signal(sig, signal.SIG_IGN)
@@ -212,6 +223,13 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
         for supervisor in supervisors:
             supervisor.join(5)
         _stop_all(pools)
+    _raise_failure(pools)
+
+
+def _raise_failure(pools: list[Any]) -> None:
+    for pool in pools:
+        if pool.failure:
+            raise ConfigError(pool.failure)
 
 
 def _stop_all(pools: list[Any]) -> None:
@@ -231,19 +249,29 @@ def cmd_status(args: argparse.Namespace, redis: RedisSettings) -> int:
     return run(redis, as_json=args.json, watch=args.watch, interval_s=args.interval_s)
 
 
+def _redis_settings(url: str | None) -> RedisSettings:
+    """The Redis settings (a URL that does not parse fails here, in one line); warns
+    once, here, when TLS certificates go unchecked."""
+    redis = RedisSettings.from_env(url)
+    if tls_unverified(redis.url):
+        log.warning("redis: ssl_cert_reqs=none: the server's TLS certificate is NOT "
+                    "verified; anyone on the path can pose as Redis")
+    return redis
+
+
 def _dispatch(args: argparse.Namespace, redis_url: str | None) -> int:
     if args.command == "up":
         cmd_up(args, redis_url)
     elif args.command == "gateway":
-        cmd_gateway(args, RedisSettings.from_env(redis_url))
+        cmd_gateway(args, _redis_settings(redis_url))
     elif args.command == "status":
-        return cmd_status(args, RedisSettings.from_env(redis_url))
+        return cmd_status(args, _redis_settings(redis_url))
     elif args.command == "jobs":
         from redbatch.jobs.cli import main as jobs_main
 
         return jobs_main(args)
     else:
-        cmd_worker(args, RedisSettings.from_env(redis_url))
+        cmd_worker(args, _redis_settings(redis_url))
     return 0
 
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit, urlunsplit
 
 from redbatch.errors import ConfigError
 from redbatch.protocol import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_TTL_S, MAX_ATTEMPT, MAX_TIMEOUT_S
@@ -20,6 +20,11 @@ from redbatch.protocol import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_TTL_S, MAX_ATTE
 T = TypeVar("T")
 ENV_PREFIX = "REDBATCH_"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+QUERY_NAME = re.compile(r"[a-z_]+")
+DB_PATH = re.compile(r"/?\d*")
+ENCODE_HINT = ("percent-encode special characters in the password (/ as %2F, # as %23, "
+               "? as %3F, @ as %40, : as %3A)")
 
 
 def redact_url(url: str) -> str:
@@ -27,15 +32,60 @@ def redact_url(url: str) -> str:
     query parameter (``unix://`` URLs) is masked too."""
     parts = urlsplit(url)
     if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (
-            f":{parts.port}" if parts.port else "")
+        netloc = f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"
         url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
     return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
+
+
+def check_redis_url(url: str) -> None:
+    """Raise ``ConfigError`` unless ``url`` parses as a Redis URL whose host, port and
+    database are what they seem.  A password with a raw ``/``, ``#`` or ``?`` cuts the
+    URL short: its tail would pass for a host, port, path or query (and redis-py echoes
+    a bad port in its error).  The message never quotes any part of the URL."""
+    parts = urlsplit(url)
+    if parts.scheme not in REDIS_SCHEMES:
+        raise ConfigError("the Redis URL must start with redis://, rediss:// or unix://")
+    problem = "it has a '#'" if "#" in url else _url_problem(parts)
+    if problem:
+        raise ConfigError(f"the Redis URL does not parse: {problem}; {ENCODE_HINT}")
+
+
+def _url_problem(parts: SplitResult) -> str | None:
+    if "@" in parts.path or "@" in parts.query:
+        return "it has an '@' after its host"
+    if any(not QUERY_NAME.fullmatch(name) for name, _ in parse_qsl(parts.query, True)):
+        return "its query (after '?') is not a list of name=value options"
+    if parts.scheme == "unix":
+        return None if parts.path else "it has no socket path"
+    return _host_problem(parts)
+
+
+def _host_problem(parts: SplitResult) -> str | None:
+    try:
+        parts.port  # noqa: B018  # raises ValueError when the port is not a number
+    except ValueError:
+        return "its port is not a number from 0 to 65535"
+    if not parts.hostname:
+        return "it has no host"
+    if not DB_PATH.fullmatch(parts.path):
+        return "its database (the path after the port) is not a number"
+    return None
+
+
+def tls_unverified(url: str) -> bool:
+    """Whether a ``rediss://`` URL turns certificate verification off."""
+    query = dict(parse_qsl(urlsplit(url).query))
+    return query.get("ssl_cert_reqs", "").strip().lower() == "none"
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _at_least_one(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value!r}")
 
 
 def _parse_bool(text: str) -> bool:
@@ -86,9 +136,7 @@ class RedisSettings:
     connect_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if urlsplit(self.url).scheme not in {"redis", "rediss", "unix"}:
-            raise ConfigError(f"REDIS_URL {redact_url(self.url)!r} must be redis://, rediss://"
-                              " or unix://")
+        check_redis_url(self.url)
         _positive("socket_timeout_s", self.socket_timeout_s)
         _positive("connect_timeout_s", self.connect_timeout_s)
 
@@ -147,10 +195,9 @@ class WorkerConfig:
     metrics_port: int = 0  # Prometheus /metrics of replica i on metrics_port + i; 0: off
     dead_letter_ttl_s: int = DEAD_LETTER_TTL_S  # dead letters expire this long after the last
     dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES  # each keeps the entry's first bytes
+    max_failed_starts: int = 5  # a replica failing this often before it serves stops all
 
     def __post_init__(self) -> None:
-        if self.dead_letter_ttl_s < 1 or self.dead_letter_max_bytes < 1:
-            raise ConfigError("dead_letter_ttl_s and dead_letter_max_bytes must be >= 1")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0 (off) or 1-65535, got "
                               f"{self.metrics_port}")
@@ -158,8 +205,9 @@ class WorkerConfig:
             raise ConfigError(f"max_attempts must be 1..{MAX_ATTEMPT}")
         for name in ("block_timeout_s", "heartbeat_interval_s", "lease_ttl_s", "grace_s"):
             _positive(name, getattr(self, name))
-        if self.replicas < 1 or self.threads < 1:
-            raise ConfigError("replicas and threads must be >= 1")
+        for name in ("replicas", "threads", "max_failed_starts", "dead_letter_ttl_s",
+                     "dead_letter_max_bytes"):
+            _at_least_one(name, getattr(self, name))
         if self.lease_ttl_s <= 2 * self.heartbeat_interval_s:
             raise ConfigError("lease_ttl_s must be more than twice heartbeat_interval_s")
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):

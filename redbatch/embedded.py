@@ -10,6 +10,7 @@ import logging
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -23,6 +24,12 @@ from redbatch.errors import RedisUnavailable
 
 log = logging.getLogger("redbatch.embedded")
 START_TIMEOUT_S = 10.0
+# On Linux, redis-server is exec'd by a tiny Python that asks the kernel to SIGTERM it
+# when we die (even by SIGKILL): in its own session, no group signal would reach it.
+_DIE_WITH_PARENT = [sys.executable, "-I", "-S", "-c",
+                    "import ctypes, os, signal, sys; "
+                    "ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # 1: PR_SET_PDEATHSIG
+                    "os.execv(sys.argv[1], sys.argv[1:])"] if sys.platform == "linux" else []
 
 
 def free_port() -> int:
@@ -73,10 +80,13 @@ def _stopper(proc: subprocess.Popen[bytes], workdir: str) -> Callable[[], None]:
 def start_redis_server(binary: str) -> EmbeddedRedis:
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="redbatch-redis-")
+    # Its own session: a Ctrl-C in the terminal reaches the whole foreground group, and
+    # Redis must outlive the workers that return their batches to it; ``stop()`` ends it.
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no", "--dir", workdir, "--maxmemory-policy", "noeviction", "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        [*_DIE_WITH_PARENT, binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", workdir, "--maxmemory-policy", "noeviction",
+         "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     stop = _stopper(proc, workdir)
     url = f"redis://127.0.0.1:{port}/0"
     try:

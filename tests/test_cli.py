@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import httpx
 import psutil
 import pytest
 import redis
+import torch
 
 from redbatch import Client, batch
 from redbatch.embedded import start_embedded
@@ -86,3 +89,84 @@ def test_bad_config_names_the_setting() -> None:
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "REDBATCH_PORT" in result.stderr
+
+
+@pytest.mark.parametrize("command", [("up",), ("gateway",), ("worker", "redbatch.demo:models")])
+def test_a_mangled_redis_url_fails_in_one_line_without_the_password(command: tuple[str, ...]
+                                                                    ) -> None:
+    url = "redis://:Qx7/Kp9#Zw4@127.0.0.1:6379/0"  # a password with a raw '/' and '#'
+    result = subprocess.run(redbatch_cmd(*command, "--redis-url", url), env=test_env(),
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    output = result.stdout + result.stderr
+    assert "percent-encode" in output and "Traceback" not in output
+    assert len(output.strip().splitlines()) == 1, output
+    for secret in ("Qx7", "Kp9", "Zw4"):
+        assert secret not in output
+
+
+def test_unverified_tls_is_warned_about() -> None:
+    url = f"rediss://127.0.0.1:{free_port()}/0?ssl_cert_reqs=none"
+    result = subprocess.run(redbatch_cmd("status", "--redis-url", url), env=test_env(),
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.stderr.count("certificate is NOT verified") == 1, result.stderr
+
+
+def run_cli(*args: str, timeout_s: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(redbatch_cmd(*args), env=test_env(**env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+@pytest.mark.e2e
+def test_a_model_that_never_builds_stops_the_worker(redis_url: str) -> None:
+    result = run_cli("worker", "tests.models_broken:broken", "--redis-url", redis_url,
+                     "--max-failed-starts", "2", timeout_s=55)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "failed to start 2 times in a row" in last, result.stderr
+    assert "FileNotFoundError: no weights at /models/missing.pt" in last
+    assert result.stderr.count("started worker replica") == 2
+    assert result.stderr.count("Traceback") == 1  # the first failure only
+    assert "restart #2" not in result.stderr
+
+
+@pytest.mark.e2e
+def test_up_stops_when_its_model_never_builds() -> None:
+    result = run_cli("up", "--models", "tests.models_broken:broken", "--port",
+                     str(free_port()), "--max-failed-starts", "2", timeout_s=55)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "failed to start 2 times in a row" in last, result.stderr
+    assert "FileNotFoundError: no weights" in last
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+def test_cuda_on_a_host_without_it_fails_at_once() -> None:
+    result = run_cli("worker", "tests.models_broken:broken", "--device", "cuda")
+    assert result.returncode == 2, result.stderr
+    assert "CUDA is not available" in result.stderr and "--device cpu" in result.stderr
+    assert "Traceback" not in result.stderr and "started worker" not in result.stderr
+
+
+def test_a_taken_port_is_one_clear_error(redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("gateway", "--redis-url", redis_url, "--port", str(port))
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "listening" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_listening_is_logged_once_the_port_is_bound(spawn: Callable[..., Proc],
+                                                    redis_url: str) -> None:
+    port = free_port()
+    proc = spawn(redbatch_cmd("gateway", "--redis-url", redis_url, "--port", str(port)),
+                 name="gateway")
+    deadline = time.monotonic() + 30
+    while f"listening on http://127.0.0.1:{port}" not in proc.log():
+        assert time.monotonic() < deadline and proc.popen.poll() is None, proc.log()
+        time.sleep(0.05)
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # the port was bound when the line was written

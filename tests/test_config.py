@@ -13,6 +13,7 @@ from redbatch.config import (
     check_socket_timeout,
     from_env,
     redact_url,
+    tls_unverified,
 )
 from redbatch.errors import ConfigError
 from redbatch.worker.policy import BatchPolicy
@@ -89,3 +90,39 @@ def test_window_anchor() -> None:
     assert ray_rule.window_end_ms(oldest_enqueue_ms=1000, claimed_ms=1500) == 1010
     full_wait = BatchPolicy(batch_wait_timeout_s=0.01, allow_small_batch=False)
     assert full_wait.window_end_ms(oldest_enqueue_ms=1000, claimed_ms=1500) == 1510
+
+
+MANGLED_URLS = [  # what passwords with a raw / # ? do to a URL (and other typos)
+    "redis://:Qx7/Kp9@db.example:6379/0", "redis://:Qx7#Kp9@db.example:6379/0",
+    "redis://:Qx7?Kp9@db.example:6379/0", "redis://user:707/Kp9@db.example/0",
+    "redis://:707/Kp9@db.example/0", "redis://user:707#Kp9@db.example/0",
+    "redis://user:707?Kp9@db.example/0", "redis://db.example:6379/zero",
+    "redis://db.example:ab/0", "redis://db.example:99999/0", "redis:///0",
+]
+
+
+@pytest.mark.parametrize("url", MANGLED_URLS)
+def test_a_url_that_does_not_parse_fails_without_quoting_it(url: str) -> None:
+    with pytest.raises(ConfigError, match="percent-encode special characters") as info:
+        RedisSettings(url)
+    for secret in ("Qx7", "Kp9", "707"):
+        assert secret not in str(info.value)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://u:p%2Fs%23s%3F@db.example:6379/2", "redis://db.example", "redis://[::1]:6380/1",
+    "rediss://:pw@db.example:6380/0?ssl_cert_reqs=required", "unix:///tmp/r.sock?db=1",
+])
+def test_well_formed_urls_pass(url: str) -> None:
+    assert "p%2F" not in repr(RedisSettings(url))
+
+
+def test_ipv6_password_is_masked_with_its_host() -> None:
+    assert RedisSettings("redis://u:pw@[::1]:6380/1").safe_url == "redis://u:***@[::1]:6380/1"
+
+
+def test_unverified_tls_is_spotted() -> None:
+    assert tls_unverified("rediss://db:6380/0?ssl_cert_reqs=none")
+    assert tls_unverified("rediss://db:6380/0?ssl_cert_reqs=NONE")
+    assert not tls_unverified("rediss://db:6380/0?ssl_cert_reqs=required")
+    assert not tls_unverified("redis://db:6379/0")

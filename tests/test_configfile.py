@@ -98,7 +98,7 @@ def test_up_refuses_a_bad_file(tmp_path: Path) -> None:
     path = write(tmp_path, "[[models]]\ntarget='redbatch.demo:models'\nreplicas=0\n")
     done = subprocess.run(redbatch_cmd("up", "-c", str(path)), capture_output=True, text=True,
                           env=test_env(), timeout=60, check=False)
-    assert done.returncode == 2 and "models[0]: replicas and threads must be >= 1" in \
+    assert done.returncode == 2 and "models[0]: replicas must be >= 1, got 0" in \
         done.stderr
 
 

@@ -17,7 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from redbatch import lua, metrics, protocol
-from redbatch.checks import check_eviction
+from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.redis_conn import REDIS_ERRORS, async_client
@@ -31,6 +31,7 @@ log = logging.getLogger("redbatch.worker")
 T = TypeVar("T")
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
+LEAVE_TIMEOUT_S = 3.0  # returning the batch at shutdown: Redis gone must not hang the stop
 
 
 async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
@@ -89,6 +90,7 @@ class Worker:
         self.device = device
         self.worker_id = worker_id or protocol.new_id()[:12]
         self.runners: list[BatchRunner] = []
+        self.on_serving: Callable[[], object] = lambda: None  # called once it serves
         self._info = heartbeat.static_info(self.worker_id, device)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -114,13 +116,18 @@ class Worker:
                 await client.aclose()
 
     async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
-        """Load the scripts and take the lease before the first claim."""
+        """Check the server (warnings logged once), load the scripts and take the lease
+        before the first claim."""
+        async def checks() -> None:
+            for warning in await worker_warnings(redis):
+                log.warning("%s", warning)
+
         async def first() -> None:
-            await check_eviction(redis)
             for script in (lua.CLAIM, lua.PUBLISH, lua.REAP):
                 await redis.script_load(script)
             await self._beat(redis)
 
+        await _keep_going("checks", checks, stop, once=True)
         await _keep_going("register", first, stop, once=True)
 
     async def _beat(self, redis: aioredis.Redis) -> None:
@@ -148,6 +155,7 @@ class Worker:
         heart = asyncio.create_task(_keep_going("heartbeat", beat, beating))
         log.info("worker %s serving %s on %s", self.worker_id,
                  ",".join(m.name for m in self.models), self.device)
+        self.on_serving()
         await stop.wait()
         _done, pending = await asyncio.wait(tasks, timeout=self.config.grace_s)
         for task in pending:
@@ -159,15 +167,20 @@ class Worker:
         return not pending
 
     async def _leave(self, redis: aioredis.Redis) -> None:
-        """Return any unfinished batch to the queue's front, then deregister."""
+        """Return any unfinished batch to the queue's front, then deregister; give up
+        after ``LEAVE_TIMEOUT_S`` (Redis gone or hung): the lease expires on its own."""
         try:
-            for reaper in self._reapers.values():
-                await reaper.reap(self.worker_id, force=True)
-            await heartbeat.leave(redis, self.models, self.worker_id)
-        except REDIS_ERRORS as exc:
+            await asyncio.wait_for(self._return_and_deregister(redis), LEAVE_TIMEOUT_S)
+        except (*REDIS_ERRORS, TimeoutError) as exc:
             log.warning("worker %s could not return its batch or deregister (%s); its lease "
-                        "will expire and another worker will reap it", self.worker_id, exc)
+                        "will expire and another worker will reap it", self.worker_id,
+                        exc or type(exc).__name__)
         log.info("worker %s stopped", self.worker_id)
+
+    async def _return_and_deregister(self, redis: aioredis.Redis) -> None:
+        for reaper in self._reapers.values():
+            await reaper.reap(self.worker_id, force=True)
+        await heartbeat.leave(redis, self.models, self.worker_id)
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
@@ -206,9 +219,11 @@ async def _main(worker: Worker) -> None:
 
 def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, device: str,
                        log_level: str = "INFO", index: int = 0,
-                       overrides: dict[str, Any] | None = None) -> None:
+                       overrides: dict[str, Any] | None = None,
+                       on_serving: Callable[[], object] | None = None) -> None:
     """Entry point of a spawned worker process (replica ``index``); ``overrides``
-    replace the models' batching knobs and limits (``redbatch up -c FILE``)."""
+    replace the models' batching knobs and limits (``redbatch up -c FILE``);
+    ``on_serving`` is called once the batch loops run."""
     from redbatch.configfile import with_overrides
     from redbatch.heap import freeze_startup_heap
     from redbatch.logs import setup_logging
@@ -217,6 +232,7 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
     set_threads(config.threads)  # before anything imports torch; Worker.run applies it too
     models = with_overrides(load_models(target), overrides or {})
     worker = Worker(models, redis, config, device=device)
+    worker.on_serving = on_serving or worker.on_serving
     if config.metrics_port:
         serve_metrics(config.metrics_port + index)
     freeze_startup_heap()  # redbatch.heap: no full collection walks torch under load

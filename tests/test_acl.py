@@ -1,0 +1,62 @@
+"""A least-privilege Redis user (docs/redis.md): the worker serves, and says once, at
+start, what it cannot do (CLIENT UNBLOCK, CONFIG GET refused)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+
+from redbatch import Client, batch
+from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
+from redbatch.worker.process import Worker
+from tests.conftest import ROOT, RedisServer
+
+
+@batch(name="acl_double", max_batch_size=8, batch_wait_timeout_s=0.01)
+def double(xs: list[int]) -> list[int]:
+    return [2 * x for x in xs]
+
+
+def acl_url(server: RedisServer, rules: str) -> str:
+    server.client().execute_command("ACL", "SETUSER", "rb", "reset", "on", ">rb-pw",
+                                    *rules.split())
+    return f"redis://rb:rb-pw@127.0.0.1:{server.port}/0"
+
+
+@pytest.fixture(scope="module")
+def acl_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    return redis_server_factory()
+
+
+async def test_least_privilege_user_serves_and_warns_once(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    url = acl_url(acl_server, "~rb:* &* +@all -@admin -@dangerous")
+    with caplog.at_level(logging.WARNING):
+        start_worker([double], url=url)
+        async with Client(acl_server.url) as client:  # the default user: no warning
+            assert await client.predict_many("acl_double", [1, 2, 3], timeout_s=10) == [2, 4, 6]
+            assert await client.predict("acl_double", 5, timeout_s=10) == 10
+    assert caplog.text.count(UNBLOCK_REFUSED) == 1, caplog.text
+    assert caplog.text.count(CONFIG_REFUSED) == 1, caplog.text
+
+
+def documented_rules() -> str:
+    """The rules of the ``ACL SETUSER redbatch`` line in docs/redis.md."""
+    text = (ROOT / "docs" / "redis.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("ACL SETUSER redbatch "))
+    return line.removeprefix("ACL SETUSER redbatch ").replace(">CHANGE-ME", "").strip()
+
+
+async def test_the_documented_user_gets_no_warning(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    url = acl_url(acl_server, documented_rules())
+    with caplog.at_level(logging.WARNING):
+        start_worker([double], url=url)
+        async with Client(url) as client:
+            assert await client.predict_many("acl_double", [1, 2, 3], timeout_s=10) == [2, 4, 6]
+            assert await client.predict("acl_double", 5, timeout_s=10) == 10
+    assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text

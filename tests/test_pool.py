@@ -1,0 +1,183 @@
+"""The pool's supervisor (``Pool._check``/``supervise``) with fake processes and a
+clock the test moves: backoff, its reset after healthy serving, no restart while
+stopping, and giving up on a replica that never starts."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from redbatch.config import RedisSettings, WorkerConfig
+from redbatch.errors import ConfigError
+from redbatch.worker import pool as pool_module
+from redbatch.worker.pool import HEALTHY_UPTIME_S, SERVING, Pool
+
+
+class FakeReport:
+    """The parent's end of a replica's report pipe."""
+
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+
+    def poll(self) -> bool:
+        return bool(self.messages)
+
+    def recv_bytes(self, maxlength: int) -> bytes:
+        return self.messages.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeProc:
+    """A replica process: alive until ``die()``; its sentinel is always ready."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.exitcode, self.alive = pid, None, True
+        self._read, self._write = os.pipe()
+        os.write(self._write, b"x")
+        self.sentinel = self._read
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def die(self, code: int = 1) -> None:
+        self.alive, self.exitcode = False, code
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
+class FakePool(Pool):
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__("tests.models_broken:broken", RedisSettings(), config)
+        self.now = 1000.0
+        self._clock = lambda: self.now
+        self.spawned: list[tuple[FakeProc, FakeReport]] = []
+
+    def _spawn(self, index: int, quiet: bool = False  # type: ignore[override]
+               ) -> tuple[FakeProc, FakeReport]:
+        self.spawned.append((FakeProc(len(self.spawned)), FakeReport()))
+        return self.spawned[-1]
+
+    @property
+    def proc(self) -> FakeProc:
+        return self.spawned[-1][0]
+
+    def serve(self) -> None:
+        self.spawned[-1][1].messages.append(SERVING)
+
+    def crash(self, error: bytes = b"") -> None:
+        if error:
+            self.spawned[-1][1].messages.append(error)
+        self.proc.die()
+        self._check(self.replicas[0])
+
+
+@pytest.fixture
+def make_pool() -> Iterator[Callable[..., FakePool]]:
+    pools: list[FakePool] = []
+
+    def make(config: WorkerConfig | None = None) -> FakePool:
+        pool = FakePool(config or WorkerConfig())
+        pool.start()
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        for proc, _ in pool.spawned:
+            proc.close()
+
+
+def test_backoff_grows_then_resets_after_healthy_serving(
+        make_pool: Callable[..., FakePool]) -> None:
+    pool = make_pool()
+    for _ in range(4):  # a bad spell: each restart waits longer
+        pool.serve()
+        pool.now = pool.replicas[0].next_start + 1
+        pool.crash()
+    replica = pool.replicas[0]
+    assert replica.restarts == 4 and replica.next_start - pool.now == 8.0
+    pool.now += 5  # inside the backoff: no restart yet
+    pool.crash()
+    assert len(pool.spawned) == 5
+    pool.now = replica.next_start + HEALTHY_UPTIME_S  # then it served well for a long time
+    pool._check(replica)
+    pool.serve()
+    pool.now += HEALTHY_UPTIME_S
+    pool.crash()
+    assert len(pool.spawned) == 7
+    assert replica.restarts == 1 and replica.next_start - pool.now == 1.0
+
+
+def test_a_short_run_keeps_the_backoff(make_pool: Callable[..., FakePool]) -> None:
+    pool = make_pool()
+    for _ in range(3):
+        pool.serve()
+        pool.now = pool.replicas[0].next_start + 1
+        pool.crash()
+    assert pool.replicas[0].restarts == 3
+
+
+def test_no_restart_once_stop_is_set(make_pool: Callable[..., FakePool]) -> None:
+    """The replica gets the terminal's SIGINT too and exits while the supervisor
+    waits: stop was set by then, and nothing may be restarted."""
+    pool = make_pool()
+    stop = threading.Event()
+    proc = pool.proc
+
+    def dies_as_stop_is_set() -> bool:
+        if proc.alive:
+            proc.alive = False
+            proc.exitcode = 0
+            stop.set()
+            return True
+        return False
+
+    proc.is_alive = dies_as_stop_is_set  # type: ignore[method-assign]
+    pool.supervise(stop, tick_s=0.01)
+    assert len(pool.spawned) == 1
+    pool._check(pool.replicas[0])  # after supervise returned: stopping
+    assert len(pool.spawned) == 1
+
+
+def test_a_replica_that_never_serves_stops_the_pool(make_pool: Callable[..., FakePool]) -> None:
+    pool = make_pool(WorkerConfig(max_failed_starts=3))
+    pool.crash(b"FileNotFoundError: no weights")
+    pool.serve()  # the second one serves: the count starts over
+    pool.now = pool.replicas[0].next_start
+    pool.crash()
+    for _ in range(3):
+        pool.now = pool.replicas[0].next_start
+        pool.crash(b"FileNotFoundError: no weights")
+    assert pool.failure and "3 times in a row" in pool.failure
+    assert "FileNotFoundError: no weights" in pool.failure
+    assert len(pool.spawned) == 5
+    stop = threading.Event()
+    pool.supervise(stop, tick_s=0.01)  # returns at once, and stops the rest too
+    assert stop.is_set() and len(pool.spawned) == 5
+
+
+def test_a_killed_replica_that_never_served_reports_its_exit_code(
+        make_pool: Callable[..., FakePool]) -> None:
+    pool = make_pool(WorkerConfig(max_failed_starts=1))
+    pool.crash()
+    assert pool.failure and "last error: exit code 1" in pool.failure
+
+
+def test_cuda_on_a_host_without_it_fails_before_any_spawn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_module, "_gpu_count", lambda: 0)
+    for device in ("cuda", "cuda:0", "cuda:0,cuda:1"):
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            Pool("x:y", RedisSettings(), WorkerConfig(device=device))
+    monkeypatch.setattr(pool_module, "_gpu_count", lambda: 1)
+    with pytest.raises(ConfigError, match="1 GPU"):
+        Pool("x:y", RedisSettings(), WorkerConfig(device="cuda:0,cuda:1"))
+    Pool("x:y", RedisSettings(), WorkerConfig(device="cuda:0"))
+    Pool("x:y", RedisSettings(), WorkerConfig(device="auto"))
