@@ -64,7 +64,7 @@ class LeanLink:
 
     async def script(self, source: str, keys: list[Any], args: list[Any]) -> Any:
         """EVALSHA of ``source``, loading it once if Redis lost it (a restart, a flush)."""
-        command = ("EVALSHA", _sha1(source), len(keys), *keys, *args)
+        command = ("EVALSHA", script_sha(source), len(keys), *keys, *args)
         try:
             return await self.execute(*command)
         except NoScriptError:
@@ -96,7 +96,8 @@ class LeanLink:
 
 
 @functools.cache
-def _sha1(source: str) -> str:
+def script_sha(source: str) -> str:
+    """The SHA-1 that EVALSHA names ``source`` by."""
     return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
 

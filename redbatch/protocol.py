@@ -126,6 +126,15 @@ def crashing_key(model: str, worker_id: str) -> str:
     return f"{PREFIX}:{{{model}}}:crashing:{worker_id}"
 
 
+def cancelled_key(model: str) -> str:
+    """Sorted set: request id -> deadline (epoch ms) of queued requests whose caller
+    went away (an HTTP client that disconnected); workers skip them without
+    computing.  Trimmed by score and to ``CANCELLED_MAX`` members, and it expires with
+    its latest deadline plus ``MARKER_GRACE_MS``: workers look at it only while it exists."""
+    return f"{PREFIX}:{{{model}}}:cancelled"
+
+
+CANCELLED_MAX: Final = 10_000  # members kept in a model's cancelled set (latest deadlines)
 MODELS_KEY: Final = f"{PREFIX}:models"  # sorted set: model -> last heartbeat (epoch ms)
 
 

@@ -7,16 +7,22 @@ blocking pop is never cut short by its own socket.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 
+from redbatch import protocol
 from redbatch.config import RedisSettings
-from redbatch.errors import RedisUnavailable
+from redbatch.errors import DeadlineExceeded, RedisUnavailable
+
+T = TypeVar("T")
 
 # ResponseError too: OOM, READONLY (a replica after failover), MISCONF... are Redis
 # refusing work, which callers must see as a typed, retryable error.
@@ -64,3 +70,44 @@ async def translated(settings: RedisSettings) -> AsyncIterator[None]:
         yield
     except REDIS_ERRORS as exc:
         raise unavailable(settings, exc) from exc
+
+
+def is_stale(exc: BaseException) -> bool:
+    """Whether ``exc`` is a broken connection (closed or reset by the server, refused):
+    one that a fresh connection may not meet.  A pool with no free connection is not."""
+    return isinstance(exc, redis.ConnectionError) and not isinstance(exc.__cause__,
+                                                                     TimeoutError)
+
+
+async def drop_idle(client: aioredis.Redis) -> None:
+    """Disconnect the pool's idle connections: after one broke (Redis restarted), the
+    others are stale too, and each would fail once more.  They reconnect when next used."""
+    with contextlib.suppress(Exception):
+        await client.connection_pool.disconnect(inuse_connections=False)
+
+
+async def idempotent(client: aioredis.Redis, call: Callable[[], Awaitable[T]]) -> T:
+    """Run a read that is safe to repeat; on a broken connection, drop the pool's idle
+    connections and run it once more (on a fresh one)."""
+    try:
+        return await call()
+    except redis.ConnectionError as exc:
+        if not is_stale(exc):
+            raise
+        await drop_idle(client)
+        return await call()
+
+
+@asynccontextmanager
+async def deadline_bound(deadline_ms: int | None, what: str) -> AsyncIterator[None]:
+    """Bound the block by an absolute deadline (epoch ms; None: unbounded): past it,
+    the block is cancelled and ``DeadlineExceeded`` raised (a stalled Redis included)."""
+    if deadline_ms is None:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout_at(loop.time() + (deadline_ms - protocol.now_ms()) / 1000):
+            yield
+    except TimeoutError as exc:
+        raise DeadlineExceeded(f"deadline passed while {what}") from exc

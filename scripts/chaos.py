@@ -6,6 +6,10 @@ runs, it kill -9s a replica mid-batch (the pool restarts it), SIGSTOPs the other
 past its lease and wakes it, restarts Redis, and injects poison: garbage queue
 entries pushed straight into Redis and requests whose input makes the model raise.
 Every request must end in exactly one answer: lost and duplicated must be 0.
+
+``--scenario stall`` instead SIGSTOPs the redis-server for ``--stall-s`` seconds under
+open-loop arrivals (a fixed rate, whatever the answers do), then SIGCONTs it: every
+request must be answered by its deadline plus a margin, and none with a 200 after it.
 """
 
 from __future__ import annotations
@@ -257,10 +261,79 @@ def report(ledger: Ledger, raw: redis.Redis) -> int:
     return 0 if bad == 0 else 1
 
 
+STALL_TIMEOUT_MS = 1000
+STALL_MARGIN_S = 0.5  # answers count as on time up to the deadline plus this
+
+
+@dataclass
+class StallLedger:
+    sent: int = 0
+    codes: collections.Counter[str] = field(default_factory=collections.Counter)
+    unanswered: int = 0  # nothing within the deadline plus STALL_MARGIN_S
+    late: int = 0  # answered after the deadline plus the margin
+    late_ok: int = 0  # of those, 200s
+
+
+async def stall_request(http: httpx.AsyncClient, ledger: StallLedger, value: int) -> None:
+    ledger.sent += 1
+    started = time.monotonic()
+    try:
+        resp = await http.post("/v1/models/chaos/predict", json={"inputs": value},
+                               headers={"x-redbatch-timeout-ms": str(STALL_TIMEOUT_MS)})
+    except httpx.HTTPError:
+        ledger.unanswered += 1
+        return
+    code = "ok" if resp.status_code == 200 else resp.json()["error"]["code"]
+    ledger.codes[code] += 1
+    if time.monotonic() - started > STALL_TIMEOUT_MS / 1000 + STALL_MARGIN_S:
+        ledger.late += 1
+        ledger.late_ok += code == "ok"
+
+
+async def run_stall(stack: Stack, duration_s: float, stall_s: float, rate: float
+                    ) -> StallLedger:
+    """Open-loop arrivals at ``rate`` per second; Redis SIGSTOPped for ``stall_s``."""
+    ledger, tasks = StallLedger(), []
+    limits = httpx.Limits(max_connections=None)
+    timeout = STALL_TIMEOUT_MS / 1000 + STALL_MARGIN_S
+    redis_pid = stack.procs["redis"].pid
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.http_port}",
+                                 timeout=timeout, limits=limits) as http:
+        started, stopped = time.monotonic(), False
+        for i in range(int(duration_s * rate)):
+            await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
+            elapsed = time.monotonic() - started
+            if not stopped and elapsed >= duration_s / 3:
+                os.kill(redis_pid, signal.SIGSTOP)
+                stopped = True
+            if stopped and elapsed >= duration_s / 3 + stall_s:
+                os.kill(redis_pid, signal.SIGCONT)
+            tasks.append(asyncio.create_task(stall_request(http, ledger, i)))
+        os.kill(redis_pid, signal.SIGCONT)
+        await asyncio.gather(*tasks)
+    return ledger
+
+
+def stall_report(ledger: StallLedger, stall_s: float) -> int:
+    print(f"\nredis-server SIGSTOPped for {stall_s:.1f} s under open-loop arrivals "
+          f"(timeout {STALL_TIMEOUT_MS} ms each)")
+    print(f"  sent                         {ledger.sent}")
+    for code, n in sorted(ledger.codes.items()):
+        print(f"  answered {code:<20} {n}")
+    print(f"  no answer by deadline+{STALL_MARGIN_S}s   {ledger.unanswered}")
+    print(f"  answered after deadline+{STALL_MARGIN_S}s {ledger.late} (200s: {ledger.late_ok})")
+    bad = ledger.unanswered + ledger.late
+    print("\nRESULT:", "PASS (every request answered by its deadline)" if bad == 0 else "FAIL")
+    return 0 if bad == 0 else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--duration-s", type=float, default=12.0)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--scenario", choices=("faults", "stall"), default="faults")
+    parser.add_argument("--stall-s", type=float, default=4.0)
+    parser.add_argument("--rate", type=float, default=40.0, help="stall: arrivals per second")
     args = parser.parse_args()
     if not shutil.which("redis-server"):
         raise SystemExit("chaos needs redis-server")
@@ -268,6 +341,10 @@ def main() -> int:
     stack = Stack(workdir)
     try:
         stack.start()
+        if args.scenario == "stall":
+            duration_s = max(args.duration_s, 3 * args.stall_s)
+            stalled = asyncio.run(run_stall(stack, duration_s, args.stall_s, args.rate))
+            return stall_report(stalled, args.stall_s)
         ledger = asyncio.run(run(stack, args.duration_s, args.concurrency))
         time.sleep(2.0)  # let the last leases and reaps settle before counting leftovers
         return report(ledger, redis.Redis.from_url(stack.url, socket_timeout=5))

@@ -25,3 +25,14 @@ def test_chaos_ledger_is_clean() -> None:
     accepted = int(re.search(r"^\s+accepted\s+(\d+)$", out, re.M).group(1))  # type: ignore[union-attr]
     assert accepted > 100, out
     assert "kill -9 replica" in out and "restarted redis-server" in out
+
+
+@pytest.mark.timeout(240)
+def test_chaos_redis_stall_answers_every_request_by_its_deadline() -> None:
+    result = subprocess.run([sys.executable, "scripts/chaos.py", "--scenario", "stall",
+                             "--stall-s", "3", "--duration-s", "9", "--rate", "30"],
+                            cwd=ROOT, env=test_env(), capture_output=True, text=True,
+                            timeout=200, check=False)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert re.search(r"no answer by deadline\+0.5s\s+0$", out, re.M), out

@@ -4,18 +4,21 @@ and the start-up check for eviction."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Callable
 
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from redbatch import Client, DeadlineExceeded, RedisUnavailable, batch, protocol
+from redbatch import Client, DeadlineExceeded, Model, RedisUnavailable, batch, protocol
 from redbatch.checks import check_eviction
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.worker.process import Worker
 from tests.conftest import RedisServer
-from tests.test_gateway import gateway
+from tests.test_gateway import _wait_registered, gateway
 
 pytestmark = pytest.mark.e2e
 CONFIG = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=1.0)
@@ -43,7 +46,7 @@ async def test_redis_restart_mid_load(redis_server_factory: Callable[..., RedisS
                                       start_worker: Callable[..., Worker]) -> None:
     server = redis_server_factory()
     start_worker([echo], url=server.url, config=CONFIG)
-    async with Client(server.url, block_timeout_s=0.5) as client:
+    async with Client(server.url, block_timeout_s=0.5, require_workers=False) as client:
         stop, outcomes = asyncio.Event(), []
         loaders = [asyncio.create_task(_load(client, stop, outcomes)) for _ in range(8)]
         await asyncio.sleep(1.0)
@@ -119,3 +122,51 @@ def test_socket_timeout_longer_than_blocking() -> None:
         Client(settings=RedisSettings(socket_timeout_s=1.0), block_timeout_s=1.0)
     with pytest.raises(ConfigError):
         Worker([echo], RedisSettings(socket_timeout_s=1.5), WorkerConfig(block_timeout_s=1.0))
+
+
+def _register(server: RedisServer, name: str) -> None:
+    """A model's metadata and a live lease, as a worker's heartbeat leaves them."""
+    raw = server.client()
+    raw.set(protocol.meta_key(name), orjson.dumps(Model(name, fn=lambda xs: xs).meta()))
+    raw.zadd(protocol.workers_key(name), {"w1": protocol.now_ms() + 60_000})
+    raw.close()
+
+
+async def test_gateway_answers_by_the_deadline_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    server = redis_server_factory()
+    _register(server, "stalled")
+    assert server.proc is not None
+    async with gateway(server.url, meta_refresh_s=0.1) as http:
+        os.kill(server.proc.pid, signal.SIGSTOP)  # every look-up must now go to a dead Redis
+        try:
+            started = time.monotonic()
+            resp = await http.post("/v1/models/stalled/predict", json={"inputs": 1},
+                                   headers={"x-redbatch-timeout-ms": "1000"})
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "deadline_exceeded"
+    assert elapsed < 1.8, elapsed  # the deadline, not the 10 s socket timeout
+
+
+async def test_first_requests_after_a_redis_restart_succeed(
+        redis_server_factory: Callable[..., RedisServer],
+        start_worker: Callable[..., Worker]) -> None:
+    server = redis_server_factory()
+    start_worker([echo], url=server.url, config=CONFIG)
+    async with gateway(server.url, default_timeout_s=5.0, meta_refresh_s=0.2) as http:
+        await _wait_registered(http)
+        for _ in range(3):  # several pooled connections, all stale after the restart
+            await asyncio.gather(*(http.post("/v1/models/echo/predict", json={"inputs": i})
+                                   for i in range(16)))
+        server.kill()
+        await asyncio.to_thread(server.start)  # same port, empty
+        raw = aioredis.Redis.from_url(server.url)
+        while not await raw.zcount(protocol.workers_key("echo"), protocol.now_ms(), "+inf"):
+            await asyncio.sleep(0.05)  # the worker registered again
+        await raw.aclose()
+        await asyncio.sleep(1.2)  # the gateway's caches are stale: look-ups go to Redis
+        statuses = [(await http.post("/v1/models/echo/predict", json={"inputs": i})).status_code
+                    for i in range(8)]
+    assert statuses[1:] == [200] * 7, statuses  # one warm-up at most, not a run of 503s

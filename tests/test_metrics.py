@@ -143,7 +143,7 @@ def test_worker_replica_serves_metrics_on_its_port(spawn: Callable[..., Proc],
     wait_http(f"http://127.0.0.1:{port}/metrics", proc=proc)
     import redbatch
 
-    with redbatch.SyncClient(redis_url) as client:
+    with redbatch.SyncClient(redis_url, require_workers=False) as client:
         assert client.predict("adder", 41) == 42
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     counts = [s for f in text_string_to_metric_families(text) for s in f.samples

@@ -52,7 +52,7 @@ async def test_next_batch_is_claimed_during_a_short_pass_only(
         pass_s: float, held: int) -> None:
     model, gate, entered = gated_model(f"gated{held}", pass_s)
     start_worker([model])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         assert await client.predict_many(model.name, [1, 2, 3]) == [1, 2, 3]  # learn pass time
         pending = [asyncio.create_task(client.predict(model.name, x)) for x in (-1, 7, 8)]
         await asyncio.to_thread(entered.wait, 10)
@@ -67,7 +67,7 @@ async def test_replies_follow_claim_order_under_load(start_worker: Callable[...,
     model = Model("fast", fn=lambda xs: [x * 3 for x in xs],
                   policy=BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0.001))
     start_worker([model])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         results = await asyncio.gather(*(client.predict_many("fast", list(range(i, i + 50)))
                                          for i in range(0, 500, 50)))
     assert [x for chunk in results for x in chunk] == [3 * i for i in range(500)]
@@ -111,7 +111,7 @@ async def test_a_lost_lease_is_noticed_and_nothing_is_lost(
     and every request is answered."""
     model, gate, entered = gated_model("taken", 0.0)
     start_worker([model])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         assert await client.predict_many(model.name, [1, 2, 3]) == [1, 2, 3]
         pending = [asyncio.create_task(client.predict(model.name, x)) for x in (-1, 7, 8)]
         await asyncio.to_thread(entered.wait, 10)

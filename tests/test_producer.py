@@ -13,9 +13,11 @@ import redis
 from redbatch import (
     Client,
     DeadlineExceeded,
+    NoLiveWorkers,
     QueueFull,
     RedisUnavailable,
     SyncClient,
+    UnknownModel,
     batch,
     protocol,
 )
@@ -31,7 +33,7 @@ def inc(xs: list[int]) -> list[int]:
 async def test_submit_returns_a_future(start_worker: Callable[..., Worker], redis_url: str
                                        ) -> None:
     start_worker([inc])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         futures = [await client.submit("inc", i) for i in range(8)]
         assert await asyncio.gather(*futures) == list(range(1, 9))
 
@@ -46,7 +48,7 @@ async def test_one_listener_serves_many_waiters(start_worker: Callable[..., Work
         return [x + 1 for x in xs]
 
     start_worker([held])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         pending = [asyncio.create_task(client.predict("held", i)) for i in range(64)]
         await asyncio.sleep(0.5)  # all 64 wait for their replies now
         assert client.waiting == 64
@@ -59,7 +61,7 @@ async def test_one_listener_serves_many_waiters(start_worker: Callable[..., Work
 
 async def test_predict_many_is_one_enqueue_call(redis_url: str, raw_redis: redis.Redis
                                                 ) -> None:
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         raw_redis.config_resetstat()
         futures = await client.submit_many("inc", list(range(50)), timeout_s=5)
         stats = raw_redis.info("commandstats")
@@ -71,7 +73,7 @@ async def test_predict_many_is_one_enqueue_call(redis_url: str, raw_redis: redis
 
 
 async def test_no_worker_means_deadline_exceeded(redis_url: str) -> None:
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             await client.predict("nobody-serves-this", 1, timeout_s=0.3)
@@ -89,7 +91,7 @@ async def test_unreachable_redis_fails_fast_and_typed() -> None:
 
 
 async def test_queue_cap_refuses_with_queue_full(redis_url: str) -> None:
-    async with Client(redis_url, max_queue_len=3) as client:
+    async with Client(redis_url, require_workers=False, max_queue_len=3) as client:
         results = await client.predict_many("inc", list(range(5)), timeout_s=0.5,
                                             return_exceptions=True)
     assert [type(r) for r in results[3:]] == [QueueFull, QueueFull]
@@ -97,7 +99,7 @@ async def test_queue_cap_refuses_with_queue_full(redis_url: str) -> None:
 
 
 async def test_waiter_cap_refuses_with_queue_full(redis_url: str) -> None:
-    async with Client(redis_url, max_waiters=2) as client:
+    async with Client(redis_url, require_workers=False, max_waiters=2) as client:
         held = await client.submit_many("inc", [1, 2], timeout_s=5)
         with pytest.raises(QueueFull, match="max_waiters"):
             await client.submit("inc", 3)
@@ -106,7 +108,7 @@ async def test_waiter_cap_refuses_with_queue_full(redis_url: str) -> None:
 
 
 async def test_timeout_is_capped_by_max_timeout(redis_url: str) -> None:
-    client = Client(redis_url, default_timeout_s=1, max_timeout_s=2)
+    client = Client(redis_url, require_workers=False, default_timeout_s=1, max_timeout_s=2)
     assert 1900 <= client.deadline_ms(1000) - protocol.now_ms() <= 2000
     assert 900 <= client.deadline_ms(None) - protocol.now_ms() <= 1000
     assert 400 <= client.deadline_ms(0.5) - protocol.now_ms() <= 500
@@ -116,7 +118,7 @@ async def test_sync_client(start_worker: Callable[..., Worker], redis_url: str) 
     start_worker([inc])
 
     def use_sync() -> tuple[int, list[int], int]:
-        with SyncClient(redis_url) as client:
+        with SyncClient(redis_url, require_workers=False) as client:
             one = client.predict("inc", 1)
             many = client.predict_many("inc", [1, 2, 3])
             future = client.submit("inc", 41)
@@ -131,7 +133,7 @@ def test_sync_client_unreachable_redis() -> None:
 
 
 async def test_a_caller_that_gives_up_frees_its_waiter_slot(redis_url: str) -> None:
-    async with Client(redis_url, max_waiters=2) as client:
+    async with Client(redis_url, require_workers=False, max_waiters=2) as client:
         for i in range(2):
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(client.predict("nobody", i, timeout_s=60), 0.2)
@@ -141,7 +143,7 @@ async def test_a_caller_that_gives_up_frees_its_waiter_slot(redis_url: str) -> N
 
 
 async def test_predict_many_of_nothing(redis_url: str) -> None:
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         assert await client.predict_many("inc", []) == []
 
 
@@ -150,7 +152,7 @@ async def test_redis_refusing_writes_is_a_typed_error(redis_url: str,
     raw_redis.config_set("maxmemory", "1")
     raw_redis.config_set("maxmemory-policy", "noeviction")
     try:
-        async with Client(redis_url) as client:
+        async with Client(redis_url, require_workers=False) as client:
             with pytest.raises(RedisUnavailable, match="OutOfMemoryError"):
                 await client.predict("inc", 1, timeout_s=10)
             assert client.waiting == 0
@@ -160,7 +162,7 @@ async def test_redis_refusing_writes_is_a_typed_error(redis_url: str,
 
 async def test_a_queue_cap_set_before_start_holds_from_the_first_request(
         redis_url: str, raw_redis: redis.Redis) -> None:
-    client = Client(redis_url)
+    client = Client(redis_url, require_workers=False)
     client.set_queue_cap("capped", 2)  # the gateway sets it before its first request
     try:
         out = await client.predict_many("capped", [1, 2, 3], timeout_s=0.5,
@@ -169,3 +171,27 @@ async def test_a_queue_cap_set_before_start_holds_from_the_first_request(
         await client.close()
     assert isinstance(out[2], QueueFull) and "cap 2" in str(out[2])
     assert all(isinstance(o, DeadlineExceeded) for o in out[:2])  # queued; no worker
+
+
+async def test_an_unknown_model_fails_fast_and_queues_nothing(redis_url: str,
+                                                              raw_redis: redis.Redis) -> None:
+    async with Client(redis_url) as client:
+        started = time.monotonic()
+        with pytest.raises(UnknownModel, match="unknown model 'ghost'"):
+            await client.predict("ghost", 1, timeout_s=30)
+        with pytest.raises(UnknownModel):
+            await client.predict_many("ghost", [1, 2], timeout_s=30)
+        assert time.monotonic() - started < 2.0
+        assert client.waiting == 0
+    assert raw_redis.llen(protocol.queue_key("ghost")) == 0
+    with SyncClient(redis_url) as sync, pytest.raises(UnknownModel):
+        sync.predict("ghost", 1, timeout_s=30)
+
+
+async def test_a_model_without_live_workers_fails_fast(redis_url: str,
+                                                       raw_redis: redis.Redis) -> None:
+    raw_redis.set(protocol.meta_key("gone"), b'{"name": "gone"}')  # its workers since gone
+    async with Client(redis_url) as client:
+        with pytest.raises(NoLiveWorkers, match="no live worker"):
+            await client.predict("gone", 1, timeout_s=30)
+    assert raw_redis.llen(protocol.queue_key("gone")) == 0

@@ -66,7 +66,7 @@ async def test_kill_9_mid_batch_loses_nothing(spawn: Callable[..., Proc], redis_
                                               raw_redis: redis.Redis,
                                               start_worker: Callable[..., Worker]) -> None:
     proc = spawn_slow(spawn, redis_url, SLOW_FORWARD_S="30")
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         futures = await client.submit_many("slow", list(range(6)), timeout_s=30)
         await asyncio.to_thread(wait_for, lambda: inflight_total(raw_redis, "slow") > 0, 30,
                                 "the worker to claim a batch")
@@ -200,7 +200,7 @@ async def test_a_failing_item_fails_alone(start_worker: Callable[..., Worker], r
         return [x * 10 for x in xs]
 
     start_worker([picky])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         out = await client.predict_many("picky", list(range(20)), return_exceptions=True)
     assert isinstance(out[13], ModelError) and "13 is unlucky" in str(out[13])
     assert [o for i, o in enumerate(out) if i != 13] == [i * 10 for i in range(20) if i != 13]
@@ -227,7 +227,7 @@ async def test_a_claim_that_fails_midway_is_returned_not_lost(
     monkeypatch.setattr(Claimer, "_top_up", flaky)
     monkeypatch.setattr(Claimer, "_block_one", blocking)
     worker = start_worker([fast_slow], config=TAKEOVER)
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         await asyncio.sleep(0.3)  # the worker is blocked in BLMOVE
         assert await client.predict("slow", 41, timeout_s=10) == 41
         assert await client.predict("slow", 42, timeout_s=10) == 42

@@ -49,7 +49,7 @@ def inputs(n: int) -> list[np.ndarray[Any, Any]]:
 async def test_predict_many_sends_rows_and_returns_one_output_per_input(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         fmt: str) -> None:
-    async with Client(redis_url, fmt=fmt, pack_rows=32) as client:  # type: ignore[arg-type]
+    async with Client(redis_url, require_workers=False, fmt=fmt, pack_rows=32) as client:  # type: ignore[arg-type]
         futures = await client.submit_many("double", inputs(70), timeout_s=10)
         entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
         assert [codec.decode(e)[protocol.F_ROWS] for e in entries] == [32, 32, 6]
@@ -64,7 +64,7 @@ async def test_a_row_that_is_invalid_or_fails_the_model_fails_alone(
     xs = inputs(10)
     xs[3] = np.full(4, np.nan, dtype=np.float32)  # refused by the spec
     xs[7] = np.full(4, -1, dtype=np.float32)  # raises in the model
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         out = await client.predict_many("double", xs, timeout_s=10, return_exceptions=True)
     assert isinstance(out[3], InvalidPayload) and "NaN" in str(out[3])
     assert isinstance(out[7], ModelError) and "unlucky" in str(out[7])
@@ -76,7 +76,7 @@ async def test_rows_beyond_max_batch_size_run_in_passes_of_that_size(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     seen: list[int] = []
     start_worker([doubler("double8", max_batch_size=8, seen=seen)])
-    async with Client(redis_url, pack_rows=20) as client:
+    async with Client(redis_url, require_workers=False, pack_rows=20) as client:
         outputs = await client.predict_many("double8", inputs(60), timeout_s=10)
     assert [o[0] for o in outputs] == [2.0 * i for i in range(60)]
     assert sum(seen) == 60 and max(seen) == 8
@@ -85,7 +85,7 @@ async def test_rows_beyond_max_batch_size_run_in_passes_of_that_size(
 async def test_inputs_of_mixed_shapes_go_one_entry_each(redis_url: str,
                                                         raw_redis: redis.Redis) -> None:
     mixed = [np.zeros(4, dtype=np.float32), np.zeros(5, dtype=np.float32)]
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         futures = await client.submit_many("double", mixed, timeout_s=5)
         entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
         for future in futures:
@@ -230,7 +230,7 @@ async def test_lone_requests_of_one_tick_travel_as_one_entry(
     worker = start_worker([doubler("double")])
     xs = inputs(10)
     xs[4] = np.full(4, np.inf, dtype=np.float32)
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         assert await client.predict("double", xs[0], timeout_s=10) is not None  # warm up
         # the worker counts a batch after its replies are out: wait for the warm-up's
         while not await client._admission.takes_rows("double") or \
@@ -254,7 +254,7 @@ async def test_a_member_that_gives_up_leaves_the_others_their_answers(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     seen: list[int] = []
     start_worker([doubler("double", seen=seen)])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         await client.predict("double", inputs(1)[0], timeout_s=10)
         while not await client._admission.takes_rows("double"):
             await asyncio.sleep(0.05)

@@ -42,7 +42,7 @@ async def test_acl_user_from_the_url(acl_server: RedisServer, start_worker: Call
     url = f"redis://app:{SECRET}@127.0.0.1:{acl_server.port}/0"
     caplog.set_level(logging.DEBUG, logger="redbatch")
     start_worker([plus], url=url, config=CONFIG)
-    async with Client(url) as client:
+    async with Client(url, require_workers=False) as client:
         assert await client.predict("plus", 1) == 2
     assert SECRET not in caplog.text
     assert SECRET not in repr(RedisSettings(url))
@@ -52,7 +52,7 @@ async def test_wrong_password_is_a_typed_error_without_the_secret(acl_server: Re
                                                                   ) -> None:
     url = f"redis://app:wrong-{SECRET}@127.0.0.1:{acl_server.port}/0"
     with pytest.raises(RedisUnavailable) as info:
-        await asyncio.wait_for(Client(url).start(), 10)
+        await asyncio.wait_for(Client(url, require_workers=False).start(), 10)
     assert SECRET not in str(info.value) and "***" in str(info.value)
 
 
@@ -82,13 +82,13 @@ async def test_tls_rediss_url(tls_server: tuple[int, Path],
     url = f"rediss://localhost:{port}/0?ssl_ca_certs={cert}"
     for _ in range(50):
         try:
-            async with Client(url) as probe:
+            async with Client(url, require_workers=False) as probe:
                 await probe.redis.ping()
             break
         except RedisUnavailable:
             await asyncio.sleep(0.1)
     start_worker([plus], url=url, config=CONFIG)
-    async with Client(url) as client:
+    async with Client(url, require_workers=False) as client:
         assert await client.predict_many("plus", [1, 2, 3]) == [2, 3, 4]
 
 

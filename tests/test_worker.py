@@ -36,7 +36,7 @@ def raiser(xs: list[int]) -> list[int]:
 async def test_batch_results_in_order(start_worker: Callable[..., Worker], redis_url: str
                                       ) -> None:
     start_worker([double])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         assert await client.predict_many("double", list(range(20))) == [
             2 * i for i in range(20)]
 
@@ -44,7 +44,7 @@ async def test_batch_results_in_order(start_worker: Callable[..., Worker], redis
 async def test_length_mismatch_fails_every_caller(start_worker: Callable[..., Worker],
                                                   redis_url: str) -> None:
     start_worker([short])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         results = await client.predict_many("short", [1, 2, 3], return_exceptions=True)
     assert all(isinstance(r, ModelError) for r in results)
     assert "returned 2 outputs for a batch of 3" in str(results[0])
@@ -53,7 +53,7 @@ async def test_length_mismatch_fails_every_caller(start_worker: Callable[..., Wo
 async def test_model_exception_reaches_callers_typed(start_worker: Callable[..., Worker],
                                                      redis_url: str) -> None:
     start_worker([raiser])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         with pytest.raises(ModelError, match="RuntimeError: model exploded"):
             await client.predict("raiser", 1)
         with pytest.raises(ModelError):  # the worker survived and still answers
@@ -69,7 +69,7 @@ async def test_expired_requests_are_not_computed(start_worker: Callable[..., Wor
         seen.extend(xs)
         return xs
 
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         with pytest.raises(DeadlineExceeded):
             await client.predict("counted", 1, timeout_s=0.0)
         start_worker([counted])
@@ -82,7 +82,7 @@ async def test_bad_input_fails_only_its_own_request(start_worker: Callable[..., 
     spec_model = Model("vec", fn=lambda xs: [float(np.sum(x)) for x in xs],
                        spec=TensorSpec("float32", (2,)))
     start_worker([spec_model])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         out = await client.predict_many("vec", [[1, 2], [1, 2, 3], [3, 4], [1, float("nan")]],
                                         return_exceptions=True)
     assert out[0] == 3.0 and out[2] == 7.0
@@ -107,7 +107,7 @@ async def test_claimed_items_sit_in_flight_until_acked(start_worker: Callable[..
                                                        raw_redis: redis.Redis) -> None:
     model, entered, release = gated("gated")
     worker = start_worker([model])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         future = await client.submit("gated", 5)
         assert await asyncio.to_thread(entered.wait, 10)
         inflight = protocol.inflight_key("gated", worker.worker_id)
@@ -123,7 +123,7 @@ async def test_heartbeat_ticks_during_a_long_forward(start_worker: Callable[...,
                                                      raw_redis: redis.Redis) -> None:
     model, entered, release = gated("slow")
     worker = start_worker([model])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         future = await client.submit("slow", 1)
         assert await asyncio.to_thread(entered.wait, 10)
         first = raw_redis.zscore(protocol.workers_key("slow"), worker.worker_id)
@@ -144,7 +144,7 @@ async def test_torch_model_stacks_and_splits(start_worker: Callable[..., Worker]
 
     start_worker([torch_model("lin", build, TensorSpec("float32", (3,)))])
     xs = np.arange(12, dtype=np.float32).reshape(4, 3)
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         out = await client.predict_many("lin", list(xs))
     expected = build()(torch.from_numpy(xs)).detach().numpy()
     np.testing.assert_allclose(np.stack(out), expected, rtol=1e-5, atol=1e-6)
@@ -164,7 +164,7 @@ async def test_stacked_and_async_batch_functions(start_worker: Callable[..., Wor
 
     start_worker([Model("st", fn=stacked, spec=TensorSpec("int64", (2,)), stack=True),
                   Model("as", fn=asum)])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         assert await client.predict_many("st", [[1, 2], [3, 4]]) == [3, 7]
         assert await client.predict("as", 1) == 101
     assert all(len(s) == 2 and s[1] == 2 for s in shapes)
@@ -180,7 +180,7 @@ async def test_inline_models_run_on_the_event_loop(start_worker: Callable[..., W
 
     start_worker([Model("on-loop", fn=record, inline=True),
                   Model("in-thread", fn=record)])
-    async with Client(redis_url) as client:
+    async with Client(redis_url, require_workers=False) as client:
         assert await client.predict("on-loop", 1) == 1
         on_loop = set(threads)
         assert await client.predict("in-thread", 2) == 2

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -18,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive
 
+from redbatch import protocol
 from redbatch.api import body
 from redbatch.api.auth import ApiKeyMiddleware
 from redbatch.api.directory import ModelDirectory, ModelInfo
@@ -32,12 +35,26 @@ from redbatch.api.fast import GatewayApp, RawResponse
 from redbatch.api.openapi import openapi_routes
 from redbatch.api.v2 import v2_routes
 from redbatch.config import GatewayConfig, RedisSettings
-from redbatch.errors import NoLiveWorkers, RedbatchError, error_from_code
+from redbatch.errors import BadRequest, DeadlineExceeded, RedbatchError, error_from_code
+from redbatch.producer.admission import no_live_workers
 from redbatch.producer.client import Client
 from redbatch.protocol import Reply
 from redbatch.redis_conn import async_client
 
 log = logging.getLogger("redbatch.api")
+
+
+WATCH_AFTER_S = 0.05  # a request waiting this long notices its client's disconnect
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """An enqueued request whose reply the gateway awaits."""
+
+    model: str
+    request_id: str
+    deadline_ms: int
+    future: asyncio.Future[Reply]
 
 
 class Gateway:
@@ -50,9 +67,11 @@ class Gateway:
                              max_timeout_s=config.max_timeout_s,
                              max_queue_len=config.max_queue_len,
                              max_waiters=config.max_waiters,
-                             block_timeout_s=config.block_timeout_s)
+                             block_timeout_s=config.block_timeout_s,
+                             require_workers=False)  # predict_core checks, with a deadline
         self._redis = async_client(redis)
         self.directory = ModelDirectory(self._redis, redis, config.meta_refresh_s)
+        self._watchers: set[asyncio.Task[None]] = set()
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -78,24 +97,66 @@ class Gateway:
 
     async def predict_core(self, model: str, headers: body.Headers, receive: Receive,
                            trace_id: str = "") -> Response | RawResponse:
-        info = await self.directory.get(model)
-        if not await self.client.live_workers(model):
-            raise NoLiveWorkers(f"model {model!r} has no live worker; retry shortly")
-        data = body.parse_json(await body.read_body(headers, receive,
-                                                    self.config.max_body_bytes))
+        """The deadline runs from the request's arrival and bounds every Redis call
+        made for it: the look-ups (cached; bounded by the header's timeout, else the
+        gateway's default, as the model's own is not known yet), the enqueue and the
+        wait for the reply (bounded by the final deadline)."""
+        arrived_ms = protocol.now_ms()
+        config = self.config
+        lookup_ms = arrived_ms + round(1000 * body.timeout_s(
+            headers, {}, config.default_timeout_s, config.max_timeout_s))
+        info = await self.directory.get(model, lookup_ms)
+        if not await self.client.live_workers(model, lookup_ms):
+            raise no_live_workers(model)
+        data = body.parse_json(await body.read_body(headers, receive, config.max_body_bytes))
         value = body.model_input(data, info)
-        timeout = body.timeout_s(headers, data, self.model_default_s(info),
-                                 self.config.max_timeout_s)
+        deadline_ms = arrived_ms + round(1000 * body.timeout_s(
+            headers, data, self.model_default_s(info), config.max_timeout_s))
+        if protocol.now_ms() >= deadline_ms:
+            raise DeadlineExceeded(f"deadline passed before model {model!r} was reached")
         self.client.set_queue_cap(model, info.max_queue_len)
-        request_id, pending = await self.client.submit_reply(model, value, timeout,
-                                                             trace_id=trace_id)
+        request_id, pending = await self.client.submit_reply(
+            model, value, trace_id=trace_id, deadline_ms=deadline_ms)
+        watch = asyncio.get_running_loop().call_later(
+            WATCH_AFTER_S, self._watch, Pending(model, request_id, deadline_ms, pending),
+            receive)
         try:
             reply = await pending
         except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request
             response = from_exception(exc)
             response.headers["x-request-id"] = trace_id or request_id
             return response
+        finally:
+            watch.cancel()
         return _reply_response(info, reply, trace_id or request_id)
+
+    def _watch(self, pending: Pending, receive: Receive) -> None:
+        """A request still waiting after ``WATCH_AFTER_S``: from now on, its client's
+        disconnect cancels it (quick ones, most of them, never cost a task)."""
+        task = asyncio.create_task(self._on_disconnect(pending, receive))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        pending.future.add_done_callback(lambda _f: task.cancel())
+
+    async def _on_disconnect(self, pending: Pending, receive: Receive) -> None:
+        """Once the client is gone, free the request's waiter and mark it cancelled,
+        so that a worker skips it (the body was read: the next message is the end)."""
+        message = await receive()
+        if message["type"] != "http.disconnect" or pending.future.done():
+            return
+        self.client.abandon(pending.request_id,
+                            BadRequest("the client disconnected before the reply"))
+        task = asyncio.create_task(self._mark_cancelled(pending))  # this one ends now
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _mark_cancelled(self, pending: Pending) -> None:
+        try:
+            await self.client.mark_cancelled(pending.model, pending.request_id,
+                                             pending.deadline_ms)
+        except RedbatchError as exc:
+            log.warning("could not mark request %s of model %s cancelled: %s",
+                        pending.request_id, pending.model, exc)
 
     def model_default_s(self, info: ModelInfo) -> float:
         """The deadline of a request that sets none: the model's own default if it has

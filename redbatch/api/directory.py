@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 
 from redbatch import protocol
 from redbatch.config import RedisSettings
-from redbatch.errors import UnknownModel
-from redbatch.redis_conn import translated
+from redbatch.producer.admission import unknown_model
+from redbatch.redis_conn import deadline_bound, idempotent, translated
 from redbatch.worker.heartbeat import live_workers
 from redbatch.worker.model import TensorSpec
 
@@ -50,22 +50,24 @@ class ModelDirectory:
         self._refresh_s = refresh_s
         self._cache: dict[str, tuple[float, ModelInfo | None]] = {}
 
-    async def get(self, name: str) -> ModelInfo:
-        """The model's info, or ``UnknownModel`` if no worker ever registered it."""
+    async def get(self, name: str, deadline_ms: int | None = None) -> ModelInfo:
+        """The model's info, or ``UnknownModel`` if no worker ever registered it; a
+        lookup in Redis (a cache miss) ends by ``deadline_ms`` (``DeadlineExceeded``)."""
         hit = self._cache.get(name)
         if hit is None or time.monotonic() - hit[0] > self._refresh_s:
-            hit = (time.monotonic(), await self._fetch(name))
+            async with deadline_bound(deadline_ms, f"looking up model {name!r}"):
+                hit = (time.monotonic(), await self._fetch(name))
             if len(self._cache) >= MAX_CACHED:  # names come from URLs: keep this bounded
                 self._cache.clear()
             self._cache[name] = hit
         if hit[1] is None:
-            raise UnknownModel(f"unknown model {name!r}: no worker serves it")
+            raise unknown_model(name)
         return hit[1]
 
     async def _fetch(self, name: str) -> ModelInfo | None:
         protocol.check_model_name(name)
         async with translated(self._settings):
-            raw = await self._redis.get(protocol.meta_key(name))
+            raw = await idempotent(self._redis, lambda: self._redis.get(protocol.meta_key(name)))
         return ModelInfo.from_meta(orjson.loads(raw)) if raw else None
 
     async def listing(self) -> list[dict[str, Any]]:

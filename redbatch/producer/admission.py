@@ -15,7 +15,8 @@ import time
 import redis.asyncio as aioredis
 
 from redbatch import protocol
-from redbatch.errors import QueueFull
+from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
+from redbatch.redis_conn import idempotent
 from redbatch.worker.heartbeat import live_workers
 
 REFRESH_S = 1.0
@@ -26,13 +27,24 @@ ADMIT_FRACTION = 0.5
 RETRY_AFTER_RANGE_S = (1.0, 60.0)
 
 
+def unknown_model(model: str) -> UnknownModel:
+    """The error for a model no worker registered (the gateway's 404, the client's)."""
+    return UnknownModel(f"unknown model {model!r}: no worker serves it")
+
+
+def no_live_workers(model: str) -> NoLiveWorkers:
+    """The error for a model whose workers are all gone (503, in the client too)."""
+    return NoLiveWorkers(f"model {model!r} has no live worker; retry shortly")
+
+
 class Admission:
     def __init__(self, redis: aioredis.Redis, max_queue_len: int,
                  model_caps: dict[str, int] | None = None) -> None:
         self._redis = redis
         self.max_queue_len = max_queue_len
         self.model_caps = {} if model_caps is None else model_caps  # a model's own, lower cap
-        self._cache: dict[str, tuple[float, float, int, bool]] = {}
+        # model -> (when, items/s, live workers, all take rows, registered)
+        self._cache: dict[str, tuple[float, float, int, bool, bool]] = {}
 
     def limit(self, model: str) -> int:
         """The cap of ``model``'s queue: its own if lower than this process's."""
@@ -45,17 +57,35 @@ class Admission:
             return None
         return cached[2]
 
-    async def _workers(self, model: str) -> tuple[float, int, bool]:
+    def served_cached(self, model: str) -> bool:
+        """True when the cache (fresh) knows ``model`` has a live worker (no I/O)."""
+        cached = self._cache.get(model)
+        return cached is not None and cached[2] > 0 and \
+            time.monotonic() - cached[0] <= REFRESH_S
+
+    async def check_served(self, model: str) -> None:
+        """``UnknownModel`` or ``NoLiveWorkers`` unless a live worker serves ``model``
+        (cached for a second, like the live count)."""
+        _rate, live, _rows, known = await self._workers(model)
+        if not known:
+            raise unknown_model(model)
+        if not live:
+            raise no_live_workers(model)
+
+    async def _workers(self, model: str) -> tuple[float, int, bool, bool]:
         """(entries per second the live workers can serve, how many are live, whether
-        they all take multi-row requests), cached."""
+        they all take multi-row requests, whether the model is registered), cached.
+        Reads only, repeated once on a broken connection."""
         cached = self._cache.get(model)
         if cached is None or time.monotonic() - cached[0] > REFRESH_S:
-            workers = await live_workers(self._redis, model)
+            workers = await idempotent(self._redis, lambda: live_workers(self._redis, model))
             total = sum(float(w.get("items_per_s", 0.0)) for w in workers)
             rows = bool(workers) and all(w.get(protocol.F_ROWS) is True for w in workers)
-            cached = (time.monotonic(), total, len(workers), rows)
+            known = bool(workers) or bool(await idempotent(  # only asked when none is live
+                self._redis, lambda: self._redis.exists(protocol.meta_key(model))))
+            cached = (time.monotonic(), total, len(workers), rows, known)
             self._cache[model] = cached
-        return cached[1], cached[2], cached[3]
+        return cached[1], cached[2], cached[3], cached[4]
 
     async def takes_rows(self, model: str) -> bool:
         """Whether every live worker of ``model`` takes multi-row requests (cached)."""

@@ -22,7 +22,7 @@ from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer
 from redbatch.producer.listener import ReplyListener
 from redbatch.protocol import Reply, Request
-from redbatch.redis_conn import async_client, translated
+from redbatch.redis_conn import async_client, deadline_bound, translated
 
 log = logging.getLogger("redbatch.producer")
 QUEUE_FULL_RETRY_AFTER_S = 1.0  # for the per-process waiter cap
@@ -37,13 +37,19 @@ class Client:
     travel as multi-row requests of up to ``pack_rows`` rows: those of one
     ``predict_many``, and lone requests that reach one tick's enqueue together
     (``docs/protocol.md`` §3.1); ``pack_rows=1`` sends every input as its own entry.
+
+    A request for a model that no worker registered fails at once with
+    ``UnknownModel``, and one for a model without a live worker with
+    ``NoLiveWorkers`` (both looked up once a second at most), as over HTTP: nothing
+    is queued.  ``require_workers=False`` queues them anyway, for a worker that starts
+    later (a batch job filled ahead of its workers).
     """
 
     def __init__(self, url: str | None = None, *, settings: RedisSettings | None = None,
                  default_timeout_s: float = 30.0, max_timeout_s: float = protocol.MAX_TIMEOUT_S,
                  max_queue_len: int = 10_000, max_waiters: int = 10_000,
                  block_timeout_s: float = 1.0, fmt: Format = "msgpack",
-                 pack_rows: int = 32) -> None:
+                 pack_rows: int = 32, require_workers: bool = True) -> None:
         self.settings = settings or RedisSettings.from_env(url)
         check_socket_timeout(self.settings, block_timeout_s)
         if not 0 < default_timeout_s <= max_timeout_s <= protocol.MAX_TIMEOUT_S:
@@ -57,6 +63,7 @@ class Client:
         if not 1 <= pack_rows <= protocol.MAX_ROWS:
             raise ConfigError(f"pack_rows must be 1..{protocol.MAX_ROWS}, got {pack_rows}")
         self.pack_rows = pack_rows
+        self.require_workers = require_workers
         self.client_id = protocol.new_id()
         self.reply_to = protocol.reply_key(self.client_id)
         self._block_timeout_s = block_timeout_s
@@ -78,7 +85,7 @@ class Client:
                     await redis.ping()
                     await check_eviction(redis)
                     await redis.script_load(lua.ENQUEUE)
-            except RedbatchError:
+            except BaseException:  # an error, or a deadline that passed meanwhile
                 await redis.aclose()
                 raise
             self._redis = redis
@@ -121,14 +128,47 @@ class Client:
         else:
             self._model_caps[model] = cap  # kept here: it holds before (and across) a start
 
-    async def live_workers(self, model: str) -> int:
-        """Live workers of ``model`` (cached for a second)."""
-        if self._listener is None:
-            await self.start()
-        elif (live := self._admission.live_cached(model)) is not None:
+    async def live_workers(self, model: str, deadline_ms: int | None = None) -> int:
+        """Live workers of ``model`` (cached for a second); a look-up in Redis (and a
+        start) ends by ``deadline_ms`` (``DeadlineExceeded``)."""
+        if self._listener is not None and (live := self._admission.live_cached(model)) \
+                is not None:
             return live
-        async with translated(self.settings):
-            return await self._admission.live(model)
+        async with deadline_bound(deadline_ms, f"looking up the workers of {model!r}"):
+            await self.start()
+            async with translated(self.settings):
+                return await self._admission.live(model)
+
+    async def check_served(self, model: str, deadline_ms: int | None = None) -> None:
+        """``UnknownModel`` or ``NoLiveWorkers`` (the gateway's errors) unless a live
+        worker serves ``model``; cached for a second."""
+        if self._listener is not None and self._admission.served_cached(model):
+            return
+        async with deadline_bound(deadline_ms, f"looking up the workers of {model!r}"):
+            await self.start()
+            async with translated(self.settings):
+                await self._admission.check_served(model)
+
+    def abandon(self, request_id: str, why: RedbatchError) -> None:
+        """Give up waiting for a request: its waiter fails with ``why`` now, freeing
+        its slot under ``max_waiters``.  (``mark_cancelled`` spares the worker too.)"""
+        if self._listener is not None:
+            self._listener.fail(request_id, why)
+
+    async def mark_cancelled(self, model: str, request_id: str, deadline_ms: int) -> None:
+        """Mark a queued request cancelled in Redis (one MULTI), so that a worker that
+        claims it skips it without computing."""
+        now = protocol.now_ms()
+        if deadline_ms <= now:
+            return  # a worker answers an expired request without computing anyway
+        key, ttl_ms = protocol.cancelled_key(model), protocol.marker_ttl_ms(deadline_ms, now)
+        async with translated(self.settings), self.redis.pipeline(transaction=True) as pipe:
+            pipe.zremrangebyscore(key, "-inf", now)
+            pipe.zadd(key, {request_id: deadline_ms})
+            pipe.zremrangebyrank(key, 0, -protocol.CANCELLED_MAX - 1)
+            pipe.pexpire(key, ttl_ms, nx=True)  # a new set: expires with this deadline
+            pipe.pexpire(key, ttl_ms, gt=True)  # else only ever later
+            await pipe.execute()
 
     def stats(self) -> dict[str, int]:
         """Replies received by this process, and the duplicates and late ones among them."""
@@ -163,6 +203,8 @@ class Client:
             raise QueueFull(f"{count} more requests would pass this process's "
                             f"max_waiters={self.max_waiters} ({self._listener.waiting} "
                             "already wait)", QUEUE_FULL_RETRY_AFTER_S)
+        if self.require_workers:
+            await self.check_served(model)
         return self._listener
 
     async def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
@@ -247,22 +289,24 @@ class Client:
         return reply
 
     async def submit_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
-                           *, trace_id: str = "") -> tuple[str, asyncio.Future[Reply]]:
+                           *, trace_id: str = "", deadline_ms: int | None = None
+                           ) -> tuple[str, asyncio.Future[Reply]]:
         """Enqueue one request as ``predict_reply`` does; return its id at once, with a
-        future for its ``Reply`` (the gateway names the request in its errors too)."""
+        future for its ``Reply`` (the gateway names the request in its errors too).
+        ``deadline_ms`` (absolute) takes the place of ``timeout_s``."""
         return await self._send_one(model, inputs, timeout_s, None, want_reply=True,
-                                    trace_id=trace_id)
+                                    trace_id=trace_id, deadline_ms=deadline_ms)
 
     async def _send_one(self, model: str, inputs: Any, timeout_s: float | None,
-                        request_id: str | None, *, want_reply: bool, trace_id: str = ""
-                        ) -> tuple[str, asyncio.Future[Any]]:
+                        request_id: str | None, *, want_reply: bool, trace_id: str = "",
+                        deadline_ms: int | None = None) -> tuple[str, asyncio.Future[Any]]:
         """The lean path of ``predict``: one waiter, whose deadline timer also bounds
         the enqueue; the push's outcome settles it through a callback (no task, no
         second timer).  Returns the request's id and its waiter."""
         listener = await self._ready(model, 1)
         assert self._enqueuer is not None
-        request = self._request(model, inputs, self.deadline_ms(timeout_s), request_id,
-                                trace_id)
+        deadline = self.deadline_ms(timeout_s) if deadline_ms is None else deadline_ms
+        request = self._request(model, inputs, deadline, request_id, trace_id)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None

@@ -9,6 +9,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
 from redbatch import lua, protocol
@@ -20,7 +21,7 @@ from redbatch.producer import coalesce
 from redbatch.producer.admission import Admission
 from redbatch.producer.coalesce import RoutePack, Unit
 from redbatch.protocol import Request
-from redbatch.redis_conn import translated
+from redbatch.redis_conn import drop_idle, is_stale, translated
 
 ENQUEUE_CHUNK = 1000  # entries per script call: keeps each call short for Redis
 
@@ -111,9 +112,21 @@ class Enqueuer:
 
     async def _run(self, model: str, requests: list[Request], entries: list[bytes], cap: int
                    ) -> tuple[int, int]:
-        """The ENQUEUE script; over ``ENQUEUE_CHUNK`` entries, chunks in one MULTI (no
-        worker drains the queue between them, so the cap holds for all)."""
+        """The ENQUEUE script, sent once more on a broken connection (Redis restarted):
+        the requests' markers make a push that did land count once, not twice.  The
+        pool's idle connections are dropped then, stale as well."""
         calls = _calls(model, requests, entries, cap)
+        try:
+            return await self._call(calls)
+        except redis.ConnectionError as exc:
+            if not is_stale(exc):
+                raise
+            await drop_idle(self._redis)
+            return await self._call(calls)
+
+    async def _call(self, calls: list[tuple[list[str], list[Any]]]) -> tuple[int, int]:
+        """One call of the script; over ``ENQUEUE_CHUNK`` entries, chunks in one MULTI
+        (no worker drains the queue between them, so the cap holds for all)."""
         if len(calls) == 1:
             accepted, depth = await self._link.script(lua.ENQUEUE, *calls[0])
             return int(accepted), int(depth)

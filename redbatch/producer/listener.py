@@ -19,7 +19,7 @@ from redbatch.producer import rows
 log = logging.getLogger("redbatch.producer")
 DRAIN_COUNT = 1024
 RECENT_IDS = 100_000  # answered ids remembered to tell a duplicate reply from a late one
-BACKOFF_CAP_S = 2.0
+BACKOFF_CAP_S = 0.5  # a Redis that is back is found within this
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Waiter:
     future: asyncio.Future[Any]
     timer: asyncio.TimerHandle
     want_reply: bool
+    deadline_ms: int
 
 
 def resolve(future: asyncio.Future[Any], reply: protocol.Reply, want_reply: bool) -> None:
@@ -122,7 +123,7 @@ class ReplyListener:
         future: asyncio.Future[Any] = loop.create_future()
         delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         timer = loop.call_later(delay_s, self._expire, request_id)
-        self._waiters[request_id] = Waiter(future, timer, want_reply)
+        self._waiters[request_id] = Waiter(future, timer, want_reply, deadline_ms)
         future.add_done_callback(lambda f: self._forget(request_id, f))
         return future
 
@@ -170,10 +171,15 @@ class ReplyListener:
 
     def _deliver(self, reply: protocol.Reply) -> None:
         waiter = self._waiters.pop(reply.id, None)
-        self.stats.count(reply.id, answered=waiter is not None)
+        late = waiter is not None and protocol.now_ms() > waiter.deadline_ms
+        self.stats.count(reply.id, answered=waiter is not None and not late)
         if waiter is None:
             return  # its caller already gave up (deadline) or never waited
         waiter.timer.cancel()
+        if late:  # its timer is due but has not run: past the deadline, no answer counts
+            reply = protocol.Reply(reply.id, False, error_code=DeadlineExceeded.code,
+                                   error_message=f"the reply to request {reply.id} came "
+                                   "after its deadline")
         resolve(waiter.future, reply, waiter.want_reply)
 
     async def _pop(self) -> list[bytes]:

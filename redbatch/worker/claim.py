@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
 import msgpack
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from redbatch import lua, protocol
-from redbatch.lean import LeanLink
+from redbatch.lean import LeanLink, script_sha
+from redbatch.worker.decode import Decoded, drop_requests
 from redbatch.worker.policy import BatchPolicy
+
+log = logging.getLogger("redbatch.worker")
+_CLAIM_SHA = script_sha(lua.CLAIM)
 
 MIN_BLOCK_S = 0.001
 GAIN_MIN = 0.5  # waiting is worth it while a window adds this many requests on average
@@ -54,8 +60,12 @@ class Claimer:
         self._precise = blocking is not None
         self._policy = policy
         self._block_timeout_s = block_timeout_s
+        self.model = model
         self.queue = protocol.queue_key(model)
         self.inflight = protocol.inflight_key(model, worker_id)
+        self.cancelled = protocol.cancelled_key(model)
+        self.cancels = False  # the cancelled set existed at the last claim: look into it
+        self.skipped = 0  # cancelled requests acked without computing
         self._link = LeanLink(blocking or redis)  # claims and blocking pops: one connection
         self._last_claim = 0.0
         self._loaded = False
@@ -66,11 +76,32 @@ class Claimer:
         self._drained = False  # the queue was empty at the last look: block at once
 
     async def _take(self, count: int) -> list[bytes]:
-        ttl_ms = protocol.INFLIGHT_TTL_S * 1000
-        items = list(await self._link.script(lua.CLAIM, [self.queue, self.inflight],
-                                             [count, ttl_ms]))
+        """CLAIM, with an EXISTS of the cancelled set riding in the same write."""
+        claim = ("EVALSHA", _CLAIM_SHA, 2, self.queue, self.inflight, count,
+                 protocol.INFLIGHT_TTL_S * 1000)
+        try:
+            items, exists = await self._link.pipeline(claim, ("EXISTS", self.cancelled))
+        except NoScriptError:  # Redis lost its scripts (a restart): the claim did not run
+            await self._link.execute("SCRIPT", "LOAD", lua.CLAIM)
+            items, exists = await self._link.pipeline(claim, ("EXISTS", self.cancelled))
+        self.cancels = self.cancels or exists == 1  # (a batch may mix both claims)
         self._drained = not items  # found some: more may come while this batch runs
-        return items
+        return list(items)
+
+    async def drop_cancelled(self, decoded: Decoded) -> None:
+        """Drop the batch's requests whose caller went away (``cancelled_key``): they
+        are acked with the batch, unanswered and not computed.  Asked only while the
+        cancelled set exists."""
+        ids = [i.request.id for i in decoded.items if i.pack is None] + \
+            [p.request.id for p in decoded.packs]
+        if not self.cancels or not ids:
+            return
+        scores = await self._link.execute("ZMSCORE", self.cancelled, *ids)
+        gone = {rid for rid, score in zip(ids, scores, strict=True) if score is not None}
+        if gone:
+            self.skipped += drop_requests(decoded, gone)
+            log.info("model=%s skipped %d cancelled requests (their callers went away)",
+                     self.model, len(gone))
 
     async def _block_one(self, timeout_s: float, wake_at_ms: int | None = None) -> bytes | None:
         """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment.
@@ -83,15 +114,16 @@ class Claimer:
                                                           self._client_id)
         timeout: Any = max(timeout_s, MIN_BLOCK_S)  # redis takes fractional seconds
         try:
-            item, left = await self._link.pipeline(
+            item, left, exists = await self._link.pipeline(
                 ("BLMOVE", self.queue, self.inflight, "LEFT", "RIGHT", timeout),
-                ("LLEN", self.queue))
+                ("LLEN", self.queue), ("EXISTS", self.cancelled))
         finally:
             if timer is not None:
                 timer.cancel()
             if self._unblocks:  # a fired unblock must land before our next blocking pop
                 await asyncio.gather(*self._unblocks, return_exceptions=True)
         self._drained = left == 0
+        self.cancels = self.cancels or exists == 1
         return item if isinstance(item, bytes) else None
 
     async def _top_up(self, count: int) -> list[bytes]:
@@ -124,6 +156,7 @@ class Claimer:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
         the block timeout."""
         await self._pace()
+        self.cancels = False
         try:
             await self._prepare()
             return await self._claim_batch(count or self._policy.max_batch_size)

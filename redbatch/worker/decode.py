@@ -186,6 +186,15 @@ def _checked_rows(payload: np.ndarray[Any, Any], model: Model, pack: Pack
     return rows
 
 
+def drop_requests(decoded: Decoded, ids: set[str]) -> int:
+    """Remove the requests ``ids`` (single or multi-row) from the batch, uncomputed and
+    unanswered; return how many entries went."""
+    before = len(decoded.packs) + sum(item.pack is None for item in decoded.items)
+    decoded.items = [item for item in decoded.items if item.request.id not in ids]
+    decoded.packs = [p for p in decoded.packs if p.request.id not in ids]
+    return before - len(decoded.packs) - sum(item.pack is None for item in decoded.items)
+
+
 def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded) -> None:
     log.warning("model=%s dead-lettered a malformed entry (%d bytes): %s", model, len(raw), exc)
     out.dead.append(raw)

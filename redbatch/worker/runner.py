@@ -175,6 +175,8 @@ class BatchRunner:
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         batch = Claimed(len(raws), decode_batch(raws, self.model, claimed_ms), claimed_ms,
                         digest)
+        if self.claimer.cancels:  # callers went away: skip their requests
+            await self.claimer.drop_cancelled(batch.decoded)
         self._claim_count = self._next_claim_count(batch)
         return batch
 

@@ -1,0 +1,129 @@
+"""Clients that go away: a disconnected HTTP client frees its waiter at once, and its
+queued request is skipped by the worker, not computed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import orjson
+import pytest
+import redis
+import uvicorn
+
+from redbatch import GatewayConfig, Model, RedisSettings, batch, protocol
+from redbatch.api import create_app
+from redbatch.embedded import free_port
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+
+pytestmark = pytest.mark.e2e
+
+
+@batch(name="echo", batch_wait_timeout_s=0)
+def echo(xs: list[int]) -> list[int]:
+    return xs
+
+
+def recording_model() -> tuple[Model, threading.Event, list[int]]:
+    """A model whose first pass waits for ``release``, recording every input it runs."""
+    release, seen = threading.Event(), []
+
+    def forward(xs: list[int]) -> list[int]:
+        seen.extend(xs)
+        release.wait(20)
+        return xs
+
+    policy = BatchPolicy(max_batch_size=1, batch_wait_timeout_s=0)
+    return Model("held", fn=forward, policy=policy), release, seen
+
+
+@asynccontextmanager
+async def served(url: str, **config: object) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway under a real uvicorn (disconnects are real), on a free port."""
+    port = free_port()
+    app = create_app(GatewayConfig(**config), RedisSettings(url))  # type: ignore[arg-type]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.02)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            yield http
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+async def send_and_leave(http: httpx.AsyncClient, model: str, value: int
+                         ) -> asyncio.StreamWriter:
+    """Send a whole predict request on a connection of its own; the caller closes it."""
+    port = http.base_url.port
+    assert port is not None
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = orjson.dumps({"inputs": value})
+    writer.write(b"POST /v1/models/%s/predict HTTP/1.1\r\nhost: gw\r\n"
+                 b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                 % (model.encode(), len(body), body))
+    await writer.drain()
+    return writer
+
+
+async def wait_ready(http: httpx.AsyncClient) -> None:
+    for _ in range(200):
+        if (await http.get("/readyz")).status_code == 200:
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail("no worker registered")
+
+
+async def test_disconnected_clients_free_their_waiters(start_worker: Callable[..., Worker],
+                                                       redis_url: str) -> None:
+    held, release, _seen = recording_model()
+    start_worker([held])
+    start_worker([echo])  # a worker of its own: the held one blocks its thread
+    try:
+        async with served(redis_url, max_waiters=20, default_timeout_s=20) as http:
+            await wait_ready(http)
+            writers = [await send_and_leave(http, "held", i) for i in range(20)]
+            await asyncio.sleep(0.5)  # all twenty wait: the gateway's waiters are full
+            assert (await http.get("/v1/stats")).json()["waiting"] == 20
+            for writer in writers:
+                writer.close()
+            await asyncio.sleep(0.5)
+            resp = await http.post("/v1/models/echo/predict", json={"inputs": 7})
+            assert resp.status_code == 200, resp.text  # not 503 max_waiters
+            assert (await http.get("/v1/stats")).json()["waiting"] == 0
+    finally:
+        release.set()
+
+
+async def test_a_cancelled_queued_request_is_not_computed(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    held, release, seen = recording_model()
+    worker = start_worker([held])
+    try:
+        async with served(redis_url, default_timeout_s=20) as http:
+            await wait_ready(http)
+            first = asyncio.create_task(http.post("/v1/models/held/predict",
+                                                  json={"inputs": 0}))
+            while not seen:  # the first request holds the worker
+                await asyncio.sleep(0.02)
+            writers = [await send_and_leave(http, "held", i) for i in range(1, 6)]
+            await asyncio.sleep(0.3)  # queued behind it
+            for writer in writers:
+                writer.close()
+            await asyncio.sleep(0.5)  # the gateway marked them cancelled
+            release.set()
+            assert (await first).status_code == 200
+            resp = await http.post("/v1/models/held/predict", json={"inputs": 99})
+            assert resp.status_code == 200 and resp.json() == {"outputs": 99}
+    finally:
+        release.set()
+    assert seen == [0, 99]  # 1-5 were skipped, not computed
+    assert worker.runners[0].claimer.skipped == 5
+    assert raw_redis.llen(protocol.queue_key("held")) == 0
