@@ -26,6 +26,7 @@ import httpx
 import pytest
 import redis
 
+from redbatch import protocol
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.embedded import free_port
 from redbatch.worker.model import Model
@@ -134,6 +135,19 @@ async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Worker]]:
     for _stop, task in running:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 10)
+
+
+async def wait_live(url: str, model: str, timeout_s: float = 30.0) -> None:
+    """Wait until a worker of ``model`` holds a live lease (clients refuse a model that
+    has none, so a test that starts its worker and its client together waits first)."""
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not client.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf"):
+            assert time.monotonic() < deadline, f"no live worker of {model!r}"
+            await asyncio.sleep(0.02)
+    finally:
+        client.close()
 
 
 def test_env(**extra: str) -> dict[str, str]:

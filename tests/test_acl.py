@@ -11,7 +11,7 @@ import pytest
 from redbatch import Client, batch
 from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
 from redbatch.worker.process import Worker
-from tests.conftest import ROOT, RedisServer
+from tests.conftest import ROOT, RedisServer, wait_live
 
 
 @batch(name="acl_double", max_batch_size=8, batch_wait_timeout_s=0.01)
@@ -36,6 +36,7 @@ async def test_least_privilege_user_serves_and_warns_once(
     url = acl_url(acl_server, "~rb:* &* +@all -@admin -@dangerous")
     with caplog.at_level(logging.WARNING):
         start_worker([double], url=url)
+        await wait_live(acl_server.url, "acl_double")
         async with Client(acl_server.url) as client:  # the default user: no warning
             assert await client.predict_many("acl_double", [1, 2, 3], timeout_s=10) == [2, 4, 6]
             assert await client.predict("acl_double", 5, timeout_s=10) == 10
@@ -56,6 +57,7 @@ async def test_the_documented_user_gets_no_warning(
     url = acl_url(acl_server, documented_rules())
     with caplog.at_level(logging.WARNING):
         start_worker([double], url=url)
+        await wait_live(acl_server.url, "acl_double")
         async with Client(url) as client:
             assert await client.predict_many("acl_double", [1, 2, 3], timeout_s=10) == [2, 4, 6]
             assert await client.predict("acl_double", 5, timeout_s=10) == 10

@@ -23,7 +23,7 @@ from examples import adder as adder_example
 from examples import doubler as doubler_example
 from examples import house_price as house_example
 from redbatch.worker.process import Worker
-from tests.conftest import Proc, free_port, redbatch_cmd, wait_http
+from tests.conftest import Proc, free_port, redbatch_cmd, wait_http, wait_live
 
 SHAPE_RE = re.compile(r"examples\.adder\[\d+\] batch shape: \((\d+),\)")
 WORKER_FLAGS = ("--device", "cpu", "--threads", "1", "--block-timeout-s", "0.2")
@@ -74,12 +74,14 @@ EXPECTED_DOUBLES = [2 * i for i in range(8)]
 async def test_doubler_async_submit(start_worker: Callable[..., Worker], redis_url: str
                                     ) -> None:
     start_worker([doubler_example.doubler])
+    await wait_live(redis_url, doubler_example.MODEL)
     assert await doubler_example.submit_all(redis_url) == EXPECTED_DOUBLES
 
 
 async def test_doubler_sync_submit_from_a_thread(start_worker: Callable[..., Worker],
                                                  redis_url: str) -> None:
     start_worker([doubler_example.doubler])
+    await wait_live(redis_url, doubler_example.MODEL)
     results = await asyncio.to_thread(doubler_example.submit_all_sync, redis_url)
     assert results == EXPECTED_DOUBLES
 

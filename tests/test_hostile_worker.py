@@ -18,7 +18,7 @@ from redbatch.config import WorkerConfig
 from redbatch.worker.forward import Forwarder
 from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
-from tests.conftest import Proc, redbatch_cmd, test_env
+from tests.conftest import Proc, redbatch_cmd, test_env, wait_live
 from tests.crash_models import KILLER_INPUT
 from tests.test_reliability import FAST_LEASE, TAKEOVER, inflight_total, read_reply
 from tests.test_rows import doubler, inputs
@@ -51,6 +51,7 @@ def ghost_holds(raw: redis.Redis, model: str, *entries: bytes) -> None:
 
 
 async def still_serves(redis_url: str, value: int = 4242) -> None:
+    await wait_live(redis_url, "echo")
     async with Client(redis_url) as client:
         assert await client.predict("echo", value, timeout_s=10) == value
 
@@ -157,6 +158,7 @@ async def test_a_killer_input_is_isolated_and_its_batch_mates_answered(
         spawn: Callable[..., Proc], redis_url: str, raw_redis: redis.Redis) -> None:
     proc = spawn_killer(spawn, redis_url)
     values = [1, 2, 3, KILLER_INPUT, 5, 6, 7, 8]
+    await wait_live(redis_url, "killer")
     async with Client(redis_url) as client:
         futures = await client.submit_many("killer", values, timeout_s=50)
         out = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 55)
@@ -173,6 +175,7 @@ async def test_batch_size_counts_items_per_pass(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "redbatch.worker")
     worker = start_worker([doubler("double4", max_batch_size=4)])
+    await wait_live(redis_url, "double4")
     async with Client(redis_url, pack_rows=10) as client:  # one entry of 10 rows
         outputs = await client.predict_many("double4", inputs(10))
     assert len(outputs) == 10
