@@ -113,10 +113,28 @@ async def test_gateway_api_key(start_worker: Callable[..., Worker], redis_url: s
         for path in ("/v1/models", "/v2/models/plus", "/v1/stats"):
             assert (await http.get(path)).status_code == 401, path
         v2 = await http.post("/v2/models/plus/infer", json={"inputs": []})
-        assert v2.status_code == 401
+        assert v2.status_code == 401  # in v2's shape: tritonclient reads a string there
+        assert v2.json() == {"error": "missing or wrong API key"}
+        assert (await http.get("/v2/models/stats")).json() == v2.json()
 
 
 def test_api_key_not_in_config_repr() -> None:
     from redbatch.config import GatewayConfig
 
     assert "k3y" not in repr(GatewayConfig(api_key="k3y"))
+
+
+async def test_ready_checks_reveal_nothing_of_redis(caplog: pytest.LogCaptureFixture) -> None:
+    """They are open without the key: the address, user and error stay in the log."""
+    port = free_port()  # nothing listens there
+    url = f"redis://alice:{SECRET}@127.0.0.1:{port}/7"
+    caplog.set_level(logging.WARNING, logger="redbatch")
+    async with gateway(url, api_key="k3y") as http:
+        for path in ("/readyz", "/v2/health/ready"):
+            resp = await http.get(path)
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "1", path
+            assert "redis unavailable" in resp.text, resp.text
+            for secret in ("127.0.0.1", str(port), "alice", SECRET, "/7", "Error", "refused",
+                           "Connect"):
+                assert secret not in resp.text, (path, secret, resp.text)
+    assert str(port) in caplog.text and SECRET not in caplog.text  # the detail is logged

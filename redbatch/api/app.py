@@ -115,8 +115,9 @@ class Gateway:
     async def readyz(self, request: Request) -> Response:
         try:
             live = await self.directory.any_live_worker()
-        except RedbatchError as exc:
-            return error_response(503, exc.code, str(exc), {"Retry-After": "1"})
+        except RedbatchError as exc:  # open without the key: the address stays in the log
+            log.warning("not ready: %s", exc)
+            return error_response(503, exc.code, "redis unavailable", {"Retry-After": "1"})
         if not live:
             return error_response(503, "no_workers", "redis is reachable but no worker is live",
                                   {"Retry-After": "1"})
