@@ -339,11 +339,15 @@ async def test_bad_binary_requests_are_400(http: httpx.AsyncClient) -> None:
                                    "parameters": {"binary_data_size": 16}}]}).encode()
     cases = [(head + b"\0" * 12, str(len(head)), "binary_data_size"),
              (head + b"\0" * 16, "99999", "Inference-Header-Content-Length"),
-             (head + b"\0" * 16, "x", "Inference-Header-Content-Length")]
+             (head + b"\0" * 16, "x", "Inference-Header-Content-Length"),
+             # digits to str.isdigit (superscripts, Arabic-Indic), not lengths to int()
+             (head + b"\0" * 16, "\u00b2".encode("latin-1"), "Inference-Header-Content-Length"),
+             (head + b"\0" * 16, "1\u00b9".encode("latin-1"), "Inference-Header-Content-Length"),
+             (head + b"\0" * 16, "\u0661\u0662".encode(), "Inference-Header-Content-Length")]
     for content, length, needle in cases:
         resp = await http.post("/v2/models/double/infer", content=content,
                                headers={"Inference-Header-Content-Length": length})
-        assert resp.status_code == 400 and needle in v2_error(resp), resp.text
+        assert resp.status_code == 400 and needle in v2_error(resp), (length, resp.text)
     nan = np.array([[1, np.nan, 3, 4]], dtype=np.float32).tobytes()
     resp = await http.post("/v2/models/double/infer", content=head + nan,
                            headers={"Inference-Header-Content-Length": str(len(head))})

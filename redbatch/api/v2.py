@@ -145,7 +145,7 @@ def split_body(raw: bytes, headers: body.Headers) -> tuple[bytes, bytes]:
     if declared is None:
         return raw, b""
     text = declared.decode("latin-1").strip()
-    if not text.isdigit() or int(text) > len(raw):
+    if not (text.isascii() and text.isdigit()) or int(text) > len(raw):  # not "²"
         raise BadRequest(f"Inference-Header-Content-Length {text!r} is not a length within "
                          f"the {len(raw)}-byte body")
     return raw[:int(text)], raw[int(text):]
