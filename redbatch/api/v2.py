@@ -77,7 +77,7 @@ def _v2_errors(handler: Handler) -> Handler:
         except RedbatchError as exc:
             return v2_error(exc)
         except Exception:
-            log.exception("unexpected error on %s %s", request.method, request.url.path)
+            log.exception("unexpected error on %s %r", request.method, request.url.path)
             return JSONResponse({"error": "internal error; see the gateway log"},
                                 status_code=500)
 
