@@ -138,3 +138,30 @@ async def test_ready_checks_reveal_nothing_of_redis(caplog: pytest.LogCaptureFix
                            "Connect"):
                 assert secret not in resp.text, (path, secret, resp.text)
     assert str(port) in caplog.text and SECRET not in caplog.text  # the detail is logged
+
+
+async def test_predict_needs_a_json_content_type(start_worker: Callable[..., Worker],
+                                                 redis_url: str) -> None:
+    """A page on another site can make a browser post text/plain or a form without a
+    CORS preflight: such bodies are refused, so a keyless gateway is not driven so."""
+    start_worker([plus], config=CONFIG)
+    async with gateway(redis_url) as http:
+        for _ in range(100):
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        for refused in ("text/plain", "text/plain;charset=UTF-8",
+                        "application/x-www-form-urlencoded", "multipart/form-data; b=x",
+                        "application/jsonx", "application/msgpack"):
+            resp = await http.post("/v1/models/plus/predict", content=b'{"inputs": 1}',
+                                   headers={"content-type": refused})
+            assert resp.status_code == 415, (refused, resp.text)
+            error = resp.json()["error"]
+            assert error["code"] == "unsupported_media_type" and "application/json" in error[
+                "message"]
+            assert resp.headers["x-request-id"]
+        for accepted in ("application/json", "Application/JSON; charset=utf-8", None):
+            headers = {"content-type": accepted} if accepted else {}
+            resp = await http.post("/v1/models/plus/predict", content=b'{"inputs": 1}',
+                                   headers=headers)
+            assert resp.status_code == 200 and resp.json() == {"outputs": 2}, accepted

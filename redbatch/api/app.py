@@ -73,6 +73,7 @@ class Gateway:
     async def predict(self, request: Request) -> Response | RawResponse:
         """The routed handler; ``GatewayApp`` serves the same requests ahead of it."""
         headers = dict(request.headers.raw)
+        body.check_content_type(headers)
         return await self.predict_core(request.path_params["model"], headers, request.receive,
                                        body.trace_id(headers))
 

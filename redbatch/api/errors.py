@@ -27,6 +27,7 @@ STATUS: dict[type[errors.RedbatchError], int] = {
 
 STATUS[errors.BadRequest] = 400
 STATUS[errors.BodyTooLarge] = 413
+STATUS[errors.UnsupportedMediaType] = 415
 
 
 def error_response(status: int, code: str, message: str,

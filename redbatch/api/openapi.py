@@ -37,6 +37,7 @@ V1_ERRORS = {
     "401": _json("API key required", _ref("V1Error")),
     "404": _json("unknown model", _ref("V1Error")),
     "413": _json("body over the limit", _ref("V1Error")),
+    "415": _json("a Content-Type other than application/json", _ref("V1Error")),
     "422": _json("input does not match the model's spec", _ref("V1Error")),
     "500": _json("the model raised", _ref("V1Error")),
     "502": _json("workers crashed on this request", _ref("V1Error")),
