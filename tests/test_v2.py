@@ -212,6 +212,9 @@ async def test_tritonclient_repository_index_statistics_and_errors(server: str) 
     inference = stats[0]["inference_stats"]
     assert inference["success"]["count"] >= 1 and inference["fail"] == {"count": 0, "ns": 0}
     assert inference["compute_infer"]["count"] >= 1 and inference["compute_infer"]["ns"] > 0
+    counts = {inference[k]["count"] for k in ("success", "queue", "compute_input",
+                                               "compute_infer", "compute_output")}
+    assert len(counts) == 1  # perf_analyzer refuses statistics whose compute counts differ
     assert {s["name"] for s in seen["all"]["model_stats"]} == {m.name for m in MODELS}
     assert seen["v1"]["model_stats"][0]["name"] == "double"
     for case, status, needle in [("no model", "404", "nope"), ("no route", "404", "Not Found"),

@@ -4,8 +4,7 @@ statistics (``docs/v2.md``).
 Statistics come from what live workers publish with each heartbeat (their totals since
 start, ``Runner.counters``); a worker that stopped takes its totals with it.  Workers
 count forward passes, items, queue entries and the time those spent queued and in the
-model; they publish no failure counts and no per-request end-to-end time, so those
-fields are 0.
+model; they publish no failure counts, so ``fail`` is 0.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 
 VERSION = "1"
 NS_PER_MS = 1_000_000
-UNMEASURED = ("compute_input", "compute_output", "cache_hit", "cache_miss")
 
 
 def _stat(count: int, ns: int = 0) -> dict[str, int]:
@@ -43,15 +41,21 @@ def _total(workers: list[dict[str, Any]], key: str) -> float:
 
 
 def model_stats(name: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Triton's statistics of one model from its live workers' heartbeat totals:
-    ``inference_count`` rows computed, ``execution_count`` forward passes,
-    ``success``/``queue`` queue entries (requests) served and their total queue wait,
-    ``compute_infer`` forward passes and their total time."""
+    """Triton's statistics of one model from its live workers' heartbeat totals.
+
+    ``inference_count`` is rows computed, ``execution_count`` forward passes.  Every
+    ``count`` of ``inference_stats`` is the queue entries (requests) the workers took, as
+    Triton counts requests in each; ``queue.ns`` is their total queue wait,
+    ``compute_infer.ns`` the forward passes' total time (a batch's pass counted once,
+    shared by its requests), ``success.ns`` the two together (a lower bound: the hops
+    through the gateway and Redis are not in it)."""
     entries, batches = int(_total(workers, "entries")), int(_total(workers, "batches"))
     queue_ns = round(_total(workers, "queue_wait_ms") * NS_PER_MS)
-    stats = {"success": _stat(entries), "fail": _stat(0), "queue": _stat(entries, queue_ns),
-             "compute_infer": _stat(batches, round(_total(workers, "forward_ms") * NS_PER_MS)),
-             **{field: _stat(0) for field in UNMEASURED}}
+    compute_ns = round(_total(workers, "forward_ms") * NS_PER_MS)
+    stats = {"success": _stat(entries, queue_ns + compute_ns), "fail": _stat(0),
+             "queue": _stat(entries, queue_ns), "compute_input": _stat(entries),
+             "compute_infer": _stat(entries, compute_ns), "compute_output": _stat(entries),
+             "cache_hit": _stat(0), "cache_miss": _stat(0)}
     return {"name": name, "version": VERSION, "last_inference": 0,
             "inference_count": int(_total(workers, "items")), "execution_count": batches,
             "inference_stats": stats, "batch_stats": []}
