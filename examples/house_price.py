@@ -17,7 +17,7 @@ How to run it (from the repository root)::
     export REDIS_URL=redis://127.0.0.1:6379/0
     python -m redbatch worker examples.house_price:house_price --device cpu --threads 1 &
     python -m redbatch gateway --port 8000 &
-    curl -s localhost:8000/v1/models/house_price/predict \\
+    curl -s localhost:8000/v1/models/house_price/predict -H 'content-type: application/json' \\
          -d '{"features": [0.5, -1.0, 0.2, 0.0, 1.3, -0.4, 0.9, -0.7]}'
     # -> {"price":2.20...}   (in units of $100,000, as in the California data)
     python -m examples.house_price   # the same through the Python client

@@ -99,7 +99,15 @@ def _serve_gateway(config: GatewayConfig, redis: RedisSettings,
     app = create_app(config, redis)
     freeze_startup_heap()
     gateway_server.run(app, stop, host=config.host, port=config.port, log_level="warning",
-                access_log=False)
+                       access_log=False, http=_edge_protocol(config))
+
+
+def _edge_protocol(config: GatewayConfig) -> type[Any]:
+    """uvicorn's HTTP protocol with the gateway's header cap, timeouts and connection
+    limit (``redbatch.api.limits``)."""
+    from redbatch.api.limits import edge_protocol
+
+    return edge_protocol(config)
 
 
 class Terminated(Exception):

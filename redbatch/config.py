@@ -168,14 +168,23 @@ class GatewayConfig:
     meta_refresh_s: float = 2.0
     block_timeout_s: float = 1.0
     api_key: str = field(default="", repr=False)  # empty: no auth
+    # HTTP edge limits (redbatch.api.limits): request line + headers, the time a request's
+    # headers and then its body may take to arrive, and open connections.
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be 1-65535, got {self.port}")
-        for name in ("default_timeout_s", "max_timeout_s", "meta_refresh_s", "block_timeout_s"):
+        for name in ("default_timeout_s", "max_timeout_s", "meta_refresh_s", "block_timeout_s",
+                     "header_timeout_s", "body_timeout_s"):
             _positive(name, getattr(self, name))
-        for name in ("max_body_bytes", "max_queue_len", "max_waiters"):
+        for name in ("max_body_bytes", "max_queue_len", "max_waiters", "max_connections"):
             _positive(name, getattr(self, name))
+        if self.max_header_bytes < 1024:
+            raise ConfigError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.max_timeout_s > MAX_TIMEOUT_S:
             raise ConfigError(f"max_timeout_s may be at most {MAX_TIMEOUT_S}")
         if self.default_timeout_s > self.max_timeout_s:

@@ -60,6 +60,12 @@ class BodyTooLarge(RedbatchError):
     code = "body_too_large"
 
 
+class UnsupportedMediaType(RedbatchError):
+    """A predict body whose Content-Type is not JSON (a browser's form or text post)."""
+
+    code = "unsupported_media_type"
+
+
 class UnknownModel(RedbatchError):
     """No worker has ever registered a model of this name."""
 
@@ -95,6 +101,7 @@ _BY_CODE: dict[str, type[RedbatchError]] = {
         InvalidPayload,
         BadRequest,
         BodyTooLarge,
+        UnsupportedMediaType,
         UnknownModel,
         NoLiveWorkers,
         ModelError,

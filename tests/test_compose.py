@@ -123,6 +123,17 @@ def container_ports(service: dict[str, Any]) -> list[tuple[str | None, int]]:
     return result
 
 
+def exposed_ports(service: dict[str, Any]) -> list[str]:
+    """`ports:` entries published on every host interface rather than on loopback."""
+    exposed = []
+    for entry in service.get("ports", []):
+        host_ip = (entry.get("host_ip") if isinstance(entry, dict)
+                   else str(entry).rsplit(":", 2)[0] if str(entry).count(":") == 2 else None)
+        if host_ip not in {"127.0.0.1", "::1", "localhost"}:
+            exposed.append(str(entry))
+    return exposed
+
+
 def volume_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
     """(source, target) for each `volumes:` entry, short or long syntax."""
     mounts = []
@@ -555,6 +566,17 @@ def test_compose_services(compose: dict[str, Any]) -> None:
         assert config.device == device
         # SIGTERM waits grace_s for in-flight batches: compose must not SIGKILL sooner.
         assert duration_s(services[name]["stop_grace_period"]) > config.grace_s
+
+
+def test_every_published_port_is_on_localhost(compose: dict[str, Any]) -> None:
+    """An empty REDBATCH_API_KEY is the default: nothing is reachable from other hosts
+    until someone decides to (docs/deploy.md)."""
+    for name, service in compose["services"].items():
+        assert exposed_ports(service) == [], name
+    assert exposed_ports({"ports": ["8000:8000", {"target": 8000, "published": 8000},
+                                    "127.0.0.1:9090:9090",
+                                    {"target": 1, "host_ip": "127.0.0.1"}]}) == [
+        "8000:8000", "{'target': 8000, 'published': 8000}"]
 
 
 def test_compose_build_uses_the_dockerfile(compose: dict[str, Any]) -> None:

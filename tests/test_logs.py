@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from redbatch.errors import ConfigError
-from redbatch.logs import JsonFormatter, setup_logging
+from redbatch.logs import FORMAT, JsonFormatter, TextFormatter, setup_logging
 
 
 def test_the_batch_line_becomes_fields() -> None:
@@ -43,3 +43,40 @@ def test_exceptions_are_one_field() -> None:
 def test_a_bad_format_fails_loudly() -> None:
     with pytest.raises(ConfigError, match="REDBATCH_LOG_FORMAT"):
         setup_logging("INFO", "xml")
+
+
+HOSTILE = ['x" level="CRITICAL', "x level=CRITICAL n=999", "a\nFAKE 2024-01-01 CRITICAL root ok",
+           "x\\\" msg=\\\"", "x\u2028y"]
+
+
+def _batch_record(name: str) -> logging.LogRecord:
+    return logging.LogRecord("redbatch.worker", logging.INFO, __file__, 1,
+                             "model=%s n=%d wait_ms=%.1f", (name, 7, 3.25), None)
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_value_forges_no_json_field(name: str) -> None:
+    text = JsonFormatter().format(_batch_record(name))
+    line = json.loads(text)
+    assert len(text.splitlines()) == 1
+    assert line["level"] == "INFO" and line["model"] == name and line["n"] == 7
+    assert set(line) == {"ts", "level", "logger", "pid", "msg", "model", "n", "wait_ms"}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_value_is_quoted_in_text(name: str) -> None:
+    text = TextFormatter(FORMAT).format(_batch_record(name))
+    assert len(text.splitlines()) == 1
+    assert f"model={json.dumps(name)} n=7 wait_ms=3.2" in text
+    assert text.count(" INFO ") == 1 and "CRITICAL" not in text.split(" model=")[0]
+
+
+def test_values_outside_pairs_keep_their_spaces_but_not_their_newlines() -> None:
+    record = logging.LogRecord("redbatch.api", logging.ERROR, __file__, 1,
+                               "unexpected error on POST %s (request id %s)",
+                               ("/v1/models/a b/predict", "r\nx"), None)
+    text = TextFormatter(FORMAT).format(record)
+    assert text.endswith('unexpected error on POST /v1/models/a b/predict (request id "r\\nx")')
+    plain = logging.LogRecord("x", logging.INFO, __file__, 1, "model=mlp n=%d 100%% done",
+                              (3,), None)
+    assert TextFormatter(FORMAT).format(plain).endswith("model=mlp n=3 100% done")

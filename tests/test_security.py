@@ -113,10 +113,55 @@ async def test_gateway_api_key(start_worker: Callable[..., Worker], redis_url: s
         for path in ("/v1/models", "/v2/models/plus", "/v1/stats"):
             assert (await http.get(path)).status_code == 401, path
         v2 = await http.post("/v2/models/plus/infer", json={"inputs": []})
-        assert v2.status_code == 401
+        assert v2.status_code == 401  # in v2's shape: tritonclient reads a string there
+        assert v2.json() == {"error": "missing or wrong API key"}
+        assert (await http.get("/v2/models/stats")).json() == v2.json()
 
 
 def test_api_key_not_in_config_repr() -> None:
     from redbatch.config import GatewayConfig
 
     assert "k3y" not in repr(GatewayConfig(api_key="k3y"))
+
+
+async def test_ready_checks_reveal_nothing_of_redis(caplog: pytest.LogCaptureFixture) -> None:
+    """They are open without the key: the address, user and error stay in the log."""
+    port = free_port()  # nothing listens there
+    url = f"redis://alice:{SECRET}@127.0.0.1:{port}/7"
+    caplog.set_level(logging.WARNING, logger="redbatch")
+    async with gateway(url, api_key="k3y") as http:
+        for path in ("/readyz", "/v2/health/ready"):
+            resp = await http.get(path)
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "1", path
+            assert "redis unavailable" in resp.text, resp.text
+            for secret in ("127.0.0.1", str(port), "alice", SECRET, "/7", "Error", "refused",
+                           "Connect"):
+                assert secret not in resp.text, (path, secret, resp.text)
+    assert str(port) in caplog.text and SECRET not in caplog.text  # the detail is logged
+
+
+async def test_predict_needs_a_json_content_type(start_worker: Callable[..., Worker],
+                                                 redis_url: str) -> None:
+    """A page on another site can make a browser post text/plain or a form without a
+    CORS preflight: such bodies are refused, so a keyless gateway is not driven so."""
+    start_worker([plus], config=CONFIG)
+    async with gateway(redis_url) as http:
+        for _ in range(100):
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        for refused in ("text/plain", "text/plain;charset=UTF-8",
+                        "application/x-www-form-urlencoded", "multipart/form-data; b=x",
+                        "application/jsonx", "application/msgpack"):
+            resp = await http.post("/v1/models/plus/predict", content=b'{"inputs": 1}',
+                                   headers={"content-type": refused})
+            assert resp.status_code == 415, (refused, resp.text)
+            error = resp.json()["error"]
+            assert error["code"] == "unsupported_media_type" and "application/json" in error[
+                "message"]
+            assert resp.headers["x-request-id"]
+        for accepted in ("application/json", "Application/JSON; charset=utf-8", None):
+            headers = {"content-type": accepted} if accepted else {}
+            resp = await http.post("/v1/models/plus/predict", content=b'{"inputs": 1}',
+                                   headers=headers)
+            assert resp.status_code == 200 and resp.json() == {"outputs": 2}, accepted

@@ -173,6 +173,73 @@ async def test_tritonclient_infer_fp32_and_int64(server: str) -> None:
     assert seen["unknown"].status() == "404" and "nope" in seen["unknown"].message()
 
 
+def _triton_repository(url: str) -> dict[str, Any]:
+    """The repository and statistics extensions, and errors, with the real client."""
+    client = triton.InferenceServerClient(url=url)
+    try:
+        x = triton.InferInput("x", [3, 4], "FP32")
+        x.set_data_from_numpy(np.ones((3, 4), dtype=np.float32))
+        client.infer("double", [x])
+        seen: dict[str, Any] = {"index": client.get_model_repository_index()}
+        for _ in range(100):  # the counters travel with the workers' heartbeats
+            seen["stats"] = client.get_inference_statistics("double")
+            if seen["stats"]["model_stats"][0]["inference_count"] >= 3:
+                break
+            time.sleep(0.1)
+        seen["all"] = client.get_inference_statistics()
+        seen["v1"] = client.get_inference_statistics("double", "1")
+        for case, call in [("no model", lambda: client.get_inference_statistics("nope")),
+                           ("no route", lambda: client.unload_model("double")),
+                           ("no version", lambda: client.get_model_metadata("double", "7"))]:
+            try:
+                call()
+            except InferenceServerException as exc:
+                seen[case] = exc
+        return seen
+    finally:
+        client.close()
+
+
+async def test_tritonclient_repository_index_statistics_and_errors(server: str) -> None:
+    seen = await asyncio.to_thread(_triton_repository, server)
+    index = {entry["name"]: entry for entry in seen["index"]}
+    assert set(index) == {m.name for m in MODELS}
+    assert index["double"] == {"name": "double", "version": "1", "state": "READY",
+                               "reason": ""}
+    stats = seen["stats"]["model_stats"]
+    assert [(s["name"], s["version"]) for s in stats] == [("double", "1")]
+    assert stats[0]["inference_count"] >= 3 and stats[0]["execution_count"] >= 1
+    inference = stats[0]["inference_stats"]
+    assert inference["success"]["count"] >= 1 and inference["fail"] == {"count": 0, "ns": 0}
+    assert inference["compute_infer"]["count"] >= 1 and inference["compute_infer"]["ns"] > 0
+    counts = {inference[k]["count"] for k in ("success", "queue", "compute_input",
+                                               "compute_infer", "compute_output")}
+    assert len(counts) == 1  # perf_analyzer refuses statistics whose compute counts differ
+    assert {s["name"] for s in seen["all"]["model_stats"]} == {m.name for m in MODELS}
+    assert seen["v1"]["model_stats"][0]["name"] == "double"
+    for case, status, needle in [("no model", "404", "nope"), ("no route", "404", "Not Found"),
+                                 ("no version", "404", "version")]:
+        exc = seen[case]
+        assert exc.status() == status and needle in exc.message(), (case, str(exc))
+        assert isinstance(exc.message(), str) and needle in str(exc)
+
+
+async def test_every_v2_error_has_the_v2_shape(http: httpx.AsyncClient) -> None:
+    for method, path, status in [("GET", "/v2/nothing/here", 404),
+                                 ("POST", "/v2/repository/models/double/load", 404),
+                                 ("DELETE", "/v2/models/double", 405),
+                                 ("GET", "/v2/models/double/infer", 405)]:
+        resp = await http.request(method, path)
+        assert resp.status_code == status, (path, resp.text)
+        v2_error(resp)
+    v1 = await http.get("/v1/nothing")
+    assert v1.status_code == 404 and v1.json()["error"]["code"] == "http_error"
+    resp = await http.post("/v2/repository/index", json={"ready": "yes"})
+    assert resp.status_code == 400 and "ready" in v2_error(resp)
+    resp = await http.post("/v2/repository/index", json={"ready": True})
+    assert {e["state"] for e in resp.json()} == {"READY"}
+
+
 # --- plain HTTP -----------------------------------------------------------------------
 async def test_json_infer_echoes_id_and_batches_rows_together(http: httpx.AsyncClient) -> None:
     rows = [[i, i + 0.5, -i, 0.25] for i in range(5)]
@@ -275,11 +342,15 @@ async def test_bad_binary_requests_are_400(http: httpx.AsyncClient) -> None:
                                    "parameters": {"binary_data_size": 16}}]}).encode()
     cases = [(head + b"\0" * 12, str(len(head)), "binary_data_size"),
              (head + b"\0" * 16, "99999", "Inference-Header-Content-Length"),
-             (head + b"\0" * 16, "x", "Inference-Header-Content-Length")]
+             (head + b"\0" * 16, "x", "Inference-Header-Content-Length"),
+             # digits to str.isdigit (superscripts, Arabic-Indic), not lengths to int()
+             (head + b"\0" * 16, "\u00b2".encode("latin-1"), "Inference-Header-Content-Length"),
+             (head + b"\0" * 16, "1\u00b9".encode("latin-1"), "Inference-Header-Content-Length"),
+             (head + b"\0" * 16, "\u0661\u0662".encode(), "Inference-Header-Content-Length")]
     for content, length, needle in cases:
         resp = await http.post("/v2/models/double/infer", content=content,
                                headers={"Inference-Header-Content-Length": length})
-        assert resp.status_code == 400 and needle in v2_error(resp), resp.text
+        assert resp.status_code == 400 and needle in v2_error(resp), (length, resp.text)
     nan = np.array([[1, np.nan, 3, 4]], dtype=np.float32).tobytes()
     resp = await http.post("/v2/models/double/infer", content=head + nan,
                            headers={"Inference-Header-Content-Length": str(len(head))})

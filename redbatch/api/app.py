@@ -92,6 +92,7 @@ class Gateway:
     async def predict(self, request: Request) -> Response | RawResponse:
         """The routed handler; ``GatewayApp`` serves the same requests ahead of it."""
         headers = dict(request.headers.raw)
+        body.check_content_type(headers)
         return await self.predict_core(request.path_params["model"], headers, request.receive,
                                        body.trace_id(headers))
 
@@ -176,8 +177,9 @@ class Gateway:
     async def readyz(self, request: Request) -> Response:
         try:
             live = await self.directory.any_live_worker()
-        except RedbatchError as exc:
-            return error_response(503, exc.code, str(exc), {"Retry-After": "1"})
+        except RedbatchError as exc:  # open without the key: the address stays in the log
+            log.warning("not ready: %s", exc)
+            return error_response(503, exc.code, "redis unavailable", {"Retry-After": "1"})
         if not live:
             return error_response(503, "no_workers", "redis is reachable but no worker is live",
                                   {"Retry-After": "1"})

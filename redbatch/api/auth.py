@@ -6,7 +6,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from redbatch.api.errors import error_response
+from redbatch.api.errors import error_for
 
 # Health checks, the API description and Prometheus's scrape stay open (no secrets in
 # them); everything else needs the key.
@@ -36,6 +36,6 @@ class ApiKeyMiddleware:
         if hmac.compare_digest(presented_key(headers), self._key):
             await self.app(scope, receive, send)
             return
-        response = error_response(401, "unauthorized", "missing or wrong API key",
-                                  {"WWW-Authenticate": "Bearer"})
+        response = error_for(scope["path"], 401, "unauthorized", "missing or wrong API key",
+                             {"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

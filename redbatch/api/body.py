@@ -9,12 +9,23 @@ from starlette.types import Receive
 
 from redbatch import protocol
 from redbatch.api.directory import ModelInfo
-from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload
+from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload, UnsupportedMediaType
 
 TIMEOUT_HEADER = b"x-redbatch-timeout-ms"
 REQUEST_ID_HEADER = b"x-request-id"
 TIMEOUT_FIELD = "timeout_ms"
+JSON_MEDIA_TYPES = frozenset({b"application/json"})  # the predict body is JSON (parse_json)
 Headers = dict[bytes, bytes]  # ASGI header names are lower-case bytes
+
+
+def check_content_type(headers: Headers) -> None:
+    """A predict body is JSON: another Content-Type is refused (415), so that a page on
+    another site cannot post to a gateway from a visitor's browser with a "simple"
+    type (``text/plain``, a form) that needs no CORS preflight.  None at all is fine."""
+    raw = headers.get(b"content-type")
+    if raw is not None and raw.split(b";", 1)[0].strip().lower() not in JSON_MEDIA_TYPES:
+        raise UnsupportedMediaType(f"Content-Type {raw.decode('latin-1')!r} is not "
+                                   "supported: send the body as application/json")
 
 
 async def read_body(headers: Headers, receive: Receive, limit_bytes: int) -> bytes:

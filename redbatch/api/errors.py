@@ -27,12 +27,28 @@ STATUS: dict[type[errors.RedbatchError], int] = {
 
 STATUS[errors.BadRequest] = 400
 STATUS[errors.BodyTooLarge] = 413
+STATUS[errors.UnsupportedMediaType] = 415
 
 
 def error_response(status: int, code: str, message: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
                         headers=headers)
+
+
+def is_v2(path: str) -> bool:
+    """Whether ``path`` is a KServe v2 route, whose errors are ``{"error": message}``."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_for(path: str, status: int, code: str, message: str,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in the shape of the API ``path`` belongs to: v2's ``{"error": message}``
+    (tritonclient reads a string there), else v1's ``{"error": {"code", "message"}}``."""
+    if is_v2(path):
+        return JSONResponse({"error": message}, status_code=status,
+                            headers={"x-redbatch-error-code": code, **(headers or {})})
+    return error_response(status, code, message, headers)
 
 
 def status_of(exc: errors.RedbatchError) -> int:
@@ -58,11 +74,12 @@ async def on_redbatch_error(request: Request, exc: Exception) -> Response:
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, method not allowed), in the route's shape."""
     assert isinstance(exc, HTTPException)
     headers = dict(exc.headers) if exc.headers else None
-    return error_response(exc.status_code, "http_error", str(exc.detail), headers)
+    return error_for(request.url.path, exc.status_code, "http_error", str(exc.detail), headers)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return error_response(500, "internal", "internal error; see the gateway log")
+    log.exception("unexpected error on %s %r", request.method, request.url.path)
+    return error_for(request.url.path, 500, "internal", "internal error; see the gateway log")

@@ -105,6 +105,7 @@ class GatewayApp(Starlette):
         trace = ""
         try:
             trace = body.trace_id(headers)
+            body.check_content_type(headers)
             return await gateway.predict_core(model, headers, receive, trace)
         except RedbatchError as exc:
             response = from_exception(exc)

@@ -37,6 +37,7 @@ V1_ERRORS = {
     "401": _json("API key required", _ref("V1Error")),
     "404": _json("unknown model", _ref("V1Error")),
     "413": _json("body over the limit", _ref("V1Error")),
+    "415": _json("a Content-Type other than application/json", _ref("V1Error")),
     "422": _json("input does not match the model's spec", _ref("V1Error")),
     "500": _json("the model raised", _ref("V1Error")),
     "502": _json("workers crashed on this request", _ref("V1Error")),
@@ -137,6 +138,48 @@ def _v2_paths() -> dict[str, Schema]:
                                  [MODEL, VERSION]),
         f"{model}/infer": _infer([MODEL]),
         f"{version}/infer": _infer([MODEL, VERSION]),
+        **_v2_repository_paths(model, version),
+    }
+
+
+def _v2_repository_paths(model: str, version: str) -> dict[str, Schema]:
+    stats = _json("statistics from the live workers' heartbeats", _ref("ModelStats"))
+    index = _json("every model a worker registered", {"type": "array", "items": _ref(
+        "RepositoryIndexEntry")})
+    return {
+        "/v2/repository/index": {"post": {
+            "summary": "the model repository index (models and their state)", "tags": ["v2"],
+            "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"ready": {"type": "boolean"}}}}}},
+            "responses": {"200": index, **_v2_errors("400", "401", "503")}}},
+        "/v2/models/stats": _get("statistics of every model", stats,
+                                 _v2_errors("401", "503"), "v2"),
+        f"{model}/stats": _get("statistics of a model", stats, _v2_errors("404", "503"),
+                               "v2", [MODEL]),
+        f"{version}/stats": _get("statistics of a model version", stats,
+                                 _v2_errors("404", "503"), "v2", [MODEL, VERSION]),
+    }
+
+
+def _stats_schemas() -> dict[str, Schema]:
+    count = {"type": "integer", "minimum": 0}
+    stat = {"type": "object", "required": ["count", "ns"],
+            "properties": {"count": count, "ns": count}}
+    one = {"type": "object", "required": ["name", "version", "inference_count",
+                                          "execution_count", "inference_stats"],
+           "properties": {"name": {"type": "string"}, "version": {"type": "string"},
+                          "last_inference": count, "inference_count": count,
+                          "execution_count": count, "batch_stats": {"type": "array"},
+                          "inference_stats": {"type": "object",
+                                              "additionalProperties": stat}}}
+    return {
+        "ModelStats": {"type": "object", "required": ["model_stats"],
+                       "properties": {"model_stats": {"type": "array", "items": one}}},
+        "RepositoryIndexEntry": {
+            "type": "object", "required": ["name", "version", "state", "reason"],
+            "properties": {"name": {"type": "string"}, "version": {"type": "string"},
+                           "state": {"type": "string", "enum": ["READY", "UNAVAILABLE"]},
+                           "reason": {"type": "string"}}},
     }
 
 
@@ -164,6 +207,7 @@ def _tensor_schemas() -> dict[str, Schema]:
 def _v2_schemas() -> dict[str, Schema]:
     return {
         **_tensor_schemas(),
+        **_stats_schemas(),
         "V2Error": {"type": "object", "required": ["error"],
                     "properties": {"error": {"type": "string"}}},
         "ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"],

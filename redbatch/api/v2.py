@@ -28,6 +28,7 @@ from redbatch import __version__, protocol
 from redbatch.api import body
 from redbatch.api.directory import ModelInfo
 from redbatch.api.errors import retry_headers, status_of
+from redbatch.api.v2_repo import RepositoryApi
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import (
     BadRequest,
@@ -76,7 +77,7 @@ def _v2_errors(handler: Handler) -> Handler:
         except RedbatchError as exc:
             return v2_error(exc)
         except Exception:
-            log.exception("unexpected error on %s %s", request.method, request.url.path)
+            log.exception("unexpected error on %s %r", request.method, request.url.path)
             return JSONResponse({"error": "internal error; see the gateway log"},
                                 status_code=500)
 
@@ -121,7 +122,8 @@ def model_config(info: ModelInfo) -> dict[str, Any]:
 
 def server_metadata() -> dict[str, Any]:
     return {"name": "redbatch", "version": __version__,
-            "extensions": ["binary_tensor_data", "model_configuration"]}
+            "extensions": ["binary_tensor_data", "model_configuration", "model_repository",
+                           "statistics"]}
 
 
 # --- reading an infer request ---------------------------------------------------
@@ -143,7 +145,7 @@ def split_body(raw: bytes, headers: body.Headers) -> tuple[bytes, bytes]:
     if declared is None:
         return raw, b""
     text = declared.decode("latin-1").strip()
-    if not text.isdigit() or int(text) > len(raw):
+    if not (text.isascii() and text.isdigit()) or int(text) > len(raw):  # not "²"
         raise BadRequest(f"Inference-Header-Content-Length {text!r} is not a length within "
                          f"the {len(raw)}-byte body")
     return raw[:int(text)], raw[int(text):]
@@ -382,12 +384,21 @@ class V2Api:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.repository = RepositoryApi(gateway)
 
     async def live(self, request: Request) -> Response:
         return Response(status_code=200)
 
     async def ready(self, request: Request) -> Response:
-        if not await self.gateway.directory.any_live_worker():
+        """Open without the API key: says nothing of Redis's address or its error (the
+        gateway's log does)."""
+        try:
+            live = await self.gateway.directory.any_live_worker()
+        except RedbatchError as exc:
+            log.warning("not ready: %s", exc)
+            return JSONResponse({"error": "redis unavailable"}, status_code=503,
+                                headers={"Retry-After": "1"})
+        if not live:
             raise NoLiveWorkers("redis is reachable but no worker is live")
         return Response(status_code=200)
 
@@ -415,6 +426,9 @@ class V2Api:
     async def config(self, request: Request) -> Response:
         return JSONResponse(model_config(await self._model(request)))
 
+    async def stats(self, request: Request) -> Response:
+        return await self.repository.stats(request, [(await self._model(request)).name])
+
     async def model_ready(self, request: Request) -> Response:
         await self._served(request)
         return Response(status_code=200)
@@ -440,11 +454,15 @@ def v2_routes(gateway: Gateway) -> list[Route]:
         ("/v2", api.server, "GET"),
         ("/v2/health/live", api.live, "GET"),
         ("/v2/health/ready", api.ready, "GET"),
+        ("/v2/repository/index", api.repository.index, "POST"),
+        ("/v2/models/stats", api.repository.all_stats, "GET"),  # before {name}: "stats"
         (model, api.metadata, "GET"),
         (version, api.metadata, "GET"),
         (f"{model}/config", api.config, "GET"),
         (f"{model}/ready", api.model_ready, "GET"),
         (f"{version}/ready", api.model_ready, "GET"),
+        (f"{model}/stats", api.stats, "GET"),
+        (f"{version}/stats", api.stats, "GET"),
         (f"{model}/infer", api.infer, "POST"),
         (f"{version}/infer", api.infer, "POST"),
     ]

@@ -1,0 +1,174 @@
+"""HTTP limits at the gateway's edge, below the ASGI app: uvicorn's httptools protocol
+with a cap on the size of a request's head and deadlines for its arrival.
+
+uvicorn itself has none of these for httptools: a client may send an endless header
+(httptools keeps growing one ``bytes`` object, the whole event loop stalls on the
+copies) or keep a connection open by sending nothing, or a byte now and then.
+``EdgeProtocol`` counts a request's head bytes (request line and headers) as they
+arrive and answers 431 past ``max_header_bytes``, without parsing more than one read
+past the cap; it closes a connection whose head has not arrived within
+``header_timeout_s`` (a fresh connection that sends nothing included) or whose body has
+not arrived within ``body_timeout_s`` of its head; and it answers 503 to the requests of
+a connection opened while ``max_connections`` are open.  A whole request arriving in
+one read (the usual case) costs no timer at all.
+
+``redbatch gateway`` and ``redbatch up`` use it with their ``GatewayConfig``; under
+``uvicorn --factory redbatch.api.serve:app_from_env`` pass
+``--http redbatch.api.limits:EdgeProtocol`` and it reads the same ``REDBATCH_*`` vars.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any, ClassVar
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from redbatch.config import GatewayConfig, from_env
+
+log = logging.getLogger("redbatch.api")
+HEAD, BODY = "head", "body"  # what a connection is waiting for; None: nothing (idle)
+LINGER_S = 1.0  # after a 431, the rest of the request is read and dropped this long
+
+
+def _plain(status: bytes, message: str, *extra: bytes) -> bytes:
+    text = message.encode()
+    return b"".join([b"HTTP/1.1 ", status, b"\r\ncontent-type: text/plain; charset=utf-8\r\n",
+                     b"content-length: %d\r\nconnection: close\r\n" % len(text), *extra,
+                     b"\r\n", text])
+
+
+async def _busy(scope: Any, receive: Any, send: Any) -> None:
+    """The app of a connection opened past ``max_connections``: 503, then close."""
+    text = b"too many open connections; retry shortly"
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close"),
+        (b"retry-after", b"1"), (b"content-length", b"%d" % len(text))]})
+    await send({"type": "http.response.body", "body": text})
+
+
+@functools.cache
+def env_config() -> GatewayConfig:
+    """The limits from ``REDBATCH_*`` env vars, for ``--http ...:EdgeProtocol``."""
+    return from_env(GatewayConfig)
+
+
+def edge_protocol(config: GatewayConfig) -> type[EdgeProtocol]:
+    """``EdgeProtocol`` with ``config``'s limits, for ``uvicorn.run(http=...)``."""
+    class Limited(EdgeProtocol):
+        gateway = config
+
+    return Limited
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the gateway's head cap, deadlines and
+    connection limit (``GatewayConfig``)."""
+
+    gateway: ClassVar[GatewayConfig | None] = None
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.limits = self.gateway or env_config()
+        self._phase: str | None = HEAD
+        self._room = self.limits.max_header_bytes  # head bytes the request may still send
+        self._requests = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timed: tuple[str | None, int] = (None, 0)
+        self._discarding = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            log.debug("connection from %s over max_connections=%d: answering 503",
+                      self.client, self.limits.max_connections)
+            self.app = _busy
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
+        if self._phase is not BODY and len(data) > self._room:
+            self._feed_past_cap(data)
+        else:
+            if self._phase is not BODY:
+                self._room -= len(data)
+            super().data_received(data)
+        self._watch()
+
+    def _feed_past_cap(self, data: bytes) -> None:
+        """Parse up to the cap; the rest only if the head ended within it."""
+        room = self._room
+        self._room = 0
+        super().data_received(data[:room])
+        if self.transport.is_closing():
+            return
+        if self._phase is HEAD:
+            self._refuse_head()
+            return
+        super().data_received(data[room:])
+
+    def _refuse_head(self) -> None:
+        """431, then read and drop what the client still sends for a moment, so that it
+        sees the answer rather than a reset connection."""
+        cap = self.limits.max_header_bytes
+        log.debug("request head from %s over %d bytes: 431", self.client, cap)
+        self.transport.write(_plain(b"431 Request Header Fields Too Large",
+                                    f"request line and headers are over the {cap}-byte "
+                                    "limit"))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._discarding, self._phase = True, None
+        self._cancel()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+    # parser callbacks: track what the connection waits for
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = HEAD
+        self._requests += 1
+
+    def on_headers_complete(self) -> None:
+        self._phase = BODY
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._phase, self._room = None, self.limits.max_header_bytes
+        super().on_message_complete()
+
+    # deadlines: one timer for the head or body being waited for, if any
+    def _watch(self) -> None:
+        key = (self._phase, self._requests)
+        if key == self._timed or self._discarding:
+            return
+        self._cancel()
+        self._timed = key
+        if self._phase is not None:
+            limit_s = (self.limits.header_timeout_s if self._phase is HEAD
+                       else self.limits.body_timeout_s)
+            self._timer = self.loop.call_later(limit_s, self._expired)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        log.debug("closing the connection from %s: its request %s did not arrive in time",
+                  self.client, self._phase)
+        if self._phase is HEAD and self._room < self.limits.max_header_bytes:
+            self.transport.write(_plain(b"408 Request Timeout",
+                                        "request headers did not arrive in time"))
+        self.transport.close()

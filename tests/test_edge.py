@@ -1,0 +1,157 @@
+"""The gateway's HTTP edge (``redbatch/api/limits.py``) over a real port: a real
+``redbatch gateway`` process, raw sockets for the hostile clients."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from redbatch.config import GatewayConfig, from_env
+from redbatch.errors import ConfigError
+from tests.conftest import Proc, free_port, redbatch_cmd, test_env, wait_http
+
+SLOW_HEAD = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Slow: a"
+
+
+def _gateway(spawn: Callable[..., Proc], redis_url: str, **env: str) -> tuple[int, Proc]:
+    port = free_port()
+    proc = spawn(redbatch_cmd("gateway", "--port", str(port)),
+                 env=test_env(REDIS_URL=redis_url, **env), name="gateway")
+    wait_http(f"http://127.0.0.1:{port}/healthz", 60, proc)
+    return port, proc
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def _read_all(sock: socket.socket, into: list[bytes]) -> None:
+    try:
+        while chunk := sock.recv(65536):
+            into.append(chunk)
+    except OSError:
+        pass
+
+
+def _send_huge_header(port: int, size: int) -> bytes:
+    """Send a request whose one header is ``size`` bytes; what came back."""
+    got: list[bytes] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        reader = threading.Thread(target=_read_all, args=(sock, got))
+        reader.start()
+        try:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Big: ")
+            chunk = b"a" * (1 << 20)
+            for _ in range(size >> 20):
+                sock.sendall(chunk)
+            sock.sendall(b"\r\n\r\n")
+        except OSError:
+            pass  # the gateway answered and closed before the end: that is the point
+        reader.join(30)
+    return b"".join(got)
+
+
+def _closed_within(sock: socket.socket, timeout_s: float) -> bytes | None:
+    """What the server sent before closing, or None if it kept the connection open."""
+    sock.settimeout(timeout_s)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except TimeoutError:
+        return None
+    except OSError:
+        pass
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_huge_header_gets_431_and_memory_stays_bounded(spawn: Callable[..., Proc],
+                                                         redis_url: str) -> None:
+    port, proc = _gateway(spawn, redis_url)
+    answer = _send_huge_header(port, 1 << 20)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b"65536-byte limit" in answer
+    before = _peak_rss_kib(proc.popen.pid)
+    answer = _send_huge_header(port, 64 << 20)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    grown_mib = (_peak_rss_kib(proc.popen.pid) - before) / 1024
+    assert grown_mib < 16, f"peak memory grew {grown_mib:.0f} MiB for a 64 MiB header"
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+    fine = httpx.get(f"http://127.0.0.1:{port}/healthz", headers={"x-ok": "a" * 30_000})
+    assert fine.status_code == 200  # a big head under the cap is served
+    head = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json"
+    payload = b'{"inputs": "' + b"a" * 500_000 + b'"}'
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+        status = sock.recv(4096).split(b"\r\n", 1)[0]
+    assert status != b"HTTP/1.1 431 Request Header Fields Too Large"  # body bytes don't count
+    assert status.startswith(b"HTTP/1.1 "), status
+
+
+@pytest.mark.timeout(120)
+def test_slow_clients_are_closed_while_others_are_served(spawn: Callable[..., Proc],
+                                                         redis_url: str) -> None:
+    port, _ = _gateway(spawn, redis_url, REDBATCH_HEADER_TIMEOUT_S="1",
+                       REDBATCH_BODY_TIMEOUT_S="1")
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
+    for sock in slow[:20]:
+        sock.sendall(SLOW_HEAD)  # a partial head, then nothing
+    for sock in slow[20:25]:  # a whole head and part of the body
+        sock.sendall(b"POST /v1/models/m/predict HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"inputs\"")
+    # slow[25:] send nothing at all
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        assert http.get("/healthz").status_code == 200
+    try:
+        answers = [_closed_within(sock, 20) for sock in slow]
+    finally:
+        for sock in slow:
+            sock.close()
+    assert None not in answers, [i for i, a in enumerate(answers) if a is None]
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers[:20] if a), answers[:20]
+    assert answers[25:] == [b""] * 5  # nothing asked, nothing answered: just closed
+
+
+@pytest.mark.timeout(120)
+def test_connections_past_the_limit_are_refused(spawn: Callable[..., Proc],
+                                                redis_url: str) -> None:
+    port, _ = _gateway(spawn, redis_url, REDBATCH_MAX_CONNECTIONS="4",
+                       REDBATCH_HEADER_TIMEOUT_S="60")
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    time.sleep(0.5)  # the gateway accepts them
+    url = f"http://127.0.0.1:{port}/healthz"
+    refused = httpx.get(url, timeout=10)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert "too many open connections" in refused.text
+    for sock in held:
+        sock.close()
+    for _ in range(100):
+        if httpx.get(url, timeout=10).status_code == 200:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the gateway never served again once the connections closed")
+
+
+
+def test_edge_limits_are_validated_and_read_from_env() -> None:
+    with pytest.raises(ConfigError, match="max_header_bytes"):
+        GatewayConfig(max_header_bytes=100)
+    for name in ("header_timeout_s", "body_timeout_s", "max_connections"):
+        with pytest.raises(ConfigError, match=name):
+            GatewayConfig(**{name: 0})
+    config = from_env(GatewayConfig, env={"REDBATCH_MAX_HEADER_BYTES": "8192",
+                                          "REDBATCH_HEADER_TIMEOUT_S": "2.5",
+                                          "REDBATCH_MAX_CONNECTIONS": "10"})
+    assert (config.max_header_bytes, config.header_timeout_s, config.max_connections) == (
+        8192, 2.5, 10)
