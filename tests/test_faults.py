@@ -150,6 +150,25 @@ async def test_gateway_answers_by_the_deadline_while_redis_is_stalled(
     assert elapsed < 1.8, elapsed  # the deadline, not the 10 s socket timeout
 
 
+async def test_v2_infer_answers_by_the_deadline_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    server = redis_server_factory()
+    _register(server, "stalled")
+    assert server.proc is not None
+    infer = {"inputs": [{"name": "inputs", "shape": [1], "datatype": "INT64", "data": [1]}]}
+    async with gateway(server.url, meta_refresh_s=0.1) as http:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            resp = await http.post("/v2/models/stalled/infer", json=infer,
+                                   headers={"x-redbatch-timeout-ms": "1000"})
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert resp.status_code == 504 and "deadline" in resp.json()["error"], resp.text
+    assert elapsed < 1.8, elapsed
+
+
 async def test_first_requests_after_a_redis_restart_succeed(
         redis_server_factory: Callable[..., RedisServer],
         start_worker: Callable[..., Worker]) -> None:

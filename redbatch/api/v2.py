@@ -32,6 +32,7 @@ from redbatch.api.v2_repo import RepositoryApi
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import (
     BadRequest,
+    DeadlineExceeded,
     ModelError,
     NoLiveWorkers,
     QueueFull,
@@ -405,18 +406,18 @@ class V2Api:
     async def server(self, request: Request) -> Response:
         return JSONResponse(server_metadata())
 
-    async def _model(self, request: Request) -> ModelInfo:
+    async def _model(self, request: Request, deadline_ms: int | None = None) -> ModelInfo:
         name = request.path_params["name"]
         version = request.path_params.get("version", VERSION)
         if not protocol.MODEL_NAME_RE.fullmatch(name):
             raise UnknownModel(f"unknown model {name!r}: not a model name")
         if version != VERSION:
             raise UnknownModel(f"model {name!r} has no version {version!r} (only {VERSION!r})")
-        return await self.gateway.directory.get(name)
+        return await self.gateway.directory.get(name, deadline_ms)
 
-    async def _served(self, request: Request) -> ModelInfo:
-        info = await self._model(request)
-        if not await self.gateway.client.live_workers(info.name):
+    async def _served(self, request: Request, deadline_ms: int | None = None) -> ModelInfo:
+        info = await self._model(request, deadline_ms)
+        if not await self.gateway.client.live_workers(info.name, deadline_ms):
             raise NoLiveWorkers(f"model {info.name!r} has no live worker; retry shortly")
         return info
 
@@ -434,15 +435,21 @@ class V2Api:
         return Response(status_code=200)
 
     async def infer(self, request: Request) -> Response:
-        info = await self._served(request)
-        gateway = self.gateway
+        """Like v1 predict, the deadline runs from arrival and bounds the look-ups too."""
+        arrived_ms, gateway = protocol.now_ms(), self.gateway
         headers = dict(request.headers.raw)
-        raw = await body.read_body(headers, request.receive, gateway.config.max_body_bytes)
+        config = gateway.config
+        info = await self._served(request, arrived_ms + round(1000 * body.timeout_s(
+            headers, {}, config.default_timeout_s, config.max_timeout_s)))
+        raw = await body.read_body(headers, request.receive, config.max_body_bytes)
         call = parse_infer(raw, headers, info, gateway.model_default_s(info),
-                           gateway.config.max_timeout_s)
+                           config.max_timeout_s)
+        left_s = (arrived_ms - protocol.now_ms()) / 1000 + call.timeout_s
+        if left_s <= 0:
+            raise DeadlineExceeded(f"deadline passed before model {info.name!r} was reached")
         gateway.client.set_queue_cap(info.name, info.max_queue_len)
-        futures = await gateway.client.submit_many(info.name, list(call.tensor),
-                                                   call.timeout_s, want_reply=True)
+        futures = await gateway.client.submit_many(info.name, list(call.tensor), left_s,
+                                                   want_reply=True)
         results = await asyncio.gather(*futures, return_exceptions=True)
         return infer_response(info, call, settle(results))
 
