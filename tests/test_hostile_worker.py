@@ -188,7 +188,7 @@ async def test_batch_size_counts_items_per_pass(
     assert (counters["passes"], counters["pass_items"], counters["entries"]) == (3, 10, 1)
     assert sum(counters["hist"]["batch_size"]) == 3  # passes of 4, 4 and 2 items
     assert sum(counters["hist"]["batch_entries"]) == 1
-    assert "model=double4 n=4 entries=1 passes=3" in caplog.text
+    assert "model=double4 n=4 items=10 entries=1 passes=3" in caplog.text
 
 
 # --- failures are logged so that they can be fixed ---------------------------------------

@@ -313,9 +313,9 @@ class BatchRunner:
         self.passes += len(passes)
         self.pass_items += sum(passes)
         self.meters.batch(decoded, passes, batch.claimed, waits, fwd_ms, computed.failed)
-        log.info("model=%s n=%d entries=%d passes=%d computed=%d failed=%d rejected=%d "
-                 "wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f", self.model.name,
-                 max(passes, default=0), batch.claimed, len(passes),
+        log.info("model=%s n=%d items=%d entries=%d passes=%d computed=%d failed=%d "
+                 "rejected=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f", self.model.name,
+                 max(passes, default=0), sum(passes), batch.claimed, len(passes),
                  len(decoded.items) - computed.failed, computed.failed,
                  len(decoded.early) + decoded.invalid_rows, max(waits, default=0), fwd_ms,
                  reply_ms)
