@@ -80,6 +80,7 @@ def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
     procs.start("gateway", [sys.executable, "-m", "uvicorn", "--factory",
                             "redbatch.api.serve:app_from_env", "--host", "127.0.0.1",
                             "--port", str(http_port), "--workers", str(gateways),
+                            "--http", "redbatch.api.limits:EdgeProtocol",  # the edge limits
                             "--no-access-log", "--log-level", "warning"],
                 {**env, "REDIS_URL": url})
     base = f"http://127.0.0.1:{http_port}"
