@@ -111,3 +111,7 @@ async def deadline_bound(deadline_ms: int | None, what: str) -> AsyncIterator[No
             yield
     except TimeoutError as exc:
         raise DeadlineExceeded(f"deadline passed while {what}") from exc
+    except (RedisUnavailable, *REDIS_ERRORS) as exc:  # the cancel may surface as these
+        if protocol.now_ms() < deadline_ms:
+            raise
+        raise DeadlineExceeded(f"deadline passed while {what}") from exc

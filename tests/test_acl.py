@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from redbatch import Client, batch
+from redbatch import Client, batch, protocol
 from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, RedisServer, wait_live
@@ -61,4 +61,7 @@ async def test_the_documented_user_gets_no_warning(
         async with Client(url) as client:
             assert await client.predict_many("acl_double", [1, 2, 3], timeout_s=10) == [2, 4, 6]
             assert await client.predict("acl_double", 5, timeout_s=10) == 10
+            # a caller went away: the cancelled set exists, and workers consult it
+            await client.mark_cancelled("acl_double", "gone", protocol.now_ms() + 10_000)
+            assert await client.predict("acl_double", 6, timeout_s=10) == 12
     assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text

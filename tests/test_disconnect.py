@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -90,16 +91,24 @@ async def test_disconnected_clients_free_their_waiters(start_worker: Callable[..
         async with served(redis_url, max_waiters=20, default_timeout_s=20) as http:
             await wait_ready(http)
             writers = [await send_and_leave(http, "held", i) for i in range(20)]
-            await asyncio.sleep(0.5)  # all twenty wait: the gateway's waiters are full
-            assert (await http.get("/v1/stats")).json()["waiting"] == 20
+            await until(http, lambda stats: stats["waiting"] == 20)  # the waiters are full
             for writer in writers:
                 writer.close()
-            await asyncio.sleep(0.5)
+            await until(http, lambda stats: stats["waiting"] == 0)  # freed on disconnect
             resp = await http.post("/v1/models/echo/predict", json={"inputs": 7})
             assert resp.status_code == 200, resp.text  # not 503 max_waiters
             assert (await http.get("/v1/stats")).json()["waiting"] == 0
     finally:
         release.set()
+
+
+async def until(http: httpx.AsyncClient, done: Callable[[dict[str, int]], bool],
+                timeout_s: float = 20.0) -> None:
+    """Poll the gateway's /v1/stats until ``done`` holds (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not done((await http.get("/v1/stats")).json()):
+        assert time.monotonic() < deadline, "timed out waiting on the gateway's stats"
+        await asyncio.sleep(0.02)
 
 
 async def test_a_cancelled_queued_request_is_not_computed(
@@ -111,13 +120,18 @@ async def test_a_cancelled_queued_request_is_not_computed(
             await wait_ready(http)
             first = asyncio.create_task(http.post("/v1/models/held/predict",
                                                   json={"inputs": 0}))
-            while not seen:  # the first request holds the worker
+            for _ in range(1000):  # the first request holds the worker
+                if seen:
+                    break
                 await asyncio.sleep(0.02)
             writers = [await send_and_leave(http, "held", i) for i in range(1, 6)]
-            await asyncio.sleep(0.3)  # queued behind it
+            await until(http, lambda stats: stats["waiting"] == 6)  # queued behind it
             for writer in writers:
                 writer.close()
-            await asyncio.sleep(0.5)  # the gateway marked them cancelled
+            for _ in range(500):  # the gateway marks them cancelled
+                if raw_redis.zcard(protocol.cancelled_key("held")) == 5:
+                    break
+                await asyncio.sleep(0.02)
             release.set()
             assert (await first).status_code == 200
             resp = await http.post("/v1/models/held/predict", json={"inputs": 99})

@@ -75,6 +75,20 @@ def _closed_within(sock: socket.socket, timeout_s: float) -> bytes | None:
 
 
 @pytest.mark.timeout(120)
+def test_pipelined_requests_under_the_cap_are_all_served(spawn: Callable[..., Proc],
+                                                         redis_url: str) -> None:
+    """Many small requests in one write pass the cap together, never one by one."""
+    port, _proc = _gateway(spawn, redis_url)
+    one = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Pad: " + b"a" * 3000 + b"\r\n\r\n"
+    last = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(one * 60 + last)  # ~180 KiB: one read crosses the 64 KiB cap
+        got = _closed_within(sock, 30)
+    assert got is not None, "the gateway kept the connection open"
+    assert got.count(b"HTTP/1.1 200") == 61 and b" 431 " not in got, got[:300]
+
+
+@pytest.mark.timeout(120)
 def test_a_huge_header_gets_431_and_memory_stays_bounded(spawn: Callable[..., Proc],
                                                          redis_url: str) -> None:
     port, proc = _gateway(spawn, redis_url)

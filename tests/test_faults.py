@@ -150,6 +150,24 @@ async def test_gateway_answers_by_the_deadline_while_redis_is_stalled(
     assert elapsed < 1.8, elapsed  # the deadline, not the 10 s socket timeout
 
 
+async def test_client_fails_by_the_deadline_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    """The client's worker look-up (a cold cache) counts against the request's deadline."""
+    server = redis_server_factory()
+    _register(server, "stalled")
+    assert server.proc is not None
+    async with Client(server.url) as client:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await client.predict("stalled", 1, timeout_s=1.0)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert elapsed < 1.8, elapsed  # the deadline, not the 10 s socket timeout
+
+
 async def test_v2_infer_answers_by_the_deadline_while_redis_is_stalled(
         redis_server_factory: Callable[..., RedisServer]) -> None:
     server = redis_server_factory()

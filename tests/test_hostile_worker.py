@@ -154,6 +154,7 @@ def spawn_killer(spawn: Callable[..., Proc], redis_url: str) -> Proc:
                  env=test_env(**FAST_LEASE), name="killer-worker")
 
 
+@pytest.mark.timeout(150)  # three crash, respawn and lease-expiry cycles
 async def test_a_killer_input_is_isolated_and_its_batch_mates_answered(
         spawn: Callable[..., Proc], redis_url: str, raw_redis: redis.Redis) -> None:
     proc = spawn_killer(spawn, redis_url)

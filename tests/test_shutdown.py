@@ -52,6 +52,7 @@ def assert_nothing_left(mark: str, proc: Proc) -> None:
     assert not alive, f"left running: {alive}\n{proc.log()}"
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("round_", range(10))
 def test_ctrl_c_stops_everything_within_10_s(spawn: Callable[..., Proc], round_: int) -> None:
     mark = uuid.uuid4().hex

@@ -78,6 +78,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._phase: str | None = HEAD
         self._room = self.limits.max_header_bytes  # head bytes the request may still send
         self._requests = 0
+        self._completed = 0  # requests whose body has fully arrived
         self._timer: asyncio.TimerHandle | None = None
         self._timed: tuple[str | None, int] = (None, 0)
         self._discarding = False
@@ -107,10 +108,13 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _feed_past_cap(self, data: bytes) -> None:
         """Parse up to the cap; the rest only if the head ended within it."""
-        room = self._room
+        room, completed = self._room, self._completed
         self._room = 0
         super().data_received(data[:room])
         if self.transport.is_closing():
+            return
+        if self._completed > completed:  # a pipelined request ended within the cap: the
+            self.data_received(data[room:])  # rest is the next one's, with a fresh cap
             return
         if self._phase is HEAD:
             self._refuse_head()
@@ -143,6 +147,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._phase, self._room = None, self.limits.max_header_bytes
+        self._completed += 1
         super().on_message_complete()
 
     # deadlines: one timer for the head or body being waited for, if any

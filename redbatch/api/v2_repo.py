@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from redbatch import protocol
+from redbatch.api import body
 from redbatch.errors import BadRequest
 from redbatch.redis_conn import translated
 from redbatch.worker.heartbeat import live_workers
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from redbatch.api.app import Gateway
 
 VERSION = "1"
+INDEX_BODY_MAX_BYTES = 4096  # the index request is {"ready": bool} at most
 NS_PER_MS = 1_000_000
 
 
@@ -91,7 +93,9 @@ class RepositoryApi:
                                                        protocol.now_ms(), "+inf"))
 
     async def index(self, request: Request) -> Response:
-        ready_only = _ready_only(await request.body())
+        raw = await body.read_body(dict(request.headers.raw), request.receive,
+                                   INDEX_BODY_MAX_BYTES)
+        ready_only = _ready_only(raw)
         models = []
         for name in await self.gateway.directory.model_names():
             live = await self._live(name)

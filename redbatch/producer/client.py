@@ -192,11 +192,13 @@ class Client:
                        enqueue_ms=protocol.now_ms(), deadline_ms=deadline_ms,
                        reply_to=self.reply_to, payload=inputs, trace_id=trace_id, rows=rows)
 
-    async def _ready(self, model: str, count: int) -> ReplyListener:
+    async def _ready(self, model: str, count: int, deadline_ms: int) -> ReplyListener:
         """The listener (starting the client if needed), once ``model`` is a valid name
-        and ``count`` more waiters fit under ``max_waiters``: checked before any work."""
+        and ``count`` more waiters fit under ``max_waiters``: checked before any work.
+        The start and the worker check end by ``deadline_ms``."""
         if self._listener is None:
-            await self.start()
+            async with deadline_bound(deadline_ms, "connecting to Redis"):
+                await self.start()
         assert self._listener is not None
         protocol.check_model_name(model)
         if self._listener.waiting + count > self.max_waiters:
@@ -204,7 +206,7 @@ class Client:
                             f"max_waiters={self.max_waiters} ({self._listener.waiting} "
                             "already wait)", QUEUE_FULL_RETRY_AFTER_S)
         if self.require_workers:
-            await self.check_served(model)
+            await self.check_served(model, deadline_ms)
         return self._listener
 
     async def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
@@ -219,8 +221,8 @@ class Client:
         per_request = 1 if request_ids else rows.rows_per_request(inputs, self.pack_rows)
         if per_request > 1:
             return await self._submit_rows(model, inputs, per_request, timeout_s, want_reply)
-        listener = await self._ready(model, len(inputs))
         deadline = self.deadline_ms(timeout_s)
+        listener = await self._ready(model, len(inputs), deadline)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
         requests = [self._request(model, x, deadline, rid) for x, rid in zip(inputs, ids,
                                                                               strict=True)]
@@ -236,8 +238,8 @@ class Client:
         """Same-shape arrays go as multi-row requests of ``per_request`` rows: one
         queue entry and one reply per chunk, one future per input all the same."""
         chunks = rows.chunks(inputs, per_request)
-        listener = await self._ready(model, len(chunks))
         deadline = self.deadline_ms(timeout_s)
+        listener = await self._ready(model, len(chunks), deadline)
         requests = [self._request(model, np.stack(chunk), deadline, None, rows=len(chunk))
                     for chunk in chunks]
         entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
@@ -303,9 +305,9 @@ class Client:
         """The lean path of ``predict``: one waiter, whose deadline timer also bounds
         the enqueue; the push's outcome settles it through a callback (no task, no
         second timer).  Returns the request's id and its waiter."""
-        listener = await self._ready(model, 1)
-        assert self._enqueuer is not None
         deadline = self.deadline_ms(timeout_s) if deadline_ms is None else deadline_ms
+        listener = await self._ready(model, 1, deadline)
+        assert self._enqueuer is not None
         request = self._request(model, inputs, deadline, request_id, trace_id)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from redbatch import lua, protocol
 from redbatch.lean import LeanLink, script_sha
@@ -44,6 +44,18 @@ def peek_enqueue_ms(raw: bytes, fallback_ms: int) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return min(value, fallback_ms)  # a producer clock ahead of ours must not hold a batch
     return fallback_ms
+
+
+_CANCEL_REFUSED: set[str] = set()  # models already warned about
+
+
+def _warn_cancel_refused(model: str, exc: ResponseError) -> None:
+    if model in _CANCEL_REFUSED:
+        return
+    _CANCEL_REFUSED.add(model)
+    log.warning("model=%s Redis refused ZMSCORE on the cancelled set (%s): requests whose "
+                "callers went away are computed anyway (see docs/redis.md; logged once)",
+                model, exc)
 
 
 class Claimer:
@@ -96,7 +108,11 @@ class Claimer:
             [p.request.id for p in decoded.packs]
         if not self.cancels or not ids:
             return
-        scores = await self._link.execute("ZMSCORE", self.cancelled, *ids)
+        try:
+            scores = await self._link.execute("ZMSCORE", self.cancelled, *ids)
+        except ResponseError as exc:  # e.g. NOPERM: cancelled requests get computed
+            _warn_cancel_refused(self.model, exc)
+            return
         gone = {rid for rid, score in zip(ids, scores, strict=True) if score is not None}
         if gone:
             self.skipped += drop_requests(decoded, gone)

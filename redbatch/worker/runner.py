@@ -272,8 +272,8 @@ class BatchRunner:
         """Replies (each at most once), dead letters and the ack: one atomic script.
         Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
         done = await self._script_publish(outs, dead, batch.claimed, batch.digest)
-        if done[2:]:
-            await self._dead_letter_refused(outs, done[2:])
+        if done[2:] and done[0]:  # refused replies of an acked batch (else the reaper
+            await self._dead_letter_refused(outs, done[2:])  # requeued them: not ours)
         if not done[0]:
             raise LeaseLost(f"model={self.model.name}: the in-flight list changed under "
                             "this worker (its lease lapsed and a reaper took it over); "
