@@ -20,6 +20,7 @@ from redbatch.api import create_app
 from redbatch.embedded import free_port
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
+from tests.test_gateway import _wait_registered
 
 pytestmark = pytest.mark.e2e
 
@@ -74,14 +75,6 @@ async def send_and_leave(http: httpx.AsyncClient, model: str, value: int
     return writer
 
 
-async def wait_ready(http: httpx.AsyncClient) -> None:
-    for _ in range(200):
-        if (await http.get("/readyz")).status_code == 200:
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail("no worker registered")
-
-
 async def test_disconnected_clients_free_their_waiters(start_worker: Callable[..., Worker],
                                                        redis_url: str) -> None:
     held, release, _seen = recording_model()
@@ -89,7 +82,7 @@ async def test_disconnected_clients_free_their_waiters(start_worker: Callable[..
     start_worker([echo])  # a worker of its own: the held one blocks its thread
     try:
         async with served(redis_url, max_waiters=20, default_timeout_s=20) as http:
-            await wait_ready(http)
+            await _wait_registered(http)
             writers = [await send_and_leave(http, "held", i) for i in range(20)]
             await until(http, lambda stats: stats["waiting"] == 20)  # the waiters are full
             for writer in writers:
@@ -117,7 +110,7 @@ async def test_a_cancelled_queued_request_is_not_computed(
     worker = start_worker([held])
     try:
         async with served(redis_url, default_timeout_s=20) as http:
-            await wait_ready(http)
+            await _wait_registered(http)
             first = asyncio.create_task(http.post("/v1/models/held/predict",
                                                   json={"inputs": 0}))
             for _ in range(1000):  # the first request holds the worker
