@@ -20,7 +20,7 @@ import torch
 from redbatch import Client, batch
 from redbatch.embedded import start_embedded
 from redbatch.worker.process import Worker
-from tests.conftest import ROOT, Proc, free_port, redbatch_cmd, test_env, wait_http
+from tests.conftest import ROOT, Proc, free_port, redbatch_cmd, test_env, wait_http, wait_live
 
 
 @pytest.mark.e2e
@@ -67,6 +67,7 @@ async def test_fakeredis_fallback_serves_the_whole_path(start_worker: Callable[.
     try:
         assert "fakeredis" in embedded.kind
         start_worker([triple], url=embedded.url)
+        await wait_live(embedded.url, "triple")
         async with Client(embedded.url) as client:
             assert await client.predict_many("triple", [1, 2, 3]) == [3, 6, 9]
             for x in (5, 7):  # each arrives while the worker is blocked in its pop
