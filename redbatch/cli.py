@@ -48,12 +48,14 @@ def _add_worker(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="redbatch", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="redbatch", description="Dynamic-batching inference over Redis lists. Flags "
+        "override REDBATCH_* environment variables, which override defaults.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="gateway + workers + demo model, one command")
     up.add_argument("--models", help=f"MODULE:OBJECT ({DEMO_TARGET})")
     up.add_argument("-c", "--config", help="a TOML file describing the gateway and the "
-                    "models (see redbatch/configfile.py); flags given too override it")
+                    "models (see docs/configuration.md); flags given too override it")
     for add in (_add_redis, _add_gateway, _add_worker):
         add(up)  # --block-timeout-s comes from _add_gateway and serves both
     gateway = sub.add_parser("gateway", help="run the HTTP gateway alone")

@@ -1,4 +1,4 @@
-"""The W2 model (../shared/anchors/README.md): Linear(64,1024)-ReLU-Linear(1024,1024)-
+"""The W2 model (docs/benchmarks.md): Linear(64,1024)-ReLU-Linear(1024,1024)-
 ReLU-Linear(1024,16), seed 0.  Imports only torch, so that the Ray Serve comparison
 (``ray_app.py``, run by another Python) can load this file too."""
 

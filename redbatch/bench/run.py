@@ -1,7 +1,7 @@
 """redbatch bench (or scripts/bench): W1 and W2 through redbatch, the naive baseline and
 the bare model, measured in one run on this machine, with ratios against the baselines.
 
-Workloads are those of ../shared/anchors/README.md: POST {"x": [16 or 64 floats]},
+Workloads (docs/benchmarks.md): POST {"x": [16 or 64 floats]},
 wrk -t1 at 64 connections (throughput, p50/p90/p99) and at 1 connection (latency),
 in rounds where redbatch and the naive server take turns (--rounds);
 W2 is the torch MLP (64-1024-1024-16, one torch thread), batched at most 32 with a
@@ -266,8 +266,19 @@ def run_ray(procs: Procs, args: argparse.Namespace, res: dict[str, Any]) -> str:
     return base
 
 
+BENCH_HELP = """W1 (a no-op model) and W2 (a torch MLP, batched at most 32 with a 5 ms window)
+through redbatch, a naive FastAPI server and the bare model, measured in one run on
+this machine, with ratios against the baselines (method: docs/benchmarks.md).
+
+HTTP load comes from wrk -t1 at 64 connections (throughput, p50/p90/p99) and at one
+connection (latency), in rounds where redbatch and the naive server take turns
+(--rounds). Also: the Python client's path without HTTP, mean batch size and queue
+wait against forward time, a concurrency sweep plotted to a PNG, and a JSON file for
+comparing runs (in --out)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="redbatch bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="redbatch bench", description=BENCH_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")
     parser.add_argument("--duration-s", type=float, help="each wrk run (default 4; quick 3)")

@@ -47,11 +47,23 @@ DONE_STATES = frozenset(status.value for status in TERMINAL)
 POLL_S = 0.5
 
 
+JOBS_HELP = """Bulk inference jobs on RQ: a job feeds its items through the model's workers,
+behind interactive traffic (docs/jobs.md).
+
+    redbatch jobs submit MODEL SOURCE [--output PATH] [--queue NAME] [--wait]
+    redbatch jobs status JOB_ID [--watch] [--json]
+
+submit prints the job id on stdout; --wait / --watch draw a progress bar on stderr
+until the job ends, then print a summary line. Exit status: 0 (submitted, finished,
+or still running), 1 (the job failed, was stopped or canceled), 2 (an error: Redis
+unreachable, unknown job, bad arguments)."""
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
              ) -> argparse.ArgumentParser:
     """Add ``jobs submit`` and ``jobs status`` to ``subparsers``; return the ``jobs`` parser."""
     jobs = subparsers.add_parser("jobs", help="bulk inference jobs on RQ (submit, status)",
-                                 description=__doc__,
+                                 description=JOBS_HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = jobs.add_subparsers(dest="jobs_command", required=True)
     submit = sub.add_parser("submit", help="enqueue a bulk job on the RQ queue")
