@@ -1,5 +1,5 @@
 """The naive baseline of the benchmarks: FastAPI + uvicorn, one process, the model
-called inline per request (no batching), as ../shared/anchors/servers/naive_app.py.
+called inline per request (no batching).
 
 POST /w1 -> {"y": x};  POST /w2 -> {"y": mlp([x])[0]}
 """

@@ -1,4 +1,4 @@
-"""Ray Serve for ``redbatch bench --ray PYTHON``: the anchors' ``servers/ray_app.py``
+"""Ray Serve for ``redbatch bench --ray PYTHON``: a reference
 setup (local Ray with num_cpus=2, Serve's HTTP proxy, one replica each) serving
 W1 at ``/w1`` (a no-op deployment) and W2 at ``/w2`` (``@serve.batch(32, 5 ms)`` over
 the same MLP as redbatch's demo).  Run by the Python that has ``ray[serve]`` and torch,

@@ -140,7 +140,7 @@ def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
 
 
 def bare_model(duration_s: float) -> dict[str, float]:
-    """Items/s of the W2 model in a loop, with list -> tensor -> list (anchors' limit)."""
+    """Items/s of the W2 model in a loop, with list -> tensor -> list (the bare model)."""
     import torch
 
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 -- Shared by w1.lua / w2.lua: POST a fixed JSON body and print a JSON summary line
--- (the same bodies and summary as ../shared/anchors/wrk, so figures compare).
+-- (the same bodies and summary for every server, so figures compare).
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 
