@@ -4,13 +4,26 @@ and what a plain ``pip install redbatch`` gives."""
 from __future__ import annotations
 
 import ast
+import json
+import os
+import shutil
 import subprocess
 import sys
+import time
+import zipfile
+from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import redis
+import torch
 
-from tests.conftest import ROOT, test_env
+from redbatch.bench.mlp import build_mlp
+from redbatch.registry import live_workers_sync
+from tests.conftest import ROOT, Proc, redbatch_cmd, test_env
 
 PACKAGE = ROOT / "redbatch"
 
@@ -102,3 +115,91 @@ def test_an_unknown_attribute_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = redbatch.no_such_name  # type: ignore[attr-defined]
+
+
+# --- the built wheel, installed alone -----------------------------------------------
+
+BASELINES = ("naive.py", "ray_app.py")
+CLIENT = """
+import json, sys
+import numpy as np
+from redbatch import SyncClient
+with SyncClient(sys.argv[1]) as client:
+    y = client.predict("mlp", [i / 64 for i in range(64)], timeout_s=30)
+print(json.dumps(np.asarray(y).tolist()))
+"""
+
+
+def _run(args: list[str], timeout_s: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, check=False, capture_output=True, text=True, timeout=timeout_s,
+                          **kwargs)
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    """The wheel of a copy of the source tree (the build leaves the checkout alone)."""
+    src = tmp_path / "src"
+    shutil.copytree(PACKAGE, src / "redbatch",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    done = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                 "-q", "-w", str(tmp_path / "dist"), str(src)], 120)
+    assert done.returncode == 0, done.stderr
+    return next((tmp_path / "dist").glob("redbatch-*.whl"))
+
+
+def _core_venv(tmp_path: Path, wheel: Path) -> Path:
+    """A fresh virtualenv with the wheel alone (its core dependencies from the index)."""
+    venv = tmp_path / "venv"
+    assert _run([sys.executable, "-m", "venv", str(venv)], 60).returncode == 0
+    done = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                 "--disable-pip-version-check", str(wheel)], 240)
+    assert done.returncode == 0, done.stderr
+    return venv / "bin"
+
+
+def _wait_for_workers(redis_url: str, model: str, timeout_s: float = 60) -> None:
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not live_workers_sync(client, model):
+            assert time.monotonic() < deadline, f"no live worker of {model!r}"
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_the_core_wheel_installs_without_torch_and_feeds_a_worker(
+        tmp_path: Path, redis_url: str, spawn: Callable[..., Proc]) -> None:
+    worker = spawn(redbatch_cmd("worker", "redbatch.demo:models", "--redis-url", redis_url,
+                                "--device", "cpu", "--threads", "1"), name="worker")
+    wheel = _build_wheel(tmp_path)
+    files = zipfile.ZipFile(wheel).namelist()
+    assert "redbatch/spec.py" in files and "redbatch/bench/wrk/w2.lua" in files
+    assert [f for f in files if f.rsplit("/", 1)[-1] in BASELINES] == []
+    bin_dir = _core_venv(tmp_path, wheel)
+    plain = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REDIS_URL")}
+    python = [str(bin_dir / "python"), "-c"]
+    assert _run([*python, "import torch"], 60, env=plain, cwd=tmp_path).returncode != 0
+    version = _run([str(bin_dir / "redbatch"), "--version"], 60, env=plain, cwd=tmp_path)
+    assert version.stdout.strip() == f"redbatch {metadata.version('redbatch')}", version
+    _wait_for_workers(redis_url, "mlp")
+    done = _run([*python, CLIENT, redis_url], 90, env=plain, cwd=tmp_path)
+    assert done.returncode == 0, f"{done.stderr}\n{worker.log()}"
+    with torch.inference_mode():
+        want = build_mlp()(torch.tensor([[i / 64 for i in range(64)]])).numpy()[0]
+    np.testing.assert_allclose(json.loads(done.stdout), want, atol=1e-5)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_command_without_its_extra_names_the_extra(tmp_path: Path, redis_url: str) -> None:
+    bin_dir = _core_venv(tmp_path, _build_wheel(tmp_path))
+    plain = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "REDIS_URL")}
+    done = _run([str(bin_dir / "redbatch"), "gateway", "--redis-url", redis_url], 60,
+                env=plain, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "pip install 'redbatch[gateway]'" in done.stderr
+    assert "Traceback" not in done.stderr
