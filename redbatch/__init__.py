@@ -6,10 +6,10 @@ a producer (``from redbatch import Client``) never imports torch or a web server
 from __future__ import annotations
 
 import importlib
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    __version__: str
     from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig
     from redbatch.errors import (
         BadRequest,
@@ -33,13 +33,13 @@ if TYPE_CHECKING:
 
 
 def _version() -> str:
+    """The installed distribution's version (importlib.metadata costs ~25 ms: on use)."""
+    from importlib import metadata
+
     try:
         return metadata.version("redbatch")
     except metadata.PackageNotFoundError:  # running from a source tree, not installed
         return "0.0.0+unknown"
-
-
-__version__ = _version()
 
 _ERRORS = ("BadRequest", "BodyTooLarge", "ConfigError", "DeadlineExceeded", "InvalidPayload",
            "ModelError", "NoLiveWorkers", "QueueFull", "RedbatchError", "RedisUnavailable",
@@ -58,15 +58,18 @@ _HOMES: dict[str, str] = {
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
-    if home is None:
+    if name == "__version__":
+        value: Any = _version()
+    elif home is None:
         raise AttributeError(f"module 'redbatch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
+    else:
+        value = getattr(importlib.import_module(home), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, "__version__"})
 
 
 __all__ = [

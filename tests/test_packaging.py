@@ -117,6 +117,27 @@ def test_an_unknown_attribute_is_an_attribute_error() -> None:
         _ = redbatch.no_such_name  # type: ignore[attr-defined]
 
 
+def test_the_version_comes_from_the_package_metadata(capsys: pytest.CaptureFixture[str]) -> None:
+    import redbatch
+    from redbatch import cli
+
+    assert redbatch.__version__ == metadata.version("redbatch")
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--version"])
+    assert stopped.value.code == 0
+    assert capsys.readouterr().out.strip() == f"redbatch {metadata.version('redbatch')}"
+
+
+def test_the_version_of_an_uninstalled_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    import redbatch
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert redbatch._version() == "0.0.0+unknown"
+
+
 # --- the built wheel, installed alone -----------------------------------------------
 
 BASELINES = ("naive.py", "ray_app.py")
