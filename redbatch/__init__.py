@@ -1,26 +1,76 @@
-"""redbatch: a dynamic-batching inference worker pool over Redis lists."""
+"""redbatch: a dynamic-batching inference worker pool over Redis lists.
 
-from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig
-from redbatch.errors import (
-    BadRequest,
-    BodyTooLarge,
-    ConfigError,
-    DeadlineExceeded,
-    InvalidPayload,
-    ModelError,
-    NoLiveWorkers,
-    QueueFull,
-    RedbatchError,
-    RedisUnavailable,
-    UnknownModel,
-    WorkerCrashed,
-)
-from redbatch.producer import Client, SyncClient
-from redbatch.protocol import PROTOCOL_VERSION, Reply, Request
-from redbatch.worker import BatchPolicy, Model, Pool, TensorSpec, Worker, batch
-from redbatch.worker.torch_helpers import torch_model
+``import redbatch`` is light: each name below is imported on first use (PEP 562), so
+a producer (``from redbatch import Client``) never imports torch or a web server."""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    __version__: str
+    from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig
+    from redbatch.errors import (
+        BadRequest,
+        BodyTooLarge,
+        ConfigError,
+        DeadlineExceeded,
+        InvalidPayload,
+        ModelError,
+        NoLiveWorkers,
+        QueueFull,
+        RedbatchError,
+        RedisUnavailable,
+        UnknownModel,
+        WorkerCrashed,
+    )
+    from redbatch.producer import Client, SyncClient
+    from redbatch.protocol import PROTOCOL_VERSION, Reply, Request
+    from redbatch.spec import TensorSpec
+    from redbatch.worker import BatchPolicy, Model, Pool, Worker, batch
+    from redbatch.worker.torch_helpers import torch_model
+
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata costs ~25 ms: on use)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("redbatch")
+    except metadata.PackageNotFoundError:  # running from a source tree, not installed
+        return "0.0.0+unknown"
+
+_ERRORS = ("BadRequest", "BodyTooLarge", "ConfigError", "DeadlineExceeded", "InvalidPayload",
+           "ModelError", "NoLiveWorkers", "QueueFull", "RedbatchError", "RedisUnavailable",
+           "UnknownModel", "WorkerCrashed")
+# Where each public name lives: imported on first access only.
+_HOMES: dict[str, str] = {
+    **dict.fromkeys(("GatewayConfig", "RedisSettings", "WorkerConfig"), "redbatch.config"),
+    **dict.fromkeys(_ERRORS, "redbatch.errors"),
+    **dict.fromkeys(("Client", "SyncClient"), "redbatch.producer"),
+    **dict.fromkeys(("PROTOCOL_VERSION", "Reply", "Request"), "redbatch.protocol"),
+    "TensorSpec": "redbatch.spec",
+    **dict.fromkeys(("BatchPolicy", "Model", "Pool", "Worker", "batch"), "redbatch.worker"),
+    "torch_model": "redbatch.worker.torch_helpers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if name == "__version__":
+        value: Any = _version()
+    elif home is None:
+        raise AttributeError(f"module 'redbatch' has no attribute {name!r}")
+    else:
+        value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, "__version__"})
+
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -11,8 +11,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from redbatch import __version__
 from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env, tls_unverified
 from redbatch.errors import ConfigError, RedbatchError
+from redbatch.extras import missing_extra
 from redbatch.logs import setup_logging
 
 log = logging.getLogger("redbatch")
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redbatch", description="Dynamic-batching inference over Redis lists. Flags "
         "override REDBATCH_* environment variables, which override defaults.")
+    parser.add_argument("--version", action="version", version=f"redbatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="gateway + workers + demo model, one command")
     up.add_argument("--models", help=f"MODULE:OBJECT ({DEMO_TARGET})")
@@ -76,9 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval-s", type=float, default=2.0,
                         help="sampling interval for items/s (2.0; workers publish their "
                              "counters once a heartbeat)")
-    from redbatch.jobs.cli import register as register_jobs
-
-    register_jobs(sub)
+    try:
+        from redbatch.jobs.cli import register as register_jobs
+    except ModuleNotFoundError:  # without the [jobs] extra: `redbatch jobs` says so
+        sub.add_parser("jobs", help="batch jobs (pip install 'redbatch[jobs]')")
+    else:
+        register_jobs(sub)
     return parser
 
 
@@ -298,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _dispatch(args, args.redis_url or os.environ.get("REDIS_URL"))
     except RedbatchError as exc:
         log.error("%s", exc)
+        return 2
+    except ModuleNotFoundError as exc:
+        if (hint := missing_extra(exc)) is None:
+            raise
+        log.error("%s", hint)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from redbatch.bench.mlp import W2_IN, build_mlp
-from redbatch.worker.model import Model, TensorSpec, batch
+from redbatch.spec import TensorSpec
+from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.torch_helpers import torch_model
 

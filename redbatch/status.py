@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from redbatch import metrics, protocol
-from redbatch.worker.heartbeat import live_workers_sync
+from redbatch.registry import live_workers_sync
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
                                        "batch_entries": metrics.BATCH_BUCKETS,

@@ -35,7 +35,7 @@ ensure_venv() {
   want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing redbatch and its dependencies into $VENV"
-    "${pip[@]}" install -e "$ROOT[dev]"
+    "${pip[@]}" install -e "$ROOT[all,dev]"
     echo "$want" > "$stamp"
   fi
 }

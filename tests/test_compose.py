@@ -471,7 +471,14 @@ def dockerfile_problems(text: str) -> Problems:
     for line in lines:
         if re.match(r"(?i)(ENV|ARG)\s.*(PASSWORD|SECRET|TOKEN|API_KEY|REDIS_URL)", line):
             problems.append(f"secret-looking setting baked in: {line}")
-    return problems
+    return problems + install_problems(lines)
+
+
+def install_problems(lines: list[str]) -> Problems:
+    """The image runs the gateway and the workers: a plain install is the producer only."""
+    if any(re.search(r"pip install .*redbatch-src\[all\]", line) for line in lines):
+        return []
+    return ["redbatch is not installed with its [all] extra (gateway, worker, embedded)"]
 
 
 # --- fixtures -------------------------------------------------------------------------
@@ -827,7 +834,8 @@ def test_grafana_check_can_fail(compose: dict[str, Any], datasources: dict[str, 
     ("ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu",
      "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130"),
     ("ENV PYTHONDONTWRITEBYTECODE=1", "ENV REDBATCH_API_KEY=hunter2 PYTHONDONTWRITEBYTECODE=1"),
-], ids=["root", "not-slim", "torch-unpinned", "cuda-default", "secret"])
+    ('"/tmp/redbatch-src[all]"', "/tmp/redbatch-src"),
+], ids=["root", "not-slim", "torch-unpinned", "cuda-default", "secret", "core-only"])
 def test_dockerfile_check_can_fail(old: str, new: str) -> None:
     text = DOCKERFILE.read_text()
     assert old in text

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from redbatch.worker.model import TensorSpec, batch  # server side only
+from redbatch.spec import TensorSpec
+from redbatch.worker.model import batch  # server side only
 
 WAIT_S = 10  # every BLPOP waits at most this long (server-side timeout)
 

@@ -17,8 +17,9 @@ from redbatch import Client, codec, protocol
 from redbatch.errors import InvalidPayload, ModelError
 from redbatch.producer import coalesce, rows
 from redbatch.protocol import Reply, Request
+from redbatch.spec import TensorSpec
 from redbatch.worker.decode import decode_batch
-from redbatch.worker.model import Model, TensorSpec
+from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.replies import encode_reply

@@ -12,7 +12,8 @@ import redis
 
 from redbatch import DeadlineExceeded, InvalidPayload, ModelError, protocol
 from redbatch.producer import Client
-from redbatch.worker.model import Model, TensorSpec, batch
+from redbatch.spec import TensorSpec
+from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.torch_helpers import torch_model

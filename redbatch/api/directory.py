@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -13,29 +12,10 @@ from redbatch import protocol
 from redbatch.config import RedisSettings
 from redbatch.producer.admission import unknown_model
 from redbatch.redis_conn import deadline_bound, idempotent, translated
-from redbatch.worker.heartbeat import live_workers
-from redbatch.worker.model import TensorSpec
+from redbatch.registry import live_workers
+from redbatch.spec import ModelInfo
 
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    input_name: str
-    output_name: str
-    spec: TensorSpec | None
-    meta: dict[str, Any]
-    max_queue_len: int | None = None  # the model's own limits (None: the gateway's)
-    default_timeout_s: float | None = None
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> ModelInfo:
-        spec = TensorSpec.from_json(meta["spec"]) if meta.get("spec") else None
-        limits = meta.get("limits") or {}
-        cap, timeout = limits.get("max_queue_len"), limits.get("default_timeout_s")
-        return cls(name=meta["name"], input_name=meta.get("input_name", "inputs"),
-                   output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta,
-                   max_queue_len=int(cap) if cap else None,
-                   default_timeout_s=float(timeout) if timeout else None)
+__all__ = ["MAX_CACHED", "ModelDirectory", "ModelInfo"]
 
 
 MAX_CACHED = 1024

@@ -41,7 +41,7 @@ from redbatch.errors import (
     error_from_code,
 )
 from redbatch.protocol import Reply
-from redbatch.worker.model import TensorSpec
+from redbatch.spec import TensorSpec
 
 if TYPE_CHECKING:
     from redbatch.api.app import Gateway

@@ -19,7 +19,7 @@ from redbatch import protocol
 from redbatch.api import body
 from redbatch.errors import BadRequest
 from redbatch.redis_conn import translated
-from redbatch.worker.heartbeat import live_workers
+from redbatch.registry import live_workers
 
 if TYPE_CHECKING:
     from redbatch.api.app import Gateway

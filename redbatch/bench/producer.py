@@ -23,7 +23,7 @@ import redis
 from redbatch import Client
 from redbatch.bench import servers
 from redbatch.bench.servers import W2_X, Procs
-from redbatch.worker.heartbeat import live_workers_sync
+from redbatch.registry import live_workers_sync
 from redbatch.worker.process import run_loop
 
 PREDICT_TASKS = 64

@@ -17,7 +17,7 @@ import psutil
 from redbatch.embedded import free_port
 
 W2_X = [i / 64 for i in range(64)]
-RAY_APP = Path(__file__).resolve().parent / "ray_app.py"
+RAY_APP = Path(__file__).resolve().parent / "baselines" / "ray_app.py"
 
 
 class Procs:
@@ -106,7 +106,7 @@ def start_ray(procs: Procs, python: str, timeout_s: float = 180) -> str:
 
 def start_naive(procs: Procs) -> str:
     port = free_port()
-    procs.start("naive", [sys.executable, "-m", "uvicorn", "redbatch.bench.naive:app",
+    procs.start("naive", [sys.executable, "-m", "uvicorn", "redbatch.bench.baselines.naive:app",
                           "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
                           "--log-level", "warning"])
     base = f"http://127.0.0.1:{port}"

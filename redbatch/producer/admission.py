@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redbatch import protocol
 from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
 from redbatch.redis_conn import idempotent
-from redbatch.worker.heartbeat import live_workers
+from redbatch.registry import live_workers
 
 REFRESH_S = 1.0
 MIN_CAP = 8

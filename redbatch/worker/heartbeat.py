@@ -1,5 +1,6 @@
 """Worker registration, leases and heartbeats: who serves which model, on what device,
-and which workers' leases have expired (for the reaper)."""
+and which workers' leases have expired (for the reaper).  Reading who is live is
+``redbatch.registry``'s."""
 
 from __future__ import annotations
 
@@ -58,22 +59,3 @@ async def leave(redis: aioredis.Redis, models: list[Model], worker_id: str) -> N
             pipe.zrem(protocol.workers_key(model.name), worker_id)
             pipe.hdel(protocol.worker_info_key(model.name), worker_id)
         await pipe.execute()
-
-
-async def live_workers(redis: aioredis.Redis, model: str) -> list[dict[str, Any]]:
-    """Workers whose lease has not expired, with their info."""
-    ids: Any = await redis.zrangebyscore(protocol.workers_key(model), protocol.now_ms(), "+inf")
-    if not ids:
-        return []
-    return _with_info(ids, await redis.hmget(protocol.worker_info_key(model), ids))
-
-
-def live_workers_sync(redis: Any, model: str) -> list[dict[str, Any]]:
-    """``live_workers`` for a synchronous client (``redbatch status``)."""
-    ids: Any = redis.zrangebyscore(protocol.workers_key(model), protocol.now_ms(), "+inf")
-    return _with_info(ids, redis.hmget(protocol.worker_info_key(model), ids)) if ids else []
-
-
-def _with_info(ids: Any, infos: Any) -> list[dict[str, Any]]:
-    return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
-            for wid, raw in zip(ids, infos, strict=True)]

@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from redbatch.spec import TensorSpec
 from redbatch.worker.forward import ContractError
-from redbatch.worker.model import BatchFn, Model, TensorSpec
+from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.policy import BatchPolicy
 
 

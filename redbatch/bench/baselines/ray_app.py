@@ -2,7 +2,7 @@
 setup (local Ray with num_cpus=2, Serve's HTTP proxy, one replica each) serving
 W1 at ``/w1`` (a no-op deployment) and W2 at ``/w2`` (``@serve.batch(32, 5 ms)`` over
 the same MLP as redbatch's demo).  Run by the Python that has ``ray[serve]`` and torch,
-as a plain script: it imports nothing from redbatch but ``mlp.py`` beside it.
+as a plain script: it imports nothing from redbatch but ``../mlp.py``.
 Prints READY when serving; stops on SIGTERM.
 """
 
@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 PORT = int(os.environ.get("RAY_BENCH_PORT", "18002"))
 NOLOG = {"enable_access_log": False}
-HERE = str(Path(__file__).resolve().parent)  # holds mlp.py, for the driver and replicas
+HERE = str(Path(__file__).resolve().parent.parent)  # holds mlp.py, for driver and replicas
 
 
 @serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
