@@ -32,7 +32,6 @@ from redbatch.api.v2_repo import RepositoryApi
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import (
     BadRequest,
-    DeadlineExceeded,
     ModelError,
     NoLiveWorkers,
     QueueFull,
@@ -44,7 +43,7 @@ from redbatch.protocol import Reply
 from redbatch.worker.model import TensorSpec
 
 if TYPE_CHECKING:
-    from redbatch.api.app import Gateway
+    from redbatch.api.gateway import Gateway
 
 log = logging.getLogger("redbatch.api")
 
@@ -386,6 +385,7 @@ class V2Api:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.repository = RepositoryApi(gateway)
+        self._guarded_infer = _v2_errors(self._infer_call)
 
     async def live(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -406,18 +406,23 @@ class V2Api:
     async def server(self, request: Request) -> Response:
         return JSONResponse(server_metadata())
 
-    async def _model(self, request: Request, deadline_ms: int | None = None) -> ModelInfo:
-        name = request.path_params["name"]
+    @staticmethod
+    def _name(request: Request) -> str:
+        """The path's model name, once it is a name and the version is ours."""
+        name: str = request.path_params["name"]
         version = request.path_params.get("version", VERSION)
         if not protocol.MODEL_NAME_RE.fullmatch(name):
             raise UnknownModel(f"unknown model {name!r}: not a model name")
         if version != VERSION:
             raise UnknownModel(f"model {name!r} has no version {version!r} (only {VERSION!r})")
-        return await self.gateway.directory.get(name, deadline_ms)
+        return name
 
-    async def _served(self, request: Request, deadline_ms: int | None = None) -> ModelInfo:
-        info = await self._model(request, deadline_ms)
-        if not await self.gateway.client.live_workers(info.name, deadline_ms):
+    async def _model(self, request: Request) -> ModelInfo:
+        return await self.gateway.directory.get(self._name(request))
+
+    async def _served(self, request: Request) -> ModelInfo:
+        info = await self._model(request)
+        if not await self.gateway.client.live_workers(info.name):
             raise NoLiveWorkers(f"model {info.name!r} has no live worker; retry shortly")
         return info
 
@@ -435,21 +440,20 @@ class V2Api:
         return Response(status_code=200)
 
     async def infer(self, request: Request) -> Response:
-        """Like v1 predict, the deadline runs from arrival and bounds the look-ups too."""
-        arrived_ms, gateway = protocol.now_ms(), self.gateway
+        """Counted in the request metrics, as v1 predict is (errors included)."""
+        return await self.gateway.core.metered(request.path_params["name"],
+                                               self._guarded_infer(request))
+
+    async def _infer_call(self, request: Request) -> Response:
+        """Through the infer core, as v1 predict: the deadline runs from arrival and
+        bounds the look-ups too."""
+        arrived_ms, core = protocol.now_ms(), self.gateway.core
         headers = dict(request.headers.raw)
-        config = gateway.config
-        info = await self._served(request, arrived_ms + round(1000 * body.timeout_s(
-            headers, {}, config.default_timeout_s, config.max_timeout_s)))
-        raw = await body.read_body(headers, request.receive, config.max_body_bytes)
-        call = parse_infer(raw, headers, info, gateway.model_default_s(info),
-                           config.max_timeout_s)
-        left_s = (arrived_ms - protocol.now_ms()) / 1000 + call.timeout_s
-        if left_s <= 0:
-            raise DeadlineExceeded(f"deadline passed before model {info.name!r} was reached")
-        gateway.client.set_queue_cap(info.name, info.max_queue_len)
-        futures = await gateway.client.submit_many(info.name, list(call.tensor), left_s,
-                                                   want_reply=True)
+        info = await core.served(self._name(request), headers, arrived_ms)
+        call = parse_infer(await core.read(headers, request.receive), headers, info,
+                           core.model_default_s(info), core.config.max_timeout_s)
+        deadline_ms = core.deadline_ms(info, arrived_ms, call.timeout_s)
+        futures = await core.submit_rows(info, list(call.tensor), deadline_ms)
         results = await asyncio.gather(*futures, return_exceptions=True)
         return infer_response(info, call, settle(results))
 
