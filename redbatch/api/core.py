@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -112,12 +113,12 @@ class InferCore:
             raise DeadlineExceeded(f"deadline passed before model {info.name!r} was reached")
         return deadline_ms
 
-    async def submit_rows(self, info: ModelInfo, rows: list[Any], deadline_ms: int
-                          ) -> list[asyncio.Future[Any]]:
-        """Rows as multi-row requests (one enqueue), each future a row's ``Reply``."""
-        left_s = (deadline_ms - protocol.now_ms()) / 1000
-        return await self.client.submit_many(info.name, rows, left_s, want_reply=True,
-                                             max_queue_len=info.max_queue_len)
+    async def submit_tensor(self, info: ModelInfo, tensor: np.ndarray[Any, Any],
+                            deadline_ms: int) -> list[tuple[int, asyncio.Future[Reply]]]:
+        """A batch tensor as multi-row requests (one enqueue): each one's first row
+        and the future of its ``Reply``."""
+        return await self.client.submit_tensor(info.name, tensor, deadline_ms,
+                                               max_queue_len=info.max_queue_len)
 
     # --- v1 predict -------------------------------------------------------------
     async def serve(self, model: str, scope: Scope, receive: Receive, send: Send) -> None:

@@ -255,6 +255,24 @@ class Client:
         return [f for waiter, chunk in zip(waiters, chunks, strict=True)
                 for f in rows.split(waiter, len(chunk), want_reply)]
 
+    async def submit_tensor(self, model: str, tensor: np.ndarray[Any, Any], deadline_ms: int,
+                            *, max_queue_len: int | None = None
+                            ) -> list[tuple[int, asyncio.Future[Reply]]]:
+        """The rows of ``tensor`` (its first dimension) as multi-row requests, sliced,
+        never split into rows: one entry per up to ``pack_rows`` rows (and
+        ``rows.PACK_BYTES``), in one enqueue.  Returns each request's first row and
+        the future of its whole ``Reply`` (``rows.split_reply`` reads its rows)."""
+        self._own_cap(model, max_queue_len)
+        per = rows.pack_size(tensor.nbytes // max(1, len(tensor)), self.pack_rows)
+        starts = range(0, len(tensor), per)
+        listener = await self._ready(model, len(starts), deadline_ms)
+        requests = [self._request(model, part, deadline_ms, None, rows=len(part))
+                    for part in (tensor[start:start + per] for start in starts)]
+        entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
+        waiters = [listener.expect(r.id, deadline_ms, True) for r in requests]
+        await self._push(model, requests, entries)
+        return list(zip(starts, waiters, strict=True))
+
     async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
         assert self._listener is not None
         try:
