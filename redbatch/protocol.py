@@ -376,3 +376,6 @@ def _row_errors(value: Any) -> dict[int, tuple[str, str]]:
         raise InvalidPayload("field 'row_errors' must be a list of {row, code, message}")
     return {e[F_ROW]: (str(e.get(F_CODE, "internal")), str(e.get(F_MESSAGE, "")))
             for e in value}
+
+# A GET predict's input in the query string (``?inputs=1,2``): values read at most.
+MAX_QUERY_VALUES: Final = 256

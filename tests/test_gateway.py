@@ -166,8 +166,8 @@ async def test_model_error_is_json_not_traceback(http: httpx.AsyncClient) -> Non
 async def test_unknown_routes_and_methods_are_json(http: httpx.AsyncClient) -> None:
     resp = await http.get("/nowhere")
     assert resp.status_code == 404 and error_code(resp) == "http_error"
-    resp = await http.get("/v1/models/vec/predict")
-    assert resp.status_code == 405
+    resp = await http.put("/v1/models/vec/predict", json={"x": [1, 2, 3]})
+    assert resp.status_code == 405  # GET and POST predict; nothing else
 
 
 async def test_models_listing_and_health(http: httpx.AsyncClient) -> None:

@@ -61,6 +61,26 @@ async def test_gateway_counts_outcomes_and_latency(http: httpx.AsyncClient) -> N
     assert sample("redbatch_inflight_requests", model="vec") == 0
 
 
+async def test_v2_infer_is_counted_as_v1_predict_is(http: httpx.AsyncClient) -> None:
+    ok = sample("redbatch_requests_total", model="vec", outcome="ok")
+    invalid = sample("redbatch_requests_total", model="vec", outcome="invalid")
+    seen = sample("redbatch_request_duration_seconds_count", model="vec")
+    tensor = {"name": "x", "datatype": "FP32", "shape": [2, 3], "data": [1, 2, 3, 4, 5, 6]}
+    resp = await http.post("/v2/models/vec/infer", json={"inputs": [tensor]})
+    assert resp.status_code == 200, resp.text
+    bad = await http.post("/v2/models/vec/infer", json={"inputs": [{**tensor, "shape": [3]}]})
+    assert bad.status_code == 400
+    scraped = (await http.get("/metrics")).text
+    counted = {(s.labels.get("model"), s.labels.get("outcome")): s.value
+               for f in text_string_to_metric_families(scraped)
+               if f.name == "redbatch_requests" for s in f.samples
+               if s.name == "redbatch_requests_total"}
+    assert counted[("vec", "ok")] == ok + 1
+    assert counted[("vec", "invalid")] == invalid + 1
+    assert sample("redbatch_request_duration_seconds_count", model="vec") == seen + 2
+    assert sample("redbatch_inflight_requests", model="vec") == 0
+
+
 async def test_metrics_endpoint_has_every_gateway_series_and_live_gauges(
         http: httpx.AsyncClient) -> None:
     assert (await http.post("/v1/models/vec/predict", json={"x": [1, 2, 3]})).is_success

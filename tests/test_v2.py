@@ -28,6 +28,7 @@ from redbatch.api.openapi import openapi_document
 from redbatch.embedded import free_port
 from redbatch.worker.process import Worker
 from tests.test_gateway import gateway
+from tests.test_metrics import eventually, sample
 
 WINDOW = BatchPolicy(max_batch_size=16, batch_wait_timeout_s=0.02)
 
@@ -265,6 +266,19 @@ async def test_model_without_a_spec_takes_scalar_rows(http: httpx.AsyncClient) -
                                        "data": [42, 1, -1]}]
     meta = (await http.get("/v2/models/plus")).json()
     assert meta["inputs"] == [{"name": "inputs", "datatype": "ANY", "shape": [-1]}]
+
+
+async def test_a_tensor_travels_as_multi_row_entries_never_split(
+        http: httpx.AsyncClient) -> None:
+    entries = sample("redbatch_batch_entries_sum", model="plus")
+    items = sample("redbatch_batch_size_sum", model="plus")
+    resp = await http.post("/v2/models/plus/infer",
+                           json=infer_body("inputs", "INT64", [8], list(range(8))))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["outputs"][0]["data"] == list(range(1, 9))
+    assert await eventually(lambda: sample("redbatch_batch_size_sum", model="plus")
+                            == items + 8)
+    assert sample("redbatch_batch_entries_sum", model="plus") == entries + 1  # not 8
 
 
 async def test_raw_binary_request(http: httpx.AsyncClient) -> None:

@@ -1,5 +1,6 @@
 """The HTTP gateway."""
 
-from redbatch.api.app import Gateway, create_app
+from redbatch.api.app import create_app
+from redbatch.api.gateway import Gateway
 
 __all__ = ["Gateway", "create_app"]

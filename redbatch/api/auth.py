@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from redbatch.api.errors import error_for
@@ -21,6 +22,16 @@ def presented_key(headers: dict[bytes, bytes]) -> bytes:
     return headers.get(b"x-api-key", b"").strip()
 
 
+def refusal(scope: Scope, api_key: bytes | None) -> Response | None:
+    """The 401 (JSON, in the shape of the path's API) for a request without the key,
+    or None when it may pass (no key set, or the right one presented)."""
+    if api_key is None or hmac.compare_digest(presented_key(dict(scope["headers"])),
+                                              api_key):
+        return None
+    return error_for(scope["path"], 401, "unauthorized", "missing or wrong API key",
+                     {"WWW-Authenticate": "Bearer"})
+
+
 class ApiKeyMiddleware:
     """Refuses every route but the health checks without the key (401, JSON)."""
 
@@ -29,13 +40,7 @@ class ApiKeyMiddleware:
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        if hmac.compare_digest(presented_key(headers), self._key):
-            await self.app(scope, receive, send)
-            return
-        response = error_for(scope["path"], 401, "unauthorized", "missing or wrong API key",
-                             {"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        refused = None
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            refused = refusal(scope, self._key)
+        await (refused or self.app)(scope, receive, send)

@@ -11,7 +11,7 @@ from redbatch.errors import RedbatchError
 from redbatch.redis_conn import translated
 
 if TYPE_CHECKING:
-    from redbatch.api.app import Gateway
+    from redbatch.api.gateway import Gateway
 
 log = logging.getLogger("redbatch.api")
 

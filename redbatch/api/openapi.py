@@ -94,6 +94,30 @@ def _infer(params: list[Schema]) -> Schema:
                                               "503", "504")}}}
 
 
+def _query(name: str, description: str, schema: Schema) -> Schema:
+    return {"name": name, "in": "query", "required": False, "description": description,
+            "schema": schema}
+
+
+def _predict_get() -> Schema:
+    """A scalar or short list input in the query string: ``?inputs=41``."""
+    number = {"type": "number"}
+    value = _query("inputs", "the model's input field (this name stands for the model's "
+                   "input_name, \"inputs\" unless it names another): a JSON number; a "
+                   "repeated key or a comma list (1,2,3) makes a list",
+                   {"oneOf": [number, {"type": "array", "items": number}]})
+    value["style"], value["explode"] = "form", True
+    return {
+        "summary": "one prediction, the input in the query string (?inputs=41)",
+        "tags": ["v1"],
+        "parameters": [_param("model", "model name"), value,
+                       _query("timeout_ms", "shortens the deadline, as the body's field",
+                              {"type": "number", "exclusiveMinimum": 0})],
+        "responses": {"200": _json("the model's output under its output name",
+                                   {"type": "object"}),
+                      **{k: v for k, v in V1_ERRORS.items() if k != "415"}}}
+
+
 def _v1_paths() -> dict[str, Schema]:
     predict = {"post": {
         "summary": "one prediction", "tags": ["v1"],
@@ -102,6 +126,7 @@ def _v1_paths() -> dict[str, Schema]:
             "schema": _ref("V1PredictRequest")}}},
         "responses": {"200": _json("the model's output under its output name",
                                    {"type": "object"}), **V1_ERRORS}}}
+    predict["get"] = _predict_get()
     return {
         "/v1/models/{model}/predict": predict,
         "/v1/models": _get("models with their spec, policy, queue depth and workers",

@@ -1,9 +1,9 @@
 """KServe v2 / Open Inference Protocol routes on the gateway (``docs/v2.md``).
 
 ``POST /v2/models/{name}/infer`` takes one input tensor whose first dimension is the
-batch: the rows go out as multi-row requests (``Client.submit_many``, one enqueue), are
-batched row by row by the workers with everyone else's traffic, and the rows' outputs
-are stacked back into one output tensor.  Errors are
+batch: its slices go out as multi-row requests (``Client.submit_tensor``, one enqueue,
+the rows never split apart), are batched row by row by the workers with everyone
+else's traffic, and the requests' outputs are concatenated into one output tensor.  Errors are
 the v2 shape ``{"error": "message"}``; the status comes from ``redbatch.api.errors``
 (v1's 422 for a bad payload becomes 400 here, as v2 clients expect).
 """
@@ -32,7 +32,6 @@ from redbatch.api.v2_repo import RepositoryApi
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import (
     BadRequest,
-    DeadlineExceeded,
     ModelError,
     NoLiveWorkers,
     QueueFull,
@@ -44,7 +43,7 @@ from redbatch.protocol import Reply
 from redbatch.spec import TensorSpec
 
 if TYPE_CHECKING:
-    from redbatch.api.app import Gateway
+    from redbatch.api.gateway import Gateway
 
 log = logging.getLogger("redbatch.api")
 
@@ -319,24 +318,58 @@ def _row_error(row: int, rows: int, exc: RedbatchError) -> RedbatchError:
     return type(exc)(message)
 
 
-def settle(results: list[Any]) -> list[Reply]:
-    """The rows' replies, or the first failed row's error (naming the row)."""
-    replies: list[Reply] = []
-    for row, result in enumerate(results):
-        failure = result
-        if isinstance(result, Reply) and not result.ok:
-            failure = error_from_code(result.error_code, result.error_message)
-        if isinstance(failure, RedbatchError):
-            raise _row_error(row, len(results), failure)
-        if isinstance(failure, BaseException):
-            raise failure
-        replies.append(result)
-    return replies
+@dataclass(frozen=True)
+class Part:
+    """One multi-row request of an infer call: its first row, its rows, its reply."""
+
+    start: int
+    rows: int
+    result: Any  # the Reply, or the error its future raised
 
 
-def stack_outputs(payloads: list[Any]) -> np.ndarray[Any, Any]:
+def parts_of(total: int, starts: list[int], results: list[Any]) -> list[Part]:
+    ends = [*starts[1:], total]
+    return [Part(start, end - start, result)
+            for start, end, result in zip(starts, ends, results, strict=True)]
+
+
+def settle(total: int, parts: list[Part]) -> list[Reply]:
+    """The requests' replies, or the first failed row's error (naming the row)."""
+    for part in parts:
+        _check_part(total, part)
+    return [part.result for part in parts]
+
+
+def _check_part(total: int, part: Part) -> None:
+    result = part.result
+    if isinstance(result, RedbatchError):
+        raise _row_error(part.start, total, result)
+    if isinstance(result, BaseException):
+        raise result
+    if not result.ok:
+        raise _row_error(part.start, total,
+                         error_from_code(result.error_code, result.error_message))
+    if result.row_errors:
+        row = min(result.row_errors)
+        raise _row_error(part.start + row, total, error_from_code(*result.row_errors[row]))
+
+
+def _part_outputs(part: Part) -> np.ndarray[Any, Any]:
+    """The outputs of one request's rows, as an array with one entry per row."""
     try:
-        arr = np.asarray(payloads)
+        arr = np.asarray(part.result.payload)
+    except (ValueError, TypeError) as exc:
+        raise ModelError(f"the rows' outputs do not stack into one tensor: {exc}") from exc
+    if arr.ndim == 0 or len(arr) != part.rows:
+        raise ModelError(f"a reply to {part.rows} rows did not hold {part.rows} outputs")
+    return arr
+
+
+def stack_outputs(parts: list[Part]) -> np.ndarray[Any, Any]:
+    """The requests' outputs, concatenated along the batch dimension."""
+    outputs = [_part_outputs(part) for part in parts]
+    try:
+        arr = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
     except (ValueError, TypeError) as exc:
         raise ModelError(f"the rows' outputs do not stack into one tensor: {exc}") from exc
     if arr.dtype.name not in V2_DATATYPES or arr.ndim > MAX_DIMS:
@@ -359,8 +392,9 @@ def _listed(obj: Any) -> Any:
     raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
-def infer_response(info: ModelInfo, call: InferCall, replies: list[Reply]) -> Response:
-    arr = stack_outputs([r.payload for r in replies])
+def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Response:
+    replies = settle(len(call.tensor), parts)
+    arr = stack_outputs(parts)
     output: dict[str, Any] = {"name": info.output_name,
                               "datatype": V2_DATATYPES[arr.dtype.name],
                               "shape": list(arr.shape)}
@@ -386,6 +420,7 @@ class V2Api:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.repository = RepositoryApi(gateway)
+        self._guarded_infer = _v2_errors(self._infer_call)
 
     async def live(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -406,18 +441,23 @@ class V2Api:
     async def server(self, request: Request) -> Response:
         return JSONResponse(server_metadata())
 
-    async def _model(self, request: Request, deadline_ms: int | None = None) -> ModelInfo:
-        name = request.path_params["name"]
+    @staticmethod
+    def _name(request: Request) -> str:
+        """The path's model name, once it is a name and the version is ours."""
+        name: str = request.path_params["name"]
         version = request.path_params.get("version", VERSION)
         if not protocol.MODEL_NAME_RE.fullmatch(name):
             raise UnknownModel(f"unknown model {name!r}: not a model name")
         if version != VERSION:
             raise UnknownModel(f"model {name!r} has no version {version!r} (only {VERSION!r})")
-        return await self.gateway.directory.get(name, deadline_ms)
+        return name
 
-    async def _served(self, request: Request, deadline_ms: int | None = None) -> ModelInfo:
-        info = await self._model(request, deadline_ms)
-        if not await self.gateway.client.live_workers(info.name, deadline_ms):
+    async def _model(self, request: Request) -> ModelInfo:
+        return await self.gateway.directory.get(self._name(request))
+
+    async def _served(self, request: Request) -> ModelInfo:
+        info = await self._model(request)
+        if not await self.gateway.client.live_workers(info.name):
             raise NoLiveWorkers(f"model {info.name!r} has no live worker; retry shortly")
         return info
 
@@ -435,23 +475,23 @@ class V2Api:
         return Response(status_code=200)
 
     async def infer(self, request: Request) -> Response:
-        """Like v1 predict, the deadline runs from arrival and bounds the look-ups too."""
-        arrived_ms, gateway = protocol.now_ms(), self.gateway
+        """Counted in the request metrics, as v1 predict is (errors included)."""
+        return await self.gateway.core.metered(request.path_params["name"],
+                                               self._guarded_infer(request))
+
+    async def _infer_call(self, request: Request) -> Response:
+        """Through the infer core, as v1 predict: the deadline runs from arrival and
+        bounds the look-ups too."""
+        arrived_ms, core = protocol.now_ms(), self.gateway.core
         headers = dict(request.headers.raw)
-        config = gateway.config
-        info = await self._served(request, arrived_ms + round(1000 * body.timeout_s(
-            headers, {}, config.default_timeout_s, config.max_timeout_s)))
-        raw = await body.read_body(headers, request.receive, config.max_body_bytes)
-        call = parse_infer(raw, headers, info, gateway.model_default_s(info),
-                           config.max_timeout_s)
-        left_s = (arrived_ms - protocol.now_ms()) / 1000 + call.timeout_s
-        if left_s <= 0:
-            raise DeadlineExceeded(f"deadline passed before model {info.name!r} was reached")
-        gateway.client.set_queue_cap(info.name, info.max_queue_len)
-        futures = await gateway.client.submit_many(info.name, list(call.tensor), left_s,
-                                                   want_reply=True)
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        return infer_response(info, call, settle(results))
+        info = await core.served(self._name(request), headers, arrived_ms)
+        call = parse_infer(await core.read(headers, request.receive), headers, info,
+                           core.model_default_s(info), core.config.max_timeout_s)
+        deadline_ms = core.deadline_ms(info, arrived_ms, call.timeout_s)
+        sent = await core.submit_tensor(info, call.tensor, deadline_ms)
+        results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
+        return infer_response(info, call, parts_of(len(call.tensor), [s for s, _ in sent],
+                                                   list(results)))
 
 
 def v2_routes(gateway: Gateway) -> list[Route]:

@@ -22,7 +22,7 @@ from redbatch.redis_conn import translated
 from redbatch.registry import live_workers
 
 if TYPE_CHECKING:
-    from redbatch.api.app import Gateway
+    from redbatch.api.gateway import Gateway
 
 VERSION = "1"
 INDEX_BODY_MAX_BYTES = 4096  # the index request is {"ready": bool} at most

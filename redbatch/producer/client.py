@@ -128,6 +128,11 @@ class Client:
         else:
             self._model_caps[model] = cap  # kept here: it holds before (and across) a start
 
+    def _own_cap(self, model: str, cap: int | None) -> None:
+        """A submit's cap for ``model`` (None: leave it as it is); one dict look-up."""
+        if cap is not None and self._model_caps.get(model) != cap:
+            self._model_caps[model] = cap
+
     async def live_workers(self, model: str, deadline_ms: int | None = None) -> int:
         """Live workers of ``model`` (cached for a second); a look-up in Redis (and a
         start) ends by ``deadline_ms`` (``DeadlineExceeded``)."""
@@ -210,14 +215,16 @@ class Client:
         return self._listener
 
     async def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
-                          *, want_reply: bool = False, request_ids: Sequence[str] | None = None
-                          ) -> list[asyncio.Future[Any]]:
+                          *, want_reply: bool = False, request_ids: Sequence[str] | None = None,
+                          max_queue_len: int | None = None) -> list[asyncio.Future[Any]]:
         """Enqueue every input in one round trip; return one future per input.
 
         A future resolves to the model's output (or, with ``want_reply``, the whole
-        ``Reply``) and raises a typed ``RedbatchError`` otherwise."""
+        ``Reply``) and raises a typed ``RedbatchError`` otherwise.  ``max_queue_len``:
+        the model's own queue cap, as ``set_queue_cap`` sets it."""
         if not inputs:
             return []
+        self._own_cap(model, max_queue_len)
         per_request = 1 if request_ids else rows.rows_per_request(inputs, self.pack_rows)
         if per_request > 1:
             return await self._submit_rows(model, inputs, per_request, timeout_s, want_reply)
@@ -247,6 +254,24 @@ class Client:
         await self._push(model, requests, entries)
         return [f for waiter, chunk in zip(waiters, chunks, strict=True)
                 for f in rows.split(waiter, len(chunk), want_reply)]
+
+    async def submit_tensor(self, model: str, tensor: np.ndarray[Any, Any], deadline_ms: int,
+                            *, max_queue_len: int | None = None
+                            ) -> list[tuple[int, asyncio.Future[Reply]]]:
+        """The rows of ``tensor`` (its first dimension) as multi-row requests, sliced,
+        never split into rows: one entry per up to ``pack_rows`` rows (and
+        ``rows.PACK_BYTES``), in one enqueue.  Returns each request's first row and
+        the future of its whole ``Reply`` (``rows.split_reply`` reads its rows)."""
+        self._own_cap(model, max_queue_len)
+        per = rows.pack_size(tensor.nbytes // max(1, len(tensor)), self.pack_rows)
+        starts = range(0, len(tensor), per)
+        listener = await self._ready(model, len(starts), deadline_ms)
+        requests = [self._request(model, part, deadline_ms, None, rows=len(part))
+                    for part in (tensor[start:start + per] for start in starts)]
+        entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
+        waiters = [listener.expect(r.id, deadline_ms, True) for r in requests]
+        await self._push(model, requests, entries)
+        return list(zip(starts, waiters, strict=True))
 
     async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
         assert self._listener is not None
@@ -291,11 +316,14 @@ class Client:
         return reply
 
     async def submit_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
-                           *, trace_id: str = "", deadline_ms: int | None = None
+                           *, trace_id: str = "", deadline_ms: int | None = None,
+                           max_queue_len: int | None = None
                            ) -> tuple[str, asyncio.Future[Reply]]:
         """Enqueue one request as ``predict_reply`` does; return its id at once, with a
         future for its ``Reply`` (the gateway names the request in its errors too).
-        ``deadline_ms`` (absolute) takes the place of ``timeout_s``."""
+        ``deadline_ms`` (absolute) takes the place of ``timeout_s``; ``max_queue_len``
+        is the model's own queue cap, as ``set_queue_cap`` sets it."""
+        self._own_cap(model, max_queue_len)
         return await self._send_one(model, inputs, timeout_s, None, want_reply=True,
                                     trace_id=trace_id, deadline_ms=deadline_ms)
 

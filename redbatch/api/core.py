@@ -1,0 +1,311 @@
+"""The one infer core: v1 predict (POST or GET), and v2 infer, go through it.
+
+The deadline runs from the request's arrival and bounds every Redis call made for
+it: the look-ups (cached; bounded by the header's timeout, else the gateway's
+default, as the model's own is not known yet), the enqueue and the wait for the
+reply (bounded by the final deadline).  The model's own limits (default timeout,
+queue cap) travel with each call; the request metrics are recorded here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import urllib.parse
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from redbatch import metrics, protocol
+from redbatch.api import body
+from redbatch.api.directory import ModelDirectory, ModelInfo
+from redbatch.api.errors import error_response, from_exception
+from redbatch.config import GatewayConfig
+from redbatch.errors import BadRequest, DeadlineExceeded, RedbatchError, error_from_code
+from redbatch.producer.admission import no_live_workers
+from redbatch.producer.client import Client
+from redbatch.protocol import Reply
+
+log = logging.getLogger("redbatch.api")
+
+WATCH_AFTER_S = 0.05  # a request waiting this long notices its client's disconnect
+RawHeaders = list[tuple[bytes, bytes]]
+
+
+class RawResponse:
+    """A response ready to send: status, headers and body, as ASGI wants them."""
+
+    __slots__ = ("body", "headers", "status_code")
+
+    def __init__(self, status: int, headers: RawHeaders, body: bytes) -> None:
+        self.status_code = status
+        self.headers = headers
+        self.body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-length", str(len(self.body)).encode()), *self.headers]
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+class Answer(Protocol):
+    status_code: int
+
+
+AnswerT = TypeVar("AnswerT", bound=Answer)
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """An enqueued request whose reply the gateway awaits."""
+
+    model: str
+    request_id: str
+    deadline_ms: int
+    future: asyncio.Future[Reply]
+
+
+class InferCore:
+    """Look-up, live-worker check, body, deadline, admission and submit, once."""
+
+    def __init__(self, client: Client, directory: ModelDirectory,
+                 config: GatewayConfig) -> None:
+        self.client = client
+        self.directory = directory
+        self.config = config
+        self.meters = metrics.GatewayMeters()
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    # --- the steps -------------------------------------------------------------
+    async def served(self, model: str, headers: body.Headers, arrived_ms: int) -> ModelInfo:
+        """The model's info once a live worker serves it; the look-ups end by the
+        header's timeout (else the gateway's default) from arrival."""
+        config = self.config
+        lookup_ms = arrived_ms + round(1000 * body.timeout_s(
+            headers, {}, config.default_timeout_s, config.max_timeout_s))
+        info = await self.directory.get(model, lookup_ms)
+        if not await self.client.live_workers(model, lookup_ms):
+            raise no_live_workers(model)
+        return info
+
+    async def read(self, headers: body.Headers, receive: Receive) -> bytes:
+        return await body.read_body(headers, receive, self.config.max_body_bytes)
+
+    def model_default_s(self, info: ModelInfo) -> float:
+        """The deadline of a request that sets none: the model's own default if it has
+        one, else the gateway's; never past ``max_timeout_s``."""
+        return min(info.default_timeout_s or self.config.default_timeout_s,
+                   self.config.max_timeout_s)
+
+    @staticmethod
+    def deadline_ms(info: ModelInfo, arrived_ms: int, timeout_s: float) -> int:
+        """The request's absolute deadline; ``DeadlineExceeded`` once it has passed."""
+        deadline_ms = arrived_ms + round(1000 * timeout_s)
+        if protocol.now_ms() >= deadline_ms:
+            raise DeadlineExceeded(f"deadline passed before model {info.name!r} was reached")
+        return deadline_ms
+
+    async def submit_tensor(self, info: ModelInfo, tensor: np.ndarray[Any, Any],
+                            deadline_ms: int) -> list[tuple[int, asyncio.Future[Reply]]]:
+        """A batch tensor as multi-row requests (one enqueue): each one's first row
+        and the future of its ``Reply``."""
+        return await self.client.submit_tensor(info.name, tensor, deadline_ms,
+                                               max_queue_len=info.max_queue_len)
+
+    # --- v1 predict -------------------------------------------------------------
+    async def serve(self, model: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer ``POST`` or ``GET /v1/models/{model}/predict`` (metered)."""
+        response = await self.metered(model, self._respond(model, scope, receive))
+        await response(scope, receive, send)
+
+    async def _respond(self, model: str, scope: Scope, receive: Receive
+                       ) -> RawResponse | Response:
+        """The response, with ``X-Request-ID``: the caller's, else the request's id (set
+        by ``predict`` on answers from a worker), else a fresh one (errors before
+        enqueueing, a bad X-Request-ID among them)."""
+        headers: body.Headers = dict(scope["headers"])
+        trace = ""
+        try:
+            trace = body.trace_id(headers)
+            query: bytes | None = scope.get("query_string", b"")
+            if scope["method"] != "GET":
+                body.check_content_type(headers)
+                query = None
+            return await self.predict(model, headers, receive, trace, query)
+        except RedbatchError as exc:
+            response = from_exception(exc)
+        except Exception:
+            log.exception("unexpected error on %s %s (request id %s)", scope["method"],
+                          scope["path"], trace)
+            response = error_response(500, "internal", "internal error; see the gateway log")
+        response.headers["x-request-id"] = trace or protocol.new_request_id()
+        return response
+
+    async def predict(self, model: str, headers: body.Headers, receive: Receive,
+                      trace_id: str = "", query: bytes | None = None
+                      ) -> Response | RawResponse:
+        """One v1 request: its input from the JSON body, or from ``query`` (a GET)."""
+        arrived_ms = protocol.now_ms()
+        info = await self.served(model, headers, arrived_ms)
+        raw = await self.read(headers, receive)
+        data = body.parse_json(raw) if query is None else query_input(query, raw, info)
+        value = body.model_input(data, info)
+        deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
+            headers, data, self.model_default_s(info), self.config.max_timeout_s))
+        request_id, pending = await self.client.submit_reply(
+            model, value, trace_id=trace_id, deadline_ms=deadline_ms,
+            max_queue_len=info.max_queue_len)
+        watch = asyncio.get_running_loop().call_later(
+            WATCH_AFTER_S, self._watch, Pending(model, request_id, deadline_ms, pending),
+            receive)
+        try:
+            reply = await pending
+        except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request
+            response = from_exception(exc)
+            response.headers["x-request-id"] = trace_id or request_id
+            return response
+        finally:
+            watch.cancel()
+        return reply_response(info, reply, trace_id or request_id)
+
+    # --- metrics ---------------------------------------------------------------
+    async def metered(self, model: str, respond: Awaitable[AnswerT]) -> AnswerT:
+        """``respond``'s response, counted: duration, in flight, outcome by status."""
+        started = time.perf_counter()
+        inflight = self.meters.get(self._label(model))[1]
+        inflight.inc()
+        try:
+            response = await respond
+        finally:
+            inflight.dec()
+        duration, _, outcomes = self.meters.get(self._label(model))
+        outcomes[metrics.outcome_of(response.status_code)].inc()
+        duration.observe(time.perf_counter() - started)
+        return response
+
+    def _label(self, model: str) -> str:
+        """Model names from URLs become labels only once a worker registered them."""
+        return model if self.directory.known(model) else metrics.UNKNOWN_MODEL
+
+    # --- disconnects -------------------------------------------------------------
+    def _watch(self, pending: Pending, receive: Receive) -> None:
+        """A request still waiting after ``WATCH_AFTER_S``: from now on, its client's
+        disconnect cancels it (quick ones, most of them, never cost a task)."""
+        task = asyncio.create_task(self._on_disconnect(pending, receive))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        pending.future.add_done_callback(lambda _f: task.cancel())
+
+    async def _on_disconnect(self, pending: Pending, receive: Receive) -> None:
+        """Once the client is gone, free the request's waiter and mark it cancelled,
+        so that a worker skips it (the body was read: the next message is the end)."""
+        message = await receive()
+        if message["type"] != "http.disconnect" or pending.future.done():
+            return
+        self.client.abandon(pending.request_id,
+                            BadRequest("the client disconnected before the reply"))
+        task = asyncio.create_task(self._mark_cancelled(pending))  # this one ends now
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _mark_cancelled(self, pending: Pending) -> None:
+        try:
+            await self.client.mark_cancelled(pending.model, pending.request_id,
+                                             pending.deadline_ms)
+        except RedbatchError as exc:
+            log.warning("could not mark request %s of model %s cancelled: %s",
+                        pending.request_id, pending.model, exc)
+
+
+class PredictEndpoint:
+    """The routed ``/v1/models/{model}/predict`` (an ASGI app): ``GatewayApp`` serves
+    GET and POST ahead of the router, so the route answers other methods with 405."""
+
+    def __init__(self, core: InferCore) -> None:
+        self.core = core
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.core.serve(scope["path_params"]["model"], scope, receive, send)
+
+
+# --- GET: the input in the query string -------------------------------------------
+def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any]:
+    """The fields of a GET's query string that a POST body would hold: the model's
+    input (JSON numbers; a repeated key or a comma list makes a list) and
+    ``timeout_ms``.  Other keys are ignored, as a body's other fields are."""
+    if raw_body:
+        raise BadRequest("a GET predict takes its input from the query string, not a body")
+    try:
+        pairs = urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True,
+                                       errors="strict",
+                                       max_num_fields=protocol.MAX_QUERY_VALUES)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"unreadable query string: {exc}") from exc
+    fields: dict[str, list[str]] = {}
+    for key, value in pairs:
+        fields.setdefault(key, []).append(value)
+    data: dict[str, Any] = {}
+    if info.input_name in fields:
+        data[info.input_name] = _query_value(info.input_name, fields[info.input_name])
+    if body.TIMEOUT_FIELD in fields:
+        data[body.TIMEOUT_FIELD] = _single(body.TIMEOUT_FIELD, fields[body.TIMEOUT_FIELD])
+    return data
+
+
+def _single(key: str, values: list[str]) -> str:
+    if len(values) != 1:
+        raise BadRequest(f"query parameter {key!r} is given {len(values)} times")
+    return values[0]
+
+
+def _query_value(key: str, values: list[str]) -> Any:
+    items = [_number(key, item) for value in values for item in value.split(",")]
+    if len(items) > protocol.MAX_QUERY_VALUES:
+        raise BadRequest(f"query parameter {key!r} holds {len(items)} values; at most "
+                         f"{protocol.MAX_QUERY_VALUES}")
+    return items if len(values) > 1 or "," in values[0] else items[0]
+
+
+def _number(key: str, text: str) -> int | float:
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        value = None
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise BadRequest(f"query parameter {key!r}: {text[:40]!r} is not a finite number")
+    number: int | float = value
+    return number
+
+
+# --- answers --------------------------------------------------------------------
+def reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response | RawResponse:
+    """200 with the model's output, or the reply's typed error as JSON; both carry
+    ``X-Request-ID``."""
+    if not reply.ok:
+        response = from_exception(error_from_code(reply.error_code, reply.error_message))
+        response.headers["x-request-id"] = request_id
+        return response
+    content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
+                           option=orjson.OPT_SERIALIZE_NUMPY)
+    timings = reply.timings
+    return RawResponse(200, [
+        (b"content-type", b"application/json"),
+        (b"x-request-id", request_id.encode()),
+        (b"x-redbatch-batch-size", b"%d" % timings.batch_size),
+        (b"x-redbatch-queue-wait-ms", b"%.1f" % timings.queue_wait_ms),
+        (b"x-redbatch-forward-ms", b"%.2f" % timings.forward_ms),
+    ], content)
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"cannot serialize {type(obj).__name__}")
