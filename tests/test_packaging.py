@@ -72,9 +72,11 @@ def test_the_layer_check_sees_worker_imports(tmp_path: Path) -> None:
             module.unlink()
 
 
-def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], check=False, env=test_env(), cwd=ROOT,
+def _fresh_python(code: str) -> None:
+    """Run ``code`` in a new interpreter; it must succeed (its asserts hold)."""
+    done = subprocess.run([sys.executable, "-c", code], check=False, env=test_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 # What a producer must not pay for: torch, the web server, the worker, its metrics.
@@ -88,8 +90,7 @@ HEAVY = ("heavy = [m for m in ('torch', 'starlette', 'uvicorn', 'prometheus_clie
     "import redbatch.spec, redbatch.registry, redbatch.producer",
 ])
 def test_the_producer_side_imports_neither_torch_nor_a_web_server(statement: str) -> None:
-    done = _fresh_python(f"import sys\n{statement}\n{HEAVY}\nassert not heavy, heavy")
-    assert done.returncode == 0, done.stderr
+    _fresh_python(f"import sys\n{statement}\n{HEAVY}\nassert not heavy, heavy")
 
 
 def test_import_redbatch_alone_imports_no_third_party_module() -> None:
@@ -97,8 +98,7 @@ def test_import_redbatch_alone_imports_no_third_party_module() -> None:
             "extra = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
             "extra = {m for m in extra if not m.startswith('_') and m != 'redbatch'}\n"
             "assert not extra - {'cython_runtime'}, extra\n")
-    done = _fresh_python(code)
-    assert done.returncode == 0, done.stderr
+    _fresh_python(code)
 
 
 def test_worker_names_still_import_from_the_package() -> None:
@@ -106,8 +106,7 @@ def test_worker_names_still_import_from_the_package() -> None:
             "from redbatch import Model, Pool, Worker, batch, torch_model, BatchPolicy\n"
             "assert set(redbatch.__all__) <= set(dir(redbatch))\n"
             "assert all(getattr(redbatch, n) is not None for n in redbatch.__all__)\n")
-    done = _fresh_python(code)
-    assert done.returncode == 0, done.stderr
+    _fresh_python(code)
 
 
 def test_an_unknown_attribute_is_an_attribute_error() -> None:
