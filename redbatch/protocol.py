@@ -41,6 +41,7 @@ MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
 MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
 MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS
 CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worker this long
+LIVE_REFRESH_S: Final = 1.0  # a process reads who is live at most this often per model
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")

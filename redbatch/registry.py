@@ -1,15 +1,21 @@
 """Who is live: the workers whose lease on a model has not expired, with the info each
 published (``worker.heartbeat`` writes the leases; gateways, clients, ``redbatch
-status`` and the benchmark read them here)."""
+status`` and the benchmark read them here).  ``LiveCache`` keeps a per-model summary
+for the hot path: read at most once per ``protocol.LIVE_REFRESH_S`` per process, by
+one read however many requests find it stale at once."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 
 from redbatch import protocol
+from redbatch.redis_conn import idempotent
 
 
 async def live_workers(redis: aioredis.Redis, model: str) -> list[dict[str, Any]]:
@@ -29,3 +35,68 @@ def live_workers_sync(redis: Any, model: str) -> list[dict[str, Any]]:
 def _with_info(ids: Any, infos: Any) -> list[dict[str, Any]]:
     return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
             for wid, raw in zip(ids, infos, strict=True)]
+
+
+@dataclass(frozen=True)
+class LiveSummary:
+    """What admission needs to know of a model's live workers."""
+
+    at: float  # time.monotonic() of the read
+    live: int  # workers holding a live lease
+    items_per_s: float  # their summed measured capacity
+    rows: bool  # every live worker takes multi-row requests (and one is live)
+    known: bool  # a worker is live or the model is registered
+
+    def fresh(self, refresh_s: float) -> bool:
+        return time.monotonic() - self.at <= refresh_s
+
+
+def summarize(workers: list[dict[str, Any]], known: bool) -> LiveSummary:
+    """The summary of ``live_workers``' answer."""
+    total = sum(float(w.get("items_per_s", 0.0)) for w in workers)
+    rows = bool(workers) and all(w.get(protocol.F_ROWS) is True for w in workers)
+    return LiveSummary(time.monotonic(), len(workers), total, rows, known or bool(workers))
+
+
+class LiveCache:
+    """Per-model ``LiveSummary``, refreshed at most every ``refresh_s`` with single
+    flight: callers that find a model stale await one read; a failed read raises to
+    all of them, and the next call reads again."""
+
+    def __init__(self, redis: aioredis.Redis,
+                 refresh_s: float = protocol.LIVE_REFRESH_S) -> None:
+        self._redis = redis
+        self.refresh_s = refresh_s
+        self._summaries: dict[str, LiveSummary] = {}
+        self._flights: dict[str, asyncio.Task[LiveSummary]] = {}
+
+    def cached(self, model: str) -> LiveSummary | None:
+        """The fresh summary of ``model``, or None when it is stale (no I/O)."""
+        summary = self._summaries.get(model)
+        return summary if summary is not None and summary.fresh(self.refresh_s) else None
+
+    async def get(self, model: str) -> LiveSummary:
+        """The summary of ``model``; read (once for all callers) when stale."""
+        summary = self.cached(model)
+        if summary is not None:
+            return summary
+        flight = self._flights.get(model)
+        if flight is None:
+            flight = asyncio.ensure_future(self._read(model))
+            self._flights[model] = flight
+            flight.add_done_callback(lambda done: self._landed(model, done))
+        return await asyncio.shield(flight)  # a caller's cancellation spares the others'
+
+    def _landed(self, model: str, flight: asyncio.Task[LiveSummary]) -> None:
+        if self._flights.get(model) is flight:
+            del self._flights[model]
+        if not flight.cancelled() and flight.exception() is None:  # retrieved: no warning
+            self._summaries[model] = flight.result()
+
+    async def _read(self, model: str) -> LiveSummary:
+        """Reads only, each repeated once on a broken connection."""
+        redis = self._redis
+        workers = await idempotent(redis, lambda: live_workers(redis, model))
+        known = bool(workers) or bool(await idempotent(  # only asked when none is live
+            redis, lambda: redis.exists(protocol.meta_key(model))))
+        return summarize(workers, known)

@@ -10,16 +10,14 @@ the excess is refused quickly and the accepted requests keep a bounded latency.
 from __future__ import annotations
 
 import math
-import time
 
 import redis.asyncio as aioredis
 
 from redbatch import protocol
 from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
-from redbatch.redis_conn import idempotent
-from redbatch.registry import live_workers
+from redbatch.registry import LiveCache
 
-REFRESH_S = 1.0
+REFRESH_S = protocol.LIVE_REFRESH_S
 MIN_CAP = 8
 # Admit a queue that drains in this fraction of the time to the deadline: the rest is
 # margin for the measured rate being optimistic and for the forward pass itself.
@@ -43,8 +41,7 @@ class Admission:
         self._redis = redis
         self.max_queue_len = max_queue_len
         self.model_caps = {} if model_caps is None else model_caps  # a model's own, lower cap
-        # model -> (when, items/s, live workers, all take rows, registered)
-        self._cache: dict[str, tuple[float, float, int, bool, bool]] = {}
+        self._live = LiveCache(redis, REFRESH_S)  # one read per model per REFRESH_S
 
     def limit(self, model: str) -> int:
         """The cap of ``model``'s queue: its own if lower than this process's."""
@@ -52,52 +49,34 @@ class Admission:
 
     def live_cached(self, model: str) -> int | None:
         """Live workers from the cache, or None when it is stale (no I/O)."""
-        cached = self._cache.get(model)
-        if cached is None or time.monotonic() - cached[0] > REFRESH_S:
-            return None
-        return cached[2]
+        summary = self._live.cached(model)
+        return None if summary is None else summary.live
 
     def served_cached(self, model: str) -> bool:
         """True when the cache (fresh) knows ``model`` has a live worker (no I/O)."""
-        cached = self._cache.get(model)
-        return cached is not None and cached[2] > 0 and \
-            time.monotonic() - cached[0] <= REFRESH_S
+        summary = self._live.cached(model)
+        return summary is not None and summary.live > 0
 
     async def check_served(self, model: str) -> None:
         """``UnknownModel`` or ``NoLiveWorkers`` unless a live worker serves ``model``
         (cached for a second, like the live count)."""
-        _rate, live, _rows, known = await self._workers(model)
-        if not known:
+        summary = await self._live.get(model)
+        if not summary.known:
             raise unknown_model(model)
-        if not live:
+        if not summary.live:
             raise no_live_workers(model)
-
-    async def _workers(self, model: str) -> tuple[float, int, bool, bool]:
-        """(entries per second the live workers can serve, how many are live, whether
-        they all take multi-row requests, whether the model is registered), cached.
-        Reads only, repeated once on a broken connection."""
-        cached = self._cache.get(model)
-        if cached is None or time.monotonic() - cached[0] > REFRESH_S:
-            workers = await idempotent(self._redis, lambda: live_workers(self._redis, model))
-            total = sum(float(w.get("items_per_s", 0.0)) for w in workers)
-            rows = bool(workers) and all(w.get(protocol.F_ROWS) is True for w in workers)
-            known = bool(workers) or bool(await idempotent(  # only asked when none is live
-                self._redis, lambda: self._redis.exists(protocol.meta_key(model))))
-            cached = (time.monotonic(), total, len(workers), rows, known)
-            self._cache[model] = cached
-        return cached[1], cached[2], cached[3], cached[4]
 
     async def takes_rows(self, model: str) -> bool:
         """Whether every live worker of ``model`` takes multi-row requests (cached)."""
-        return (await self._workers(model))[2]
+        return (await self._live.get(model)).rows
 
     async def capacity(self, model: str) -> float:
         """Items per second the model's live workers can serve (0 when unknown)."""
-        return (await self._workers(model))[0]
+        return (await self._live.get(model)).items_per_s
 
     async def live(self, model: str) -> int:
         """How many workers of the model hold a live lease (cached for a second)."""
-        return (await self._workers(model))[1]
+        return (await self._live.get(model)).live
 
     async def cap(self, model: str, deadline_ms: int) -> int:
         """The queue length at which this request is refused."""
