@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+import httpx
 import numpy as np
 import pytest
 
@@ -27,6 +28,16 @@ def blocking_model(name: str) -> tuple[Model, threading.Event]:
                                                       batch_wait_timeout_s=0)), release
 
 
+async def held_then_queued(http: httpx.AsyncClient, path: str, queued: int
+                           ) -> list[asyncio.Task[httpx.Response]]:
+    """One request the worker holds in its forward pass, then ``queued`` behind it
+    (sent after it: requests that arrive together may be refused together)."""
+    pending = [asyncio.create_task(http.post(path, json={"inputs": 0}))]
+    await asyncio.sleep(0.3)
+    return pending + [asyncio.create_task(http.post(path, json={"inputs": i}))
+                      for i in range(1, queued + 1)]
+
+
 @pytest.fixture
 async def blocked(start_worker: Callable[..., Worker]) -> AsyncIterator[threading.Event]:
     model, release = blocking_model("held")
@@ -39,9 +50,8 @@ async def test_full_queue_is_503_with_retry_after(blocked: threading.Event, redi
                                                   ) -> None:
     async with gateway(redis_url, max_queue_len=3, default_timeout_s=10) as http:
         await _wait_registered(http)
-        pending = [asyncio.create_task(http.post("/v1/models/held/predict",
-                                                 json={"inputs": i})) for i in range(4)]
-        await asyncio.sleep(0.5)  # one in the forward pass, three queued
+        pending = await held_then_queued(http, "/v1/models/held/predict", 3)
+        await asyncio.sleep(0.2)  # one in the forward pass, three queued
         started = time.monotonic()
         resp = await http.post("/v1/models/held/predict", json={"inputs": 99})
         assert time.monotonic() - started < 1.0  # refused at once, not queued
@@ -135,9 +145,8 @@ async def test_a_model_brings_its_own_queue_cap_and_default_deadline(
         async with gateway(redis_url, max_queue_len=100, default_timeout_s=10) as http:
             await _wait_registered(http)
             started = time.monotonic()
-            pending = [asyncio.create_task(http.post("/v1/models/capped/predict",
-                                                     json={"inputs": i})) for i in range(3)]
-            await asyncio.sleep(0.2)  # one in the pass, two queued: the model's cap
+            pending = await held_then_queued(http, "/v1/models/capped/predict", 2)
+            await asyncio.sleep(0.1)  # one in the pass, two queued: the model's cap
             full = await http.post("/v1/models/capped/predict", json={"inputs": 9})
             assert full.status_code == 503 and "cap 2" in full.json()["error"]["message"]
             statuses = [(await t).status_code for t in pending]
