@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import numpy as np
 import pytest
+import redis
 
-from redbatch import Client, DeadlineExceeded, Model, QueueFull, batch
+from redbatch import Client, DeadlineExceeded, Model, QueueFull, batch, protocol
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from tests.test_gateway import _wait_registered, gateway
@@ -28,14 +29,30 @@ def blocking_model(name: str) -> tuple[Model, threading.Event]:
                                                       batch_wait_timeout_s=0)), release
 
 
-async def held_then_queued(http: httpx.AsyncClient, path: str, queued: int
+async def held_then_queued(http: httpx.AsyncClient, redis_url: str, model: str, queued: int
                            ) -> list[asyncio.Task[httpx.Response]]:
     """One request the worker holds in its forward pass, then ``queued`` behind it
-    (sent after it: requests that arrive together may be refused together)."""
-    pending = [asyncio.create_task(http.post(path, json={"inputs": 0}))]
-    await asyncio.sleep(0.3)
-    return pending + [asyncio.create_task(http.post(path, json={"inputs": i}))
-                      for i in range(1, queued + 1)]
+    (sent after it: requests that arrive together may be refused together); returns
+    once they are all in Redis where they belong."""
+    path = f"/v1/models/{model}/predict"
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        pending = [asyncio.create_task(http.post(path, json={"inputs": 0}))]
+        await _until(lambda: bool(raw.keys(protocol.inflight_key(model, "*")))
+                     and raw.llen(protocol.queue_key(model)) == 0)
+        pending += [asyncio.create_task(http.post(path, json={"inputs": i}))
+                    for i in range(1, queued + 1)]
+        await _until(lambda: raw.llen(protocol.queue_key(model)) == queued)
+    finally:
+        raw.close()
+    return pending
+
+
+async def _until(done: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -50,8 +67,7 @@ async def test_full_queue_is_503_with_retry_after(blocked: threading.Event, redi
                                                   ) -> None:
     async with gateway(redis_url, max_queue_len=3, default_timeout_s=10) as http:
         await _wait_registered(http)
-        pending = await held_then_queued(http, "/v1/models/held/predict", 3)
-        await asyncio.sleep(0.2)  # one in the forward pass, three queued
+        pending = await held_then_queued(http, redis_url, "held", 3)  # one held, 3 queued
         started = time.monotonic()
         resp = await http.post("/v1/models/held/predict", json={"inputs": 99})
         assert time.monotonic() - started < 1.0  # refused at once, not queued
@@ -75,11 +91,8 @@ async def test_waiter_cap_is_503(blocked: threading.Event, redis_url: str) -> No
 
 async def test_model_without_live_workers_is_503_fast(redis_url: str) -> None:
     import orjson
-    import redis as sync_redis
 
-    from redbatch import protocol
-
-    raw = sync_redis.Redis.from_url(redis_url)
+    raw = redis.Redis.from_url(redis_url)
     gone = Model("gone", fn=lambda xs: xs)  # registered once, its workers since gone
     raw.set(protocol.meta_key("gone"), orjson.dumps(gone.meta()))
     raw.zadd(protocol.workers_key("gone"), {"dead-worker": protocol.now_ms() - 1})
@@ -145,8 +158,7 @@ async def test_a_model_brings_its_own_queue_cap_and_default_deadline(
         async with gateway(redis_url, max_queue_len=100, default_timeout_s=10) as http:
             await _wait_registered(http)
             started = time.monotonic()
-            pending = await held_then_queued(http, "/v1/models/capped/predict", 2)
-            await asyncio.sleep(0.1)  # one in the pass, two queued: the model's cap
+            pending = await held_then_queued(http, redis_url, "capped", 2)  # the model's cap
             full = await http.post("/v1/models/capped/predict", json={"inputs": 9})
             assert full.status_code == 503 and "cap 2" in full.json()["error"]["message"]
             statuses = [(await t).status_code for t in pending]
