@@ -163,9 +163,8 @@ class InferCore:
         request_id, pending = await self.client.submit_reply(
             model, value, trace_id=trace_id, deadline_ms=deadline_ms,
             max_queue_len=info.max_queue_len)
-        watch = asyncio.get_running_loop().call_later(
-            WATCH_AFTER_S, self._watch, Pending(model, request_id, deadline_ms, pending),
-            receive)
+        watch = asyncio.get_running_loop().call_later(  # most end first: no task, no Pending
+            WATCH_AFTER_S, self._watch, model, request_id, deadline_ms, pending, receive)
         try:
             reply = await pending
         except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request
@@ -196,9 +195,11 @@ class InferCore:
         return model if self.directory.known(model) else metrics.UNKNOWN_MODEL
 
     # --- disconnects -------------------------------------------------------------
-    def _watch(self, pending: Pending, receive: Receive) -> None:
+    def _watch(self, model: str, request_id: str, deadline_ms: int,
+               future: asyncio.Future[Reply], receive: Receive) -> None:
         """A request still waiting after ``WATCH_AFTER_S``: from now on, its client's
         disconnect cancels it (quick ones, most of them, never cost a task)."""
+        pending = Pending(model, request_id, deadline_ms, future)
         task = asyncio.create_task(self._on_disconnect(pending, receive))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)

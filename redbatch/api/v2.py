@@ -39,6 +39,7 @@ from redbatch.errors import (
     UnknownModel,
     error_from_code,
 )
+from redbatch.producer.admission import no_live_workers
 from redbatch.protocol import Reply
 from redbatch.spec import TensorSpec
 
@@ -458,7 +459,7 @@ class V2Api:
     async def _served(self, request: Request) -> ModelInfo:
         info = await self._model(request)
         if not await self.gateway.client.live_workers(info.name):
-            raise NoLiveWorkers(f"model {info.name!r} has no live worker; retry shortly")
+            raise no_live_workers(info.name)
         return info
 
     async def metadata(self, request: Request) -> Response:

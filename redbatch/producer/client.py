@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -24,6 +24,7 @@ from redbatch.producer.listener import ReplyListener
 from redbatch.protocol import Reply, Request
 from redbatch.redis_conn import async_client, deadline_bound, translated
 
+T = TypeVar("T")
 log = logging.getLogger("redbatch.producer")
 QUEUE_FULL_RETRY_AFTER_S = 1.0  # for the per-process waiter cap
 
@@ -139,20 +140,23 @@ class Client:
         if self._listener is not None and (live := self._admission.live_cached(model)) \
                 is not None:
             return live
-        async with deadline_bound(deadline_ms, f"looking up the workers of {model!r}"):
-            await self.start()
-            async with translated(self.settings):
-                return await self._admission.live(model)
+        return await self._look_up(model, deadline_ms, self._admission.live)
 
     async def check_served(self, model: str, deadline_ms: int | None = None) -> None:
         """``UnknownModel`` or ``NoLiveWorkers`` (the gateway's errors) unless a live
         worker serves ``model``; cached for a second."""
         if self._listener is not None and self._admission.served_cached(model):
             return
+        await self._look_up(model, deadline_ms, self._admission.check_served)
+
+    async def _look_up(self, model: str, deadline_ms: int | None,
+                       read: Callable[[str], Awaitable[T]]) -> T:
+        """``read(model)`` from the registry (starting the client if needed), ending by
+        ``deadline_ms``, with Redis errors translated."""
         async with deadline_bound(deadline_ms, f"looking up the workers of {model!r}"):
             await self.start()
             async with translated(self.settings):
-                await self._admission.check_served(model)
+                return await read(model)
 
     def abandon(self, request_id: str, why: RedbatchError) -> None:
         """Give up waiting for a request: its waiter fails with ``why`` now, freeing
