@@ -198,9 +198,17 @@ def drop_requests(decoded: Decoded, ids: set[str]) -> int:
 def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded) -> None:
     log.warning("model=%s dead-lettered a malformed entry (%d bytes): %s", model, len(raw), exc)
     out.dead.append(raw)
+    addressed = addressable(raw, model)
+    if addressed is not None:
+        out.early.append((*addressed, exc))
+
+
+def addressable(raw: bytes, model: str) -> tuple[Request, Format] | None:
+    """A malformed entry's sender, as a request to answer (no payload), if its id and
+    reply_to can be read (``loose_reply_target``)."""
     target = loose_reply_target(raw)
-    if target is not None:
-        request_id, reply_to, fmt = target
-        deadline = protocol.now_ms() + protocol.MARKER_GRACE_MS
-        stub = Request(request_id, model, 0, deadline, reply_to, None)
-        out.early.append((stub, fmt, exc))
+    if target is None:
+        return None
+    request_id, reply_to, fmt = target
+    deadline = protocol.now_ms() + protocol.MARKER_GRACE_MS
+    return Request(request_id, model, 0, deadline, reply_to, None), fmt

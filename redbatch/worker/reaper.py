@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.protocol import Request, Timings
-from redbatch.worker.decode import loose_reply_target, parse_entry
+from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.meters import WorkerMeters
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
@@ -81,11 +81,9 @@ class Reaper:
             return parse_entry(raw, self.model)
         except InvalidPayload as exc:
             plan.dead.append(raw)
-            target = loose_reply_target(raw)
-            if target is not None:
-                request_id, reply_to, fmt = target
-                stub = Request(request_id, self.model, 0,
-                               protocol.now_ms() + protocol.MARKER_GRACE_MS, reply_to, None)
+            addressed = addressable(raw, self.model)
+            if addressed is not None:
+                stub, fmt = addressed
                 plan.replies.append(outgoing(self.model, stub,
                                              error_reply(stub, exc, Timings()), fmt))
             return None
