@@ -161,3 +161,25 @@ if ARGV[2] ~= 'force' then
 end
 return nq
 """
+
+# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta  ARGV[1]=now ms.
+# A model's live workers as admission needs them, in one read-only round trip that
+# never touches the (large) worker_info hash: the workers whose lease is live, the sum
+# of their published items_per_s, whether each publishes rows = true, and whether the
+# model is known (a worker is live, or its meta exists).  A missing or unreadable
+# capacity field counts as 0 items/s and no rows.
+# Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
+# known 1|0}.
+LIVE_SUMMARY: Final = f"""
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
+local total, rows = 0, #ids > 0
+for i = 1, #ids do
+  local ok, cap = pcall(cjson.decode, redis.call('HMGET', KEYS[2], ids[i])[1] or '')
+  if not ok or type(cap) ~= 'table' then cap = {{}} end
+  local rate = tonumber(cap['{protocol.F_ITEMS_PER_S}'])
+  if rate and rate > 0 then total = total + rate end
+  rows = rows and cap['{protocol.F_ROWS}'] == true
+end
+local known = #ids > 0 or redis.call('EXISTS', KEYS[3]) == 1
+return {{#ids, tostring(total), rows and 1 or 0, known and 1 or 0}}
+"""

@@ -70,6 +70,7 @@ F_QUEUE_WAIT_MS: Final = "queue_wait_ms"
 F_BATCH_SIZE: Final = "batch_size"
 F_FORWARD_MS: Final = "forward_ms"
 F_WORKER_ID: Final = "worker_id"
+F_ITEMS_PER_S: Final = "items_per_s"  # worker_info / worker_capacity: measured capacity
 TENSOR_TAG: Final = "__tensor__"
 
 
@@ -97,6 +98,12 @@ def workers_key(model: str) -> str:
 def worker_info_key(model: str) -> str:
     """Hash: worker id -> JSON description (device, pid, host)."""
     return f"{PREFIX}:{{{model}}}:worker_info"
+
+
+def worker_capacity_key(model: str) -> str:
+    """Hash: worker id -> compact JSON ``{"items_per_s", "rows"}``, all that admission
+    reads of a live worker (the full ``worker_info`` is for ``redbatch status``)."""
+    return f"{PREFIX}:{{{model}}}:worker_capacity"
 
 
 def meta_key(model: str) -> str:

@@ -1,8 +1,10 @@
 """Who is live: the workers whose lease on a model has not expired, with the info each
-published (``worker.heartbeat`` writes the leases; gateways, clients, ``redbatch
-status`` and the benchmark read them here).  ``LiveCache`` keeps a per-model summary
-for the hot path: read at most once per ``protocol.LIVE_REFRESH_S`` per process, by
-one read however many requests find it stale at once."""
+published (``worker.heartbeat`` writes the leases; ``redbatch status`` and the
+benchmark read the full info here).  ``LiveCache`` keeps a per-model summary for the
+hot path (gateways and clients): read at most once per ``protocol.LIVE_REFRESH_S``
+per process, by one read however many requests find it stale at once, and that read
+is one call of the ``LIVE_SUMMARY`` script over the workers' compact capacity fields,
+never their full info."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import lua, protocol
 from redbatch.redis_conn import idempotent
 
 
@@ -51,13 +53,6 @@ class LiveSummary:
         return time.monotonic() - self.at <= refresh_s
 
 
-def summarize(workers: list[dict[str, Any]], known: bool) -> LiveSummary:
-    """The summary of ``live_workers``' answer."""
-    total = sum(float(w.get("items_per_s", 0.0)) for w in workers)
-    rows = bool(workers) and all(w.get(protocol.F_ROWS) is True for w in workers)
-    return LiveSummary(time.monotonic(), len(workers), total, rows, known or bool(workers))
-
-
 class LiveCache:
     """Per-model ``LiveSummary``, refreshed at most every ``refresh_s`` with single
     flight: callers that find a model stale await one read; a failed read raises to
@@ -66,6 +61,7 @@ class LiveCache:
     def __init__(self, redis: aioredis.Redis,
                  refresh_s: float = protocol.LIVE_REFRESH_S) -> None:
         self._redis = redis
+        self._script = redis.register_script(lua.LIVE_SUMMARY)
         self.refresh_s = refresh_s
         self._summaries: dict[str, LiveSummary] = {}
         self._flights: dict[str, asyncio.Task[LiveSummary]] = {}
@@ -94,9 +90,11 @@ class LiveCache:
             self._summaries[model] = flight.result()
 
     async def _read(self, model: str) -> LiveSummary:
-        """Reads only, each repeated once on a broken connection."""
-        redis = self._redis
-        workers = await idempotent(redis, lambda: live_workers(redis, model))
-        known = bool(workers) or bool(await idempotent(  # only asked when none is live
-            redis, lambda: redis.exists(protocol.meta_key(model))))
-        return summarize(workers, known)
+        """One round trip (a read), repeated once on a broken connection."""
+        keys = [protocol.workers_key(model), protocol.worker_capacity_key(model),
+                protocol.meta_key(model)]
+        reply: Any = await idempotent(self._redis, lambda: self._script(
+            keys=keys, args=[protocol.now_ms()]))
+        live, items_per_s, rows, known = reply
+        return LiveSummary(time.monotonic(), int(live), float(items_per_s), bool(int(rows)),
+                           bool(int(known)))

@@ -182,10 +182,10 @@ async def test_batch_size_counts_items_per_pass(
     assert len(outputs) == 10
     (runner,) = worker.runners
     for _ in range(100):  # the batch is counted once its replies are out
-        if runner.passes:
+        if runner.stats.passes:
             break
         await asyncio.sleep(0.02)
-    counters = runner.counters()
+    counters = runner.stats.counters()
     assert (counters["passes"], counters["pass_items"], counters["entries"]) == (3, 10, 1)
     assert sum(counters["hist"]["batch_size"]) == 3  # passes of 4, 4 and 2 items
     assert sum(counters["hist"]["batch_entries"]) == 1

@@ -14,17 +14,21 @@ import redis.asyncio as aioredis
 
 from redbatch import protocol
 from redbatch.producer.admission import Admission
+from redbatch.registry import LiveCache, live_workers
 
 CONCURRENT = 64
 
 
-def register(raw: redis.Redis, model: str, worker_id: str, items_per_s: float) -> None:
-    """A live worker, as ``worker.heartbeat`` publishes it."""
+def register(raw: redis.Redis, model: str, worker_id: str, items_per_s: float, *,
+             lease_ms: int = 60_000) -> None:
+    """A worker, as ``worker.heartbeat`` publishes it: its lease, full info and compact
+    capacity."""
+    capacity = {protocol.F_ITEMS_PER_S: items_per_s, protocol.F_ROWS: True}
     info = {"worker_id": worker_id, "device": "cpu", "pid": 1, "host": "h",
-            "started_ms": protocol.now_ms(), protocol.F_ROWS: True,
-            "items_per_s": items_per_s}
-    raw.zadd(protocol.workers_key(model), {worker_id: protocol.now_ms() + 60_000})
+            "started_ms": protocol.now_ms(), **capacity}
+    raw.zadd(protocol.workers_key(model), {worker_id: protocol.now_ms() + lease_ms})
     raw.hset(protocol.worker_info_key(model), worker_id, orjson.dumps(info))
+    raw.hset(protocol.worker_capacity_key(model), worker_id, orjson.dumps(capacity))
 
 
 def zrange_calls(raw: redis.Redis) -> int:
@@ -67,3 +71,45 @@ async def test_failed_refresh_raises_to_all_waiters_then_reads_again(
     register(raw_redis, "m", "w1", 10.0)
     assert await admission.live("m") == 1  # the failure was not cached
     assert zrange_calls(raw_redis) - before == 2
+
+
+async def test_summary_counts_live_workers_and_sums_their_capacity(
+        raw_redis: redis.Redis, client: aioredis.Redis) -> None:
+    for worker_id, rate in (("w1", 100.0), ("w2", 50.5), ("w3", 0.0)):
+        register(raw_redis, "m", worker_id, rate)
+    register(raw_redis, "m", "gone", 1000.0, lease_ms=-1000)  # expired, not yet reaped
+    summary = await LiveCache(client).get("m")
+    assert (summary.live, summary.items_per_s, summary.rows, summary.known) == (
+        3, 150.5, True, True)
+
+
+async def test_summary_never_reads_the_workers_info(raw_redis: redis.Redis,
+                                                    client: aioredis.Redis) -> None:
+    register(raw_redis, "m", "w1", 100.0)
+    register(raw_redis, "m", "w2", 25.0)
+    info_key = protocol.worker_info_key("m")
+    raw_redis.delete(info_key)
+    raw_redis.set(info_key, b"x" * 1_000_000)  # any read of it as a hash fails: WRONGTYPE
+    with pytest.raises(redis.ResponseError):
+        await live_workers(client, "m")  # the full read does touch it
+    summary = await LiveCache(client).get("m")
+    assert (summary.live, summary.items_per_s, summary.rows) == (2, 125.0, True)
+
+
+async def test_summary_of_workers_that_publish_no_or_bad_capacity(
+        raw_redis: redis.Redis, client: aioredis.Redis) -> None:
+    cache = LiveCache(client, refresh_s=0.0)
+    assert not (await cache.get("m")).known  # no worker, no meta
+    raw_redis.set(protocol.meta_key("m"), b"{}")
+    summary = await cache.get("m")
+    assert (summary.live, summary.known, summary.rows) == (0, True, False)
+    register(raw_redis, "m", "w1", 40.0)
+    raw_redis.zadd(protocol.workers_key("m"), {"old": protocol.now_ms() + 60_000})
+    summary = await cache.get("m")  # "old" has a lease but no capacity field
+    assert (summary.live, summary.items_per_s, summary.rows) == (2, 40.0, False)
+    raw_redis.hset(protocol.worker_capacity_key("m"), "old", b"not json")
+    assert (await cache.get("m")).items_per_s == 40.0
+    raw_redis.hset(protocol.worker_capacity_key("m"), "old", orjson.dumps(
+        {protocol.F_ITEMS_PER_S: 2.5, protocol.F_ROWS: True}))
+    summary = await cache.get("m")
+    assert (summary.live, summary.items_per_s, summary.rows) == (2, 42.5, True)

@@ -235,15 +235,15 @@ async def test_lone_requests_of_one_tick_travel_as_one_entry(
         assert await client.predict("double", xs[0], timeout_s=10) is not None  # warm up
         # the worker counts a batch after its replies are out: wait for the warm-up's
         while not await client._admission.takes_rows("double") or \
-                worker.runners[0].items < 1:
+                worker.runners[0].stats.items < 1:
             await asyncio.sleep(0.05)
-        before = (worker.runners[0].entries, worker.runners[0].items)
+        before = (worker.runners[0].stats.entries, worker.runners[0].stats.items)
         out = await asyncio.gather(*(client.predict("double", x, timeout_s=10) for x in xs),
                                    return_exceptions=True)
         reply = await client.predict_reply("double", xs[1], 10, trace_id="caller-1")
         await asyncio.sleep(0.3)  # the worker counts a batch once its replies are out
-        entries, items = (worker.runners[0].entries - before[0],
-                          worker.runners[0].items - before[1])
+        entries, items = (worker.runners[0].stats.entries - before[0],
+                          worker.runners[0].stats.items - before[1])
     assert items == 11 and entries <= 3  # one or two packs, and the traced one alone
     assert isinstance(out[4], InvalidPayload)
     assert [o.tolist() for i, o in enumerate(out) if i != 4] == [

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from redbatch import protocol
 from redbatch.worker.model import Model
+from redbatch.worker.stats import WorkerStats
 
 REAP_SCAN = 16  # expired workers looked at per model per heartbeat
 
@@ -23,31 +24,46 @@ def static_info(worker_id: str, device: str) -> dict[str, Any]:
             protocol.F_ROWS: True}  # this worker understands multi-row requests
 
 
+def published(info: dict[str, Any], stats: WorkerStats) -> tuple[bytes, bytes]:
+    """A model's two heartbeat fields: its full info (``static_info``, the counters and
+    histograms: ``redbatch status``, the v2 statistics, the benchmark) and its compact
+    capacity (``items_per_s``, ``rows``: all that admission reads).  Samples the
+    capacity: call once per heartbeat."""
+    capacity = {protocol.F_ITEMS_PER_S: stats.sample_capacity(),
+                protocol.F_ROWS: info[protocol.F_ROWS]}
+    return orjson.dumps({**info, **stats.counters()}), orjson.dumps(capacity)
+
+
 async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
-               infos: dict[str, bytes], lease_ttl_s: float) -> dict[str, list[str]]:
-    """Renew this worker's lease and its models' metadata in one round trip; return,
-    per model, the ids of workers whose lease has expired."""
+               fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float
+               ) -> dict[str, list[str]]:
+    """Renew this worker's lease, its published fields (per model: ``published``) and
+    its models' metadata in one round trip; return, per model, the ids of workers
+    whose lease has expired."""
     now = protocol.now_ms()
     lease_until = now + round(lease_ttl_s * 1000)
+    scans: list[int] = []  # where each model's scan of expired leases answers
     async with redis.pipeline(transaction=False) as pipe:
         for model in models:
-            _beat_model(pipe, model, worker_id, infos[model.name], lease_until)
+            _beat_model(pipe, model, worker_id, fields[model.name], lease_until)
             pipe.zrangebyscore(protocol.workers_key(model.name), "-inf", now, 0, REAP_SCAN)
+            scans.append(len(pipe) - 1)
         pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
         pipe.expire(protocol.MODELS_KEY, protocol.META_TTL_S)
         results = await pipe.execute()
-    expired = results[5::6]
-    return {m.name: [w.decode() for w in ids if w.decode() != worker_id]
-            for m, ids in zip(models, expired, strict=True)}
+    return {m.name: [w.decode() for w in results[i] if w.decode() != worker_id]
+            for m, i in zip(models, scans, strict=True)}
 
 
-def _beat_model(pipe: Any, model: Model, worker_id: str, info: bytes, lease_until: int) -> None:
+def _beat_model(pipe: Any, model: Model, worker_id: str, fields: tuple[bytes, bytes],
+                lease_until: int) -> None:
     workers = protocol.workers_key(model.name)
-    infos = protocol.worker_info_key(model.name)
     pipe.zadd(workers, {worker_id: lease_until})
     pipe.expire(workers, protocol.WORKERS_TTL_S)
-    pipe.hset(infos, worker_id, info)
-    pipe.expire(infos, protocol.WORKERS_TTL_S)
+    for key, value in zip((protocol.worker_info_key(model.name),
+                           protocol.worker_capacity_key(model.name)), fields, strict=True):
+        pipe.hset(key, worker_id, value)
+        pipe.expire(key, protocol.WORKERS_TTL_S)
     pipe.set(protocol.meta_key(model.name), orjson.dumps(model.meta()),
              ex=protocol.META_TTL_S)
 
@@ -58,4 +74,5 @@ async def leave(redis: aioredis.Redis, models: list[Model], worker_id: str) -> N
         for model in models:
             pipe.zrem(protocol.workers_key(model.name), worker_id)
             pipe.hdel(protocol.worker_info_key(model.name), worker_id)
+            pipe.hdel(protocol.worker_capacity_key(model.name), worker_id)
         await pipe.execute()

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import orjson
 import redis.asyncio as aioredis
 
 from redbatch import lua, metrics, protocol
@@ -55,27 +54,6 @@ async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
         backoff_s = min(backoff_s * 2, BACKOFF_CAP_S)
 
 
-class CapacityMeter:
-    """Queue entries served per busy second of one runner (idle time excluded),
-    smoothed: the queue's own unit (a multi-row request is one entry), which admission
-    compares with the queue's length.  Published as ``items_per_s``."""
-
-    def __init__(self, runner: BatchRunner) -> None:
-        self._runner = runner
-        self._entries = 0
-        self._busy_s = 0.0
-        self.items_per_s = 0.0
-
-    def sample(self) -> float:
-        entries = self._runner.entries - self._entries
-        busy = self._runner.busy_s - self._busy_s
-        self._entries, self._busy_s = self._runner.entries, self._runner.busy_s
-        if busy > 0 and entries > 0:  # idle keeps the last estimate
-            rate = entries / busy
-            self.items_per_s = rate if not self.items_per_s else 0.5 * (self.items_per_s + rate)
-        return self.items_per_s
-
-
 class Worker:
     """Serves a list of models from one process: one batch loop per model, one
     forward thread shared by all (the GPU runs one pass at a time), and one
@@ -107,7 +85,6 @@ class Worker:
                                             self.config.dead_letter_max_bytes))
                             for m, b in zip(self.models, blocking, strict=True)]
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
-            self._meters = [CapacityMeter(r) for r in self.runners]
             self._reapers = {r.model.name: r.reaper for r in self.runners}
             clean = await self._serve(redis, stop)
         finally:
@@ -131,10 +108,8 @@ class Worker:
         await _keep_going("register", first, stop, once=True)
 
     async def _beat(self, redis: aioredis.Redis) -> None:
-        infos = {r.model.name: orjson.dumps({**self._info, "items_per_s": m.sample(),
-                                             **r.counters()})
-                 for r, m in zip(self.runners, self._meters, strict=True)}
-        expired = await heartbeat.beat(redis, self.models, self.worker_id, infos,
+        fields = {r.model.name: heartbeat.published(self._info, r.stats) for r in self.runners}
+        expired = await heartbeat.beat(redis, self.models, self.worker_id, fields,
                                        self.config.lease_ttl_s)
         for model, dead_ids in expired.items():
             for dead_id in dead_ids:

@@ -29,7 +29,6 @@ from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.protocol import Request, Timings
 from redbatch.worker.decode import addressable, parse_entry
-from redbatch.worker.meters import WorkerMeters
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
     DeadLetters,
@@ -38,6 +37,7 @@ from redbatch.worker.replies import (
     outgoing,
     publish_args,
 )
+from redbatch.worker.stats import WorkerStats
 
 log = logging.getLogger("redbatch.reaper")
 
@@ -51,12 +51,12 @@ class Plan:
 
 class Reaper:
     def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int,
-                 meters: WorkerMeters | None = None,
+                 stats: WorkerStats | None = None,
                  dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS) -> None:
         self._redis = redis
         self.model = model
         self.max_attempts = max_attempts
-        self.meters = meters
+        self.stats = stats
         self.dead_letters = dead_letters
         self._script = redis.register_script(lua.REAP)
 
@@ -126,9 +126,11 @@ class Reaper:
         args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),
                 *plan.requeue, *tail]
         result = int(await self._script(keys=keys, args=args))
-        if result >= 0 and self.meters is not None:
-            self.meters.dead_letters.inc(len(plan.dead))
-            self.meters.retries.inc(0 if force else len(plan.requeue))
+        if result >= 0 and not force:  # REAP removed its lease and info: its capacity too
+            await self._redis.hdel(protocol.worker_capacity_key(self.model), worker_id)
+        if result >= 0 and self.stats is not None:
+            self.stats.dead_lettered(len(plan.dead))
+            self.stats.retried(0 if force else len(plan.requeue))
         if result >= 0 and raws:
             log.warning("model=%s %s worker %s: requeued %d, dead-lettered %d%s",
                         self.model, "returned the batch of" if force else "reaped", worker_id,

@@ -19,7 +19,6 @@ from redbatch.protocol import Reply, Request, Timings
 from redbatch.worker.claim import Claimer
 from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder
-from redbatch.worker.meters import WorkerMeters
 from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.replies import (
@@ -32,6 +31,7 @@ from redbatch.worker.replies import (
     publish_args,
     refused_entries,
 )
+from redbatch.worker.stats import WorkerStats
 
 log = logging.getLogger("redbatch.worker")
 
@@ -64,6 +64,7 @@ class Claimed:
 class Computed:
     outs: list[Outgoing]
     fwd_ms: float
+    busy_s: float  # forward and encode
     failed: int  # items the model failed on
     passes: list[int]  # items in each forward pass
 
@@ -96,20 +97,12 @@ class BatchRunner:
         self._link = LeanLink(redis)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
-        self.meters = WorkerMeters(model.name, model.policy.max_batch_size)
-        self.reaper = Reaper(redis, model.name, max_attempts, self.meters, dead_letters)
+        self.stats = WorkerStats(model.name, model.policy.max_batch_size)
+        self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters)
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
         self._busy = False  # the last claim came back full
-        self.batches = 0
-        self.passes = 0  # forward passes (a batch larger than max_batch_size takes several)
-        self.pass_items = 0  # items that went through a forward pass
-        self.entries = 0  # queue entries answered (a multi-row request is one)
-        self.items = 0  # requests answered, each row of a multi-row request counting
-        self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
-        self.forward_ms = 0.0  # total forward time
-        self.queue_wait_ms = 0.0  # total queue wait of answered entries (one per pack)
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until ``stop``: claim -> decode (``_take``), forward -> encode
@@ -197,8 +190,8 @@ class BatchRunner:
         results = await self._forward(batch.decoded.items)
         fwd_ms = (time.perf_counter() - started) * 1000
         outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
-        self.busy_s += time.perf_counter() - started
-        return Computed(outs, fwd_ms, sum(isinstance(r, RedbatchError) for r in results),
+        return Computed(outs, fwd_ms, time.perf_counter() - started,
+                        sum(isinstance(r, RedbatchError) for r in results),
                         self._forwarder.take_passes())
 
     async def _forward(self, items: list[Item]) -> list[Any]:
@@ -238,13 +231,6 @@ class BatchRunner:
         await self.publish(computed.outs, batch, batch.decoded.dead)
         reply_ms = (time.perf_counter() - published) * 1000
         self._log_batch(batch, computed, reply_ms)
-
-    def counters(self) -> dict[str, Any]:
-        """Totals since start, published with each heartbeat (``rb:{m}:worker_info``)."""
-        return {"batches": self.batches, "items": self.items, "entries": self.entries,
-                "passes": self.passes, "pass_items": self.pass_items,
-                "forward_ms": round(self.forward_ms, 3),
-                "queue_wait_ms": round(self.queue_wait_ms, 3), "hist": self.meters.snapshot()}
 
     def encode(self, decoded: Decoded, results: list[Any], claimed_ms: int, fwd_ms: float
                ) -> list[Outgoing]:
@@ -296,23 +282,17 @@ class BatchRunner:
                       "holds a value of another type); dead-lettered it", self.model.name,
                       out.request.id, out.reply_to, out.marker)
         await self._script_publish([], refused_entries(outs, refused), 0, "")
-        self.meters.dead_letters.inc(len(refused))
+        self.stats.dead_lettered(len(refused))
 
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
-        decoded, size, fwd_ms = batch.decoded, batch.size, computed.fwd_ms
-        self.batches += 1
-        self.entries += batch.claimed
-        self.items += size
-        self.forward_ms += fwd_ms
+        decoded, passes, fwd_ms = batch.decoded, computed.passes, computed.fwd_ms
         waits = [protocol.queue_wait_ms(batch.claimed_ms, item.request.enqueue_ms)
                  for item in decoded.items if item.pack is None]  # a pack's rows share one
         waits += [protocol.queue_wait_ms(batch.claimed_ms, pack.request.enqueue_ms)
                   for pack in decoded.packs]
-        self.queue_wait_ms += sum(waits)
-        passes = computed.passes
-        self.passes += len(passes)
-        self.pass_items += sum(passes)
-        self.meters.batch(decoded, passes, batch.claimed, waits, fwd_ms, computed.failed)
+        self.stats.batch(decoded, entries=batch.claimed, size=batch.size, passes=passes,
+                         waits_ms=waits, fwd_ms=fwd_ms, busy_s=computed.busy_s,
+                         failed=computed.failed)
         log.info("model=%s n=%d items=%d entries=%d passes=%d computed=%d failed=%d "
                  "rejected=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f", self.model.name,
                  max(passes, default=0), sum(passes), batch.claimed, len(passes),

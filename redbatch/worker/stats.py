@@ -1,0 +1,146 @@
+"""One runner's statistics, fed once per served batch (``WorkerStats.batch``).
+
+Everything a worker reports of its throughput is derived from it: the Prometheus
+metrics (names in ``redbatch.metrics``), the totals and bucket counts its heartbeat
+publishes in ``worker_info`` (read by ``redbatch status``, the v2 statistics and the
+benchmark) and the measured capacity, ``items_per_s``, that admission reads."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from redbatch import metrics, protocol
+from redbatch.errors import DeadlineExceeded
+from redbatch.worker.decode import Decoded
+
+CAPACITY_SMOOTHING = 0.5  # weight of the last heartbeat interval in ``items_per_s``
+
+
+class Buckets:
+    """Counts per histogram bucket (upper bounds, then +Inf), for ``redbatch status``:
+    published with the heartbeat, so that it needs no Prometheus."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+
+
+class Capacity:
+    """Queue entries served per busy second (idle time excluded), smoothed over
+    heartbeats: the queue's own unit (a multi-row request is one entry), which
+    admission compares with the queue's length."""
+
+    def __init__(self) -> None:
+        self.items_per_s = 0.0
+        self._entries = 0  # totals at the last sample
+        self._busy_s = 0.0
+
+    def sample(self, entries: int, busy_s: float) -> float:
+        """The estimate after this interval (``entries``, ``busy_s``: totals so far);
+        an idle interval keeps the last one."""
+        served, busy = entries - self._entries, busy_s - self._busy_s
+        self._entries, self._busy_s = entries, busy_s
+        if busy > 0 and served > 0:
+            rate = served / busy
+            self.items_per_s = rate if not self.items_per_s else (
+                self.items_per_s + CAPACITY_SMOOTHING * (rate - self.items_per_s))
+        return self.items_per_s
+
+
+class WorkerStats:
+    """The statistics of one model in one worker."""
+
+    def __init__(self, model: str, max_batch_size: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.batches = 0
+        self.passes = 0  # forward passes (a batch larger than max_batch_size takes several)
+        self.pass_items = 0  # items that went through a forward pass
+        self.entries = 0  # queue entries answered (a multi-row request is one)
+        self.items = 0  # requests answered, each row of a multi-row request counting
+        self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
+        self.forward_ms = 0.0  # total forward time
+        self.queue_wait_ms = 0.0  # total queue wait of answered entries (one per pack)
+        self.capacity = Capacity()
+        self.hist = {"batch_size": Buckets(metrics.BATCH_BUCKETS),
+                     "batch_entries": Buckets(metrics.BATCH_BUCKETS),
+                     "queue_wait_s": Buckets(metrics.LATENCY_BUCKETS_S),
+                     "forward_s": Buckets(metrics.LATENCY_BUCKETS_S)}
+        self._prometheus(model)
+
+    def _prometheus(self, model: str) -> None:
+        self.queue_wait = metrics.QUEUE_WAIT.labels(model)
+        self.forward = metrics.FORWARD.labels(model)
+        self.batch_size = metrics.BATCH_SIZE.labels(model)
+        self.batch_entries = metrics.BATCH_ENTRIES.labels(model)
+        self.fill = metrics.BATCH_FILL.labels(model)
+        self.outcomes = {o: metrics.WORKER_ITEMS.labels(model, o)
+                         for o in ("computed", "expired", "invalid", "error")}
+        self.dead_letters = metrics.DEAD_LETTERS.labels(model)
+        self.retries = metrics.RETRIES.labels(model)
+
+    def batch(self, decoded: Decoded, *, entries: int, size: int, passes: list[int],
+              waits_ms: list[int], fwd_ms: float, busy_s: float, failed: int) -> None:
+        """One served batch: ``entries`` queue entries of ``size`` items in all, the
+        items of each forward pass, the entries' queue waits (clamped by
+        ``protocol.queue_wait_ms``), the forward and busy time, the items that failed."""
+        self.batches += 1
+        self.entries += entries
+        self.items += size
+        self.busy_s += busy_s
+        self.batch_entries.observe(entries)
+        self.hist["batch_entries"].add(entries)
+        self._passes(passes)
+        self._waits(waits_ms)
+        if decoded.items:
+            self.forward.observe(fwd_ms / 1000)
+            self.hist["forward_s"].add(fwd_ms / 1000)
+        self.forward_ms += fwd_ms
+        self._outcomes(decoded, failed)
+
+    def _passes(self, passes: list[int]) -> None:
+        self.passes += len(passes)
+        self.pass_items += sum(passes)
+        for size in passes:
+            self.batch_size.observe(size)
+            self.hist["batch_size"].add(size)
+            self.fill.observe(min(1.0, size / self.max_batch_size))
+
+    def _waits(self, waits_ms: list[int]) -> None:
+        self.queue_wait_ms += sum(waits_ms)
+        for wait_ms in waits_ms:
+            self.queue_wait.observe(wait_ms / 1000)
+            self.hist["queue_wait_s"].add(wait_ms / 1000)
+
+    def _outcomes(self, decoded: Decoded, failed: int) -> None:
+        expired = sum(isinstance(exc, DeadlineExceeded) for _r, _f, exc in decoded.early)
+        self.outcomes["computed"].inc(len(decoded.items) - failed)
+        self.outcomes["error"].inc(failed)
+        self.outcomes["expired"].inc(expired)
+        self.outcomes["invalid"].inc(len(decoded.early) - expired + decoded.invalid_rows)
+        self.dead_letters.inc(len(decoded.dead))
+
+    def dead_lettered(self, count: int) -> None:
+        """Entries dead-lettered outside a served batch (refused replies, reaps)."""
+        self.dead_letters.inc(count)
+
+    def retried(self, count: int) -> None:
+        """Requests of a dead worker put back in the queue."""
+        self.retries.inc(count)
+
+    def sample_capacity(self) -> float:
+        """``items_per_s`` now: call once per heartbeat (it measures since the last)."""
+        return self.capacity.sample(self.entries, self.busy_s)
+
+    def counters(self) -> dict[str, Any]:
+        """Totals since start and the bucket counts, as ``worker_info`` publishes them
+        with each heartbeat (with ``items_per_s``, the last sampled capacity)."""
+        return {protocol.F_ITEMS_PER_S: self.capacity.items_per_s,
+                "batches": self.batches, "items": self.items, "entries": self.entries,
+                "passes": self.passes, "pass_items": self.pass_items,
+                "forward_ms": round(self.forward_ms, 3),
+                "queue_wait_ms": round(self.queue_wait_ms, 3),
+                "hist": {name: list(b.counts) for name, b in self.hist.items()}}
