@@ -20,7 +20,8 @@ def _tag(key: str) -> str:
 def test_all_keys_of_a_model_share_one_hash_tag() -> None:
     keys = [protocol.queue_key("m"), protocol.inflight_key("m", "w1"),
             protocol.workers_key("m"), protocol.worker_info_key("m"),
-            protocol.meta_key("m"), protocol.dead_letter_key("m")]
+            protocol.worker_capacity_key("m"), protocol.meta_key("m"),
+            protocol.dead_letter_key("m")]
     assert {_tag(k) for k in keys} == {"m"}
     assert protocol.REPLY_TO_RE.match(protocol.reply_key("abc"))
 
