@@ -152,7 +152,7 @@ def test_process_count_comes_from_env_and_defaults_to_one() -> None:
     assert from_env(GatewayConfig, env={}).gateway_processes == 1
     config = from_env(GatewayConfig, env={"REDBATCH_GATEWAY_PROCESSES": "3"})
     assert config.gateway_processes == 3
-    with pytest.raises(ConfigError, match="1..64"):
+    with pytest.raises(ConfigError, match=r"must be 1\.\.64"):
         GatewayConfig(gateway_processes=-1)
 
 
