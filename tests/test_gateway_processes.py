@@ -1,6 +1,7 @@
 """``redbatch gateway --workers N``: N processes on one port, one set of metrics.
 
-The gateway runs as a real subprocess; a worker runs on the test's loop."""
+The gateway runs as a real subprocess (``redbatch gateway``, or ``redbatch up`` with its
+own workers); a ``gateway`` test's worker runs on the test's loop."""
 
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ def test_up_runs_several_gateways_beside_the_workers(spawn: Callable[..., Proc],
     children = gateway_children(proc)
     assert len(children) == 3, proc.log()  # two gateway processes and one worker replica
     path = metrics_dir_of(proc)
-    assert 'outcome="ok"} 8.0' in httpx.get(f"{base}/metrics", timeout=10).text
+    assert requests_ok(httpx.get(f"{base}/metrics", timeout=10).text, "adder") == 8
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(60) == 0, proc.log()
     _, alive = psutil.wait_procs(children, timeout=10)
