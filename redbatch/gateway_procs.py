@@ -75,6 +75,9 @@ def metrics_dir() -> Iterator[str]:
     if given:
         os.makedirs(given, exist_ok=True)
         log.info("prometheus multiprocess dir: %s (from %s)", given, MULTIPROC_ENV)
+        if os.listdir(given):
+            log.warning("%s is not empty: the counts of earlier processes in it show in "
+                        "/metrics too (empty it between runs)", MULTIPROC_ENV)
         yield given
         return
     path = tempfile.mkdtemp(prefix="redbatch-metrics-")
