@@ -19,6 +19,8 @@ from redbatch.logs import setup_logging
 
 log = logging.getLogger("redbatch")
 DEMO_TARGET = "redbatch.demo:models"
+PROCESSES_HELP = ("gateway processes sharing the port, 1-64 (1; "
+                  "$REDBATCH_GATEWAY_PROCESSES); over 1, /metrics sums them all")
 
 
 def _add_redis(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "models (see docs/configuration.md); flags given too override it")
     for add in (_add_redis, _add_gateway, _add_worker):
         add(up)  # --block-timeout-s comes from _add_gateway and serves both
+    up.add_argument("--gateways", type=int, dest="gateway_processes", metavar="N",
+                    help=PROCESSES_HELP)
     gateway = sub.add_parser("gateway", help="run the HTTP gateway alone")
     _add_redis(gateway)
     _add_gateway(gateway)
+    gateway.add_argument("--workers", type=int, dest="gateway_processes", metavar="N",
+                         help=PROCESSES_HELP)
     sub.add_parser("bench", help="benchmarks W1/W2 vs the naive server and the bare model "
                    "(redbatch bench --help)", add_help=False)
     worker = sub.add_parser("worker", help="run worker processes for MODULE:OBJECT")
@@ -96,26 +102,19 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if v is not None}
 
 
-def _serve_gateway(config: GatewayConfig, redis: RedisSettings,
+def _serve_gateway(config: GatewayConfig, redis: RedisSettings, log_level: str,
                    stop: threading.Event | None = None) -> None:
-    """Serve until a signal (or ``stop``); logs "listening" once it listens, and a
-    taken port is a ``ConfigError``."""
+    """Serve until a signal (or ``stop``): one process, or ``gateway_processes`` of
+    them on one port; logs "listening" once it listens, and a taken port is a
+    ``ConfigError``."""
+    if config.gateway_processes > 1:
+        from redbatch.gateway_procs import serve_processes
+
+        serve_processes(config, redis, log_level, stop or _stop_event())
+        return
     from redbatch import gateway_server
-    from redbatch.api import create_app
-    from redbatch.heap import freeze_startup_heap
 
-    app = create_app(config, redis)
-    freeze_startup_heap()
-    gateway_server.run(app, stop, host=config.host, port=config.port, log_level="warning",
-                       access_log=False, http=_edge_protocol(config))
-
-
-def _edge_protocol(config: GatewayConfig) -> type[Any]:
-    """uvicorn's HTTP protocol with the gateway's header cap, timeouts and connection
-    limit (``redbatch.api.limits``)."""
-    from redbatch.api.limits import edge_protocol
-
-    return edge_protocol(config)
+    gateway_server.serve(config, redis, stop)
 
 
 class Terminated(Exception):
@@ -154,7 +153,7 @@ def cmd_gateway(args: argparse.Namespace, redis: RedisSettings) -> None:
     # uvicorn re-raises the signal that stopped it once it is done: SIGTERM's default
     # action would skip our exit path, so turn it into an exception.
     signal.signal(signal.SIGTERM, _terminated)
-    _serve_gateway(from_env(GatewayConfig, _overrides(args)), redis)
+    _serve_gateway(from_env(GatewayConfig, _overrides(args)), redis, _log_level(args))
 
 
 def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
@@ -230,7 +229,7 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
             supervisors.append(threading.Thread(target=pool.supervise, args=(stop,),
                                                 daemon=True))
             supervisors[-1].start()
-        _serve_gateway(gateway_config, redis, stop)
+        _serve_gateway(gateway_config, redis, log_level, stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not skip cleanup
             signal.signal(sig, signal.SIG_IGN)

@@ -174,10 +174,14 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 1024
+    gateway_processes: int = 1  # processes sharing the port (redbatch.gateway_procs)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be 1-65535, got {self.port}")
+        if not 1 <= self.gateway_processes <= 64:
+            raise ConfigError(f"gateway_processes (--workers, --gateways) must be 1..64, "
+                              f"got {self.gateway_processes}")
         for name in ("default_timeout_s", "max_timeout_s", "meta_refresh_s", "block_timeout_s",
                      "header_timeout_s", "body_timeout_s"):
             _positive(name, getattr(self, name))

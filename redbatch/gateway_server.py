@@ -1,6 +1,8 @@
 """Run the gateway's app under uvicorn: bind first (a taken port is one clear error),
 say "listening" only once the server listens, and stop when a shared event is set
-(``redbatch up``: a signal, or a worker pool that gave up)."""
+(``redbatch up``: a signal, or a worker pool that gave up).  Several gateway
+processes (``redbatch.gateway_procs``) each serve on a socket of their own, bound here
+with ``SO_REUSEPORT`` by the parent."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import logging
 import socket
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from redbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from redbatch.config import GatewayConfig, RedisSettings
 
 log = logging.getLogger("redbatch")
 
@@ -39,25 +44,53 @@ class GatewayServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The gateway's listening socket, or a ``ConfigError`` naming the address."""
     try:
-        return socket.create_server((host, port), family=_family(host), backlog=2048)
+        return socket.create_server((host, port), family=_family(host), backlog=2048,
+                                    reuse_port=reuse_port)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise ConfigError(f"gateway cannot listen on {host}:{port}: {reason} (another "
                           "process has the port? pick one with --port)") from exc
 
 
+def bind_shared(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` listening sockets on one address with ``SO_REUSEPORT``: the kernel
+    spreads new connections over them.  A plain bind first makes a port that another
+    process holds one clear error, even one that shares it with ``SO_REUSEPORT``."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ConfigError("several gateway processes need SO_REUSEPORT, which this "
+                          "system lacks: run one (--workers 1)")
+    bind(host, port).close()
+    return [bind(host, port, reuse_port=True) for _ in range(count)]
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def run(app: Any, stop: threading.Event | None = None, **settings: Any) -> None:
-    """``uvicorn.run(app, **settings)`` on a socket bound first; returns when the server
-    stops (a signal, or ``stop`` set)."""
+def serve(config: GatewayConfig, redis: RedisSettings, stop: threading.Event | None = None,
+          sock: socket.socket | None = None) -> None:
+    """Serve the gateway until a signal (or ``stop``), on ``sock`` when given (a
+    process of several), else on a socket bound here; logs "listening" once it
+    listens, and a taken port is a ``ConfigError``."""
+    from redbatch.api import create_app
+    from redbatch.api.limits import edge_protocol
+    from redbatch.heap import freeze_startup_heap
+
+    app = create_app(config, redis)
+    freeze_startup_heap()
+    run(app, stop, sock, host=config.host, port=config.port, log_level="warning",
+        access_log=False, http=edge_protocol(config))
+
+
+def run(app: Any, stop: threading.Event | None = None, sock: socket.socket | None = None,
+        **settings: Any) -> None:
+    """``uvicorn.run(app, **settings)`` on ``sock``, or on a socket bound first;
+    returns when the server stops (a signal, or ``stop`` set)."""
     config = uvicorn.Config(app, **settings)
-    sock = bind(config.host, config.port)
+    sock = sock or bind(config.host, config.port)
     server = GatewayServer(config, stop or threading.Event())
     try:
         server.run(sockets=[sock])

@@ -2,9 +2,12 @@
 
 The gateway serves them at ``GET /metrics`` on its HTTP port; each worker replica on
 its own port (``--metrics-port P``: replica *i* on ``P + i``).  All carry a ``model``
-label.  With several gateway processes behind one port (``uvicorn --workers N``), set
-``PROMETHEUS_MULTIPROC_DIR`` to an empty directory (prometheus_client's multiprocess
-mode) so that a scrape sums every process.
+label.  Several gateway processes on one port (``redbatch gateway --workers N``) run in
+prometheus_client's multiprocess mode, set up by ``redbatch.gateway_procs``: a scrape,
+whichever process answers it, sums every process's counters and histograms; the
+in-flight gauge sums the live processes, and the gauges read from Redis at scrape time
+show the latest reading.  Under ``uvicorn --workers N`` by hand, set
+``PROMETHEUS_MULTIPROC_DIR`` to an empty directory for the same.
 
 Labels come from model names that a worker registered; the gateway files requests for
 names it does not know under ``model="_unknown"`` so that URLs cannot blow up the
@@ -48,10 +51,10 @@ INFLIGHT: Final = Gauge(
     ["model"], multiprocess_mode="livesum")
 QUEUE_DEPTH: Final = Gauge(
     "redbatch_queue_depth", "Entries in the model's queue (read from Redis at scrape time)",
-    ["model"], multiprocess_mode="max")
+    ["model"], multiprocess_mode="livemostrecent")
 LIVE_WORKERS: Final = Gauge(
     "redbatch_live_workers", "Workers of the model holding a live lease (at scrape time)",
-    ["model"], multiprocess_mode="max")
+    ["model"], multiprocess_mode="livemostrecent")
 
 # --- worker -------------------------------------------------------------------------
 QUEUE_WAIT: Final = Histogram(
