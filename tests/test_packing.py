@@ -27,7 +27,6 @@ from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.replies import encode_reply
 from redbatch.worker.runner import BatchRunner, Claimed
-from tests.test_producer import queued
 
 SPEC = TensorSpec("float32", (4,))
 
@@ -76,7 +75,6 @@ async def test_no_packs_until_every_live_worker_takes_rows(redis_url: str,
                                                            raw_redis: redis.Redis) -> None:
     async with Client(redis_url, require_workers=False, pack_rows=32) as client:
         futures = await client.submit_many("nobody-yet", inputs(5), timeout_s=5)
-        await queued(raw_redis, "nobody-yet", 5)
         entries = raw_redis.lrange(protocol.queue_key("nobody-yet"), 0, -1)
         for future in futures:
             future.cancel()
@@ -93,7 +91,6 @@ async def test_a_batch_sent_whole_is_one_entry_and_one_reply(
     async with Client(redis_url, require_workers=False) as client:
         futures = await client.submit_many("double", parts, timeout_s=10, batched=True,
                                            reply=True)
-        await queued(raw_redis, "double", 3)
         entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
         start_worker([doubler("double")])
         replies = await asyncio.gather(*futures)
@@ -136,7 +133,6 @@ async def test_inputs_of_mixed_shapes_go_one_entry_each(redis_url: str,
     mixed = [np.zeros(4, dtype=np.float32), np.zeros(5, dtype=np.float32)]
     async with Client(redis_url, require_workers=False) as client:
         futures = await client.submit_many("double", mixed, timeout_s=5)
-        await queued(raw_redis, "double", 2)
         entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
         for future in futures:
             future.cancel()

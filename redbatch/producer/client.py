@@ -236,7 +236,9 @@ class Client:
                           deadline_ms: int | None = None, max_queue_len: int | None = None
                           ) -> list[RequestFuture[Any]]:
         """Enqueue every input in one round trip; return one future per input, as
-        ``submit`` does.  Numpy inputs of one shape and dtype travel packed, as
+        ``submit`` does, once they are enqueued or refused (the refusals, and any
+        other error, are in the futures), so that a caller pacing itself on the
+        queue's depth sees them there.  Numpy inputs of one shape and dtype travel packed, as
         multi-row requests of up to ``pack_rows`` rows.  ``batched``: each input is
         itself a batch of rows along its first dimension (1 to ``MAX_ROWS``), sent
         whole as one multi-row request; its future resolves to the rows' outputs (or
@@ -253,17 +255,33 @@ class Client:
             entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
             listener.check_new([r.id for r in requests])
         futures = [listener.expect(r.id, deadline, reply) for r in requests]
-        self._push(model, requests, entries, max_queue_len)
+        await self._enqueued(self._push(model, requests, entries, max_queue_len), requests,
+                             deadline)
         return futures
 
     def _push(self, model: str, requests: list[Request], entries: list[bytes] | None,
-              cap: int | None) -> None:
+              cap: int | None) -> asyncio.Future[Outcome]:
         """The one push path: the enqueue goes out with this tick's flush, bounded by
         the waiters' own deadline timers; its outcome settles the refused or failed
         waiters through a callback (no task, no second timer)."""
         assert self._enqueuer is not None
         pushed = self._enqueuer.push(model, requests, entries, cap)
         pushed.add_done_callback(functools.partial(self._pushed, requests))
+        return pushed
+
+    async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],
+                        deadline_ms: int) -> None:
+        """Wait (until ``deadline_ms`` at most) for a push's outcome, which its callback
+        has settled in the waiters by then; a caller that gives up meanwhile leaves
+        no waiter behind."""
+        try:
+            await asyncio.wait([pushed], timeout=max(0.0, (deadline_ms - protocol.now_ms())
+                                                     / 1000))
+        except BaseException:
+            if self._listener is not None:
+                for request in requests:
+                    self._listener.fail(request.id, asyncio.CancelledError())
+            raise
 
     def _pushed(self, requests: list[Request], pushed: asyncio.Future[Outcome]) -> None:
         """Fail the waiters of a push's refused or failed requests (the outcome is read
