@@ -236,10 +236,10 @@ class Client:
                           deadline_ms: int | None = None, max_queue_len: int | None = None
                           ) -> list[RequestFuture[Any]]:
         """Enqueue every input in one round trip; return one future per input, as
-        ``submit`` does, once they are enqueued or refused (the refusals, and any
-        other error, are in the futures), so that a caller pacing itself on the
-        queue's depth sees them there.  Numpy inputs of one shape and dtype travel packed, as
-        multi-row requests of up to ``pack_rows`` rows.  ``batched``: each input is
+        ``submit`` does, once they are enqueued or refused (refusals and other errors
+        are in the futures), so that a caller pacing itself on the queue's depth sees
+        them there.  Numpy inputs of one shape and dtype travel packed, as multi-row
+        requests of up to ``pack_rows`` rows.  ``batched``: each input is
         itself a batch of rows along its first dimension (1 to ``MAX_ROWS``), sent
         whole as one multi-row request; its future resolves to the rows' outputs (or
         its ``Reply``, whose ``row_errors`` name the failed rows)."""
@@ -315,7 +315,8 @@ class Client:
 
 def _rows(batch: Any) -> int:
     """The rows of a batch sent whole: its first dimension, 1 to ``MAX_ROWS``."""
-    rows = len(batch) if isinstance(batch, np.ndarray | list) and np.ndim(batch) > 0 else 0
+    sized = isinstance(batch, list) or (isinstance(batch, np.ndarray) and batch.ndim > 0)
+    rows = len(batch) if sized else 0
     if not 1 <= rows <= protocol.MAX_ROWS:
         raise InvalidPayload(f"a batch must hold 1 to {protocol.MAX_ROWS} rows along its "
                              f"first dimension, got {type(batch).__name__} of {rows}")
