@@ -68,7 +68,10 @@ async def test_submit_many_sends_packs_and_returns_one_output_per_input(
         while runner.items - before[1] < 100:  # counted once the replies are out
             await asyncio.sleep(0.02)
         assert runner.entries - before[0] == 4  # ceil(100 / 32) queue entries
+        replies = await client.predict_many("double", inputs(3), timeout_s=10, reply=True)
     assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(100)]
+    assert [r.payload.tolist() for r in replies] == [[2.0 * i] * 4 for i in range(3)]
+    assert all(r.ok and r.timings.batch_size >= 1 for r in replies)  # a pack's timings
 
 
 async def test_no_packs_until_every_live_worker_takes_rows(redis_url: str,

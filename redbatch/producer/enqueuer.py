@@ -86,6 +86,7 @@ class Enqueuer:
             task.add_done_callback(self._tasks.discard)
 
     async def _send(self, model: str, pushes: list[Push]) -> None:
+        """One flush of ``model``: each push learns its refused or failed requests."""
         try:
             async with translated(self._settings):
                 units, failed = await self._plan(model, pushes)
@@ -96,9 +97,7 @@ class Enqueuer:
                 _settle(push, [(r.id, exc) for r in push.requests])
             return
         if full is not None:
-            for unit in refused:
-                for index, request in unit.members:
-                    failed.setdefault(index, []).append((request.id, full))
+            _add_refused(failed, refused, full)
         for index, push in enumerate(pushes):
             _settle(push, failed.get(index, ALL_IN))
 
@@ -169,6 +168,13 @@ def _own_cap(pushes: list[Push]) -> int | None:
     """The lowest of the pushes' own queue caps (one script call holds one cap)."""
     caps = [p.cap for p in pushes if p.cap is not None]
     return min(caps) if caps else None
+
+
+def _add_refused(failed: Failures, refused: list[Unit], full: QueueFull) -> None:
+    """Each request of a refused entry (a pack's members too) fails with ``full``."""
+    for unit in refused:
+        for index, request in unit.members:
+            failed.setdefault(index, []).append((request.id, full))
 
 
 def _settle(push: Push, outcome: Outcome) -> None:

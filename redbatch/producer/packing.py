@@ -79,17 +79,14 @@ def plan(requests: list[list[Request]], entries: list[list[bytes] | None], fmt: 
     return units, failed
 
 
+Keyed = tuple[Member, bytes | None, tuple[Any, ...] | None]  # a request, entry, pack key
+
+
 def _grouped(requests: list[list[Request]], entries: list[list[bytes] | None], packing: bool
              ) -> tuple[dict[tuple[Any, ...], list[Member]], list[tuple[Member, bytes | None]]]:
     """The groups of two or more requests that may share packs, and the requests that
     travel alone (with their entries, if encoded), in push order."""
-    keyed: list[tuple[Member, bytes | None, tuple[Any, ...] | None]] = []
-    for index, reqs in enumerate(requests):
-        encoded = entries[index]
-        if encoded is not None:
-            keyed += [((index, r), e, None) for r, e in zip(reqs, encoded, strict=True)]
-        else:
-            keyed += [((index, r), None, _pack_key(r) if packing else None) for r in reqs]
+    keyed = _keyed(requests, entries, packing)
     counts = Counter(key for _m, _e, key in keyed if key is not None)
     groups: dict[tuple[Any, ...], list[Member]] = {}
     alone: list[tuple[Member, bytes | None]] = []
@@ -99,6 +96,19 @@ def _grouped(requests: list[list[Request]], entries: list[list[bytes] | None], p
         else:
             groups.setdefault(key, []).append(member)
     return groups, alone
+
+
+def _keyed(requests: list[list[Request]], entries: list[list[bytes] | None], packing: bool
+           ) -> list[Keyed]:
+    """Every request of the flush with its push, its entry (if encoded) and pack key."""
+    keyed: list[Keyed] = []
+    for index, reqs in enumerate(requests):
+        encoded = entries[index]
+        if encoded is not None:
+            keyed += [((index, r), e, None) for r, e in zip(reqs, encoded, strict=True)]
+        else:
+            keyed += [((index, r), None, _pack_key(r) if packing else None) for r in reqs]
+    return keyed
 
 
 def _pack_key(request: Request) -> tuple[Any, ...] | None:
