@@ -20,8 +20,8 @@ from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
 from tests.conftest import Proc, redbatch_cmd, test_env, wait_live
 from tests.crash_models import KILLER_INPUT
+from tests.test_packing import doubler, inputs
 from tests.test_reliability import FAST_LEASE, TAKEOVER, inflight_total, read_reply
-from tests.test_rows import doubler, inputs
 
 pytestmark = pytest.mark.e2e
 HUGE_DEADLINES = [2**63 - 1, 2**64 - 1]  # "no deadline" as Long.MAX_VALUE, or as uint64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from redbatch import (
     batch,
     protocol,
 )
+from redbatch.protocol import Reply
 from redbatch.worker.process import Worker
 from tests.conftest import free_port
 
@@ -28,6 +30,15 @@ from tests.conftest import free_port
 @batch(name="inc", max_batch_size=16, batch_wait_timeout_s=0.01)
 def inc(xs: list[int]) -> list[int]:
     return [x + 1 for x in xs]
+
+
+async def queued(raw_redis: redis.Redis, model: str, count: int) -> None:
+    """Wait (bounded) until ``count`` entries wait in ``model``'s queue."""
+    for _ in range(200):
+        if raw_redis.llen(protocol.queue_key(model)) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{count} entries never reached the queue of {model!r}")
 
 
 async def test_submit_returns_a_future(start_worker: Callable[..., Worker], redis_url: str
@@ -66,7 +77,7 @@ async def test_predict_many_is_one_enqueue_call(redis_url: str, raw_redis: redis
         raw_redis.config_resetstat()
         futures = await client.submit_many("inc", list(range(50)), timeout_s=5)
         stats = raw_redis.info("commandstats")
-        assert raw_redis.llen(protocol.queue_key("inc")) == 50
+        assert raw_redis.llen(protocol.queue_key("inc")) == 50  # enqueued once it returns
         for future in futures:
             future.cancel()
     summaries = stats.get("cmdstat_zrangebyscore", {}).get("calls", 0)  # LIVE_SUMMARY reads
@@ -162,17 +173,93 @@ async def test_redis_refusing_writes_is_a_typed_error(redis_url: str,
         raw_redis.config_set("maxmemory", "0")
 
 
-async def test_a_queue_cap_set_before_start_holds_from_the_first_request(
+async def test_a_call_s_own_queue_cap_holds_from_the_first_request(
         redis_url: str, raw_redis: redis.Redis) -> None:
-    client = Client(redis_url, require_workers=False)
-    client.set_queue_cap("capped", 2)  # the gateway sets it before its first request
+    client = Client(redis_url, require_workers=False)  # not started: the call starts it
     try:
-        out = await client.predict_many("capped", [1, 2, 3], timeout_s=0.5,
-                                        return_exceptions=True)
+        futures = await client.submit_many("capped", [1, 2, 3], timeout_s=0.5,
+                                           max_queue_len=2)
+        out = await asyncio.gather(*futures, return_exceptions=True)
+        later = await client.submit("capped", 4, timeout_s=0.5)  # no cap of its own now
+        await queued(raw_redis, "capped", 3)
+        assert not later.done()
+        later.cancel()
     finally:
         await client.close()
     assert isinstance(out[2], QueueFull) and "cap 2" in str(out[2])
     assert all(isinstance(o, DeadlineExceeded) for o in out[:2])  # queued; no worker
+
+
+async def test_a_refused_push_fails_exactly_the_refused_futures(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    async with Client(redis_url, require_workers=False) as client:
+        futures = await client.submit_many("refuser", list(range(5)), timeout_s=10,
+                                           max_queue_len=3)
+        one = await client.submit("refuser", 5, timeout_s=10, max_queue_len=3)
+        await asyncio.wait([*futures[3:], one], timeout=5)
+        assert [f.done() for f in futures] == [False, False, False, True, True]
+        assert all(isinstance(f.exception(), QueueFull) for f in [*futures[3:], one])
+        assert raw_redis.llen(protocol.queue_key("refuser")) == 3
+        assert client.waiting == 3  # the refused ones freed their slots
+        for future in futures[:3]:
+            future.cancel()
+
+
+def test_the_public_surface_is_four_request_methods() -> None:
+    """predict, predict_many, submit, submit_many: the reply metadata is a keyword."""
+    coroutines = {name for name, member in inspect.getmembers(Client)
+                  if not name.startswith("_") and inspect.iscoroutinefunction(member)}
+    life_cycle = {"start", "close", "live_workers", "check_served", "mark_cancelled"}
+    assert coroutines - life_cycle == {"predict", "predict_many", "submit", "submit_many"}
+    for name in ("predict", "predict_many", "submit", "submit_many"):
+        assert "reply" in inspect.signature(getattr(Client, name)).parameters
+    sync = {name for name, member in inspect.getmembers(SyncClient)
+            if not name.startswith("_") and inspect.isfunction(member)}
+    assert sync - {"close"} == {"predict", "predict_many", "submit", "submit_many"}
+
+
+async def test_reply_true_gives_the_whole_reply_with_timings(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([inc])
+    async with Client(redis_url, require_workers=False) as client:
+        one = await client.predict("inc", 1, timeout_s=10, reply=True)
+        future = await client.submit("inc", 2, timeout_s=10, reply=True)
+        many = await client.predict_many("inc", [3, 4], timeout_s=10, reply=True)
+        submitted = await future
+        plain = await client.predict("inc", 5, timeout_s=10)
+    for reply, output in zip([one, submitted, *many], [2, 3, 4, 5], strict=True):
+        assert isinstance(reply, Reply) and reply.ok and reply.payload == output
+        assert reply.timings.batch_size >= 1 and reply.timings.forward_ms >= 0
+    assert submitted.id == future.request_id
+    assert plain == 6
+
+
+async def test_a_caller_s_request_id_names_the_request(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([inc])
+    async with Client(redis_url, require_workers=False) as client:
+        future = await client.submit("inc", 1, timeout_s=10, request_id="mine-1", reply=True)
+        assert future.request_id == "mine-1"
+        assert (await future).id == "mine-1"
+        many = await client.submit_many("inc", [1, 2], timeout_s=10, request_ids=["a", "b"])
+        assert [f.request_id for f in many] == ["a", "b"]
+        assert await asyncio.gather(*many) == [2, 3]
+
+
+async def test_sync_client_submit_many_and_replies(start_worker: Callable[..., Worker],
+                                                   redis_url: str) -> None:
+    start_worker([inc])
+
+    def use_sync() -> tuple[list[int], Reply, list[Reply]]:
+        with SyncClient(redis_url, require_workers=False) as client:
+            futures = client.submit_many("inc", [1, 2, 3], timeout_s=10)
+            outputs = [f.result(10) for f in futures]
+            return (outputs, client.predict("inc", 4, reply=True),
+                    client.predict_many("inc", [5], reply=True))
+
+    outputs, one, many = await asyncio.to_thread(use_sync)
+    assert outputs == [2, 3, 4]
+    assert one.ok and one.payload == 5 and many[0].payload == 6
 
 
 async def test_an_unknown_model_fails_fast_and_queues_nothing(redis_url: str,

@@ -29,6 +29,7 @@ from redbatch.api.directory import ModelDirectory, ModelInfo
 from redbatch.api.errors import error_response, from_exception
 from redbatch.config import GatewayConfig
 from redbatch.errors import BadRequest, DeadlineExceeded, RedbatchError, error_from_code
+from redbatch.producer import packing
 from redbatch.producer.admission import no_live_workers
 from redbatch.producer.client import Client
 from redbatch.protocol import Reply
@@ -115,10 +116,14 @@ class InferCore:
 
     async def submit_tensor(self, info: ModelInfo, tensor: np.ndarray[Any, Any],
                             deadline_ms: int) -> list[tuple[int, asyncio.Future[Reply]]]:
-        """A batch tensor as multi-row requests (one enqueue): each one's first row
-        and the future of its ``Reply``."""
-        return await self.client.submit_tensor(info.name, tensor, deadline_ms,
-                                               max_queue_len=info.max_queue_len)
+        """A batch tensor as multi-row requests (one enqueue), sliced into views of up
+        to a pack's rows, never split into rows: each one's first row and the future
+        of its ``Reply`` (whose ``row_errors`` name its failed rows)."""
+        starts, parts = packing.slices(tensor, self.client.pack_rows)
+        futures = await self.client.submit_many(
+            info.name, parts, reply=True, batched=True, deadline_ms=deadline_ms,
+            max_queue_len=info.max_queue_len)
+        return list(zip(starts, futures, strict=True))
 
     # --- v1 predict -------------------------------------------------------------
     async def serve(self, model: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -160,9 +165,10 @@ class InferCore:
         value = body.model_input(data, info)
         deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
             headers, data, self.model_default_s(info), self.config.max_timeout_s))
-        request_id, pending = await self.client.submit_reply(
-            model, value, trace_id=trace_id, deadline_ms=deadline_ms,
-            max_queue_len=info.max_queue_len)
+        pending = await self.client.submit(model, value, reply=True, trace_id=trace_id,
+                                           deadline_ms=deadline_ms,
+                                           max_queue_len=info.max_queue_len)
+        request_id = pending.request_id
         watch = asyncio.get_running_loop().call_later(  # most end first: no task, no Pending
             WATCH_AFTER_S, self._watch, model, request_id, deadline_ms, pending, receive)
         try:

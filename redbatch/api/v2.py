@@ -1,9 +1,10 @@
 """KServe v2 / Open Inference Protocol routes on the gateway (``docs/v2.md``).
 
 ``POST /v2/models/{name}/infer`` takes one input tensor whose first dimension is the
-batch: its slices go out as multi-row requests (``Client.submit_tensor``, one enqueue,
-the rows never split apart), are batched row by row by the workers with everyone
-else's traffic, and the requests' outputs are concatenated into one output tensor.  Errors are
+batch: its slices go out as multi-row requests (``InferCore.submit_tensor``: one
+``Client.submit_many(..., batched=True)``, one enqueue, the rows never split apart),
+are batched row by row by the workers with everyone else's traffic, and the requests'
+outputs are concatenated into one output tensor.  Errors are
 the v2 shape ``{"error": "message"}``; the status comes from ``redbatch.api.errors``
 (v1's 422 for a bad payload becomes 400 here, as v2 clients expect).
 """

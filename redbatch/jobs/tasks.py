@@ -46,7 +46,7 @@ from urllib.parse import quote
 import redis
 from rq import get_current_job
 
-from redbatch import codec, protocol
+from redbatch import protocol
 from redbatch.errors import (
     ConfigError,
     InvalidPayload,
@@ -207,13 +207,8 @@ class _Runner:
         return [next(pushed) if b is None else b for b in bad]
 
     async def _push(self, items: list[Any]) -> list[Slot]:
-        try:
-            return list(await self.client.submit_many(self.model, items, self.opts.timeout_s))
-        except InvalidPayload:  # an item cannot be encoded: push the others
-            errors = [_encode_error(x) for x in items]
-            good = [x for x, e in zip(items, errors, strict=True) if e is None]
-            futures = iter(await self.client.submit_many(self.model, good, self.opts.timeout_s))
-            return [next(futures) if e is None else e for e in errors]
+        """A future per item (an item that cannot be encoded fails its own)."""
+        return list(await self.client.submit_many(self.model, items, self.opts.timeout_s))
 
     async def _settle_oldest(self) -> None:
         first, chunk, slots = self.pending.popleft()
@@ -236,14 +231,6 @@ class _Runner:
                                    strict=True):
                 slots[index] = slot
         return [ItemError(r.code, str(r)) if isinstance(r, QueueFull) else r for r in results]
-
-
-def _encode_error(item: Any) -> ItemError | None:
-    try:
-        codec.encode({"payload": item})
-    except InvalidPayload as exc:
-        return ItemError(exc.code, str(exc))
-    return None
 
 
 async def _gather(slots: list[Slot]) -> list[Any]:

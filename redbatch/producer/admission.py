@@ -36,16 +36,15 @@ def no_live_workers(model: str) -> NoLiveWorkers:
 
 
 class Admission:
-    def __init__(self, redis: aioredis.Redis, max_queue_len: int,
-                 model_caps: dict[str, int] | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, max_queue_len: int) -> None:
         self._redis = redis
         self.max_queue_len = max_queue_len
-        self.model_caps = {} if model_caps is None else model_caps  # a model's own, lower cap
         self._live = LiveCache(redis, REFRESH_S)  # one read per model per REFRESH_S
 
-    def limit(self, model: str) -> int:
-        """The cap of ``model``'s queue: its own if lower than this process's."""
-        return min(self.max_queue_len, self.model_caps.get(model, self.max_queue_len))
+    def limit(self, own: int | None = None) -> int:
+        """The cap of a queue: the model's ``own`` (a caller's) if lower than this
+        process's ``max_queue_len``."""
+        return self.max_queue_len if own is None else min(self.max_queue_len, own)
 
     def live_cached(self, model: str) -> int | None:
         """Live workers from the cache, or None when it is stale (no I/O)."""
@@ -78,20 +77,22 @@ class Admission:
         """How many workers of the model hold a live lease (cached for a second)."""
         return (await self._live.get(model)).live
 
-    async def cap(self, model: str, deadline_ms: int) -> int:
-        """The queue length at which this request is refused."""
-        rate, limit = await self.capacity(model), self.limit(model)
+    async def cap(self, model: str, deadline_ms: int, own: int | None = None) -> int:
+        """The queue length at which this request is refused (``own``: the model's
+        own cap, as the caller gives it)."""
+        rate, limit = await self.capacity(model), self.limit(own)
         if rate <= 0:
             return limit
         budget_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         admitted = math.floor(rate * budget_s * ADMIT_FRACTION)
         return min(limit, max(MIN_CAP, admitted))
 
-    async def queue_full(self, model: str, depth: int, cap: int) -> QueueFull:
+    async def queue_full(self, model: str, depth: int, cap: int, own: int | None = None
+                         ) -> QueueFull:
         """The error for a refused request, with Retry-After from the drain rate."""
         rate = await self.capacity(model)
         low, high = RETRY_AFTER_RANGE_S
         retry_s = min(high, max(low, depth / rate)) if rate > 0 else low
-        why = "is full" if cap >= self.limit(model) else "could not drain before the deadline"
+        why = "is full" if cap >= self.limit(own) else "could not drain before the deadline"
         return QueueFull(f"queue of model {model!r} {why} ({depth} queued, cap {cap}, "
                          f"drain rate {rate:.0f}/s)", retry_s)

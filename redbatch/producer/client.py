@@ -16,12 +16,11 @@ from redbatch import codec, lua, protocol
 from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, check_socket_timeout
-from redbatch.errors import ConfigError, DeadlineExceeded, QueueFull, RedbatchError
-from redbatch.producer import rows
+from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchError
 from redbatch.producer.admission import Admission
-from redbatch.producer.enqueuer import Enqueuer
-from redbatch.producer.listener import ReplyListener
-from redbatch.protocol import Reply, Request
+from redbatch.producer.enqueuer import Enqueuer, Outcome
+from redbatch.producer.listener import ReplyListener, RequestFuture
+from redbatch.protocol import Request
 from redbatch.redis_conn import async_client, deadline_bound, translated
 
 T = TypeVar("T")
@@ -30,13 +29,14 @@ QUEUE_FULL_RETRY_AFTER_S = 1.0  # for the per-process waiter cap
 
 
 class Client:
-    """Async client: ``predict``, ``submit`` (a future, like Ray's ``.remote()``) and
-    ``predict_many`` (one pipelined round trip for many requests).
+    """Async client: ``predict``, ``submit`` (a future, like Ray's ``.remote()``),
+    ``predict_many`` and ``submit_many`` (one pipelined round trip for many requests);
+    ``reply=True`` gives the whole ``Reply`` (timings, error code) for the output.
 
     Use ``async with Client(url) as client`` or call ``start``/``close``; the first
     request starts a client that was not started.  Numpy inputs of one shape and dtype
     travel as multi-row requests of up to ``pack_rows`` rows: those of one
-    ``predict_many``, and lone requests that reach one tick's enqueue together
+    ``submit_many``, and lone requests that reach one tick's enqueue together
     (``docs/protocol.md`` §3.1); ``pack_rows=1`` sends every input as its own entry.
 
     A request for a model that no worker registered fails at once with
@@ -72,7 +72,6 @@ class Client:
         self._listener: ReplyListener | None = None
         self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
-        self._model_caps: dict[str, int] = {}  # set_queue_cap's, shared with admission
 
     # --- life cycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -90,7 +89,7 @@ class Client:
                 await redis.aclose()
                 raise
             self._redis = redis
-            self._admission = Admission(redis, self.max_queue_len, self._model_caps)
+            self._admission = Admission(redis, self.max_queue_len)
             listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
                                       self.pack_rows, listener.route_pack)
@@ -121,18 +120,6 @@ class Client:
         if self._redis is None:
             raise RedbatchError("client is not started")
         return self._redis
-
-    def set_queue_cap(self, model: str, cap: int | None) -> None:
-        """A lower queue cap for ``model`` than ``max_queue_len`` (None: back to it)."""
-        if cap is None:
-            self._model_caps.pop(model, None)
-        else:
-            self._model_caps[model] = cap  # kept here: it holds before (and across) a start
-
-    def _own_cap(self, model: str, cap: int | None) -> None:
-        """A submit's cap for ``model`` (None: leave it as it is); one dict look-up."""
-        if cap is not None and self._model_caps.get(model) != cap:
-            self._model_caps[model] = cap
 
     async def live_workers(self, model: str, deadline_ms: int | None = None) -> int:
         """Live workers of ``model`` (cached for a second); a look-up in Redis (and a
@@ -218,153 +205,119 @@ class Client:
             await self.check_served(model, deadline_ms)
         return self._listener
 
-    async def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
-                          *, want_reply: bool = False, request_ids: Sequence[str] | None = None,
-                          max_queue_len: int | None = None) -> list[asyncio.Future[Any]]:
-        """Enqueue every input in one round trip; return one future per input.
+    def _deadline(self, timeout_s: float | None, deadline_ms: int | None) -> int:
+        return self.deadline_ms(timeout_s) if deadline_ms is None else deadline_ms
 
-        A future resolves to the model's output (or, with ``want_reply``, the whole
-        ``Reply``) and raises a typed ``RedbatchError`` otherwise.  ``max_queue_len``:
-        the model's own queue cap, as ``set_queue_cap`` sets it."""
-        if not inputs:
-            return []
-        self._own_cap(model, max_queue_len)
-        per_request = 1 if request_ids else rows.rows_per_request(inputs, self.pack_rows)
-        if per_request > 1:
-            return await self._submit_rows(model, inputs, per_request, timeout_s, want_reply)
-        deadline = self.deadline_ms(timeout_s)
-        listener = await self._ready(model, len(inputs), deadline)
-        ids = list(request_ids) if request_ids else [None] * len(inputs)
-        requests = [self._request(model, x, deadline, rid) for x, rid in zip(inputs, ids,
-                                                                              strict=True)]
-        entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
-        listener.check_new([r.id for r in requests])
-        futures = [listener.expect(r.id, deadline, want_reply) for r in requests]
-        await self._push(model, requests, entries)
-        return futures
+    async def submit(self, model: str, inputs: Any, timeout_s: float | None = None, *,
+                     reply: bool = False, request_id: str | None = None, trace_id: str = "",
+                     deadline_ms: int | None = None, max_queue_len: int | None = None
+                     ) -> RequestFuture[Any]:
+        """Enqueue one request; return its future at once (``.request_id`` names it).
 
-    async def _submit_rows(self, model: str, inputs: Sequence[Any], per_request: int,
-                           timeout_s: float | None, want_reply: bool
-                           ) -> list[asyncio.Future[Any]]:
-        """Same-shape arrays go as multi-row requests of ``per_request`` rows: one
-        queue entry and one reply per chunk, one future per input all the same."""
-        chunks = rows.chunks(inputs, per_request)
-        deadline = self.deadline_ms(timeout_s)
-        listener = await self._ready(model, len(chunks), deadline)
-        requests = [self._request(model, np.stack(chunk), deadline, None, rows=len(chunk))
-                    for chunk in chunks]
-        entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
-        waiters = [listener.expect(r.id, deadline, True) for r in requests]
-        await self._push(model, requests, entries)
-        return [f for waiter, chunk in zip(waiters, chunks, strict=True)
-                for f in rows.split(waiter, len(chunk), want_reply)]
-
-    async def submit_tensor(self, model: str, tensor: np.ndarray[Any, Any], deadline_ms: int,
-                            *, max_queue_len: int | None = None
-                            ) -> list[tuple[int, asyncio.Future[Reply]]]:
-        """The rows of ``tensor`` (its first dimension) as multi-row requests, sliced,
-        never split into rows: one entry per up to ``pack_rows`` rows (and
-        ``rows.PACK_BYTES``), in one enqueue.  Returns each request's first row and
-        the future of its whole ``Reply`` (``rows.split_reply`` reads its rows)."""
-        self._own_cap(model, max_queue_len)
-        per = rows.pack_size(tensor.nbytes // max(1, len(tensor)), self.pack_rows)
-        starts = range(0, len(tensor), per)
-        listener = await self._ready(model, len(starts), deadline_ms)
-        requests = [self._request(model, part, deadline_ms, None, rows=len(part))
-                    for part in (tensor[start:start + per] for start in starts)]
-        entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
-        waiters = [listener.expect(r.id, deadline_ms, True) for r in requests]
-        await self._push(model, requests, entries)
-        return list(zip(starts, waiters, strict=True))
-
-    async def _push(self, model: str, requests: list[Request], entries: list[bytes]) -> None:
-        assert self._listener is not None
-        try:
-            accepted, full = await self._admit(model, requests, entries)
-        except BaseException:  # cancelled, or any error: no waiter may linger, and the
-            for request in requests:  # caller gets the error, not these futures
-                self._listener.fail(request.id, asyncio.CancelledError())
-            raise
-        for request in requests[accepted:]:
-            self._listener.fail(request.id, full or QueueFull("queue full"))
-
-    async def _admit(self, model: str, requests: list[Request], entries: list[bytes]
-                     ) -> tuple[int, QueueFull | None]:
-        """Enqueue (coalesced with this tick's other pushes) within the deadline."""
-        assert self._enqueuer is not None
-        budget_s = max(0.001, (requests[0].deadline_ms - protocol.now_ms()) / 1000)
-        try:
-            return await asyncio.wait_for(self._enqueuer.push(model, requests, entries),
-                                          budget_s)
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"deadline passed while enqueueing to {model!r}") from exc
-
-    async def submit(self, model: str, inputs: Any, timeout_s: float | None = None
-                     ) -> asyncio.Future[Any]:
-        """Enqueue one request; the returned future resolves to its output."""
-        (future,) = await self.submit_many(model, [inputs], timeout_s)
-        return future
-
-    async def predict(self, model: str, inputs: Any, timeout_s: float | None = None) -> Any:
-        """Run ``model`` on one input and return its output (or raise a typed error)."""
-        _id, future = await self._send_one(model, inputs, timeout_s, None, want_reply=False)
-        return await future
-
-    async def predict_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
-                            request_id: str | None = None, *, trace_id: str = "") -> Reply:
-        """Like ``predict`` but return the whole ``Reply`` (timings, error code);
-        ``trace_id`` travels with the request (``X-Request-ID``) for the logs."""
-        _id, future = await self._send_one(model, inputs, timeout_s, request_id,
-                                           want_reply=True, trace_id=trace_id)
-        reply: Reply = await future
-        return reply
-
-    async def submit_reply(self, model: str, inputs: Any, timeout_s: float | None = None,
-                           *, trace_id: str = "", deadline_ms: int | None = None,
-                           max_queue_len: int | None = None
-                           ) -> tuple[str, asyncio.Future[Reply]]:
-        """Enqueue one request as ``predict_reply`` does; return its id at once, with a
-        future for its ``Reply`` (the gateway names the request in its errors too).
-        ``deadline_ms`` (absolute) takes the place of ``timeout_s``; ``max_queue_len``
-        is the model's own queue cap, as ``set_queue_cap`` sets it."""
-        self._own_cap(model, max_queue_len)
-        return await self._send_one(model, inputs, timeout_s, None, want_reply=True,
-                                    trace_id=trace_id, deadline_ms=deadline_ms)
-
-    async def _send_one(self, model: str, inputs: Any, timeout_s: float | None,
-                        request_id: str | None, *, want_reply: bool, trace_id: str = "",
-                        deadline_ms: int | None = None) -> tuple[str, asyncio.Future[Any]]:
-        """The lean path of ``predict``: one waiter, whose deadline timer also bounds
-        the enqueue; the push's outcome settles it through a callback (no task, no
-        second timer).  Returns the request's id and its waiter."""
-        deadline = self.deadline_ms(timeout_s) if deadline_ms is None else deadline_ms
+        It resolves to the model's output (``reply=True``: the whole ``Reply``, with
+        its timings and error code) and raises a typed ``RedbatchError`` otherwise.
+        ``request_id``: the caller's own (its marker dedupes the caller's retries);
+        ``trace_id`` travels with the request for the logs (the gateway's
+        ``X-Request-ID``); ``deadline_ms`` (absolute) takes the place of ``timeout_s``;
+        ``max_queue_len``: the model's own queue cap, below the client's."""
+        deadline = self._deadline(timeout_s, deadline_ms)
         listener = await self._ready(model, 1, deadline)
-        assert self._enqueuer is not None
         request = self._request(model, inputs, deadline, request_id, trace_id)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
-        future = listener.expect(request.id, request.deadline_ms, want_reply)
-        pushed = self._enqueuer.push(model, [request], entries)
-        pushed.add_done_callback(functools.partial(self._pushed, request.id))
-        return request.id, future
+        future = listener.expect(request.id, deadline, reply)
+        self._push(model, [request], entries, max_queue_len)
+        return future
 
-    def _pushed(self, request_id: str,
-                pushed: asyncio.Future[tuple[int, QueueFull | None]]) -> None:
-        """Fail the waiter of a push that was refused or failed (the outcome is read
+    async def submit_many(self, model: str, inputs: Sequence[Any],
+                          timeout_s: float | None = None, *, reply: bool = False,
+                          request_ids: Sequence[str] | None = None, batched: bool = False,
+                          deadline_ms: int | None = None, max_queue_len: int | None = None
+                          ) -> list[RequestFuture[Any]]:
+        """Enqueue every input in one round trip; return one future per input, as
+        ``submit`` does, once they are enqueued or refused (refusals and other errors
+        are in the futures), so that a caller pacing itself on the queue's depth sees
+        them there.  Numpy inputs of one shape and dtype travel packed, as multi-row
+        requests of up to ``pack_rows`` rows.  ``batched``: each input is
+        itself a batch of rows along its first dimension (1 to ``MAX_ROWS``), sent
+        whole as one multi-row request; its future resolves to the rows' outputs (or
+        its ``Reply``, whose ``row_errors`` name the failed rows)."""
+        if not inputs:
+            return []
+        deadline = self._deadline(timeout_s, deadline_ms)
+        listener = await self._ready(model, len(inputs), deadline)
+        ids = list(request_ids) if request_ids else [None] * len(inputs)
+        requests = [self._request(model, x, deadline, rid, rows=_rows(x) if batched else 0)
+                    for x, rid in zip(inputs, ids, strict=True)]
+        entries = None
+        if request_ids:  # as in ``submit``: the caller's ids travel alone, encoded now
+            entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
+            listener.check_new([r.id for r in requests])
+        futures = [listener.expect(r.id, deadline, reply) for r in requests]
+        await self._enqueued(self._push(model, requests, entries, max_queue_len), requests,
+                             deadline)
+        return futures
+
+    def _push(self, model: str, requests: list[Request], entries: list[bytes] | None,
+              cap: int | None) -> asyncio.Future[Outcome]:
+        """The one push path: the enqueue goes out with this tick's flush, bounded by
+        the waiters' own deadline timers; its outcome settles the refused or failed
+        waiters through a callback (no task, no second timer)."""
+        assert self._enqueuer is not None
+        pushed = self._enqueuer.push(model, requests, entries, cap)
+        pushed.add_done_callback(functools.partial(self._pushed, requests))
+        return pushed
+
+    async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],
+                        deadline_ms: int) -> None:
+        """Wait (until ``deadline_ms`` at most) for a push's outcome, which its callback
+        has settled in the waiters by then; a caller that gives up meanwhile leaves
+        no waiter behind."""
+        try:
+            await asyncio.wait([pushed], timeout=max(0.0, (deadline_ms - protocol.now_ms())
+                                                     / 1000))
+        except BaseException:
+            if self._listener is not None:
+                for request in requests:
+                    self._listener.fail(request.id, asyncio.CancelledError())
+            raise
+
+    def _pushed(self, requests: list[Request], pushed: asyncio.Future[Outcome]) -> None:
+        """Fail the waiters of a push's refused or failed requests (the outcome is read
         first, so that it is consumed even after ``close``)."""
-        exc = asyncio.CancelledError() if pushed.cancelled() else pushed.exception()
+        outcome = [(r.id, asyncio.CancelledError()) for r in requests] \
+            if pushed.cancelled() else pushed.result()
         listener = self._listener
         if listener is None:  # closed meanwhile: close() already failed every waiter
             return
-        if exc is not None:
+        for request_id, exc in outcome:
             listener.fail(request_id, exc)
-        elif (result := pushed.result())[0] < 1:
-            listener.fail(request_id, result[1] or QueueFull("queue full"))
+
+    async def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
+                      reply: bool = False, request_id: str | None = None,
+                      trace_id: str = "", deadline_ms: int | None = None,
+                      max_queue_len: int | None = None) -> Any:
+        """Run ``model`` on one input and return its output (``reply=True``: the
+        whole ``Reply``) or raise a typed error; keywords as for ``submit``."""
+        return await (await self.submit(
+            model, inputs, timeout_s, reply=reply, request_id=request_id, trace_id=trace_id,
+            deadline_ms=deadline_ms, max_queue_len=max_queue_len))
 
     async def predict_many(self, model: str, inputs: Sequence[Any],
-                           timeout_s: float | None = None, *, return_exceptions: bool = False
-                           ) -> list[Any]:
-        """Send many requests in one pipelined round trip; outputs in input order."""
-        futures = await self.submit_many(model, inputs, timeout_s)
+                           timeout_s: float | None = None, *, reply: bool = False,
+                           return_exceptions: bool = False) -> list[Any]:
+        """Send many requests in one pipelined round trip; outputs (``reply=True``:
+        ``Reply``s) in input order."""
+        futures = await self.submit_many(model, inputs, timeout_s, reply=reply)
         return list(await asyncio.gather(*futures, return_exceptions=return_exceptions))
+
+
+def _rows(batch: Any) -> int:
+    """The rows of a batch sent whole: its first dimension, 1 to ``MAX_ROWS``."""
+    sized = isinstance(batch, list) or (isinstance(batch, np.ndarray) and batch.ndim > 0)
+    rows = len(batch) if sized else 0
+    if not 1 <= rows <= protocol.MAX_ROWS:
+        raise InvalidPayload(f"a batch must hold 1 to {protocol.MAX_ROWS} rows along its "
+                             f"first dimension, got {type(batch).__name__} of {rows}")
+    return rows

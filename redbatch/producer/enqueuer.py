@@ -1,7 +1,8 @@
 """Coalesced enqueue: the pushes of one event-loop tick go to Redis as ONE call of
 the ENQUEUE script per model, so a busy gateway pays one round trip for many
 requests instead of one each; and lone requests of one shape travel as multi-row
-requests (``coalesce``), one queue entry for many."""
+requests (``packing``), one queue entry for many.  A push never raises: its outcome
+is the list of its requests that were refused or failed, each with its error."""
 
 from __future__ import annotations
 
@@ -17,20 +18,23 @@ from redbatch.codec import Format
 from redbatch.config import RedisSettings
 from redbatch.errors import QueueFull
 from redbatch.lean import LeanLink
-from redbatch.producer import coalesce
+from redbatch.producer import packing
 from redbatch.producer.admission import Admission
-from redbatch.producer.coalesce import RoutePack, Unit
+from redbatch.producer.packing import Failures, RoutePack, Unit
 from redbatch.protocol import Request
 from redbatch.redis_conn import drop_idle, is_stale, translated
 
 ENQUEUE_CHUNK = 1000  # entries per script call: keeps each call short for Redis
+Outcome = list[tuple[str, Exception]]  # a push's refused or failed requests: id, error
+ALL_IN: Outcome = []  # the outcome of a push whose requests all went in (never mutated)
 
 
 @dataclass(slots=True)
 class Push:
     requests: list[Request]
-    entries: list[bytes] | None  # None: encoded (or coalesced) at the flush
-    done: asyncio.Future[tuple[int, QueueFull | None]]
+    entries: list[bytes] | None  # None: encoded (or packed) at the flush
+    cap: int | None  # the caller's own queue cap for the model, if any
+    done: asyncio.Future[Outcome]
 
 
 def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
@@ -63,14 +67,15 @@ class Enqueuer:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
-    def push(self, model: str, requests: list[Request], entries: list[bytes] | None
-             ) -> asyncio.Future[tuple[int, QueueFull | None]]:
-        """Queue a push for this tick's flush; resolves to (accepted, refusal)."""
+    def push(self, model: str, requests: list[Request], entries: list[bytes] | None,
+             cap: int | None = None) -> asyncio.Future[Outcome]:
+        """Queue a push for this tick's flush (``cap``: the caller's own queue cap for
+        ``model``); resolves to its refused or failed requests (``ALL_IN``: none)."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[tuple[int, QueueFull | None]] = loop.create_future()
+        done: asyncio.Future[Outcome] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush)
-        self._pending.setdefault(model, []).append(Push(requests, entries, done))
+        self._pending.setdefault(model, []).append(Push(requests, entries, cap, done))
         return done
 
     def _flush(self) -> None:
@@ -81,34 +86,40 @@ class Enqueuer:
             task.add_done_callback(self._tasks.discard)
 
     async def _send(self, model: str, pushes: list[Push]) -> None:
+        """One flush of ``model``: each push learns its refused or failed requests."""
         try:
             async with translated(self._settings):
-                units = await self._plan(model, pushes)
-                if not units:
-                    return
-                deadline = min(u.request.deadline_ms for u in units)
-                cap = await self._admission.cap(model, deadline)
-                accepted, depth = await self._run(model, [u.request for u in units],
-                                                  [u.entry for u in units], cap)
-                full = None if accepted == len(units) else \
-                    await self._admission.queue_full(model, depth, cap)
+                units, failed = await self._plan(model, pushes)
+                refused, full = await self._enqueue(model, pushes, units) if units \
+                    else ([], None)
         except Exception as exc:
             for push in pushes:
-                _fail(push, exc)
+                _settle(push, [(r.id, exc) for r in push.requests])
             return
-        _settle(pushes, units[:accepted], full)
+        if full is not None:
+            _add_refused(failed, refused, full)
+        for index, push in enumerate(pushes):
+            _settle(push, failed.get(index, ALL_IN))
 
-    async def _plan(self, model: str, pushes: list[Push]) -> list[Unit]:
-        """The flush's entries (lone same-shape requests packed, while the model's
-        workers take multi-row requests); pushes that cannot be encoded fail now."""
-        packing = self._pack_rows > 1 and any(p.entries is None for p in pushes) and \
+    async def _plan(self, model: str, pushes: list[Push]) -> tuple[list[Unit], Failures]:
+        """The flush's entries (same-shape requests packed, while the model's workers
+        take multi-row requests), and the requests that could not be encoded."""
+        packing_on = self._pack_rows > 1 and any(p.entries is None for p in pushes) and \
             await self._admission.takes_rows(model)
-        units, failed = coalesce.plan([p.requests for p in pushes], [p.entries for p in pushes],
-                                      self._fmt, self._pack_rows,
-                                      self._route_pack if packing else None)
-        for index, error in failed.items():
-            _fail(pushes[index], error)
-        return units
+        return packing.plan([p.requests for p in pushes], [p.entries for p in pushes],
+                            self._fmt, self._pack_rows,
+                            self._route_pack if packing_on else None)
+
+    async def _enqueue(self, model: str, pushes: list[Push], units: list[Unit]
+                       ) -> tuple[list[Unit], QueueFull | None]:
+        """Push the units under the queue cap: the refused ones, and why."""
+        own = _own_cap(pushes)
+        cap = await self._admission.cap(model, min(u.request.deadline_ms for u in units), own)
+        accepted, depth = await self._run(model, [u.request for u in units],
+                                          [u.entry for u in units], cap)
+        if accepted == len(units):
+            return [], None
+        return units[accepted:], await self._admission.queue_full(model, depth, cap, own)
 
     async def _run(self, model: str, requests: list[Request], entries: list[bytes], cap: int
                    ) -> tuple[int, int]:
@@ -153,17 +164,19 @@ def _calls(model: str, requests: list[Request], entries: list[bytes], cap: int
     return calls
 
 
-def _fail(push: Push, exc: Exception) -> None:
+def _own_cap(pushes: list[Push]) -> int | None:
+    """The lowest of the pushes' own queue caps (one script call holds one cap)."""
+    caps = [p.cap for p in pushes if p.cap is not None]
+    return min(caps) if caps else None
+
+
+def _add_refused(failed: Failures, refused: list[Unit], full: QueueFull) -> None:
+    """Each request of a refused entry (a pack's members too) fails with ``full``."""
+    for unit in refused:
+        for index, request in unit.members:
+            failed.setdefault(index, []).append((request.id, full))
+
+
+def _settle(push: Push, outcome: Outcome) -> None:
     if not push.done.done():
-        push.done.set_exception(exc)
-
-
-def _settle(pushes: list[Push], accepted: list[Unit], full: QueueFull | None) -> None:
-    """Hand each push its share of the accepted entries (a prefix of its requests)."""
-    counts = [0] * len(pushes)
-    for unit in accepted:
-        for index in unit.owners:
-            counts[index] += 1
-    for push, count in zip(pushes, counts, strict=True):
-        if not push.done.done():
-            push.done.set_result((count, full))
+        push.done.set_result(outcome)

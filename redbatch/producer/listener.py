@@ -7,15 +7,16 @@ import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
 from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError, error_from_code
 from redbatch.lean import LeanLink
-from redbatch.producer import rows
+from redbatch.producer import packing
 
+T = TypeVar("T")
 log = logging.getLogger("redbatch.producer")
 DRAIN_COUNT = 1024
 RECENT_IDS = 100_000  # answered ids remembered to tell a duplicate reply from a late one
@@ -48,6 +49,17 @@ class ListenerStats:
         return {"replies": self.replies, "duplicates": self.duplicates, "late": self.late}
 
 
+class RequestFuture(asyncio.Future[T]):
+    """The future of one request, naming it: ``request_id`` (for errors, ``abandon``
+    and ``mark_cancelled``)."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.request_id = request_id
+
+
 @dataclass(slots=True)
 class Waiter:
     future: asyncio.Future[Any]
@@ -57,13 +69,18 @@ class Waiter:
 
 
 def resolve(future: asyncio.Future[Any], reply: protocol.Reply, want_reply: bool) -> None:
-    """Settle ``future`` with the reply (or its payload / typed error)."""
+    """Settle ``future`` with the reply (or its payload / typed error: a batch's first
+    failed row's)."""
     if future.done():
         return
     if want_reply:
         future.set_result(reply)
-    elif reply.ok:
+    elif reply.ok and not reply.row_errors:
         future.set_result(reply.payload)
+    elif reply.ok:
+        row = min(reply.row_errors)
+        code, message = reply.row_errors[row]
+        future.set_exception(error_from_code(code, f"row {row}: {message}"))
     else:
         future.set_exception(error_from_code(reply.error_code, reply.error_message))
 
@@ -115,12 +132,13 @@ class ReplyListener:
                 rid in self._waiters for rid in request_ids):
             raise InvalidPayload("request ids must be unique among waiting requests")
 
-    def expect(self, request_id: str, deadline_ms: int, want_reply: bool) -> asyncio.Future[Any]:
+    def expect(self, request_id: str, deadline_ms: int, want_reply: bool
+               ) -> RequestFuture[Any]:
         """A future for ``request_id`` that fails with DeadlineExceeded at its deadline."""
         if request_id in self._waiters:
             raise InvalidPayload(f"request id {request_id!r} is already waiting for a reply")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future: RequestFuture[Any] = RequestFuture(request_id, loop)
         delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         timer = loop.call_later(delay_s, self._expire, request_id)
         self._waiters[request_id] = Waiter(future, timer, want_reply, deadline_ms)
@@ -166,8 +184,8 @@ class ReplyListener:
             return
         members, timer = route
         timer.cancel()
-        for row, outcome in enumerate(rows.split_reply(reply, len(members))):
-            self._deliver(rows.row_reply(reply, members[row], outcome))
+        for row, outcome in enumerate(packing.split_reply(reply, len(members))):
+            self._deliver(packing.row_reply(reply, members[row], outcome))
 
     def _deliver(self, reply: protocol.Reply) -> None:
         waiter = self._waiters.pop(reply.id, None)

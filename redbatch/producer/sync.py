@@ -17,8 +17,9 @@ MARGIN_S = 5.0
 
 
 class SyncClient:
-    """``predict``, ``submit`` (a ``concurrent.futures.Future``) and ``predict_many``,
-    run on a private event loop in a daemon thread.  Takes ``Client``'s arguments."""
+    """``predict``, ``submit`` (a ``concurrent.futures.Future``), ``predict_many`` and
+    ``submit_many``, with ``Client``'s keywords (``reply=True`` among them), run on a
+    private event loop in a daemon thread.  Takes ``Client``'s arguments."""
 
     def __init__(self, url: str | None = None, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
@@ -47,19 +48,33 @@ class SyncClient:
     def _budget(self, timeout_s: float | None) -> float:
         return (self._client.default_timeout_s if timeout_s is None else timeout_s) + MARGIN_S
 
-    def predict(self, model: str, inputs: Any, timeout_s: float | None = None) -> Any:
-        return self._call(self._client.predict(model, inputs, timeout_s),
-                          self._budget(timeout_s))
+    def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
+                reply: bool = False, **kwargs: Any) -> Any:
+        """``Client.predict``, blocking; takes its keywords."""
+        return self._call(self._client.predict(model, inputs, timeout_s, reply=reply,
+                                               **kwargs), self._budget(timeout_s))
 
-    def submit(self, model: str, inputs: Any, timeout_s: float | None = None
-               ) -> concurrent.futures.Future[Any]:
+    def submit(self, model: str, inputs: Any, timeout_s: float | None = None, *,
+               reply: bool = False, **kwargs: Any) -> concurrent.futures.Future[Any]:
         """Enqueue and return at once; the future resolves to the output."""
         return asyncio.run_coroutine_threadsafe(
-            self._client.predict(model, inputs, timeout_s), self._loop)
+            self._client.predict(model, inputs, timeout_s, reply=reply, **kwargs), self._loop)
+
+    def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
+                    *, reply: bool = False, **kwargs: Any
+                    ) -> list[concurrent.futures.Future[Any]]:
+        """``Client.submit_many``: enqueued once this returns; a future per input."""
+        coro = self._submit_many(model, inputs, timeout_s, reply=reply, **kwargs)
+        return self._call(coro, self._budget(timeout_s))
+
+    async def _submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None,
+                           **kwargs: Any) -> list[concurrent.futures.Future[Any]]:
+        futures = await self._client.submit_many(model, inputs, timeout_s, **kwargs)
+        return [_chained(f, self._loop) for f in futures]
 
     def predict_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
-                     *, return_exceptions: bool = False) -> list[Any]:
-        coro = self._client.predict_many(model, inputs, timeout_s,
+                     *, reply: bool = False, return_exceptions: bool = False) -> list[Any]:
+        coro = self._client.predict_many(model, inputs, timeout_s, reply=reply,
                                          return_exceptions=return_exceptions)
         return self._call(coro, self._budget(timeout_s))
 
@@ -81,3 +96,32 @@ class SyncClient:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _chained(future: asyncio.Future[T], loop: asyncio.AbstractEventLoop
+             ) -> concurrent.futures.Future[T]:
+    """A thread-safe future that settles as ``future`` does (on ``loop``), and whose
+    cancelling cancels it."""
+    out: concurrent.futures.Future[T] = concurrent.futures.Future()
+    future.add_done_callback(lambda done: _copy(done, out))
+    out.add_done_callback(lambda o: _cancel_from(o, future, loop))
+    return out
+
+
+def _cancel_from(out: concurrent.futures.Future[T], future: asyncio.Future[T],
+                 loop: asyncio.AbstractEventLoop) -> None:
+    if out.cancelled() and not loop.is_closed():
+        loop.call_soon_threadsafe(future.cancel)
+
+
+def _copy(done: asyncio.Future[T], out: concurrent.futures.Future[T]) -> None:
+    if done.cancelled():
+        out.cancel()
+        return
+    try:
+        if (exc := done.exception()) is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(done.result())
+    except concurrent.futures.InvalidStateError:  # cancelled meanwhile, by its caller
+        pass

@@ -1,6 +1,8 @@
-"""Multi-row requests: ``predict_many`` sends same-shape arrays as one queue entry per
-``pack_rows`` rows; the worker computes each row as its own item (in passes of at most
-``max_batch_size``), and a row that is bad or fails the model fails alone."""
+"""Packing: ``submit_many`` and lone ``predict`` calls of one tick send same-shape arrays
+as one queue entry per ``pack_rows`` rows (while the workers take multi-row requests);
+the worker computes each row as its own item (in passes of at most ``max_batch_size``),
+a row that is bad or fails the model fails alone, and the listener splits each reply
+back to the members' own waiters."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import redis
 
 from redbatch import Client, codec, protocol
 from redbatch.errors import InvalidPayload, ModelError
-from redbatch.producer import coalesce, rows
+from redbatch.producer import packing
+from redbatch.producer.listener import ReplyListener
 from redbatch.protocol import Reply, Request
 from redbatch.spec import TensorSpec
 from redbatch.worker.decode import decode_batch
@@ -46,17 +49,62 @@ def inputs(n: int) -> list[np.ndarray[Any, Any]]:
     return [np.full(4, i, dtype=np.float32) for i in range(n)]
 
 
+async def rows_taken(client: Client, model: str) -> None:
+    """Wait until the client sees that the model's live workers take multi-row requests."""
+    while not await client._admission.takes_rows(model):
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
-async def test_predict_many_sends_rows_and_returns_one_output_per_input(
-        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
-        fmt: str) -> None:
+async def test_submit_many_sends_packs_and_returns_one_output_per_input(
+        start_worker: Callable[..., Worker], redis_url: str, fmt: str) -> None:
+    worker = start_worker([doubler("double")])
     async with Client(redis_url, require_workers=False, fmt=fmt, pack_rows=32) as client:  # type: ignore[arg-type]
-        futures = await client.submit_many("double", inputs(70), timeout_s=10)
-        entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
-        assert [codec.decode(e)[protocol.F_ROWS] for e in entries] == [32, 32, 6]
-        start_worker([doubler("double")])
+        await rows_taken(client, "double")
+        runner = worker.runners[0]
+        before = (runner.entries, runner.items)
+        futures = await client.submit_many("double", inputs(100), timeout_s=10)
         outputs = await asyncio.gather(*futures)
-    assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(70)]
+        while runner.items - before[1] < 100:  # counted once the replies are out
+            await asyncio.sleep(0.02)
+        assert runner.entries - before[0] == 4  # ceil(100 / 32) queue entries
+        replies = await client.predict_many("double", inputs(3), timeout_s=10, reply=True)
+    assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(100)]
+    assert [r.payload.tolist() for r in replies] == [[2.0 * i] * 4 for i in range(3)]
+    assert all(r.ok and r.timings.batch_size >= 1 for r in replies)  # a pack's timings
+
+
+async def test_no_packs_until_every_live_worker_takes_rows(redis_url: str,
+                                                           raw_redis: redis.Redis) -> None:
+    async with Client(redis_url, require_workers=False, pack_rows=32) as client:
+        futures = await client.submit_many("nobody-yet", inputs(5), timeout_s=5)
+        entries = raw_redis.lrange(protocol.queue_key("nobody-yet"), 0, -1)
+        for future in futures:
+            future.cancel()
+    assert [protocol.F_ROWS in codec.decode(e) for e in entries] == [False] * 5
+
+
+async def test_a_batch_sent_whole_is_one_entry_and_one_reply(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    tensor = np.stack(inputs(10))
+    tensor[4] = -1  # fails the model: its row alone
+    starts, parts = packing.slices(tensor, 4)
+    assert starts == [0, 4, 8] and [len(p) for p in parts] == [4, 4, 2]
+    assert all(p.base is tensor for p in parts)  # views: never split into rows
+    async with Client(redis_url, require_workers=False) as client:
+        futures = await client.submit_many("double", parts, timeout_s=10, batched=True,
+                                           reply=True)
+        entries = raw_redis.lrange(protocol.queue_key("double"), 0, -1)
+        start_worker([doubler("double")])
+        replies = await asyncio.gather(*futures)
+        outputs = await (await client.submit_many("double", parts[:1], timeout_s=10,
+                                                   batched=True))[0]
+        with pytest.raises(InvalidPayload, match="1 to 4096 rows"):
+            await client.submit_many("double", [np.float32(1)], batched=True)
+    assert [codec.decode(e)[protocol.F_ROWS] for e in entries] == [4, 4, 2]
+    assert [r.ok for r in replies] == [True] * 3 and replies[1].row_errors.keys() == {0}
+    assert replies[2].payload.tolist() == [[16.0] * 4, [18.0] * 4]
+    assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(4)]
 
 
 async def test_a_row_that_is_invalid_or_fails_the_model_fails_alone(
@@ -92,17 +140,27 @@ async def test_inputs_of_mixed_shapes_go_one_entry_each(redis_url: str,
         for future in futures:
             future.cancel()
     assert [protocol.F_ROWS in codec.decode(e) for e in entries] == [False, False]
-    assert rows.rows_per_request([np.zeros(4), [0.0] * 4], 32) == 1
-    assert rows.rows_per_request([np.zeros(4, np.float32), np.zeros(4)], 32) == 1  # dtypes
-    assert rows.rows_per_request(inputs(5), 1) == 1
-    assert rows.rows_per_request(inputs(5), 32) == 32
 
 
-def test_requests_of_rows_stay_far_below_the_entry_limit() -> None:
-    big = [np.zeros((3, 256, 256), np.float32)] * 40  # 768 KiB a row
-    assert rows.rows_per_request(big, 32) == 1  # one request each, as without rows
-    medium = [np.zeros(64 * 1024, np.uint8)] * 40  # 64 KiB a row
-    assert rows.rows_per_request(medium, 32) == rows.PACK_BYTES // (64 * 1024) == 16
+def test_only_arrays_of_one_shape_and_dtype_share_a_pack() -> None:
+    now = protocol.now_ms()
+    one_push = [[_lone(x, now + 5000)[0] for x in [
+        np.zeros(4, np.float32), np.zeros(4, np.float64), np.zeros(4, np.float32),
+        np.zeros(5, np.float32)]] + [Request("l1", "double", now, now + 5000,
+                                              protocol.reply_key("c1"), [0.0] * 4)]]
+    units, failed = packing.plan(one_push, [None], "msgpack", 32, lambda *route: None)
+    assert not failed
+    assert [u.request.rows for u in units] == [2, 0, 0, 0]
+    assert [r.id for _i, r in units[0].members] == [
+        one_push[0][0].id, one_push[0][2].id]
+    again, _ = packing.plan(one_push, [None], "msgpack", 1, lambda *route: None)
+    assert [u.request.rows for u in again] == [0] * 5  # pack_rows=1: no packs
+
+
+def test_packs_stay_far_below_the_entry_limit() -> None:
+    assert packing.pack_size(3 * 256 * 256 * 4, 32) == 1  # 768 KiB a row: one each
+    assert packing.pack_size(64 * 1024, 32) == packing.PACK_BYTES // (64 * 1024) == 16
+    assert packing.pack_size(16, 32) == 32
 
 
 def test_a_reply_over_the_entry_limit_is_sent_as_an_error() -> None:
@@ -111,24 +169,17 @@ def test_a_reply_over_the_entry_limit_is_sent_as_an_error() -> None:
     assert not sent.ok and sent.error_code == "model_error" and "limit" in sent.error_message
 
 
-async def test_row_futures_given_up_free_their_waiter() -> None:
-    waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    futures = rows.split(waiter, 3)
-    futures[0].cancel()
-    futures[1].cancel()
-    await asyncio.sleep(0)
-    assert not waiter.done()  # one row still waits
-    futures[2].cancel()
-    await asyncio.sleep(0)
-    assert waiter.cancelled()
-
-
-async def test_a_reply_that_cannot_be_split_still_settles_every_row() -> None:
-    waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    futures = rows.split(waiter, 2)
-    waiter.set_result(Reply("r1", True, payload=np.float32(1.0)))  # a 0-d answer
+async def test_a_pack_reply_that_cannot_be_split_still_settles_every_member() -> None:
+    client = redis.asyncio.Redis()  # never connects: only the routing is tested
+    listener = ReplyListener(client, protocol.reply_key("c1"), 1.0)
+    deadline_ms = protocol.now_ms() + 10_000
+    futures = [listener.expect(rid, deadline_ms, False) for rid in ("m1", "m2")]
+    listener.route_pack("p1", ["m1", "m2"], deadline_ms)
+    listener.dispatch(codec.encode(Reply("p1", True, payload=np.float32(1.0)).to_wire()))
     done = await asyncio.gather(*futures, return_exceptions=True)
-    assert all(isinstance(o, InvalidPayload) for o in done)
+    assert all(isinstance(o, InvalidPayload) for o in done) and listener.waiting == 0
+    await listener.stop()
+    await client.aclose()
 
 
 def _entry(payload: Any, count: Any) -> bytes:
@@ -150,12 +201,12 @@ def test_a_rows_field_that_does_not_match_the_payload_is_refused() -> None:
 
 def test_a_reply_that_does_not_hold_one_output_per_row_fails_each_row() -> None:
     """A worker without multi-row support would answer with one output for the lot."""
-    outcomes = rows.split_reply(Reply("r1", True, payload=[1.0, 2.0]), 3)
+    outcomes = packing.split_reply(Reply("r1", True, payload=[1.0, 2.0]), 3)
     assert all(isinstance(o, InvalidPayload) for o in outcomes)
-    failed = rows.split_reply(Reply("r1", False, error_code="deadline_exceeded",
+    failed = packing.split_reply(Reply("r1", False, error_code="deadline_exceeded",
                                   error_message="late"), 2)
     assert [type(o).__name__ for o in failed] == ["DeadlineExceeded"] * 2
-    partly = rows.split_reply(Reply("r1", True, payload=[1.0, None], row_errors={
+    partly = packing.split_reply(Reply("r1", True, payload=[1.0, None], row_errors={
         1: ("model_error", "boom")}), 2)
     assert partly[0] == 1.0 and isinstance(partly[1], ModelError)
 
@@ -191,6 +242,10 @@ async def test_claims_shrink_to_about_max_batch_size_rows() -> None:
     assert counts[0] < 8 and counts == sorted(counts) and counts[-1] == 32  # grows back
 
 
+def owners(unit: packing.Unit) -> list[int]:
+    return [index for index, _request in unit.members]
+
+
 def _lone(x: np.ndarray[Any, Any], deadline_ms: int, trace_id: str = "") -> list[Request]:
     return [Request(protocol.new_request_id(), "double", protocol.now_ms(), deadline_ms,
                     protocol.reply_key("c1"), x, trace_id=trace_id)]
@@ -203,14 +258,14 @@ def test_a_flush_packs_lone_requests_of_one_shape_and_close_deadlines() -> None:
     requests += [_lone(x, now + 9000) for x in inputs(2)]  # a later deadline: a pack apart
     requests += [_lone(np.zeros(3, np.float32), now + 5000)]  # another shape: alone
     requests += [_lone(np.zeros(4, np.float32), now + 5000, trace_id="caller-1")]  # alone
-    units, failed = coalesce.plan(requests, [None] * len(requests), "msgpack", 32,
-                                  lambda *route: routes.append(route))
+    units, failed = packing.plan(requests, [None] * len(requests), "msgpack", 32,
+                                 lambda *route: routes.append(route))
     assert not failed
     assert [u.request.rows for u in units] == [5, 2, 0, 0]
-    assert [u.owners for u in units] == [[0, 1, 2, 3, 4], [5, 6], [7], [8]]
+    assert [owners(u) for u in units] == [[0, 1, 2, 3, 4], [5, 6], [7], [8]]
     assert [len(members) for _id, members, _ms in routes] == [5, 2]
     assert units[0].request.deadline_ms == now + 5000 and routes[1][2] == now + 9000
-    again, _ = coalesce.plan(requests, [None] * len(requests), "msgpack", 1, None)
+    again, _ = packing.plan(requests, [None] * len(requests), "msgpack", 1, None)
     assert all(u.request.rows == 0 for u in again)  # pack_rows=1, or no route: no packs
 
 
@@ -219,11 +274,12 @@ def test_a_pack_that_cannot_be_encoded_fails_its_members_alone() -> None:
     requests = [_lone(np.zeros(4, np.uint16), now + 5000) for _ in range(3)]
     requests += [_lone(x, now + 5000) for x in inputs(2)]
     routes: list[Any] = []
-    units, failed = coalesce.plan(requests, [None] * 5, "msgpack", 32,
-                                  lambda *route: routes.append(route))
-    assert sorted(failed) == [0, 1, 2] and all(isinstance(e, InvalidPayload)
-                                              for e in failed.values())
-    assert [u.owners for u in units] == [[3, 4]] and len(routes) == 1
+    units, failed = packing.plan(requests, [None] * 5, "msgpack", 32,
+                                 lambda *route: routes.append(route))
+    assert sorted(failed) == [0, 1, 2] and all(
+        [rid for rid, _e in failed[i]] == [requests[i][0].id] and
+        isinstance(failed[i][0][1], InvalidPayload) for i in range(3))
+    assert [owners(u) for u in units] == [[3, 4]] and len(routes) == 1
 
 
 async def test_lone_requests_of_one_tick_travel_as_one_entry(
@@ -240,7 +296,7 @@ async def test_lone_requests_of_one_tick_travel_as_one_entry(
         before = (worker.runners[0].stats.entries, worker.runners[0].stats.items)
         out = await asyncio.gather(*(client.predict("double", x, timeout_s=10) for x in xs),
                                    return_exceptions=True)
-        reply = await client.predict_reply("double", xs[1], 10, trace_id="caller-1")
+        reply = await client.predict("double", xs[1], 10, reply=True, trace_id="caller-1")
         await asyncio.sleep(0.3)  # the worker counts a batch once its replies are out
         entries, items = (worker.runners[0].stats.entries - before[0],
                           worker.runners[0].stats.items - before[1])
