@@ -62,12 +62,12 @@ async def test_submit_many_sends_packs_and_returns_one_output_per_input(
     async with Client(redis_url, require_workers=False, fmt=fmt, pack_rows=32) as client:  # type: ignore[arg-type]
         await rows_taken(client, "double")
         runner = worker.runners[0]
-        before = (runner.entries, runner.items)
+        before = (runner.stats.entries, runner.stats.items)
         futures = await client.submit_many("double", inputs(100), timeout_s=10)
         outputs = await asyncio.gather(*futures)
-        while runner.items - before[1] < 100:  # counted once the replies are out
+        while runner.stats.items - before[1] < 100:  # counted once the replies are out
             await asyncio.sleep(0.02)
-        assert runner.entries - before[0] == 4  # ceil(100 / 32) queue entries
+        assert runner.stats.entries - before[0] == 4  # ceil(100 / 32) queue entries
         replies = await client.predict_many("double", inputs(3), timeout_s=10, reply=True)
     assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(100)]
     assert [r.payload.tolist() for r in replies] == [[2.0 * i] * 4 for i in range(3)]
