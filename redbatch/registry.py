@@ -1,7 +1,7 @@
 """Who is live: the workers whose lease on a model has not expired, with the info each
 published (``worker.heartbeat`` writes the leases; gateways, clients, ``redbatch
 status`` and the benchmark read them here).  ``LiveCache`` keeps a per-model summary
-for the hot path: read at most once per ``protocol.LIVE_REFRESH_S`` per process, by
+for the hot path: read at most once per ``defaults.LIVE_REFRESH_S`` per process, by
 one read however many requests find it stale at once."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.redis_conn import idempotent
 
 
@@ -64,7 +64,7 @@ class LiveCache:
     all of them, and the next call reads again."""
 
     def __init__(self, redis: aioredis.Redis,
-                 refresh_s: float = protocol.LIVE_REFRESH_S) -> None:
+                 refresh_s: float = defaults.LIVE_REFRESH_S) -> None:
         self._redis = redis
         self.refresh_s = refresh_s
         self._summaries: dict[str, LiveSummary] = {}
