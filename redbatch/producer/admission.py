@@ -13,10 +13,11 @@ import math
 
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
 from redbatch.registry import LiveCache
 
+REFRESH_S = defaults.LIVE_REFRESH_S
 MIN_CAP = 8
 # Admit a queue that drains in this fraction of the time to the deadline: the rest is
 # margin for the measured rate being optimistic and for the forward pass itself.
@@ -40,7 +41,7 @@ class Admission:
         self._redis = redis
         self.max_queue_len = max_queue_len
         self.model_caps = {} if model_caps is None else model_caps  # a model's own, lower cap
-        self._live = LiveCache(redis)  # one read per model per LIVE_REFRESH_S
+        self._live = LiveCache(redis, REFRESH_S)  # one read per model per REFRESH_S
 
     def limit(self, model: str) -> int:
         """The cap of ``model``'s queue: its own if lower than this process's."""
