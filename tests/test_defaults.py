@@ -4,6 +4,7 @@ own, and ``docs/configuration.md`` shows the same values."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
@@ -11,7 +12,7 @@ import operator
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -300,3 +301,48 @@ def test_doc_check_spots_a_wrong_value() -> None:
     assert _documented("`auto`, `cpu`", "auto") and not _documented("cpu", "auto")
     assert _documented("unset (no auth)", "") and not _documented("x", "")
     assert _documented("true", True) and not _documented("false", True)
+
+
+# --- the command line's help ---------------------------------------------------------------
+def _help_default(text: str) -> str | None:
+    """The default a flag's help states: the start of its last parenthesis, e.g. "8000"
+    of "port (8000; $REDBATCH_PORT)", "1 MiB" of "request body limit (1 MiB)"."""
+    found = re.findall(r"\(([^()]*)\)", text)
+    return re.split(r"[;:]", found[-1])[0].strip() if found else None
+
+
+def _help_value(stated: str) -> float | str:
+    number = re.fullmatch(r"(\d+(?:\.\d+)?)( MiB)?", stated)
+    if number is None:
+        return stated
+    return float(number[1]) * (1024 * 1024 if number[2] else 1)
+
+
+def test_flag_help_states_the_defaults_py_value() -> None:
+    """The flags of `up`, `gateway` and `worker` say their default in their help; it
+    must be the one the settings get."""
+    from redbatch.cli import build_parser
+
+    names = {**REDIS, **GATEWAY, **WORKER, "log_level": "LOG_LEVEL",
+             "interval_s": "STATUS_INTERVAL_S"}
+    group = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    commands = cast(dict[str, argparse.ArgumentParser], group.choices)
+    checked = 0
+    for command in ("up", "gateway", "worker", "status"):
+        for action in commands[command]._actions:
+            stated = _help_default(action.help or "")
+            if action.dest not in names or stated is None:
+                continue
+            want = getattr(defaults, names[action.dest])
+            got = _help_value(stated)
+            assert got == want, f"{command} --{action.dest}: help says {stated!r}, not {want!r}"
+            checked += 1
+    assert checked >= 20
+
+
+def test_help_parsing() -> None:
+    assert _help_default("port (8000; $REDBATCH_PORT)") == "8000"
+    assert _help_value("1 MiB") == 1024 * 1024
+    assert _help_default("Prometheus (0: off; $X)") == "0"
+    assert _help_value("auto") == "auto"
+    assert _help_default("no default") is None
