@@ -1,11 +1,11 @@
 """Every tunable default of redbatch, in one place.
 
 The config dataclasses (``config.py``), the batching policy and ``@batch``
-(``worker/``), the producer ``Client``, the config file, the command line and the bulk
-jobs all read their defaults from here; ``docs/configuration.md`` lists them (a test
-keeps the two equal).  One default shared by two settings has one name; settings
-whose defaults differ have a name each (``GATEWAY_MAX_TIMEOUT_S``,
-``CLIENT_MAX_TIMEOUT_S``).
+(``worker/``), the producer ``Client``, the command line and the bulk jobs read their
+defaults from here (the config file of ``redbatch up -c`` through the dataclasses);
+``docs/configuration.md`` lists them (a test keeps the two equal).  One default shared
+by two settings has one name; settings whose defaults differ have a name each
+(``GATEWAY_MAX_TIMEOUT_S``, ``CLIENT_MAX_TIMEOUT_S``).
 
 What is not tunable stays where it belongs: the wire format's key templates, fields,
 TTLs and hard limits in ``protocol.py``, an algorithm's internal constants in its
@@ -19,7 +19,7 @@ from typing import Final
 
 # --- Redis (RedisSettings, redis_conn) -------------------------------------------------
 REDIS_URL: Final = "redis://127.0.0.1:6379/0"  # where Redis is when REDIS_URL is unset
-SOCKET_TIMEOUT_S: Final = 10.0  # Redis socket timeout: above every blocking pop's
+SOCKET_TIMEOUT_S: Final = 10.0  # Redis socket timeout: > 1 s above every blocking pop's
 CONNECT_TIMEOUT_S: Final = 2.0  # Redis connect timeout
 REDIS_MAX_CONNECTIONS: Final = 32  # connections in one asyncio client's pool
 
@@ -52,7 +52,7 @@ DEVICE: Final = "auto"  # auto, cpu, cuda or cuda:N[,cuda:M]
 THREADS: Final = 1  # CPU threads per worker process
 MAX_ATTEMPTS: Final = 3  # worker crashes a request may cause before it is dead-lettered
 GRACE_S: Final = 30.0  # on SIGTERM, a worker's time to finish its batch
-POOL_STOP_GRACE_S: Final = 35.0  # a pool SIGKILLs replicas still alive this long after SIGTERM
+POOL_STOP_GRACE_S: Final = 35.0  # a pool SIGKILLs replicas alive this long after SIGTERM
 POOL_TICK_S: Final = 0.5  # a pool's supervisor looks at its replicas at least this often
 METRICS_PORT: Final = 0  # Prometheus /metrics of replica i on METRICS_PORT + i; 0: off
 DEAD_LETTER_TTL_S: Final = 24 * 3600  # a model's dead letters expire this long after the last
