@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from redbatch import __version__
+from redbatch import __version__, defaults
 from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env, tls_unverified
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.extras import missing_extra
@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(status)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
-    status.add_argument("--interval-s", type=float, default=2.0,
-                        help="sampling interval for items/s (2.0; workers publish their "
-                             "counters once a heartbeat)")
+    status.add_argument("--interval-s", type=float, default=defaults.STATUS_INTERVAL_S,
+                        help=f"sampling interval for items/s ({defaults.STATUS_INTERVAL_S}; "
+                             "workers publish their counters once a heartbeat)")
     try:
         from redbatch.jobs.cli import register as register_jobs
     except ModuleNotFoundError:  # without the [jobs] extra: `redbatch jobs` says so
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _log_level(args: argparse.Namespace) -> str:
-    return str(args.log_level or os.environ.get("REDBATCH_LOG_LEVEL") or "INFO")
+    return str(args.log_level or os.environ.get("REDBATCH_LOG_LEVEL") or defaults.LOG_LEVEL)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

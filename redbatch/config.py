@@ -1,8 +1,8 @@
 """Configuration: frozen dataclasses read from flags and ``REDBATCH_*`` env vars.
 
-Bad values fail loudly with the setting's name.  A Redis password never shows
-in a ``repr`` or a log line: ``RedisSettings`` keeps the URL out of its repr
-and ``redact_url`` is what logs print.
+Every default comes from ``redbatch.defaults``.  Bad values fail loudly with the
+setting's name.  A Redis password never shows in a ``repr`` or a log line:
+``RedisSettings`` keeps the URL out of its repr and ``redact_url`` is what logs print.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 from urllib.parse import SplitResult, parse_qsl, urlsplit, urlunsplit
 
+from redbatch import defaults
 from redbatch.errors import ConfigError
-from redbatch.protocol import DEAD_LETTER_MAX_BYTES, DEAD_LETTER_TTL_S, MAX_ATTEMPT, MAX_TIMEOUT_S
+from redbatch.protocol import MAX_ATTEMPT, MAX_TIMEOUT_S
 
 T = TypeVar("T")
 ENV_PREFIX = "REDBATCH_"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 QUERY_NAME = re.compile(r"[a-z_]+")
 DB_PATH = re.compile(r"/?\d*")
@@ -131,9 +131,9 @@ def _field_kind(annotation: Any) -> Callable[[str], Any]:
 class RedisSettings:
     """How to reach Redis.  ``url`` may hold a password: it is kept out of repr."""
 
-    url: str = field(default=DEFAULT_REDIS_URL, repr=False)
-    socket_timeout_s: float = 10.0
-    connect_timeout_s: float = 2.0
+    url: str = field(default=defaults.REDIS_URL, repr=False)
+    socket_timeout_s: float = defaults.SOCKET_TIMEOUT_S
+    connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_redis_url(self.url)
@@ -158,23 +158,23 @@ class RedisSettings:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    default_timeout_s: float = 30.0
-    max_timeout_s: float = 60.0
-    max_body_bytes: int = 1024 * 1024
-    max_queue_len: int = 10_000
-    max_waiters: int = 10_000
-    meta_refresh_s: float = 2.0
-    block_timeout_s: float = 1.0
-    api_key: str = field(default="", repr=False)  # empty: no auth
+    host: str = defaults.HOST
+    port: int = defaults.PORT
+    default_timeout_s: float = defaults.DEFAULT_TIMEOUT_S
+    max_timeout_s: float = defaults.GATEWAY_MAX_TIMEOUT_S
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
+    max_queue_len: int = defaults.MAX_QUEUE_LEN
+    max_waiters: int = defaults.MAX_WAITERS
+    meta_refresh_s: float = defaults.META_REFRESH_S
+    block_timeout_s: float = defaults.BLOCK_TIMEOUT_S
+    api_key: str = field(default=defaults.API_KEY, repr=False)  # empty: no auth
     # HTTP edge limits (redbatch.api.limits): request line + headers, the time a request's
     # headers and then its body may take to arrive, and open connections.
-    max_header_bytes: int = 64 * 1024
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 1024
-    gateway_processes: int = 1  # processes sharing the port (redbatch.gateway_procs)
+    max_header_bytes: int = defaults.MAX_HEADER_BYTES
+    header_timeout_s: float = defaults.HEADER_TIMEOUT_S
+    body_timeout_s: float = defaults.BODY_TIMEOUT_S
+    max_connections: int = defaults.GATEWAY_MAX_CONNECTIONS
+    gateway_processes: int = defaults.GATEWAY_PROCESSES  # sharing the port (gateway_procs)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -197,18 +197,18 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    block_timeout_s: float = 1.0
-    heartbeat_interval_s: float = 1.0
-    lease_ttl_s: float = 10.0
-    replicas: int = 1
-    device: str = "auto"
-    threads: int = 1
-    max_attempts: int = 3
-    grace_s: float = 30.0
-    metrics_port: int = 0  # Prometheus /metrics of replica i on metrics_port + i; 0: off
-    dead_letter_ttl_s: int = DEAD_LETTER_TTL_S  # dead letters expire this long after the last
-    dead_letter_max_bytes: int = DEAD_LETTER_MAX_BYTES  # each keeps the entry's first bytes
-    max_failed_starts: int = 5  # a replica failing this often before it serves stops all
+    block_timeout_s: float = defaults.BLOCK_TIMEOUT_S
+    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
+    lease_ttl_s: float = defaults.LEASE_TTL_S
+    replicas: int = defaults.REPLICAS
+    device: str = defaults.DEVICE
+    threads: int = defaults.THREADS
+    max_attempts: int = defaults.MAX_ATTEMPTS
+    grace_s: float = defaults.GRACE_S
+    metrics_port: int = defaults.METRICS_PORT  # /metrics of replica i on metrics_port + i
+    dead_letter_ttl_s: int = defaults.DEAD_LETTER_TTL_S  # they expire this long after the last
+    dead_letter_max_bytes: int = defaults.DEAD_LETTER_MAX_BYTES  # each keeps its first bytes
+    max_failed_starts: int = defaults.MAX_FAILED_STARTS  # failing before it serves: stop all
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port < 65536:

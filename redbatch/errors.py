@@ -7,6 +7,8 @@ travel on the wire carry a stable ``code`` (listed in ``docs/protocol.md``);
 
 from __future__ import annotations
 
+from redbatch import defaults
+
 
 class RedbatchError(Exception):
     """Root of every redbatch error."""
@@ -31,7 +33,7 @@ class QueueFull(RedbatchError):
 
     code = "queue_full"
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after_s: float = defaults.RETRY_AFTER_S) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
 
+from redbatch import defaults
 from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import ConfigError
 
@@ -107,7 +108,8 @@ class GatewayGroup:
             self.processes.append(proc)
             log.info("started gateway process %d (pid %s)", index, proc.pid)
 
-    def supervise(self, stop: threading.Event, tick_s: float = 0.2) -> None:
+    def supervise(self, stop: threading.Event,
+                  tick_s: float = defaults.GATEWAY_PROCS_TICK_S) -> None:
         """Until ``stop`` is set or a process exits (``failure`` then says which)."""
         while not stop.is_set():
             mp_connection.wait([p.sentinel for p in self.processes], timeout=tick_s)

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from redbatch import defaults
 from redbatch.errors import ConfigError
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
@@ -107,8 +108,8 @@ def _number(text: str) -> Any:
 
 
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
-    level = (level or os.environ.get("REDBATCH_LOG_LEVEL") or "INFO").upper()
-    fmt = (fmt or os.environ.get("REDBATCH_LOG_FORMAT") or "text").lower()
+    level = (level or os.environ.get("REDBATCH_LOG_LEVEL") or defaults.LOG_LEVEL).upper()
+    fmt = (fmt or os.environ.get("REDBATCH_LOG_FORMAT") or defaults.LOG_FORMAT).lower()
     if fmt not in {"text", "json"}:
         raise ConfigError(f"REDBATCH_LOG_FORMAT must be text or json, got {fmt!r}")
     handler = logging.StreamHandler()

@@ -24,24 +24,21 @@ PROTOCOL_VERSION: Final = 1
 PREFIX: Final = "rb"
 
 # --- TTLs and limits ----------------------------------------------------------
+# (the tunable defaults, such as the dead letters' TTL, are in ``redbatch.defaults``)
 QUEUE_TTL_S: Final = 3600  # refreshed by every push
 INFLIGHT_TTL_S: Final = 24 * 3600  # refreshed by every claim
 REPLY_TTL_S: Final = 120  # refreshed by every reply pushed to the list
 META_TTL_S: Final = 24 * 3600  # refreshed by worker heartbeats
 WORKERS_TTL_S: Final = 24 * 3600  # refreshed by heartbeats; outlives in-flight lists
-DEAD_LETTER_TTL_S: Final = 24 * 3600  # default; refreshed by every dead letter
 DEAD_LETTER_MAX: Final = 10_000  # the list keeps the newest entries only
-DEAD_LETTER_MAX_BYTES: Final = 4096  # default; a dead letter keeps the entry's first bytes
 MAX_TIMEOUT_S: Final = 600.0  # no deadline may be further out than this
 CLOCK_SKEW_MS: Final = 60_000  # a producer's clock may run this far ahead of a worker's
 MAX_ATTEMPT: Final = 1000  # an entry's ``attempt`` is 0..MAX_ATTEMPT; so is max_attempts
 MARKER_GRACE_MS: Final = 5000  # a request marker outlives its deadline by this much
-DEFAULT_MAX_ATTEMPTS: Final = 3  # crashes a request may cause before it is dead-lettered
 MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
 MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
 MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS
 CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worker this long
-LIVE_REFRESH_S: Final = 1.0  # a process reads who is live at most this often per model
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.config import RedisSettings
 from redbatch.errors import DeadlineExceeded, RedisUnavailable
 
@@ -35,7 +35,8 @@ def _no_retry() -> AsyncRetry:
     return AsyncRetry(NoBackoff(), 0)
 
 
-def async_client(settings: RedisSettings, max_connections: int = 32) -> aioredis.Redis:
+def async_client(settings: RedisSettings,
+                 max_connections: int = defaults.REDIS_MAX_CONNECTIONS) -> aioredis.Redis:
     """An asyncio client (bytes replies) with connect and socket timeouts.
 
     Its pool blocks (up to the socket timeout) for a free connection instead of

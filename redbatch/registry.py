@@ -1,7 +1,7 @@
 """Who is live: the workers whose lease on a model has not expired, with the info each
 published (``worker.heartbeat`` writes the leases; ``redbatch status`` and the
 benchmark read the full info here).  ``LiveCache`` keeps a per-model summary for the
-hot path (gateways and clients): read at most once per ``protocol.LIVE_REFRESH_S``
+hot path (gateways and clients): read at most once per ``defaults.LIVE_REFRESH_S``
 per process, by one read however many requests find it stale at once, and that read
 is one call of the ``LIVE_SUMMARY`` script over the workers' compact capacity fields,
 never their full info."""
@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import lua, protocol
+from redbatch import defaults, lua, protocol
 from redbatch.redis_conn import idempotent
 
 
@@ -59,7 +59,7 @@ class LiveCache:
     all of them, and the next call reads again."""
 
     def __init__(self, redis: aioredis.Redis,
-                 refresh_s: float = protocol.LIVE_REFRESH_S) -> None:
+                 refresh_s: float = defaults.LIVE_REFRESH_S) -> None:
         self._redis = redis
         self._script = redis.register_script(lua.LIVE_SUMMARY)
         self.refresh_s = refresh_s

@@ -710,7 +710,7 @@ async def test_dead_workers_entries_are_requeued_in_front_or_dead_lettered(
 
 def test_document_matches_the_code() -> None:
     """The hard-coded client above and docs/protocol.md agree with redbatch's source."""
-    from redbatch import errors, lua, protocol
+    from redbatch import defaults, errors, lua, protocol
     from redbatch.config import WorkerConfig
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
@@ -731,14 +731,15 @@ def test_document_matches_the_code() -> None:
     for deadline in (now - 10_000, now, now + 7_000):
         assert protocol.marker_ttl_ms(deadline, now) == marker_ttl_ms(
             {"deadline_ms": deadline}, now)
-    assert protocol.DEFAULT_MAX_ATTEMPTS == WorkerConfig().max_attempts == 3
+    assert defaults.MAX_ATTEMPTS == WorkerConfig().max_attempts == 3
     for text in (protocol.MODEL_NAME_RE.pattern, protocol.REPLY_TO_RE.pattern):
         assert f"`{text}`" in doc
     for seconds in (protocol.QUEUE_TTL_S, protocol.REPLY_TTL_S, protocol.META_TTL_S,
                     protocol.WORKERS_TTL_S, protocol.INFLIGHT_TTL_S):
         assert f"{seconds} s" in doc
     for name in ("QUEUE_TTL_S", "INFLIGHT_TTL_S", "WORKERS_TTL_S", "META_TTL_S",
-                 "REPLY_TTL_S", "DEAD_LETTER_TTL_S", "MARKER_GRACE_MS", "DEFAULT_MAX_ATTEMPTS"):
+                 "REPLY_TTL_S", "DEAD_LETTER_TTL_S", "MARKER_GRACE_MS",
+                 "defaults.MAX_ATTEMPTS"):
         assert f"`{name}`" in doc
     assert f"{protocol.MARKER_GRACE_MS} ms" in doc
     assert f"{protocol.DEAD_LETTER_MAX:,}".replace(",", " ") in doc

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import redis
 
-from redbatch import Client, WorkerCrashed, batch, codec, protocol
+from redbatch import Client, WorkerCrashed, batch, codec, defaults, protocol
 from redbatch.config import WorkerConfig
 from redbatch.worker.forward import Forwarder
 from redbatch.worker.model import Model
@@ -96,7 +96,7 @@ async def test_the_reaper_is_not_stopped_by_one_entry(
     """A dead worker held a request at its last attempt (its caller is owed
     ``worker_crashed``) whose reply cannot be sent as is, and an innocent one."""
     reply_to, good = protocol.reply_key("reaped"), protocol.reply_key("innocent")
-    last = protocol.DEFAULT_MAX_ATTEMPTS - 1
+    last = defaults.MAX_ATTEMPTS - 1
     if hostility == "huge_deadline":
         bad_id, bad = entry(1, reply_to, deadline_ms=2**63 - 1, attempt=last)
     else:

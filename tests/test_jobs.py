@@ -25,13 +25,13 @@ from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 
-from redbatch import Client, TensorSpec, batch, protocol
+from redbatch import Client, TensorSpec, batch, defaults, protocol
 from redbatch.jobs import BULK_QUEUE, BulkOptions, job_status, submit_bulk
 from redbatch.jobs.cli import main as jobs_main
 from redbatch.jobs.cli import register
 from redbatch.jobs.errors import BadSource, ItemError
 from redbatch.jobs.sinks import write_output
-from redbatch.jobs.submit import DEFAULT_RESULT_TTL_S, TERMINAL
+from redbatch.jobs.submit import TERMINAL
 from redbatch.jobs.tasks import url_of
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, Proc, free_port, test_env
@@ -101,7 +101,7 @@ async def test_inline_list_job_returns_outputs_and_progress(
     meta = job.get_meta()
     assert meta["done"] == meta["total"] == 200
     assert meta["failed"] == 0 and meta["items_per_s"] > 0
-    assert 0 < raw_redis.ttl(job.key) <= DEFAULT_RESULT_TTL_S  # kept for the result TTL
+    assert 0 < raw_redis.ttl(job.key) <= defaults.JOB_RESULT_TTL_S  # kept for the result TTL
     status = job_status(raw_redis, job.id)
     assert status["status"] == "finished" and status["done"] == 200
     assert status["queue"] == BULK_QUEUE and "inc" in status["description"]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from redbatch import Client, ModelError, WorkerCrashed, batch, codec, protocol
+from redbatch import Client, ModelError, WorkerCrashed, batch, codec, defaults, protocol
 from redbatch.config import WorkerConfig
 from redbatch.worker.claim import Claimer
 from redbatch.worker.process import Worker
@@ -122,7 +122,7 @@ async def test_reaper_requeues_at_the_front_in_order(raw_redis: redis.Redis,
 async def test_too_many_crashes_dead_letter_with_worker_crashed(
         raw_redis: redis.Redis, start_worker: Callable[..., Worker]) -> None:
     reply_to = protocol.reply_key("crash-test")
-    req, entry = raw_request("slow", 1, reply_to, attempt=protocol.DEFAULT_MAX_ATTEMPTS - 1)
+    req, entry = raw_request("slow", 1, reply_to, attempt=defaults.MAX_ATTEMPTS - 1)
     raw_redis.rpush(protocol.inflight_key("slow", "ghost"), entry)
     raw_redis.zadd(protocol.workers_key("slow"), {"ghost": protocol.now_ms() - 1})
     start_worker([fast_slow], config=TAKEOVER)

@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from redbatch import errors
+from redbatch import defaults, errors
 
 log = logging.getLogger("redbatch.api")
 
@@ -59,7 +59,8 @@ def retry_headers(exc: errors.RedbatchError, status: int) -> dict[str, str] | No
     """``Retry-After`` for a 503: from the drain rate for a full queue, else 1 s."""
     if status != 503:
         return None
-    retry_s = exc.retry_after_s if isinstance(exc, errors.QueueFull) else 1.0
+    retry_s = (exc.retry_after_s if isinstance(exc, errors.QueueFull)
+               else defaults.RETRY_AFTER_S)
     return {"Retry-After": str(max(1, math.ceil(retry_s)))}
 
 

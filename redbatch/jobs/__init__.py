@@ -7,8 +7,9 @@ real-time traffic (see ``docs/jobs.md``).
 * ``redbatch jobs submit|status`` is the command line (``redbatch.jobs.cli``).
 """
 
+from redbatch.defaults import BULK_QUEUE
 from redbatch.jobs.errors import BadSource, BulkJobFailed, ItemError, UnknownJob
-from redbatch.jobs.submit import BULK_QUEUE, job_status, submit_bulk
+from redbatch.jobs.submit import job_status, submit_bulk
 from redbatch.jobs.tasks import BulkOptions, run_bulk
 
 __all__ = [

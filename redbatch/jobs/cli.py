@@ -29,22 +29,14 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from redbatch import defaults
 from redbatch.config import RedisSettings
 from redbatch.errors import ConfigError, RedbatchError
-from redbatch.jobs.submit import (
-    BULK_QUEUE,
-    DEFAULT_JOB_TIMEOUT_S,
-    DEFAULT_RESULT_TTL_S,
-    DEFAULT_RETRIES,
-    TERMINAL,
-    job_status,
-    submit_bulk,
-)
+from redbatch.jobs.submit import TERMINAL, job_status, submit_bulk
 from redbatch.jobs.tasks import BulkOptions
 from redbatch.redis_conn import sync_client
 
 DONE_STATES = frozenset(status.value for status in TERMINAL)
-POLL_S = 0.5
 
 
 JOBS_HELP = """Bulk inference jobs on RQ: a job feeds its items through the model's workers,
@@ -72,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                         "array of inputs ('[1, 2, 3]')")
     submit.add_argument("--output", help="write the outputs to this .npy or .jsonl path "
                         "(default: keep them in the job's result)")
-    submit.add_argument("--queue", default=BULK_QUEUE, help=f"RQ queue ({BULK_QUEUE})")
+    submit.add_argument("--queue", default=defaults.BULK_QUEUE,
+                        help=f"RQ queue ({defaults.BULK_QUEUE})")
     submit.add_argument("--wait", action="store_true", help="follow the job to its end")
     _add_pacing(submit)
     status = sub.add_parser("status", help="a job's status and progress")
@@ -82,26 +75,28 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     for parser in (submit, status):
         parser.add_argument("--redis-url", help="Redis of the RQ queue (default: $REDIS_URL)")
         parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
-        parser.add_argument("--poll-s", type=float, default=POLL_S,
-                            help=f"how often --wait/--watch read the job ({POLL_S})")
+        parser.add_argument("--poll-s", type=float, default=defaults.JOB_POLL_S,
+                            help=f"how often --wait/--watch read the job ({defaults.JOB_POLL_S})")
     return jobs
 
 
 def _add_pacing(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunk-size", type=int, help="items per round trip (64)")
+    parser.add_argument("--chunk-size", type=int,
+                        help=f"items per round trip ({defaults.JOB_CHUNK_SIZE})")
     parser.add_argument("--low-water", type=int, help="push a chunk only while the model "
                         "queue holds at most this many requests (2 x chunk size)")
     parser.add_argument("--max-wait-s", type=float, help="longest wait for the queue to "
-                        "drain before one chunk (30)")
-    parser.add_argument("--timeout-s", type=float, help="deadline of each item (60)")
+                        f"drain before one chunk ({defaults.JOB_MAX_WAIT_S:g})")
+    parser.add_argument("--timeout-s", type=float,
+                        help=f"deadline of each item ({defaults.JOB_ITEM_TIMEOUT_S:g})")
     parser.add_argument("--wait-workers-s", type=float, help="fail when the model has no "
-                        "live worker for this long (10)")
-    parser.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
-                        help=f"RQ retries of a failed job ({DEFAULT_RETRIES})")
-    parser.add_argument("--result-ttl", type=int, default=DEFAULT_RESULT_TTL_S,
-                        help=f"seconds RQ keeps the result ({DEFAULT_RESULT_TTL_S})")
-    parser.add_argument("--job-timeout", type=int, default=DEFAULT_JOB_TIMEOUT_S,
-                        help=f"seconds before RQ kills the job ({DEFAULT_JOB_TIMEOUT_S})")
+                        f"live worker for this long ({defaults.JOB_WAIT_WORKERS_S:g})")
+    parser.add_argument("--retries", type=int, default=defaults.JOB_RETRIES,
+                        help=f"RQ retries of a failed job ({defaults.JOB_RETRIES})")
+    parser.add_argument("--result-ttl", type=int, default=defaults.JOB_RESULT_TTL_S,
+                        help=f"seconds RQ keeps the result ({defaults.JOB_RESULT_TTL_S})")
+    parser.add_argument("--job-timeout", type=int, default=defaults.JOB_TIMEOUT_S,
+                        help=f"seconds before RQ kills the job ({defaults.JOB_TIMEOUT_S})")
     parser.add_argument("--bulk-redis-url", help="Redis of redbatch's queues, when not the "
                         "RQ Redis")
 
@@ -153,7 +148,7 @@ def _status(args: argparse.Namespace, conn: redis.Redis) -> int:
     return _report(info, as_json=args.json)
 
 
-def follow(conn: redis.Redis, job_id: str, poll_s: float = POLL_S,
+def follow(conn: redis.Redis, job_id: str, poll_s: float = defaults.JOB_POLL_S,
            console: Console | None = None) -> dict[str, Any]:
     """Draw a progress bar from the job's meta until the job ends; return its status."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -23,27 +23,23 @@ from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.jobs.errors import UnknownJob
 from redbatch.jobs.progress import META_KEYS
 from redbatch.jobs.sources import check_output, check_source, describe
 from redbatch.jobs.tasks import BulkOptions, run_bulk
 
-BULK_QUEUE = "redbatch-bulk"
-DEFAULT_RESULT_TTL_S = 24 * 3600  # a finished job and its outputs stay this long
-DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # a failed job stays in the failed-job registry
-DEFAULT_JOB_TIMEOUT_S = 6 * 3600  # RQ kills a job that runs longer
-DEFAULT_RETRIES = 2  # immediate re-runs after a failure (Retry(max=2))
 TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED,
                       JobStatus.CANCELED})
 
 
-def submit_bulk(redis_conn: redis.Redis, model: str, source: Any, *, queue: str = BULK_QUEUE,
+def submit_bulk(redis_conn: redis.Redis, model: str, source: Any, *,
+                queue: str = defaults.BULK_QUEUE,
                 output: str | os.PathLike[str] | None = None,
-                result_ttl: int = DEFAULT_RESULT_TTL_S,
-                retry: Retry | int | None = DEFAULT_RETRIES,
-                failure_ttl: int = DEFAULT_FAILURE_TTL_S,
-                job_timeout: int = DEFAULT_JOB_TIMEOUT_S,
+                result_ttl: int = defaults.JOB_RESULT_TTL_S,
+                retry: Retry | int | None = defaults.JOB_RETRIES,
+                failure_ttl: int = defaults.JOB_FAILURE_TTL_S,
+                job_timeout: int = defaults.JOB_TIMEOUT_S,
                 options: BulkOptions | None = None, redis_url: str | None = None,
                 job_id: str | None = None) -> Job:
     """Enqueue ``run_bulk(model, source, output)`` on the RQ queue ``queue``.

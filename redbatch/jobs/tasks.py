@@ -46,7 +46,7 @@ from urllib.parse import quote
 import redis
 from rq import get_current_job
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.errors import (
     ConfigError,
     InvalidPayload,
@@ -72,13 +72,13 @@ Slot = asyncio.Future[Any] | ItemError
 class BulkOptions:
     """How a bulk job paces itself (see the module docstring)."""
 
-    chunk_size: int = 64  # items per submit_many round trip
+    chunk_size: int = defaults.JOB_CHUNK_SIZE  # items per submit_many round trip
     low_water: int | None = None  # push only while the queue holds <= this; None: 2 x chunk
-    max_wait_s: float = 30.0  # longest wait for the queue to drain before one chunk
-    timeout_s: float = 60.0  # deadline of each item, counted from its push
-    max_inflight_chunks: int = 4  # chunks awaiting replies at a time
-    wait_workers_s: float = 10.0  # how long to wait for a live worker before failing
-    max_errors: int = 5  # item error messages kept in job.meta
+    max_wait_s: float = defaults.JOB_MAX_WAIT_S  # longest wait for the queue to drain
+    timeout_s: float = defaults.JOB_ITEM_TIMEOUT_S  # deadline of each item, from its push
+    max_inflight_chunks: int = defaults.JOB_MAX_INFLIGHT_CHUNKS  # awaiting replies at a time
+    wait_workers_s: float = defaults.JOB_WAIT_WORKERS_S  # wait for a live worker this long
+    max_errors: int = defaults.JOB_MAX_ERRORS  # item error messages kept in job.meta
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.max_inflight_chunks < 1:

@@ -13,11 +13,11 @@ import math
 
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
 from redbatch.registry import LiveCache
 
-REFRESH_S = protocol.LIVE_REFRESH_S
+REFRESH_S = defaults.LIVE_REFRESH_S
 MIN_CAP = 8
 # Admit a queue that drains in this fraction of the time to the deadline: the rest is
 # margin for the measured rate being optimistic and for the forward pass itself.

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 import redis.asyncio as aioredis
 
-from redbatch import codec, lua, protocol
+from redbatch import codec, defaults, lua, protocol
 from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, check_socket_timeout
@@ -25,7 +25,6 @@ from redbatch.redis_conn import async_client, deadline_bound, translated
 
 T = TypeVar("T")
 log = logging.getLogger("redbatch.producer")
-QUEUE_FULL_RETRY_AFTER_S = 1.0  # for the per-process waiter cap
 
 
 class Client:
@@ -47,10 +46,12 @@ class Client:
     """
 
     def __init__(self, url: str | None = None, *, settings: RedisSettings | None = None,
-                 default_timeout_s: float = 30.0, max_timeout_s: float = protocol.MAX_TIMEOUT_S,
-                 max_queue_len: int = 10_000, max_waiters: int = 10_000,
-                 block_timeout_s: float = 1.0, fmt: Format = "msgpack",
-                 pack_rows: int = 32, require_workers: bool = True) -> None:
+                 default_timeout_s: float = defaults.DEFAULT_TIMEOUT_S,
+                 max_timeout_s: float = defaults.CLIENT_MAX_TIMEOUT_S,
+                 max_queue_len: int = defaults.MAX_QUEUE_LEN,
+                 max_waiters: int = defaults.MAX_WAITERS,
+                 block_timeout_s: float = defaults.BLOCK_TIMEOUT_S, fmt: Format = "msgpack",
+                 pack_rows: int = defaults.PACK_ROWS, require_workers: bool = True) -> None:
         self.settings = settings or RedisSettings.from_env(url)
         check_socket_timeout(self.settings, block_timeout_s)
         if not 0 < default_timeout_s <= max_timeout_s <= protocol.MAX_TIMEOUT_S:
@@ -200,7 +201,7 @@ class Client:
         if self._listener.waiting + count > self.max_waiters:
             raise QueueFull(f"{count} more requests would pass this process's "
                             f"max_waiters={self.max_waiters} ({self._listener.waiting} "
-                            "already wait)", QUEUE_FULL_RETRY_AFTER_S)
+                            "already wait)", defaults.RETRY_AFTER_S)
         if self.require_workers:
             await self.check_served(model, deadline_ms)
         return self._listener

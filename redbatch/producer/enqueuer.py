@@ -13,7 +13,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from redbatch import lua, protocol
+from redbatch import defaults, lua, protocol
 from redbatch.codec import Format
 from redbatch.config import RedisSettings
 from redbatch.errors import QueueFull
@@ -62,7 +62,7 @@ class Enqueuer:
         self._pending: dict[str, list[Push]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def drain(self, timeout_s: float = 5.0) -> None:
+    async def drain(self, timeout_s: float = defaults.ENQUEUE_DRAIN_S) -> None:
         """Let the pushes in flight finish (bounded), before the connection closes."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.errors import ConfigError
 from redbatch.spec import TensorSpec, model_meta
 from redbatch.worker.policy import BatchPolicy
@@ -32,8 +32,8 @@ class Model:
     fn: BatchFn | None = None
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     spec: TensorSpec | None = None
-    input_name: str = "inputs"
-    output_name: str = "outputs"
+    input_name: str = defaults.INPUT_NAME
+    output_name: str = defaults.OUTPUT_NAME
     stack: bool = False
     loader: Loader | None = None
     # Where a sync batch function runs: True on the event loop, False in the forward
@@ -83,11 +83,12 @@ class Model:
                                   "default_timeout_s": self.default_timeout_s})
 
 
-def batch(*, name: str | None = None, max_batch_size: int = 32,
-          batch_wait_timeout_s: float = 0.005, stride_s: float = 0.0,
-          allow_small_batch: bool = True, spec: TensorSpec | None = None,
-          input_name: str = "inputs", output_name: str = "outputs", stack: bool = False,
-          timeout_s: float | None = None) -> Callable[[BatchFn], Model]:
+def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_SIZE,
+          batch_wait_timeout_s: float = defaults.BATCH_WAIT_TIMEOUT_S,
+          stride_s: float = defaults.STRIDE_S,
+          allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH, spec: TensorSpec | None = None,
+          input_name: str = defaults.INPUT_NAME, output_name: str = defaults.OUTPUT_NAME,
+          stack: bool = False, timeout_s: float | None = None) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
     The knobs are Ray's; ``timeout_s`` is accepted as another name for

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from redbatch import defaults
 from redbatch.errors import ConfigError
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
@@ -33,12 +34,12 @@ class BatchPolicy:
       quarter of the window): nobody else is on the way, so the batch goes now.
     """
 
-    max_batch_size: int = 32
-    batch_wait_timeout_s: float = 0.005
-    stride_s: float = 0.0
-    allow_small_batch: bool = True
-    adaptive: bool = True
-    quiet_s: float | None = None
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    batch_wait_timeout_s: float = defaults.BATCH_WAIT_TIMEOUT_S
+    stride_s: float = defaults.STRIDE_S
+    allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH
+    adaptive: bool = defaults.ADAPTIVE
+    quiet_s: float | None = defaults.QUIET_S
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= 65536:

@@ -14,6 +14,7 @@ from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from redbatch import defaults
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.errors import ConfigError
 
@@ -117,7 +118,8 @@ class Pool:
     ``failure`` says why."""
 
     def __init__(self, target: str, redis: RedisSettings, config: WorkerConfig,
-                 log_level: str = "INFO", overrides: dict[str, Any] | None = None) -> None:
+                 log_level: str = defaults.LOG_LEVEL,
+                 overrides: dict[str, Any] | None = None) -> None:
         check_device(config.device)
         self.target = target
         self.overrides = overrides or {}  # batching overrides (redbatch up -c FILE)
@@ -147,7 +149,7 @@ class Pool:
     def start(self) -> None:
         self.replicas = [self._new_replica(i) for i in range(self.config.replicas)]
 
-    def supervise(self, stop: threading.Event, tick_s: float = 0.5) -> None:
+    def supervise(self, stop: threading.Event, tick_s: float = defaults.POOL_TICK_S) -> None:
         """Restart exited replicas (with capped backoff) until ``stop`` is set, or until
         the pool gives up (then ``stop`` is set too).  Blocks on the processes'
         sentinels, so an exit is seen at once."""
@@ -211,7 +213,7 @@ class Pool:
                         "model's build, its files, --device), then start again")
         self._stopping.set()
 
-    def stop(self, grace_s: float = 35.0) -> None:
+    def stop(self, grace_s: float = defaults.POOL_STOP_GRACE_S) -> None:
         """SIGTERM every replica, wait ``grace_s`` for them, then SIGKILL the rest."""
         self._stopping.set()
         for replica in self.replicas:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from redbatch import lua, metrics, protocol
+from redbatch import defaults, lua, metrics, protocol
 from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
@@ -193,7 +193,7 @@ async def _main(worker: Worker) -> None:
 
 
 def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, device: str,
-                       log_level: str = "INFO", index: int = 0,
+                       log_level: str = defaults.LOG_LEVEL, index: int = 0,
                        overrides: dict[str, Any] | None = None,
                        on_serving: Callable[[], object] | None = None) -> None:
     """Entry point of a spawned worker process (replica ``index``); ``overrides``

@@ -7,7 +7,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from redbatch import codec, protocol
+from redbatch import codec, defaults, protocol
 from redbatch.codec import Format
 from redbatch.errors import InvalidPayload, ModelError, RedbatchError
 from redbatch.protocol import Reply, Request, Timings
@@ -38,8 +38,8 @@ class DeadLetters:
     """How dead letters are kept: the first ``max_bytes`` of each entry, for ``ttl_s``
     (refreshed by every dead letter), the newest ``DEAD_LETTER_MAX`` of them."""
 
-    ttl_s: int = protocol.DEAD_LETTER_TTL_S
-    max_bytes: int = protocol.DEAD_LETTER_MAX_BYTES
+    ttl_s: int = defaults.DEAD_LETTER_TTL_S
+    max_bytes: int = defaults.DEAD_LETTER_MAX_BYTES
 
     def args(self, dead: list[bytes]) -> list[Any]:
         """The scripts' dead-letter ARGV: ttl, count, then the (truncated) entries."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from redbatch import lua, protocol
+from redbatch import defaults, lua, protocol
 from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
@@ -85,7 +85,8 @@ class BatchRunner:
     """Serves one model for one worker: forms batches and answers every request once."""
 
     def __init__(self, redis: aioredis.Redis, model: Model, fn: BatchFn, worker_id: str,
-                 executor: Executor, block_timeout_s: float, max_attempts: int = 3,
+                 executor: Executor, block_timeout_s: float,
+                 max_attempts: int = defaults.MAX_ATTEMPTS,
                  blocking: aioredis.Redis | None = None, device: str = "cpu",
                  dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS) -> None:
         self._redis = redis

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from redbatch import defaults
 from redbatch.spec import TensorSpec
 from redbatch.worker.forward import ContractError
 from redbatch.worker.model import BatchFn, Model
@@ -65,8 +66,8 @@ def torch_batch_fn(module: Callable[[Any], Any], device: str) -> BatchFn:
 
 
 def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec,
-                policy: BatchPolicy | None = None, *, input_name: str = "inputs",
-                output_name: str = "outputs") -> Model:
+                policy: BatchPolicy | None = None, *, input_name: str = defaults.INPUT_NAME,
+                output_name: str = defaults.OUTPUT_NAME) -> Model:
     """A ``Model`` whose ``build()`` returns a torch module, built inside the worker
     process, moved to its device and put in eval mode."""
 
