@@ -181,3 +181,36 @@ def test_cuda_on_a_host_without_it_fails_before_any_spawn(
         Pool("x:y", RedisSettings(), WorkerConfig(device="cuda:0,cuda:1"))
     Pool("x:y", RedisSettings(), WorkerConfig(device="cuda:0"))
     Pool("x:y", RedisSettings(), WorkerConfig(device="auto"))
+
+
+class _Stubborn:
+    """A process that ignores SIGTERM: it is alive until killed."""
+
+    def __init__(self) -> None:
+        self.alive, self.joined, self.killed = True, [], False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        pass
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self.joined.append(timeout_s)
+
+    def kill(self) -> None:
+        self.killed, self.alive = True, False
+
+
+def test_stop_waits_for_the_replicas_own_grace_before_killing() -> None:
+    from redbatch import defaults
+    from redbatch.config import RedisSettings, WorkerConfig
+    from redbatch.worker.pool import Pool, _Replica
+
+    pool = Pool("redbatch.demo:adder", RedisSettings(), WorkerConfig(grace_s=40.0,
+                                                                     device="cpu"))
+    stubborn = _Stubborn()
+    pool.replicas = [_Replica(0, stubborn, None, 0.0)]  # type: ignore[arg-type]
+    pool.stop()
+    assert stubborn.killed
+    assert stubborn.joined[0] > 40.0 + defaults.POOL_STOP_MARGIN_S - 1  # not a fixed 35 s

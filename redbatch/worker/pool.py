@@ -213,8 +213,11 @@ class Pool:
                         "model's build, its files, --device), then start again")
         self._stopping.set()
 
-    def stop(self, grace_s: float = defaults.POOL_STOP_GRACE_S) -> None:
-        """SIGTERM every replica, wait ``grace_s`` for them, then SIGKILL the rest."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every replica, wait ``grace_s`` for them (by default the replicas' own
+        grace plus ``POOL_STOP_MARGIN_S``), then SIGKILL the rest."""
+        if grace_s is None:
+            grace_s = self.config.grace_s + defaults.POOL_STOP_MARGIN_S
         self._stopping.set()
         for replica in self.replicas:
             if replica.process.is_alive():
