@@ -197,14 +197,14 @@ class GatewayConfig:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    block_timeout_s: float = defaults.BLOCK_TIMEOUT_S
-    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
-    lease_ttl_s: float = defaults.LEASE_TTL_S
-    replicas: int = defaults.REPLICAS
-    device: str = defaults.DEVICE
-    threads: int = defaults.THREADS
-    max_attempts: int = defaults.MAX_ATTEMPTS
-    grace_s: float = defaults.GRACE_S
+    block_timeout_s: float = defaults.BLOCK_TIMEOUT_S  # a claim's blocking pop
+    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S  # renews the lease
+    lease_ttl_s: float = defaults.LEASE_TTL_S  # past it, the worker's requests are reaped
+    replicas: int = defaults.REPLICAS  # worker processes
+    device: str = defaults.DEVICE  # auto, cpu, cuda or cuda:N[,cuda:M]
+    threads: int = defaults.THREADS  # CPU threads per process
+    max_attempts: int = defaults.MAX_ATTEMPTS  # crashes a request may cause
+    grace_s: float = defaults.GRACE_S  # on SIGTERM, the time to finish a batch
     metrics_port: int = defaults.METRICS_PORT  # /metrics of replica i on metrics_port + i
     dead_letter_ttl_s: int = defaults.DEAD_LETTER_TTL_S  # they expire this long after the last
     dead_letter_max_bytes: int = defaults.DEAD_LETTER_MAX_BYTES  # each keeps its first bytes
