@@ -183,3 +183,5 @@ end
 local known = #ids > 0 or redis.call('EXISTS', KEYS[3]) == 1
 return {{#ids, tostring(total), rows and 1 or 0, known and 1 or 0}}
 """
+
+PRODUCER_SCRIPTS: Final = (ENQUEUE, LIVE_SUMMARY)  # loaded when a Client starts

@@ -85,7 +85,8 @@ class Client:
                 async with translated(self.settings):
                     await redis.ping()
                     await check_eviction(redis)
-                    await redis.script_load(lua.ENQUEUE)
+                    for script in lua.PRODUCER_SCRIPTS:  # EVALSHA finds them loaded
+                        await redis.script_load(script)
             except BaseException:  # an error, or a deadline that passed meanwhile
                 await redis.aclose()
                 raise
