@@ -19,7 +19,7 @@ from redbatch.logs import setup_logging
 
 log = logging.getLogger("redbatch")
 DEMO_TARGET = "redbatch.demo:models"
-PROCESSES_HELP = ("gateway processes sharing the port, 1-64 (1; "
+PROCESSES_HELP = (f"gateway processes sharing the port, 1-64 ({defaults.GATEWAY_PROCESSES}; "
                   "$REDBATCH_GATEWAY_PROCESSES); over 1, /metrics sums them all")
 
 

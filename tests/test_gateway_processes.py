@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from redbatch import batch
+from redbatch import batch, defaults
 from redbatch.config import GatewayConfig, from_env
 from redbatch.errors import ConfigError
 from redbatch.worker.process import Worker
@@ -149,8 +149,8 @@ def test_workers_out_of_range_fail_loudly() -> None:
         assert "listening" not in done.stderr
 
 
-def test_process_count_comes_from_env_and_defaults_to_one() -> None:
-    assert from_env(GatewayConfig, env={}).gateway_processes == 1
+def test_process_count_comes_from_env_and_defaults_to_two() -> None:
+    assert from_env(GatewayConfig, env={}).gateway_processes == defaults.GATEWAY_PROCESSES == 2
     config = from_env(GatewayConfig, env={"REDBATCH_GATEWAY_PROCESSES": "3"})
     assert config.gateway_processes == 3
     with pytest.raises(ConfigError, match=r"must be 1\.\.64"):

@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.bench import producer, servers
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds
@@ -284,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, help="each wrk run (default 4; quick 3)")
     parser.add_argument("--rounds", type=int, help="rounds of wrk runs per figure, the "
                         "servers of a workload taking turns (default 3; quick 1)")
-    parser.add_argument("--gateways", type=int, default=2, help="gateway processes (2: the "
-                        "best layout measured on 2 cores, docs/benchmarks.md)")
+    parser.add_argument("--gateways", type=int, default=defaults.GATEWAY_PROCESSES,
+                        help=f"gateway processes ({defaults.GATEWAY_PROCESSES}, as "
+                        "`redbatch gateway`)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "

@@ -77,11 +77,8 @@ def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
                           "--save", "", "--appendonly", "no"])
     env = {"REDBATCH_LOG_LEVEL": "WARNING"}
     start_worker(procs, url, "worker")
-    procs.start("gateway", [sys.executable, "-m", "uvicorn", "--factory",
-                            "redbatch.api.serve:app_from_env", "--host", "127.0.0.1",
-                            "--port", str(http_port), "--workers", str(gateways),
-                            "--http", "redbatch.api.limits:EdgeProtocol",  # the edge limits
-                            "--no-access-log", "--log-level", "warning"],
+    procs.start("gateway", [sys.executable, "-m", "redbatch", "gateway", "--host", "127.0.0.1",
+                            "--port", str(http_port), "--workers", str(gateways)],
                 {**env, "REDIS_URL": url})
     base = f"http://127.0.0.1:{http_port}"
     wait_ok(f"{base}/v1/models/mlp/predict", {"x": W2_X})
