@@ -19,12 +19,20 @@ from tests.conftest import Proc, free_port, redbatch_cmd, test_env, wait_http
 SLOW_HEAD = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Slow: a"
 
 
-def _gateway(spawn: Callable[..., Proc], redis_url: str, **env: str) -> tuple[int, Proc]:
-    port = free_port()
-    proc = spawn(redbatch_cmd("gateway", "--port", str(port)),
-                 env=test_env(REDIS_URL=redis_url, **env), name="gateway")
-    wait_http(f"http://127.0.0.1:{port}/healthz", 60, proc)
-    return port, proc
+Gateway = Callable[..., tuple[int, Proc]]
+
+
+@pytest.fixture
+def gateway(spawn: Callable[..., Proc], redis_url: str) -> Gateway:
+    """Starts one gateway process (its own memory is measured) with extra env vars:
+    returns its port and process."""
+    def start(**env: str) -> tuple[int, Proc]:
+        port = free_port()
+        proc = spawn(redbatch_cmd("gateway", "--port", str(port), "--workers", "1"),
+                     env=test_env(REDIS_URL=redis_url, **env), name="gateway")
+        wait_http(f"http://127.0.0.1:{port}/healthz", 60, proc)
+        return port, proc
+    return start
 
 
 def _peak_rss_kib(pid: int) -> int:
@@ -75,10 +83,9 @@ def _closed_within(sock: socket.socket, timeout_s: float) -> bytes | None:
 
 
 @pytest.mark.timeout(120)
-def test_pipelined_requests_under_the_cap_are_all_served(spawn: Callable[..., Proc],
-                                                         redis_url: str) -> None:
+def test_pipelined_requests_under_the_cap_are_all_served(gateway: Gateway) -> None:
     """Many small requests in one write pass the cap together, never one by one."""
-    port, _proc = _gateway(spawn, redis_url)
+    port, _proc = gateway()
     one = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Pad: " + b"a" * 3000 + b"\r\n\r\n"
     last = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
@@ -89,9 +96,8 @@ def test_pipelined_requests_under_the_cap_are_all_served(spawn: Callable[..., Pr
 
 
 @pytest.mark.timeout(120)
-def test_a_huge_header_gets_431_and_memory_stays_bounded(spawn: Callable[..., Proc],
-                                                         redis_url: str) -> None:
-    port, proc = _gateway(spawn, redis_url)
+def test_a_huge_header_gets_431_and_memory_stays_bounded(gateway: Gateway) -> None:
+    port, proc = gateway()
     answer = _send_huge_header(port, 1 << 20)
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
     assert b"65536-byte limit" in answer
@@ -113,9 +119,8 @@ def test_a_huge_header_gets_431_and_memory_stays_bounded(spawn: Callable[..., Pr
 
 
 @pytest.mark.timeout(120)
-def test_slow_clients_are_closed_while_others_are_served(spawn: Callable[..., Proc],
-                                                         redis_url: str) -> None:
-    port, _ = _gateway(spawn, redis_url, REDBATCH_HEADER_TIMEOUT_S="1",
+def test_slow_clients_are_closed_while_others_are_served(gateway: Gateway) -> None:
+    port, _ = gateway(REDBATCH_HEADER_TIMEOUT_S="1",
                        REDBATCH_BODY_TIMEOUT_S="1")
     slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
     for sock in slow[:20]:
@@ -138,9 +143,8 @@ def test_slow_clients_are_closed_while_others_are_served(spawn: Callable[..., Pr
 
 
 @pytest.mark.timeout(120)
-def test_connections_past_the_limit_are_refused(spawn: Callable[..., Proc],
-                                                redis_url: str) -> None:
-    port, _ = _gateway(spawn, redis_url, REDBATCH_MAX_CONNECTIONS="4",
+def test_connections_past_the_limit_are_refused(gateway: Gateway) -> None:
+    port, _ = gateway(REDBATCH_MAX_CONNECTIONS="4",
                        REDBATCH_HEADER_TIMEOUT_S="60")
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
     time.sleep(0.5)  # the gateway accepts them

@@ -57,7 +57,8 @@ def test_fuzzed_bodies_get_4xx(spawn: Callable[..., Proc], redis_url: str) -> No
     port = free_port()
     spawn(redbatch_cmd("worker", "redbatch.demo:models", "--redis-url", redis_url), name="w")
     gw = spawn(redbatch_cmd("gateway", "--redis-url", redis_url, "--port", str(port),
-                            "--max-body-bytes", "4096", "--default-timeout-s", "5"), name="gw")
+                            "--max-body-bytes", "4096", "--default-timeout-s", "5",
+                            "--workers", "1"), name="gw")  # one process: its RSS is measured
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", 60, gw)
     with httpx.Client(base_url=base, timeout=10) as http:
