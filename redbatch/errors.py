@@ -22,6 +22,12 @@ class ConfigError(RedbatchError):
     code = "config_error"
 
 
+class InvalidKnob(ConfigError):
+    """A live batching knob with an unknown name or a bad value (HTTP 422)."""
+
+    code = "invalid_knob"
+
+
 class RedisUnavailable(RedbatchError):
     """Redis could not be reached, or the connection broke mid-command."""
 
@@ -97,6 +103,7 @@ _BY_CODE: dict[str, type[RedbatchError]] = {
     for cls in (
         RedbatchError,
         ConfigError,
+        InvalidKnob,
         RedisUnavailable,
         QueueFull,
         DeadlineExceeded,

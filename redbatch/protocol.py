@@ -108,6 +108,13 @@ def meta_key(model: str) -> str:
     return f"{PREFIX}:{{{model}}}:meta"
 
 
+def config_key(model: str) -> str:
+    """Hash: knob -> JSON value, the model's live overrides of its batching knobs
+    (``redbatch config``, ``PATCH /v1/models/{model}/config``); only the knobs someone
+    changed.  No TTL: kept until reset.  Workers read it with every heartbeat."""
+    return f"{PREFIX}:{{{model}}}:config"
+
+
 def dead_letter_key(model: str) -> str:
     return f"{PREFIX}:{{{model}}}:dead"
 

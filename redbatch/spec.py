@@ -89,8 +89,11 @@ class TensorSpec:
 
 
 def model_meta(name: str, *, input_name: str, output_name: str, spec: TensorSpec | None,
-               policy: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
-    """The metadata a worker publishes for a model (``ModelInfo.from_meta`` reads it)."""
+               policy: dict[str, Any], limits: dict[str, Any],
+               defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metadata a worker publishes for a model (``ModelInfo.from_meta`` reads it):
+    ``policy`` and ``limits`` are the values in effect (live overrides included),
+    ``defaults`` the model's own values of the live knobs (``redbatch.knobs``)."""
     return {
         "name": name,
         "input_name": input_name,
@@ -98,6 +101,7 @@ def model_meta(name: str, *, input_name: str, output_name: str, spec: TensorSpec
         "spec": spec.to_json() if spec else None,
         "policy": policy,
         "limits": limits,
+        "defaults": defaults,
     }
 
 

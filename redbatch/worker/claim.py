@@ -87,6 +87,10 @@ class Claimer:
         self._lone = 0
         self._drained = False  # the queue was empty at the last look: block at once
 
+    def set_policy(self, policy: BatchPolicy) -> None:
+        """Form the next batches under ``policy`` (a live change, between batches)."""
+        self._policy = policy
+
     async def _take(self, count: int) -> list[bytes]:
         """CLAIM, with an EXISTS of the cancelled set riding in the same write."""
         claim = ("EVALSHA", _CLAIM_SHA, 2, self.queue, self.inflight, count,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -34,12 +35,19 @@ def published(info: dict[str, Any], stats: WorkerStats) -> tuple[bytes, bytes]:
     return orjson.dumps({**info, **stats.counters()}), orjson.dumps(capacity)
 
 
+@dataclass(frozen=True)
+class Beat:
+    """What one heartbeat read back, per model: the ids of workers whose lease has
+    expired, and the model's stored knob overrides (``config_key``, raw)."""
+
+    expired: dict[str, list[str]]
+    overrides: dict[str, dict[bytes, bytes]]
+
+
 async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
-               fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float
-               ) -> dict[str, list[str]]:
+               fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float) -> Beat:
     """Renew this worker's lease, its published fields (per model: ``published``) and
-    its models' metadata in one round trip; return, per model, the ids of workers
-    whose lease has expired."""
+    its models' metadata, and read each model's knob overrides, in one round trip."""
     now = protocol.now_ms()
     lease_until = now + round(lease_ttl_s * 1000)
     scans: list[int] = []  # where each model's scan of expired leases answers
@@ -47,12 +55,14 @@ async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
         for model in models:
             _beat_model(pipe, model, worker_id, fields[model.name], lease_until)
             pipe.zrangebyscore(protocol.workers_key(model.name), "-inf", now, 0, REAP_SCAN)
-            scans.append(len(pipe) - 1)
+            pipe.hgetall(protocol.config_key(model.name))
+            scans.append(len(pipe) - 2)
         pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
         pipe.expire(protocol.MODELS_KEY, protocol.META_TTL_S)
         results = await pipe.execute()
-    return {m.name: [w.decode() for w in results[i] if w.decode() != worker_id]
-            for m, i in zip(models, scans, strict=True)}
+    return Beat({m.name: [w.decode() for w in results[i] if w.decode() != worker_id]
+                 for m, i in zip(models, scans, strict=True)},
+                {m.name: results[i + 1] for m, i in zip(models, scans, strict=True)})
 
 
 def _beat_model(pipe: Any, model: Model, worker_id: str, fields: tuple[bytes, bytes],

@@ -8,12 +8,13 @@ inside the worker process instead, on the device the worker was given.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redbatch import defaults, protocol
+from redbatch import defaults, knobs, protocol
 from redbatch.errors import ConfigError
 from redbatch.spec import TensorSpec, model_meta
 from redbatch.worker.policy import BatchPolicy
@@ -49,6 +50,8 @@ class Model:
     # by its max_timeout_s).  None: the gateway's.
     max_queue_len: int | None = None
     default_timeout_s: float | None = None
+    # The model's own values of the live knobs (``redbatch.knobs``), before overrides.
+    knob_defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         protocol.check_model_name(self.name)
@@ -58,6 +61,22 @@ class Model:
             raise ConfigError(f"model {self.name!r}: max_queue_len must be >= 1")
         if self.default_timeout_s is not None and not self.default_timeout_s > 0:
             raise ConfigError(f"model {self.name!r}: default_timeout_s must be > 0")
+        self.knob_defaults = self.knob_values()
+
+    def knob_values(self) -> dict[str, Any]:
+        """The live knobs' values now: the policy's fields and the model's own."""
+        policy = self.policy.to_json()
+        return {name: policy[name] if knob.part == "policy" else getattr(self, name)
+                for name, knob in knobs.KNOBS.items()}
+
+    def apply_knobs(self, values: dict[str, Any]) -> None:
+        """Put live knob values (checked: ``knobs.effective``) into effect; a policy
+        that does not hold together raises ``ConfigError`` and changes nothing."""
+        split = knobs.parts(values)
+        policy = dataclasses.replace(self.policy, **split["policy"])
+        self.policy = policy
+        for name, value in split["model"].items():
+            setattr(self, name, value)
 
     @property
     def is_async(self) -> bool:
@@ -80,7 +99,8 @@ class Model:
                           output_name=self.output_name, spec=self.spec,
                           policy=self.policy.to_json(),
                           limits={"max_queue_len": self.max_queue_len,
-                                  "default_timeout_s": self.default_timeout_s})
+                                  "default_timeout_s": self.default_timeout_s},
+                          defaults=self.knob_defaults)
 
 
 def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_SIZE,

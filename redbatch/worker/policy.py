@@ -8,6 +8,7 @@ from typing import Any
 
 from redbatch import defaults
 from redbatch.errors import ConfigError
+from redbatch.knobs import check_range
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
@@ -42,15 +43,8 @@ class BatchPolicy:
     quiet_s: float | None = defaults.QUIET_S
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_batch_size <= 65536:
-            raise ConfigError(f"max_batch_size must be 1..65536, got {self.max_batch_size}")
-        if not 0 <= self.batch_wait_timeout_s <= 60:
-            raise ConfigError("batch_wait_timeout_s (timeout_s) must be 0..60 s, got "
-                              f"{self.batch_wait_timeout_s}")
-        if not 0 <= self.stride_s <= 60:
-            raise ConfigError(f"stride_s must be 0..60 s, got {self.stride_s}")
-        if self.quiet_s is not None and not 0 < self.quiet_s <= 60:
-            raise ConfigError(f"quiet_s must be 0..60 s, got {self.quiet_s}")
+        for name, value in self.to_json().items():
+            check_range(name, value)  # the live knobs' ranges (redbatch.knobs)
 
     @classmethod
     def from_mapping(cls, knobs: Mapping[str, Any]) -> BatchPolicy:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -21,6 +22,7 @@ from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.redis_conn import REDIS_ERRORS, async_client
 from redbatch.worker import heartbeat
+from redbatch.worker.live import LiveKnobs
 from redbatch.worker.loader import load_models
 from redbatch.worker.model import Model
 from redbatch.worker.replies import DeadLetters
@@ -78,19 +80,26 @@ class Worker:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redbatch-forward")
         clean = False
         try:
-            self.runners = [BatchRunner(redis, m, m.bind(self.device), self.worker_id, executor,
-                                        self.config.block_timeout_s, self.config.max_attempts,
-                                        b, self.device, DeadLetters(
-                                            self.config.dead_letter_ttl_s,
-                                            self.config.dead_letter_max_bytes))
+            self.runners = [self._runner(redis, m, b, executor)
                             for m, b in zip(self.models, blocking, strict=True)]
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
             self._reapers = {r.model.name: r.reaper for r in self.runners}
+            self._live = {r.model.name: LiveKnobs(r) for r in self.runners}
             clean = await self._serve(redis, stop)
         finally:
             executor.shutdown(wait=clean, cancel_futures=True)
             for client in (redis, *blocking):
                 await client.aclose()
+
+    def _runner(self, redis: aioredis.Redis, model: Model, blocking: aioredis.Redis,
+                executor: ThreadPoolExecutor) -> BatchRunner:
+        """One model's runner, on a copy of the model: live knob changes apply to the
+        copy, never to the caller's ``Model``."""
+        return BatchRunner(redis, dataclasses.replace(model), model.bind(self.device),
+                           self.worker_id, executor, self.config.block_timeout_s,
+                           self.config.max_attempts, blocking, self.device,
+                           DeadLetters(self.config.dead_letter_ttl_s,
+                                       self.config.dead_letter_max_bytes))
 
     async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
         """Check the server (warnings logged once), load the scripts and take the lease
@@ -109,9 +118,11 @@ class Worker:
 
     async def _beat(self, redis: aioredis.Redis) -> None:
         fields = {r.model.name: heartbeat.published(self._info, r.stats) for r in self.runners}
-        expired = await heartbeat.beat(redis, self.models, self.worker_id, fields,
-                                       self.config.lease_ttl_s)
-        for model, dead_ids in expired.items():
+        beat = await heartbeat.beat(redis, [r.model for r in self.runners], self.worker_id,
+                                    fields, self.config.lease_ttl_s)
+        for name, raw in beat.overrides.items():
+            self._live[name].update(raw)
+        for model, dead_ids in beat.expired.items():
             for dead_id in dead_ids:
                 await self._reapers[model].reap(dead_id)
 

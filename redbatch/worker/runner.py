@@ -20,6 +20,7 @@ from redbatch.worker.claim import Claimer
 from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder
 from redbatch.worker.model import BatchFn, Model
+from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
@@ -104,6 +105,12 @@ class BatchRunner:
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
         self._busy = False  # the last claim came back full
+        self._policy = self._claimer_policy = model.policy  # a live change: the next claim
+
+    def set_policy(self, policy: BatchPolicy) -> None:
+        """Batch under ``policy`` from the next claim on (``model.policy`` is already
+        the new one: its forward passes and published meta follow at once)."""
+        self._policy = policy
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until ``stop``: claim -> decode (``_take``), forward -> encode
@@ -161,6 +168,8 @@ class BatchRunner:
 
     async def _take(self) -> Claimed | None:
         """Claim and decode the next batch (None on an idle timeout)."""
+        if self._policy is not self._claimer_policy:
+            self._use_policy()
         raws = await self.claimer.claim(self._claim_count)
         self._busy = len(raws) >= self._claim_count
         if not raws:
@@ -173,6 +182,13 @@ class BatchRunner:
             await self.claimer.drop_cancelled(batch.decoded)
         self._claim_count = self._next_claim_count(batch)
         return batch
+
+    def _use_policy(self) -> None:
+        self.claimer.set_policy(self._policy)
+        self._claimer_policy = self._policy
+        self.stats.max_batch_size = self._policy.max_batch_size
+        self._claim_count = self._policy.max_batch_size
+        self._rows_per_entry = 1.0
 
     def _next_claim_count(self, batch: Claimed) -> int:
         """Entries to claim next so that about ``max_batch_size`` items come: fewer

@@ -1,0 +1,185 @@
+"""The batching knobs that change live: one table, their checks, and the stored
+overrides (``protocol.config_key``) that gateways, clients and ``redbatch config``
+write and workers apply with their heartbeat.  Imports neither the worker nor a web
+framework.
+
+A knob is one line of ``KNOBS``: its type, its range, and where a worker applies it
+(``policy``: a ``BatchPolicy`` field; ``model``: an attribute of the ``Model``).  An
+override stores only what someone changed; the effective values are the model's own
+(published by its workers as ``defaults`` in its meta) with the overrides on top."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from redbatch import protocol
+from redbatch.errors import InvalidKnob, UnknownModel
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One live knob: ``kind`` (int, float or bool), the range ``low..high`` (``low``
+    excluded with ``low_open``), whether None is a legal value, and where it applies."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    unit: str = ""
+    low_open: bool = False
+    nullable: bool = False
+    part: str = "policy"
+    label: str = ""
+
+
+KNOBS: dict[str, Knob] = {
+    "max_batch_size": Knob(int, 1, 65536),
+    "batch_wait_timeout_s": Knob(float, 0, 60, " s", label="batch_wait_timeout_s (timeout_s)"),
+    "stride_s": Knob(float, 0, 60, " s"),
+    "allow_small_batch": Knob(bool),
+    "adaptive": Knob(bool),
+    "quiet_s": Knob(float, 0, 60, " s", low_open=True, nullable=True),
+    "max_queue_len": Knob(int, 1, nullable=True, part="model"),
+}
+
+
+def _range_text(knob: Knob) -> str:
+    if knob.high is None:
+        return f"{'>' if knob.low_open else '>='} {knob.low}"
+    return f"{knob.low:g}..{knob.high:g}{knob.unit}"
+
+
+def check_range(name: str, value: Any) -> None:
+    """Raise ``InvalidKnob`` when ``value`` is outside the knob's range (``BatchPolicy``
+    checks its fields with this)."""
+    knob = KNOBS.get(name)
+    if knob is None or value is None or knob.kind is bool:
+        return
+    low_bad = knob.low is not None and (value <= knob.low if knob.low_open else value < knob.low)
+    if low_bad or (knob.high is not None and value > knob.high):
+        raise InvalidKnob(f"{knob.label or name} must be {_range_text(knob)}, got {value}")
+
+
+_KIND_TEXT = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def check(name: str, value: Any) -> Any:
+    """The value of knob ``name`` as it is applied (an int given for a float knob
+    becomes a float), or ``InvalidKnob`` naming the knob and the value."""
+    knob = KNOBS.get(name)
+    if knob is None:
+        raise InvalidKnob(f"unknown knob {name!r}; live knobs: {', '.join(KNOBS)}")
+    if value is None and knob.nullable:
+        return None
+    if not _is_kind(value, knob.kind):
+        raise InvalidKnob(f"{name} must be {_KIND_TEXT[knob.kind]}, got {value!r}")
+    check_range(name, value)
+    return float(value) if knob.kind is float else value
+
+
+def check_all(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Every knob of ``values`` checked (``check``)."""
+    return {name: check(name, value) for name, value in values.items()}
+
+
+def changes_from(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """A change set checked: knob -> new value, or None to drop its override (the
+    knob goes back to the model's own value)."""
+    if not isinstance(changes, Mapping):
+        raise InvalidKnob("the knobs must be an object of knob -> value")
+    return {str(name): None if value is None else check(str(name), value)
+            for name, value in changes.items()}
+
+
+def effective(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's own knob values (``base``) with ``overrides`` on top, all checked."""
+    return check_all({**{k: v for k, v in base.items() if k in KNOBS}, **overrides})
+
+
+def parts(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``values`` split by where they apply: ``policy`` and ``model``."""
+    split: dict[str, dict[str, Any]] = {"policy": {}, "model": {}}
+    for name, value in values.items():
+        split[KNOBS[name].part][name] = value
+    return split
+
+
+def decode_stored(raw: Mapping[Any, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The overrides of a ``config_key`` hash, and a line per stored override that no
+    longer checks (edited by hand, or a knob this version does not know): ignored."""
+    good: dict[str, Any] = {}
+    problems: list[str] = []
+    for field, text in raw.items():
+        name = field.decode() if isinstance(field, bytes) else str(field)
+        try:
+            good[name] = check(name, orjson.loads(text))
+        except (InvalidKnob, orjson.JSONDecodeError) as exc:
+            problems.append(f"{name}={text!r}: {exc}")
+    return good, problems
+
+
+def model_defaults(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A model's own knob values from the meta its workers publish."""
+    if meta.get("defaults"):
+        return dict(meta["defaults"])
+    limits = meta.get("limits") or {}
+    return {**(meta.get("policy") or {}), "max_queue_len": limits.get("max_queue_len")}
+
+
+async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's own knob values and its stored overrides, in one round trip;
+    ``UnknownModel`` when no worker registered it."""
+    protocol.check_model_name(model)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.get(protocol.meta_key(model))
+        pipe.hgetall(protocol.config_key(model))
+        meta, raw = await pipe.execute()
+    if not meta:
+        raise UnknownModel(f"unknown model {model!r}: no worker serves it")
+    return model_defaults(orjson.loads(meta)), decode_stored(raw)[0]
+
+
+async def show(redis: aioredis.Redis, model: str) -> dict[str, Any]:
+    """``{"overrides": ..., "effective": ...}`` of ``model``."""
+    base, overrides = await _load(redis, model)
+    return {"overrides": overrides, "effective": effective(base, overrides)}
+
+
+async def configure(redis: aioredis.Redis, model: str, changes: Mapping[str, Any], *,
+                    reset: bool = False) -> dict[str, Any]:
+    """Check ``changes`` (``changes_from``) against the model's own values and store
+    them in one step (after dropping every override with ``reset``); nothing is
+    stored when a value is bad (``InvalidKnob``).  Returns ``show``'s answer."""
+    checked = changes_from(changes)
+    base, stored = await _load(redis, model)
+    overrides = {} if reset else stored
+    overrides = {**overrides, **checked}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    values = effective(base, overrides)
+    await _store(redis, model, checked, reset)
+    return {"overrides": overrides, "effective": values}
+
+
+async def _store(redis: aioredis.Redis, model: str, checked: Mapping[str, Any],
+                 reset: bool) -> None:
+    key = protocol.config_key(model)
+    dropped = [k for k, v in checked.items() if v is None]
+    kept = {k: orjson.dumps(v) for k, v in checked.items() if v is not None}
+    async with redis.pipeline(transaction=True) as pipe:
+        if reset:
+            pipe.delete(key)
+        if dropped:
+            pipe.hdel(key, *dropped)
+        if kept:
+            pipe.hset(key, mapping=kept)  # type: ignore[arg-type]
+        await pipe.execute()
