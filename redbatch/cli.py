@@ -15,6 +15,8 @@ from redbatch import __version__, defaults
 from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env, tls_unverified
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.extras import missing_extra
+from redbatch.knobs_cli import cmd_config
+from redbatch.knobs_cli import register as register_config
 from redbatch.logs import setup_logging
 
 log = logging.getLogger("redbatch")
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval-s", type=float, default=defaults.STATUS_INTERVAL_S,
                         help=f"sampling interval for items/s ({defaults.STATUS_INTERVAL_S}; "
                              "workers publish their counters once a heartbeat)")
+    _add_redis(register_config(sub))
     try:
         from redbatch.jobs.cli import register as register_jobs
     except ModuleNotFoundError:  # without the [jobs] extra: `redbatch jobs` says so
@@ -281,6 +284,8 @@ def _dispatch(args: argparse.Namespace, redis_url: str | None) -> int:
         cmd_gateway(args, _redis_settings(redis_url))
     elif args.command == "status":
         return cmd_status(args, _redis_settings(redis_url))
+    elif args.command == "config":
+        return cmd_config(args, _redis_settings(redis_url))
     elif args.command == "jobs":
         from redbatch.jobs.cli import main as jobs_main
 

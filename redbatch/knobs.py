@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import redis.asyncio as aioredis
 
 from redbatch import protocol
 from redbatch.errors import InvalidKnob, UnknownModel
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from redbatch.api.core import PredictEndpoint
 from redbatch.api.errors import on_http_error, on_redbatch_error, on_unexpected
 from redbatch.api.fast import GatewayApp
 from redbatch.api.gateway import Gateway
+from redbatch.api.knobs_view import knobs_routes
 from redbatch.api.openapi import openapi_routes
 from redbatch.api.v2 import v2_routes
 from redbatch.config import GatewayConfig, RedisSettings
@@ -30,6 +31,7 @@ def _routes(gateway: Gateway) -> list[Route]:
         Route("/v1/models/{model}/predict", PredictEndpoint(gateway.core),
               methods=["GET", "POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        *knobs_routes(gateway),
         Route("/v1/stats", gateway.stats, methods=["GET"]),
         Route("/healthz", gateway.healthz, methods=["GET"]),
         Route("/readyz", gateway.readyz, methods=["GET"]),

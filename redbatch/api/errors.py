@@ -15,6 +15,7 @@ log = logging.getLogger("redbatch.api")
 
 STATUS: dict[type[errors.RedbatchError], int] = {
     errors.InvalidPayload: 422,
+    errors.InvalidKnob: 422,
     errors.UnknownModel: 404,
     errors.DeadlineExceeded: 504,
     errors.QueueFull: 503,

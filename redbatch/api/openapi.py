@@ -118,6 +118,25 @@ def _predict_get() -> Schema:
                       **{k: v for k, v in V1_ERRORS.items() if k != "415"}}}
 
 
+def _config_path() -> Schema:
+    """``/v1/models/{model}/config``: the live knobs (docs/models.md)."""
+    answer = _json("the stored overrides and the effective values", _ref("V1Config"))
+    errors = {k: V1_ERRORS[k] for k in ("401", "404", "503")}
+    return {
+        "get": {"summary": "a model's live knobs", "tags": ["v1"],
+                "parameters": [_param("model", "model name")],
+                "responses": {"200": answer, **errors}},
+        "patch": {"summary": "change a model's live knobs (null drops an override)",
+                  "tags": ["v1"], "parameters": [_param("model", "model name")],
+                  "requestBody": {"required": True, "content": {"application/json": {
+                      "schema": {"type": "object", "additionalProperties": True}}}},
+                  "responses": {"200": answer, **errors,
+                                "400": _json("body is not a JSON object", _ref("V1Error")),
+                                "422": _json("an unknown knob or a bad value",
+                                             _ref("V1Error"))}},
+    }
+
+
 def _v1_paths() -> dict[str, Schema]:
     predict = {"post": {
         "summary": "one prediction", "tags": ["v1"],
@@ -131,6 +150,7 @@ def _v1_paths() -> dict[str, Schema]:
         "/v1/models/{model}/predict": predict,
         "/v1/models": _get("models with their spec, policy, queue depth and workers",
                            _json("models", _ref("V1Models")), {"503": V1_ERRORS["503"]}, "v1"),
+        "/v1/models/{model}/config": _config_path(),
         "/v1/stats": _get("replies this gateway process received",
                           _json("counters", {"type": "object", "additionalProperties":
                                              {"type": "integer"}}), {}, "v1"),
@@ -277,6 +297,8 @@ def _v1_schemas() -> dict[str, Schema]:
         "V1Models": {"type": "object", "required": ["models"], "properties": {"models": {
             "type": "array", "items": {"type": "object", "required": ["name"],
                                        "properties": {"name": {"type": "string"}}}}}},
+        "V1Config": {"type": "object", "required": ["overrides", "effective"], "properties": {
+            "overrides": {"type": "object"}, "effective": {"type": "object"}}},
     }
 
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 import redis.asyncio as aioredis
 
-from redbatch import codec, defaults, lua, protocol
+from redbatch import codec, defaults, knobs, lua, protocol
 from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, check_socket_timeout
@@ -146,6 +146,20 @@ class Client:
             await self.start()
             async with translated(self.settings):
                 return await read(model)
+
+    async def configure(self, model: str, *, reset: bool = False, **values: Any
+                        ) -> dict[str, Any]:
+        """An admin call: change ``model``'s live batching knobs (``max_batch_size=16``,
+        ``batch_wait_timeout_s=0.01``, ...; None drops an override), after dropping
+        every override with ``reset``.  Every worker of the model applies them within
+        two seconds, and they outlive worker restarts.  Returns ``{"overrides": ...,
+        "effective": ...}``; with no knobs and no reset, changes nothing.  A bad knob
+        or value raises ``InvalidKnob`` (a ``ConfigError``) and stores nothing."""
+        await self.start()
+        async with translated(self.settings):
+            if not values and not reset:
+                return await knobs.show(self.redis, model)
+            return await knobs.configure(self.redis, model, values, reset=reset)
 
     def abandon(self, request_id: str, why: RedbatchError) -> None:
         """Give up waiting for a request: its waiter fails with ``why`` now, freeing

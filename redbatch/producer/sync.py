@@ -78,6 +78,10 @@ class SyncClient:
                                          return_exceptions=return_exceptions)
         return self._call(coro, self._budget(timeout_s))
 
+    def configure(self, model: str, *, reset: bool = False, **values: Any) -> dict[str, Any]:
+        """``Client.configure`` (an admin call: a model's live knobs), blocking."""
+        return self._call(self._client.configure(model, reset=reset, **values), 30.0)
+
     def close(self) -> None:
         if self._loop.is_running():
             try:
