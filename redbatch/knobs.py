@@ -130,12 +130,15 @@ def decode_stored(raw: Mapping[Any, Any]) -> tuple[dict[str, Any], list[str]]:
     return good, problems
 
 
+def published(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The knob values a model's workers run with, from the meta they publish."""
+    values = {**(meta.get("policy") or {}), **(meta.get("limits") or {})}
+    return {name: values.get(name) for name in KNOBS if name in values}
+
+
 def model_defaults(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """A model's own knob values from the meta its workers publish."""
-    if meta.get("defaults"):
-        return dict(meta["defaults"])
-    limits = meta.get("limits") or {}
-    return {**(meta.get("policy") or {}), "max_queue_len": limits.get("max_queue_len")}
+    """A model's own knob values (before overrides) from the meta its workers publish."""
+    return dict(meta.get("defaults") or published(meta))
 
 
 async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict[str, Any]]:

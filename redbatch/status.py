@@ -14,9 +14,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import orjson
 import redis
 
-from redbatch import metrics, protocol
+from redbatch import knobs, metrics, protocol
 from redbatch.registry import live_workers_sync
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
@@ -46,6 +47,8 @@ class ModelStatus:
     forward_ms_p50: float | None = None
     forward_ms_p99: float | None = None
     batch_sizes: dict[str, int] = field(default_factory=dict)
+    knobs: dict[str, Any] = field(default_factory=dict)  # in effect (workers' meta)
+    overrides: dict[str, Any] = field(default_factory=dict)  # stored live changes
 
 
 def quantile(q: float, bounds: tuple[float, ...], counts: list[int], *,
@@ -90,7 +93,16 @@ def read_model(client: redis.Redis, model: str) -> ModelStatus:
     entries = sum(int(w.get("entries", 0)) for w in workers)
     status.mean_entries = entries / status.batches if status.batches else 0.0
     _fill_quantiles(status, workers)
+    _fill_knobs(status, client)
     return status
+
+
+def _fill_knobs(status: ModelStatus, client: redis.Redis) -> None:
+    """The knobs the workers publish in effect, and the stored overrides."""
+    meta: Any = client.get(protocol.meta_key(status.model))
+    status.knobs = knobs.published(orjson.loads(meta)) if meta else {}
+    raw: Any = client.hgetall(protocol.config_key(status.model))
+    status.overrides = knobs.decode_stored(raw)[0]
 
 
 def _fill_quantiles(status: ModelStatus, workers: list[dict[str, Any]]) -> None:

@@ -15,7 +15,8 @@ from redbatch.config import RedisSettings
 from redbatch.errors import RedisUnavailable
 from redbatch.redis_conn import sync_client
 
-COLUMNS = ("model", "queue", "workers (devices)", "items/s", "items/pass mean / p50 / p99",
+COLUMNS = ("model", "queue", "workers (devices)", "items/s", "max batch / window",
+           "items/pass mean / p50 / p99",
            "entries/batch mean / p50 / p99", "queue wait p50 / p99", "forward p50 / p99",
            "dead letters")
 
@@ -34,12 +35,27 @@ def _devices(s: status.ModelStatus) -> str:
         if s.workers else "0"
 
 
+def _knob(s: status.ModelStatus, name: str, text: str) -> str:
+    """A knob's value in effect, starred when a live override sets it."""
+    return text + ("*" if name in s.overrides else "")
+
+
+def _batching(s: status.ModelStatus) -> str:
+    size, wait_s = s.knobs.get("max_batch_size"), s.knobs.get("batch_wait_timeout_s")
+    if size is None or wait_s is None:
+        return "-"
+    return (f"{_knob(s, 'max_batch_size', str(size))} / "
+            f"{_knob(s, 'batch_wait_timeout_s', _ms(wait_s * 1000))}")
+
+
 def table(statuses: dict[str, status.ModelStatus]) -> Table:
-    out = Table(title="redbatch status", caption="distributions since each worker started")
+    out = Table(title="redbatch status", caption="distributions since each worker started; "
+                "* changed live (redbatch config)")
     for column in COLUMNS:
         out.add_column(column, justify="left" if column == "model" else "right")
     for s in statuses.values():
         out.add_row(s.model, str(s.queue_depth), _devices(s), _num(s.items_per_s),
+                    _batching(s),
                     f"{s.mean_batch:.1f} / {_num(s.batch_size_p50)} / {_num(s.batch_size_p99)}",
                     f"{s.mean_entries:.1f} / {_num(s.entries_p50)} / {_num(s.entries_p99)}",
                     f"{_ms(s.queue_wait_ms_p50)} / {_ms(s.queue_wait_ms_p99)}",
