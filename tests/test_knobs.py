@@ -1,0 +1,230 @@
+"""Batching knobs changed live (redbatch.knobs): stored in Redis, applied by running
+workers with their heartbeat, shown by the gateway, the client and ``redbatch config``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import orjson
+import pytest
+import redis
+
+from redbatch import Client, ConfigError, Model, protocol
+from redbatch.cli import main
+from redbatch.config import RedisSettings, WorkerConfig
+from redbatch.errors import InvalidKnob, UnknownModel
+from redbatch.knobs import check, decode_stored
+from redbatch.knobs_cli import parse_changes
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from tests.conftest import wait_live
+from tests.test_gateway import gateway
+
+pytestmark = pytest.mark.timeout(60)
+
+# The default heartbeat (1 s): the 2 s promise is checked against it.
+BEATING = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=1.0, lease_ttl_s=3.0)
+
+
+def recording(name: str, passes: list[int]) -> Model:
+    """A model that notes the size of each forward pass."""
+    def forward(xs: list[int]) -> list[int]:
+        passes.append(len(xs))
+        return xs
+
+    return Model(name, fn=forward, policy=BatchPolicy(max_batch_size=32,
+                                                      batch_wait_timeout_s=0.05))
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.05)
+
+
+def test_checks_name_the_knob_and_value() -> None:
+    assert check("batch_wait_timeout_s", 0) == 0.0 and isinstance(
+        check("batch_wait_timeout_s", 0), float)
+    for name, value, words in [("max_batch_size", 0, "1..65536"),
+                               ("max_batch_size", "16", "an integer"),
+                               ("max_batch_size", True, "an integer"),
+                               ("adaptive", 1, "true or false"),
+                               ("quiet_s", 0, "0..60 s"),
+                               ("max_queue_len", 0, ">= 1"),
+                               ("max_bach_size", 8, "unknown knob")]:
+        with pytest.raises(InvalidKnob, match=words):
+            check(name, value)
+    with pytest.raises(ConfigError, match="max_batch_size must be 1..65536, got 0"):
+        BatchPolicy(max_batch_size=0)  # the policy checks its fields with the same table
+
+
+def test_stored_values_that_no_longer_check_are_reported() -> None:
+    good, problems = decode_stored({b"max_batch_size": b"8", b"stride_s": b"lots",
+                                    b"adaptive": b"3", b"gone_knob": b"1"})
+    assert good == {"max_batch_size": 8}
+    assert sorted(p.split("=")[0] for p in problems) == ["adaptive", "gone_knob", "stride_s"]
+
+
+def test_cli_values_are_json() -> None:
+    assert parse_changes(["max_batch_size=16", "batch_wait_timeout_s=0.01", "adaptive=false",
+                          "quiet_s="]) == {"max_batch_size": 16, "batch_wait_timeout_s": 0.01,
+                                           "adaptive": False, "quiet_s": None}
+    with pytest.raises(InvalidKnob, match="KNOB=VALUE"):
+        parse_changes(["max_batch_size"])
+
+
+async def test_a_running_worker_applies_max_batch_size_within_2_s(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    passes: list[int] = []
+    worker = start_worker([recording("live-size", passes)], config=BEATING)
+    await wait_live(redis_url, "live-size")
+    async with Client(redis_url, require_workers=False) as client:
+        assert await client.predict_many("live-size", list(range(40)), timeout_s=10) == \
+            list(range(40))
+        assert max(passes) > 4  # before: batches larger than the new size
+        answer = await client.configure("live-size", max_batch_size=4)
+        assert answer["overrides"] == {"max_batch_size": 4}
+        assert answer["effective"]["max_batch_size"] == 4
+        assert answer["effective"]["batch_wait_timeout_s"] == 0.05  # the model's own
+        await asyncio.sleep(2.0)  # the promise: applied within 2 s
+        passes.clear()
+        assert await client.predict_many("live-size", list(range(40)), timeout_s=10) == \
+            list(range(40))
+    assert max(passes) == 4 and sum(passes) == 40
+    assert worker.runners[0].model.policy.max_batch_size == 4
+
+
+async def test_bad_values_get_422_and_store_nothing(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([recording("strict", [])])
+    await wait_live(redis_url, "strict")
+    path = "/v1/models/strict/config"
+    async with gateway(redis_url) as http:
+        for body in ({"max_batch_size": 0}, {"max_bach_size": 8},
+                     {"max_batch_size": "16"}, {"adaptive": "yes"},
+                     {"max_batch_size": 8, "stride_s": 99}):
+            resp = await http.patch(path, json=body)
+            assert resp.status_code == 422, (body, resp.text)
+            assert resp.json()["error"]["code"] == "invalid_knob"
+            assert next(iter(body)) in resp.text or "stride_s" in resp.text
+        assert (await http.patch(path, json=[1, 2])).status_code == 400
+        assert (await http.patch(path, content=b"{not json")).status_code == 400
+        assert (await http.patch("/v1/models/nobody/config",
+                                 json={"max_batch_size": 8})).status_code == 404
+        assert (await http.get("/v1/models/nobody/config")).status_code == 404
+    assert not raw_redis.exists(protocol.config_key("strict"))
+    async with Client(redis_url, require_workers=False) as client:
+        with pytest.raises(ConfigError, match="max_batch_size"):
+            await client.configure("strict", max_batch_size=0)
+        with pytest.raises(UnknownModel):
+            await client.configure("nobody", max_batch_size=8)
+    assert not raw_redis.exists(protocol.config_key("strict"))
+
+
+async def test_patch_needs_the_api_key_when_one_is_set(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([recording("guarded", [])])
+    await wait_live(redis_url, "guarded")
+    path = "/v1/models/guarded/config"
+    async with gateway(redis_url, api_key="k3y") as http:
+        assert (await http.patch(path, json={"max_batch_size": 8})).status_code == 401
+        assert (await http.get(path)).status_code == 401
+        assert not raw_redis.exists(protocol.config_key("guarded"))
+        resp = await http.patch(path, json={"max_batch_size": 8},
+                                headers={"Authorization": "Bearer k3y"})
+        assert resp.status_code == 200, resp.text
+    assert raw_redis.hgetall(protocol.config_key("guarded")) == {b"max_batch_size": b"8"}
+
+
+async def test_models_listing_shows_the_effective_values(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    model = recording("listed", [])
+    start_worker([model])
+    await wait_live(redis_url, "listed")
+    async with gateway(redis_url) as http:
+        resp = await http.patch("/v1/models/listed/config",
+                                json={"max_batch_size": 12, "max_queue_len": 50})
+        assert resp.json()["overrides"] == {"max_batch_size": 12, "max_queue_len": 50}
+
+        async def listed() -> dict[str, object]:
+            models = (await http.get("/v1/models")).json()["models"]
+            return next(m for m in models if m["name"] == "listed")
+
+        for _ in range(60):
+            meta = await listed()
+            if meta["policy"]["max_batch_size"] == 12:  # type: ignore[index]
+                break
+            await asyncio.sleep(0.05)
+        assert meta["policy"]["max_batch_size"] == 12  # type: ignore[index]
+        assert meta["limits"]["max_queue_len"] == 50  # type: ignore[index]
+        assert meta["defaults"]["max_batch_size"] == 32  # type: ignore[index]
+        shown = (await http.get("/v1/models/listed/config")).json()
+        assert shown["overrides"] == {"max_batch_size": 12, "max_queue_len": 50}
+        assert shown["effective"]["max_batch_size"] == 12
+        dropped = await http.patch("/v1/models/listed/config", json={"max_queue_len": None})
+        assert dropped.json()["overrides"] == {"max_batch_size": 12}
+        assert dropped.json()["effective"]["max_queue_len"] is None
+    assert model.policy.max_batch_size == 32  # the caller's Model is never changed
+
+
+async def test_an_override_survives_a_worker_restart(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    first = Worker([recording("kept", [])], RedisSettings(redis_url), BEATING)
+    stop = asyncio.Event()
+    task = asyncio.create_task(first.run(stop))
+    await wait_live(redis_url, "kept")
+    async with Client(redis_url, require_workers=False) as client:
+        await client.configure("kept", max_batch_size=6, batch_wait_timeout_s=0)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    second = Worker([recording("kept", [])], RedisSettings(redis_url), BEATING)
+    seen: list[BatchPolicy] = []
+    second.on_serving = lambda: seen.append(second.runners[0].model.policy)
+    start_worker_task = asyncio.create_task(second.run(stop := asyncio.Event()))
+    try:
+        await _until(lambda: bool(seen))
+        assert (seen[0].max_batch_size, seen[0].batch_wait_timeout_s) == (6, 0.0)
+    finally:
+        stop.set()
+        await asyncio.wait_for(start_worker_task, 10)
+
+
+async def test_a_corrupted_stored_value_is_logged_and_ignored(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        caplog: pytest.LogCaptureFixture) -> None:
+    raw_redis.hset(protocol.config_key("sturdy"), mapping={
+        "max_batch_size": "lots", "stride_s": "-1", "batch_wait_timeout_s": "0.02"})
+    caplog.set_level(logging.INFO, logger="redbatch.worker")
+    worker = start_worker([recording("sturdy", [])])
+    await wait_live(redis_url, "sturdy")
+    async with Client(redis_url, require_workers=False) as client:
+        assert await client.predict("sturdy", 7, timeout_s=10) == 7
+    policy = worker.runners[0].model.policy
+    assert (policy.max_batch_size, policy.stride_s, policy.batch_wait_timeout_s) == \
+        (32, 0.0, 0.02)  # the good override applied, the bad ones ignored
+    text = caplog.text
+    assert "ignoring the stored knob override max_batch_size" in text
+    assert "ignoring the stored knob override stride_s" in text
+    assert "knob batch_wait_timeout_s: 0.05 -> 0.02" in text
+
+
+def test_cli_sets_shows_and_resets(redis_url: str, raw_redis: redis.Redis,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    raw_redis.set(protocol.meta_key("clied"), orjson.dumps(recording("clied", []).meta()))
+    url = ["--redis-url", redis_url]
+    assert main(["config", "clied", "max_batch_size=8", "adaptive=false", *url]) == 0
+    out = capsys.readouterr().out
+    assert "max_batch_size" in out and "8  (override)" in out
+    assert main(["config", "clied", "--json", *url]) == 0
+    shown = orjson.loads(capsys.readouterr().out)
+    assert shown["overrides"] == {"max_batch_size": 8, "adaptive": False}
+    assert main(["config", "clied", "max_batch_size=0", *url]) == 2  # bad: nothing stored
+    assert main(["config", "clied", "max_batch_size=", *url]) == 0
+    assert raw_redis.hgetall(protocol.config_key("clied")) == {b"adaptive": b"false"}
+    assert main(["config", "clied", "--reset", "--json", *url]) == 0
+    assert orjson.loads(capsys.readouterr().out.splitlines()[-1])["overrides"] == {}
+    assert not raw_redis.exists(protocol.config_key("clied"))
+    assert main(["config", "nobody", *url]) == 2
