@@ -78,9 +78,8 @@ def _is_kind(value: Any, kind: type) -> bool:
 def check(name: str, value: Any) -> Any:
     """The value of knob ``name`` as it is applied (an int given for a float knob
     becomes a float), or ``InvalidKnob`` naming the knob and the value."""
-    knob = KNOBS.get(name)
-    if knob is None:
-        raise InvalidKnob(f"unknown knob {name!r}; live knobs: {', '.join(KNOBS)}")
+    _known(name)
+    knob = KNOBS[name]
     if value is None and knob.nullable:
         return None
     if not _is_kind(value, knob.kind):
@@ -99,8 +98,20 @@ def changes_from(changes: Mapping[str, Any]) -> dict[str, Any]:
     knob goes back to the model's own value)."""
     if not isinstance(changes, Mapping):
         raise InvalidKnob("the knobs must be an object of knob -> value")
-    return {str(name): None if value is None else check(str(name), value)
-            for name, value in changes.items()}
+    return {str(name): _change(str(name), value) for name, value in changes.items()}
+
+
+def _change(name: str, value: Any) -> Any:
+    """None (drop the override) for a known knob, else the checked value."""
+    if value is None:
+        _known(name)
+        return None
+    return check(name, value)
+
+
+def _known(name: str) -> None:
+    if name not in KNOBS:
+        raise InvalidKnob(f"unknown knob {name!r}; live knobs: {', '.join(KNOBS)}")
 
 
 def effective(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

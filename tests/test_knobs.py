@@ -104,7 +104,7 @@ async def test_bad_values_get_422_and_store_nothing(
     await wait_live(redis_url, "strict")
     path = "/v1/models/strict/config"
     async with gateway(redis_url) as http:
-        for body in ({"max_batch_size": 0}, {"max_bach_size": 8},
+        for body in ({"max_batch_size": 0}, {"max_bach_size": 8}, {"max_bach_size": None},
                      {"max_batch_size": "16"}, {"adaptive": "yes"},
                      {"max_batch_size": 8, "stride_s": 99}):
             resp = await http.patch(path, json=body)
