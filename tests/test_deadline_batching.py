@@ -39,16 +39,23 @@ def _plain(x: Any) -> Any:
     return int(x[0]) if isinstance(x, np.ndarray) else x
 
 
+async def served(start_worker: Callable[..., Worker], url: str, name: str,
+                 sleep_s: float = 0.0, **policy: Any) -> tuple[Worker, list[list[Any]]]:
+    """A live worker of a ``recording`` model, and the model's calls."""
+    calls: list[list[Any]] = []
+    worker = start_worker([recording(name, calls, sleep_s, **policy)])
+    await wait_live(url, name)
+    return worker, calls
+
+
 def expired_count(worker: Worker) -> float:
     return float(worker.runners[0].stats.outcomes["expired"]._value.get())
 
 
 async def test_a_request_that_cannot_make_its_deadline_is_not_computed(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    calls: list[list[Any]] = []
-    worker = start_worker([recording("slow", calls, 0.2, max_batch_size=8,
-                                     batch_wait_timeout_s=0.0)])
-    await wait_live(redis_url, "slow")
+    worker, calls = await served(start_worker, redis_url, "slow", 0.2, max_batch_size=8,
+                                 batch_wait_timeout_s=0.0)
     async with Client(redis_url) as client:
         for i in range(PASS_WARMUP):  # the worker measures ~200 ms a pass
             assert await client.predict("slow", i, timeout_s=10) == i
@@ -63,9 +70,8 @@ async def test_a_request_that_cannot_make_its_deadline_is_not_computed(
 
 async def test_a_cold_worker_drops_nothing(start_worker: Callable[..., Worker],
                                            redis_url: str) -> None:
-    calls: list[list[Any]] = []
-    start_worker([recording("cold", calls, 0.2, max_batch_size=8, batch_wait_timeout_s=0.0)])
-    await wait_live(redis_url, "cold")
+    _, calls = await served(start_worker, redis_url, "cold", 0.2, max_batch_size=8,
+                            batch_wait_timeout_s=0.0)
     async with Client(redis_url) as client:
         with pytest.raises(DeadlineExceeded):  # 50 ms: too short for a 200 ms pass
             await client.predict("cold", 7, timeout_s=0.05)
@@ -99,10 +105,8 @@ async def test_earliest_deadlines_run_in_the_first_pass(start_worker: Callable[.
 
 async def test_no_small_batch_waits_for_a_full_batch(start_worker: Callable[..., Worker],
                                                      redis_url: str) -> None:
-    calls: list[list[Any]] = []
-    start_worker([recording("full", calls, max_batch_size=8, batch_wait_timeout_s=0.05,
-                            allow_small_batch=False)])
-    await wait_live(redis_url, "full")
+    _, calls = await served(start_worker, redis_url, "full", max_batch_size=8,
+                            batch_wait_timeout_s=0.05, allow_small_batch=False)
     async with Client(redis_url) as client:
         first = [await client.submit("full", i, timeout_s=10) for i in range(3)]
         await asyncio.sleep(0.5)  # ten times batch_wait_timeout_s
@@ -119,10 +123,8 @@ async def test_no_small_batch_waits_for_a_full_batch(start_worker: Callable[...,
 
 async def test_a_deadline_closes_the_window_early(start_worker: Callable[..., Worker],
                                                   redis_url: str) -> None:
-    calls: list[list[Any]] = []
-    start_worker([recording("window", calls, max_batch_size=8, batch_wait_timeout_s=2.0,
-                            adaptive=False)])
-    await wait_live(redis_url, "window")
+    _, calls = await served(start_worker, redis_url, "window", max_batch_size=8,
+                            batch_wait_timeout_s=2.0, adaptive=False)
     async with Client(redis_url) as client:
         started = time.monotonic()
         assert await client.predict("window", 5, timeout_s=0.5) == 5  # not held 2 s
