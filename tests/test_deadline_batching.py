@@ -14,13 +14,14 @@ import pytest
 import redis
 
 from redbatch import DeadlineExceeded, protocol
+from redbatch.config import RedisSettings
 from redbatch.producer import Client
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.stats import PASS_WARMUP, PassTimes
 
-from .conftest import wait_live
+from .conftest import FAST_WORKER, wait_live
 
 
 def recording(name: str, calls: list[list[Any]], sleep_s: float = 0.0, **policy: Any
@@ -119,6 +120,22 @@ async def test_no_small_batch_waits_for_a_full_batch(start_worker: Callable[...,
         assert await asyncio.gather(*urgent) == [0, 1, 2]  # forced by the deadline, in time
     assert calls[1:] == [[0, 1, 2]]
     assert time.monotonic() - started > 0.5  # it did wait for more, while it could
+
+
+async def test_a_stopping_worker_runs_the_small_batch_it_holds(redis_url: str) -> None:
+    calls: list[list[Any]] = []
+    model = recording("held", calls, max_batch_size=8, allow_small_batch=False)
+    worker, stop = Worker([model], RedisSettings(redis_url), FAST_WORKER), asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    await wait_live(redis_url, "held")
+    async with Client(redis_url) as client:
+        held = [await client.submit("held", i, timeout_s=30) for i in range(3)]
+        await asyncio.sleep(0.3)
+        assert calls == []  # waiting for a full batch
+        stop.set()
+        assert await asyncio.wait_for(asyncio.gather(*held), 5) == [0, 1, 2]
+    await asyncio.wait_for(running, 10)
+    assert calls == [[0, 1, 2]]
 
 
 async def test_a_deadline_closes_the_window_early(start_worker: Callable[..., Worker],

@@ -120,6 +120,7 @@ class Claimer:
         # the measured time of a pass of n items (None: not measured yet), set by the
         # runner: a window closes early enough for its most urgent request's pass
         self.pass_ms: Callable[[int], float | None] = _cold
+        self.stop: asyncio.Event | None = None  # set: a window waits no more (shutdown)
 
     async def _take(self, count: int) -> list[bytes]:
         """CLAIM, with an EXISTS of the cancelled set riding in the same write."""
@@ -265,6 +266,10 @@ class Claimer:
         self._lone += 1
         return self._gain >= GAIN_MIN or self._lone % PROBE_EVERY == 0
 
+    def _open(self, items: list[bytes], size: int) -> bool:
+        """Keep filling: not full, and the worker is not stopping."""
+        return len(items) < size and not (self.stop is not None and self.stop.is_set())
+
     async def _fill(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         if self._precise and self._client_id is not None:
             await self._fill_precise(items, size, window_end_ms)
@@ -275,7 +280,7 @@ class Claimer:
         """Top up until full, or the window ends, or (adaptive) no request came for a
         quiet gap: nobody else is on the way, so the batch goes now."""
         quiet_ms = self._policy.quiet_ms()
-        while len(items) < size:
+        while self._open(items, size):
             now = protocol.now_ms()
             if window_end_ms - now < 1:
                 return
@@ -295,7 +300,7 @@ class Claimer:
         our own: Redis wakes blocked clients on its own timer (``hz``, 100 ms by default),
         so a server-side timeout is only used while it cannot overshoot the window; the
         last stretch is a client-side sleep followed by one non-blocking claim."""
-        while len(items) < size:
+        while self._open(items, size):
             remaining_s = (window_end_ms - protocol.now_ms()) / 1000
             if remaining_s < MIN_BLOCK_S:
                 return

@@ -119,6 +119,7 @@ class BatchRunner:
         what this worker still held to the queue's front."""
         await self._return_unacked()
         self._unacked = True
+        self.claimer.stop = stop  # a window still filling at shutdown closes
         claiming: asyncio.Task[Claimed | None] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
