@@ -16,6 +16,8 @@ import redis
 from redbatch import DeadlineExceeded, protocol
 from redbatch.config import RedisSettings
 from redbatch.producer import Client
+from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
+from redbatch.worker.decode import Decoded, Item, Pack
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
@@ -99,7 +101,9 @@ async def test_earliest_deadlines_run_in_the_first_pass(start_worker: Callable[.
             await asyncio.sleep(0.01)
         queue.close()
         start_worker([model])  # one claim: 4 entries, 7 items, two passes of up to 4
-        await asyncio.gather(*pack, *singles)
+        rows, *outs = await asyncio.gather(*pack, *singles)
+    assert [int(row[0]) for row in rows] == [0, 1, 2, 3]  # each result to its caller
+    assert [int(out[0]) for out in outs] == [100, 101, 102]
     assert [len(c) for c in calls] == [4, 3]
     assert {100, 101, 102} <= set(calls[0])  # not FIFO's [0, 1, 2, 3] first
 
@@ -162,3 +166,33 @@ def test_pass_times_need_a_warmup_and_bucket_by_size() -> None:
     times.add([1], 10.0)
     assert times.estimate_ms(1) == pytest.approx(10.0)
     assert times.estimate_ms(8) == pytest.approx(100.0)
+
+
+def _request(rid: str, deadline_ms: int, rows: int = 0) -> protocol.Request:
+    return protocol.Request(rid, "m", 0, deadline_ms, protocol.reply_key("c"), None,
+                            rows=rows)
+
+
+def test_a_late_multi_row_request_is_answered_whole() -> None:
+    packed = _request("p", 1_100, rows=2)
+    pack = Pack(packed, "msgpack", [None, None], {})
+    decoded = Decoded(items=[Item(_request("a", 5_000), "msgpack", 1),
+                             Item(packed, "msgpack", 2, pack, 0),
+                             Item(packed, "msgpack", 3, pack, 1)], packs=[pack])
+    order_by_deadline(decoded, size=2)  # three items, two passes: the pack first
+    assert [item.request.id for item in decoded.items] == ["p", "p", "a"]
+    assert drop_infeasible(decoded, 1_000, 2, lambda n: 300.0) == 1  # 100 ms < 150 + 5
+    assert [item.request.id for item in decoded.items] == ["a"]
+    assert decoded.packs == []
+    assert [(r.id, type(e)) for r, _f, e in decoded.early] == [("p", DeadlineExceeded)]
+    assert drop_infeasible(decoded, 1_000, 2, lambda n: None) == 0  # cold: nothing
+
+
+def test_the_pass_a_request_joins_decides() -> None:
+    items = [Item(_request(f"r{i}", 1_000 + 400), "msgpack", i) for i in range(4)]
+    decoded = Decoded(items=items)
+    # 100 ms a pass, halved: the first pass ends by 1_055, the second by 1_105 ... < 1_400
+    assert drop_infeasible(decoded, 1_000, 2, lambda n: 100.0) == 0
+    decoded.items[3].request.deadline_ms = 1_080  # in the second pass: 1_105 > 1_080
+    assert drop_infeasible(decoded, 1_000, 2, lambda n: 100.0) == 1
+    assert [item.request.id for item in decoded.items] == ["r0", "r1", "r2"]

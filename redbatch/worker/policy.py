@@ -31,7 +31,8 @@ class BatchPolicy:
       urgent request's deadline forces it (the rule above); ``batch_wait_timeout_s``
       does not send a small batch then.  It counts (from the claim) only for a batch
       none of whose entries has a readable deadline (malformed entries, answered or
-      dead-lettered by the decode step).
+      dead-lettered by the decode step).  A worker that is stopping closes its window
+      (within ``block_timeout_s``) and runs what it holds.
     * ``stride_s``: least time between two batch pops of one worker (0 = continuous).
     * ``adaptive`` (with ``allow_small_batch``): a lone request does not sit out the
       window while recent windows brought no other request (a sequential caller, light
