@@ -11,7 +11,7 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
-from redbatch.worker.claim import Claimer, peek_enqueue_ms
+from redbatch.worker.claim import WINDOW_MARGIN_MS, Claimer, peek_deadline_ms, peek_enqueue_ms
 from redbatch.worker.policy import BatchPolicy
 
 MODEL = "m"
@@ -24,9 +24,9 @@ async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-def entry(n: int, enqueue_ms: int | None = None) -> bytes:
+def entry(n: int, enqueue_ms: int | None = None, timeout_ms: int = 60_000) -> bytes:
     enq = protocol.now_ms() if enqueue_ms is None else enqueue_ms
-    req = protocol.Request(f"id{n}", MODEL, enq, enq + 60_000, protocol.reply_key("c"), n)
+    req = protocol.Request(f"id{n}", MODEL, enq, enq + timeout_ms, protocol.reply_key("c"), n)
     return codec.encode(req.to_wire())
 
 
@@ -108,12 +108,41 @@ async def test_window_is_measured_from_the_oldest_item(aredis: aioredis.Redis) -
     await later
 
 
-async def test_no_small_batch_waits_the_window_from_the_claim(aredis: aioredis.Redis) -> None:
+async def test_no_small_batch_outwaits_the_window_until_full(aredis: aioredis.Redis) -> None:
+    """allow_small_batch=False no longer sends a small batch when batch_wait_timeout_s
+    has passed: it waits for a full batch while the deadlines (60 s) allow."""
     await push(aredis, entry(0, enqueue_ms=protocol.now_ms() - 1000))
-    later = asyncio.create_task(_push_after(aredis, 0.15, entry(1)))
-    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.4, allow_small_batch=False)
-    assert ids(await c.claim()) == ["id0", "id1"]
+    later = asyncio.create_task(_push_after(aredis, 0.6, *(entry(i) for i in range(1, 4))))
+    c = claimer(aredis, max_batch_size=4, batch_wait_timeout_s=0.1, allow_small_batch=False)
+    assert ids(await c.claim()) == ["id0", "id1", "id2", "id3"]  # not ["id0"] at 0.1 s
     await later
+
+
+async def test_no_small_batch_runs_when_a_deadline_forces_it(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0, timeout_ms=30_000), entry(1, timeout_ms=700))
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=0.05, allow_small_batch=False)
+    started = time.monotonic()
+    assert ids(await c.claim()) == ["id0", "id1"]
+    assert 0.3 < time.monotonic() - started < 0.7 - WINDOW_MARGIN_MS / 1000 + 0.05
+
+
+async def test_an_urgent_arrival_closes_the_window_early(aredis: aioredis.Redis) -> None:
+    await push(aredis, entry(0))
+    later = asyncio.create_task(_push_after(aredis, 0.1, entry(1, timeout_ms=400)))
+    c = claimer(aredis, max_batch_size=8, batch_wait_timeout_s=3.0, adaptive=False)
+    c.pass_ms = lambda n: 100.0  # measured: the window keeps 150 ms + the margin
+    started = time.monotonic()
+    assert ids(await c.claim()) == ["id0", "id1"]
+    assert time.monotonic() - started < 1.0  # not the 3 s window
+    await later
+
+
+def test_peek_deadline_ms() -> None:
+    raw = entry(0, enqueue_ms=1000, timeout_ms=500)
+    assert peek_deadline_ms(raw) == 1500
+    assert peek_deadline_ms(codec.encode(codec.decode(raw), "json")) == 1500
+    assert peek_deadline_ms(b"\xc1garbage") is None
+    assert peek_deadline_ms(b'{"deadline_ms": true}') is None
 
 
 async def test_stride_spaces_batch_pops(aredis: aioredis.Redis) -> None:

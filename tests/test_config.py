@@ -90,6 +90,10 @@ def test_window_anchor() -> None:
     assert ray_rule.window_end_ms(oldest_enqueue_ms=1000, claimed_ms=1500) == 1010
     full_wait = BatchPolicy(batch_wait_timeout_s=0.01, allow_small_batch=False)
     assert full_wait.window_end_ms(oldest_enqueue_ms=1000, claimed_ms=1500) == 1510
+    # a readable deadline: the window closes for it alone without allow_small_batch
+    assert full_wait.window_end_ms(1000, 1500, urgent_ms=9000) == 9000
+    assert ray_rule.window_end_ms(1000, 1500, urgent_ms=9000) == 1010
+    assert ray_rule.window_end_ms(1000, 1500, urgent_ms=1005) == 1005
 
 
 MANGLED_URLS = [  # what passwords with a raw / # ? do to a URL (and other typos)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -31,19 +32,49 @@ GAIN_MIN = 0.5  # waiting is worth it while a window adds this many requests on 
 GAIN_SMOOTHING = 0.2
 PROBE_EVERY = 16  # lone batches: one in this many waits anyway, to re-measure the gain
 SERVER_TIMER_SLACK_S = 0.11  # a blocked client's timeout may fire up to 1/hz s late
+WINDOW_SAFETY = 1.5  # a window closes this many measured passes before a deadline...
+WINDOW_MARGIN_MS = 50  # ...and this much more (decode, reply, its delivery)
+
+
+def _peek_msgpack(raw: bytes, name: str) -> Any:
+    """One top-level field of a msgpack map; the values before it are skipped unbuilt."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 1))
+    unpacker.feed(raw)
+    for _ in range(unpacker.read_map_header()):
+        if unpacker.unpack() == name:
+            return unpacker.unpack()
+        unpacker.skip()
+    return None
+
+
+def _peek_int(raw: bytes, name: str) -> int | None:
+    """An entry's integer field ``name``, without validating the rest of it."""
+    try:
+        if raw[:1] == b"{":
+            wire: Any = orjson.loads(raw)
+            value = wire.get(name) if isinstance(wire, dict) else None
+        else:
+            value = _peek_msgpack(raw, name)
+    except Exception:  # a bad entry is rejected later, by the decode step
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def peek_enqueue_ms(raw: bytes, fallback_ms: int) -> int:
     """Read an entry's enqueue time without validating the rest of it, never later than
     ``fallback_ms`` (the claim time)."""
-    try:
-        wire: Any = orjson.loads(raw) if raw[:1] == b"{" else msgpack.unpackb(raw)
-        value = wire.get(protocol.F_ENQUEUE_MS) if isinstance(wire, dict) else None
-    except Exception:  # a bad entry is rejected later, by the decode step
-        return fallback_ms
-    if isinstance(value, int) and not isinstance(value, bool):
-        return min(value, fallback_ms)  # a producer clock ahead of ours must not hold a batch
-    return fallback_ms
+    value = _peek_int(raw, protocol.F_ENQUEUE_MS)
+    # a producer clock ahead of ours must not hold a batch
+    return fallback_ms if value is None else min(value, fallback_ms)
+
+
+def peek_deadline_ms(raw: bytes) -> int | None:
+    """An entry's deadline (epoch ms), None if it cannot be read."""
+    return _peek_int(raw, protocol.F_DEADLINE_MS)
+
+
+def _cold(size: int) -> float | None:
+    return None
 
 
 _CANCEL_REFUSED: set[str] = set()  # models already warned about
@@ -86,6 +117,10 @@ class Claimer:
         self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
         self._lone = 0
         self._drained = False  # the queue was empty at the last look: block at once
+        # the measured time of a pass of n items (None: not measured yet), set by the
+        # runner: a window closes early enough for its most urgent request's pass
+        self.pass_ms: Callable[[int], float | None] = _cold
+        self.stop: asyncio.Event | None = None  # set: a window waits no more (shutdown)
 
     def set_policy(self, policy: BatchPolicy) -> None:
         """Form the next batches under ``policy`` (a live change, between batches)."""
@@ -193,13 +228,39 @@ class Claimer:
             items = [first, *await self._top_up(size - 1)]  # those queued behind it
         if len(items) >= size or not self._worth_waiting(len(items)):
             return items  # full, or a lone request in a quiet spell: not even a top-up
-        if len(items) < size and self._policy.batch_wait_timeout_s > 0:
-            claimed_ms = protocol.now_ms()
-            oldest_ms = peek_enqueue_ms(items[0], claimed_ms)
+        if self._policy.batch_wait_timeout_s > 0 or not self._policy.allow_small_batch:
             found = len(items)
-            await self._fill(items, size, self._policy.window_end_ms(oldest_ms, claimed_ms))
+            await self._fill(items, size, self._window_end_ms(items, size))
             self._gain += GAIN_SMOOTHING * (len(items) - found - self._gain)
         return items
+
+    def _window_end_ms(self, items: list[bytes], size: int) -> int:
+        """The policy's window, closed early by the most urgent request's slack.  A
+        window that ends within ``WINDOW_MARGIN_MS`` anyway skips reading deadlines."""
+        claimed_ms = protocol.now_ms()
+        oldest_ms = peek_enqueue_ms(items[0], claimed_ms)
+        policy_end_ms = self._policy.window_end_ms(oldest_ms, claimed_ms)
+        if self._policy.allow_small_batch and policy_end_ms - claimed_ms <= WINDOW_MARGIN_MS:
+            return policy_end_ms
+        return self._policy.window_end_ms(oldest_ms, claimed_ms, self._urgent_ms(items, size))
+
+    def _urgent_ms(self, items: list[bytes], size: int) -> int | None:
+        """When the batch must run for its most urgent request (of ``items``) to be
+        answered in time: its deadline less the pass time and margins; None if no
+        deadline can be read."""
+        deadlines = [d for d in map(peek_deadline_ms, items) if d is not None]
+        if not deadlines:
+            return None
+        pass_ms = self.pass_ms(size) or 0.0
+        return min(deadlines) - round(WINDOW_SAFETY * pass_ms) - WINDOW_MARGIN_MS
+
+    def _closer(self, window_end_ms: int, new: list[bytes], size: int) -> int:
+        """The window after ``new`` joined the batch (an urgent one closes it early; a
+        window ending within ``WINDOW_MARGIN_MS`` anyway is left as it is)."""
+        if window_end_ms - protocol.now_ms() <= WINDOW_MARGIN_MS:
+            return window_end_ms
+        urgent_ms = self._urgent_ms(new, size)
+        return window_end_ms if urgent_ms is None else min(window_end_ms, urgent_ms)
 
     def _worth_waiting(self, found: int) -> bool:
         """Skip the window for a lone request while windows have been bringing nothing."""
@@ -208,6 +269,10 @@ class Claimer:
             return True
         self._lone += 1
         return self._gain >= GAIN_MIN or self._lone % PROBE_EVERY == 0
+
+    def _open(self, items: list[bytes], size: int) -> bool:
+        """Keep filling: not full, and the worker is not stopping."""
+        return len(items) < size and not (self.stop is not None and self.stop.is_set())
 
     async def _fill(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         if self._precise and self._client_id is not None:
@@ -219,7 +284,7 @@ class Claimer:
         """Top up until full, or the window ends, or (adaptive) no request came for a
         quiet gap: nobody else is on the way, so the batch goes now."""
         quiet_ms = self._policy.quiet_ms()
-        while len(items) < size:
+        while self._open(items, size):
             now = protocol.now_ms()
             if window_end_ms - now < 1:
                 return
@@ -230,15 +295,16 @@ class Claimer:
                 if wake_at < window_end_ms:
                     return
                 continue
-            items.append(item)
-            items.extend(await self._top_up(size - len(items)))
+            new = [item, *await self._top_up(size - len(items) - 1)]
+            items.extend(new)
+            window_end_ms = self._closer(window_end_ms, new, size)
 
     async def _fill_coarse(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         """Top the batch up until it is full or its window closes, without a connection of
         our own: Redis wakes blocked clients on its own timer (``hz``, 100 ms by default),
         so a server-side timeout is only used while it cannot overshoot the window; the
         last stretch is a client-side sleep followed by one non-blocking claim."""
-        while len(items) < size:
+        while self._open(items, size):
             remaining_s = (window_end_ms - protocol.now_ms()) / 1000
             if remaining_s < MIN_BLOCK_S:
                 return
@@ -249,5 +315,6 @@ class Claimer:
             item = await self._block_one(min(remaining_s - SERVER_TIMER_SLACK_S,
                                              self._block_timeout_s))
             if item is not None:
-                items.append(item)
-                items.extend(await self._top_up(size - len(items)))
+                new = [item, *await self._top_up(size - len(items) - 1)]
+                items.extend(new)
+                window_end_ms = self._closer(window_end_ms, new, size)

@@ -24,8 +24,16 @@ class BatchPolicy:
       default, Ray Serve's rule) the window opens when the *oldest* claimed request
       was enqueued, so a request that already waited in the queue is not held back
       further.  0 means opportunistic: take what is queued now and go.
-    * ``allow_small_batch=False``: wait for a full batch for the whole window,
-      counted from when this worker claimed the batch's first request.
+    * Deadlines close a window early: a batch runs at the latest when its most urgent
+      request's deadline, less 1.5 measured pass times and a 50 ms margin, comes (the
+      margin alone before passes were measured).  A window that ends within the
+      margin anyway does not read the deadlines.
+    * ``allow_small_batch=False``: a batch runs only when it is full, or when its most
+      urgent request's deadline forces it (the rule above); ``batch_wait_timeout_s``
+      does not send a small batch then.  It counts (from the claim) only for a batch
+      none of whose entries has a readable deadline (malformed entries, answered or
+      dead-lettered by the decode step).  A worker that is stopping closes its window
+      (within ``block_timeout_s``) and runs what it holds.
     * ``stride_s``: least time between two batch pops of one worker (0 = continuous).
     * ``adaptive`` (with ``allow_small_batch``): a lone request does not sit out the
       window while recent windows brought no other request (a sequential caller, light
@@ -68,10 +76,16 @@ class BatchPolicy:
             return max(1, round(self.quiet_s * 1000))
         return max(1, round(self.batch_wait_timeout_s * 250)) if self.adaptive else None
 
-    def window_end_ms(self, oldest_enqueue_ms: int, claimed_ms: int) -> int:
-        """Epoch ms at which the batch must run even if it is not full."""
-        anchor = oldest_enqueue_ms if self.allow_small_batch else claimed_ms
-        return anchor + round(self.batch_wait_timeout_s * 1000)
+    def window_end_ms(self, oldest_enqueue_ms: int, claimed_ms: int,
+                      urgent_ms: int | None = None) -> int:
+        """Epoch ms at which the batch must run even if it is not full.  ``urgent_ms``:
+        when its most urgent request must start (its deadline less the pass time and
+        margins), None if no entry's deadline can be read."""
+        wait_ms = round(self.batch_wait_timeout_s * 1000)
+        if not self.allow_small_batch:
+            return claimed_ms + wait_ms if urgent_ms is None else urgent_ms
+        end_ms = oldest_enqueue_ms + wait_ms
+        return end_ms if urgent_ms is None else min(end_ms, urgent_ms)
 
     def to_json(self) -> dict[str, Any]:
         return {

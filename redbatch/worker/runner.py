@@ -17,6 +17,7 @@ from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
 from redbatch.worker.claim import Claimer
+from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
 from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder
 from redbatch.worker.model import BatchFn, Model
@@ -54,6 +55,7 @@ class Claimed:
     decoded: Decoded
     claimed_ms: int
     digest: str
+    late: int = 0  # answered deadline_exceeded uncomputed: too little time for a pass
 
     @property
     def size(self) -> int:
@@ -100,6 +102,7 @@ class BatchRunner:
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
         self.stats = WorkerStats(model.name, model.policy.max_batch_size)
+        self.claimer.pass_ms = self.stats.pass_times.estimate_ms  # the window's slack
         self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters)
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
@@ -123,6 +126,7 @@ class BatchRunner:
         what this worker still held to the queue's front."""
         await self._return_unacked()
         self._unacked = True
+        self.claimer.stop = stop  # a window still filling at shutdown closes
         claiming: asyncio.Task[Claimed | None] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
@@ -181,6 +185,7 @@ class BatchRunner:
         if self.claimer.cancels:  # callers went away: skip their requests
             await self.claimer.drop_cancelled(batch.decoded)
         self._claim_count = self._next_claim_count(batch)
+        self._schedule(batch)
         return batch
 
     def _use_policy(self) -> None:
@@ -189,6 +194,14 @@ class BatchRunner:
         self.stats.max_batch_size = self._policy.max_batch_size
         self._claim_count = self._policy.max_batch_size
         self._rows_per_entry = 1.0
+
+    def _schedule(self, batch: Claimed) -> None:
+        """Earliest deadline first over the batch's passes; a request that cannot
+        finish before its deadline, given the measured pass time, is answered now."""
+        size = self.model.policy.max_batch_size
+        order_by_deadline(batch.decoded, size)
+        batch.late = drop_infeasible(batch.decoded, protocol.now_ms(), size,
+                                     self.stats.pass_times.estimate_ms)
 
     def _next_claim_count(self, batch: Claimed) -> int:
         """Entries to claim next so that about ``max_batch_size`` items come: fewer
@@ -311,10 +324,11 @@ class BatchRunner:
                          waits_ms=waits, fwd_ms=fwd_ms, busy_s=computed.busy_s,
                          failed=computed.failed)
         log.info("model=%s n=%d items=%d entries=%d passes=%d computed=%d failed=%d "
-                 "rejected=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f", self.model.name,
+                 "rejected=%d late=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f", self.model.name,
                  max(passes, default=0), sum(passes), batch.claimed, len(passes),
                  len(decoded.items) - computed.failed, computed.failed,
-                 len(decoded.early) + decoded.invalid_rows, max(waits, default=0), fwd_ms,
+                 len(decoded.early) + decoded.invalid_rows - batch.late, batch.late,
+                 max(waits, default=0), fwd_ms,
                  reply_ms)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(

@@ -15,6 +15,8 @@ from redbatch.errors import DeadlineExceeded
 from redbatch.worker.decode import Decoded
 
 CAPACITY_SMOOTHING = 0.5  # weight of the last heartbeat interval in ``items_per_s``
+PASS_SMOOTHING = 0.3  # weight of the last batch in a pass size's forward time
+PASS_WARMUP = 3  # batches measured before the pass times are trusted
 
 
 class Buckets:
@@ -51,6 +53,37 @@ class Capacity:
         return self.items_per_s
 
 
+class PassTimes:
+    """Forward time of one pass (ms), smoothed per pass size rounded up to a power of
+    two; ``estimate_ms`` is None until ``PASS_WARMUP`` batches were measured."""
+
+    def __init__(self) -> None:
+        self.ms: dict[int, float] = {}  # pass-size bucket -> smoothed ms per pass
+        self.batches = 0
+
+    @staticmethod
+    def bucket(size: int) -> int:
+        return 1 << max(0, size - 1).bit_length()
+
+    def add(self, passes: list[int], fwd_ms: float) -> None:
+        """One batch's passes and their forward time in all (shared out evenly)."""
+        if not passes:
+            return
+        self.batches += 1
+        key, per_pass = self.bucket(max(passes)), fwd_ms / len(passes)
+        last = self.ms.get(key)
+        self.ms[key] = per_pass if last is None else last + PASS_SMOOTHING * (per_pass - last)
+
+    def estimate_ms(self, size: int) -> float | None:
+        """A pass of ``size`` items: its bucket's time, else the nearest smaller
+        bucket's (a lower bound), else the smallest larger one's."""
+        if self.batches < PASS_WARMUP or not self.ms:
+            return None
+        key = self.bucket(size)
+        below = [k for k in self.ms if k <= key]
+        return self.ms[max(below)] if below else self.ms[min(self.ms)]
+
+
 class WorkerStats:
     """The statistics of one model in one worker."""
 
@@ -65,6 +98,7 @@ class WorkerStats:
         self.forward_ms = 0.0  # total forward time
         self.queue_wait_ms = 0.0  # total queue wait of answered entries (one per pack)
         self.capacity = Capacity()
+        self.pass_times = PassTimes()  # read by the batch window and the deadline check
         self.hist = {"batch_size": Buckets(metrics.BATCH_BUCKETS),
                      "batch_entries": Buckets(metrics.BATCH_BUCKETS),
                      "queue_wait_s": Buckets(metrics.LATENCY_BUCKETS_S),
@@ -100,6 +134,8 @@ class WorkerStats:
             self.hist["forward_s"].add(fwd_ms / 1000)
         self.forward_ms += fwd_ms
         self._outcomes(decoded, failed)
+        if not failed:  # a failed pass is bisected: its time is no pass's
+            self.pass_times.add(passes, fwd_ms)
 
     def _passes(self, passes: list[int]) -> None:
         self.passes += len(passes)
