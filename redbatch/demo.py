@@ -3,6 +3,9 @@
 * ``mlp``: the W2 benchmark model, a torch MLP 64 -> 1024 -> 1024 -> 16 (seed 0);
   body ``{"x": [64 floats]}``, reply ``{"y": [16 floats]}``.
 * ``echo``: the W1 no-op; body ``{"x": [floats]}``, reply ``{"y": x}``.
+* ``echo_tokens``: variable-length token ids (int64, 1 to 512 of them); body
+  ``{"x": [ids]}``, reply ``{"y": ids}``.  The worker batches them by length bucket,
+  hands ``(padded, lengths)`` to the model and trims each output back to its length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
 """
 
@@ -23,6 +26,22 @@ def echo_fn(items: list[Any]) -> list[Any]:
     return items
 
 
+TOKENS = TensorSpec("int64", (None,), max_len=512)
+
+
+def echo_padded(batch: tuple[Any, Any]) -> Any:
+    """The padded batch as it came: the worker trims each row to its length."""
+    padded, _lengths = batch
+    return padded
+
+
+def echo_tokens(policy: BatchPolicy) -> Model:
+    """The no-op over variable-length token ids (per-token output: trimmed)."""
+    return Model("echo_tokens", fn=echo_padded, policy=policy, spec=TOKENS,
+                 output_spec=TensorSpec("int64", (None,)), input_name="x", output_name="y",
+                 stack=True, inline=True)
+
+
 @batch(max_batch_size=32, batch_wait_timeout_s=0.0)
 def adder(numbers: list[int]) -> list[int]:
     result: list[int] = (np.asarray(numbers) + 1).tolist()
@@ -35,4 +54,4 @@ def models() -> list[Model]:
                       input_name="x", output_name="y")
     echo = Model("echo", fn=echo_fn, policy=policy, spec=TensorSpec("float32", (None,)),
                  input_name="x", output_name="y", inline=True)
-    return [mlp, echo, adder]
+    return [mlp, echo, echo_tokens(policy), adder]

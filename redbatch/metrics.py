@@ -37,6 +37,7 @@ LATENCY_BUCKETS_S: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
                             0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
 FILL_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+WASTE_BUCKETS: Final = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0)
 
 # --- gateway ------------------------------------------------------------------------
 REQUESTS: Final = Counter(
@@ -73,6 +74,9 @@ BATCH_ENTRIES: Final = Histogram(
 BATCH_FILL: Final = Histogram(
     "redbatch_batch_fill_ratio", "Items per forward pass over max_batch_size", ["model"],
     buckets=FILL_BUCKETS)
+PADDING_WASTE: Final = Histogram(
+    "redbatch_padding_waste_ratio", "Padded elements over real elements per batch of a "
+    "variable-length model (1.0: no padding)", ["model"], buckets=WASTE_BUCKETS)
 WORKER_ITEMS: Final = Counter(
     "redbatch_worker_items", "Claimed entries by outcome: computed (reached the model), "
     "expired, invalid (bad entry or input), error (the model failed on it)",

@@ -4,6 +4,7 @@ clients).  Imports neither torch nor a web framework: producers and gateways use
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -16,18 +17,69 @@ from redbatch.errors import ConfigError, InvalidPayload
 _NATIVE: dict[str, np.dtype[Any]] = {name: np.dtype(name) for name in DTYPES}
 
 
+def power_buckets(max_len: int) -> tuple[int, ...]:
+    """The default bucket boundaries: powers of two below ``max_len``, then ``max_len``."""
+    bounds = [1 << i for i in range(max_len.bit_length()) if 1 << i < max_len]
+    return (*bounds, max_len)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """One request's input: a dtype and a shape, ``None`` for a free dimension."""
+    """One request's input: a dtype and a shape, ``None`` for a free dimension.
+
+    With ``max_len``, the first dimension (``None``) is a variable length (token ids):
+    inputs longer than ``max_len`` are refused, and the worker batches them by length
+    bucket (``buckets``: sorted boundaries, default powers of two up to ``max_len``),
+    padded with ``pad_value`` (see docs/models.md, "Variable lengths")."""
 
     dtype: str = "float32"
     shape: tuple[int | None, ...] = ()
+    max_len: int | None = None
+    pad_value: float = 0
+    buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"TensorSpec dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if self.max_len is not None or self.buckets is not None:
+            self._check_variable()
 
-    def check(self, value: Any) -> np.ndarray[Any, Any]:
+    def _check_variable(self) -> None:
+        if self.max_len is None or self.max_len < 1:
+            raise ConfigError("a variable-length TensorSpec needs max_len >= 1")
+        if not self.shape or self.shape[0] is not None or None in self.shape[1:]:
+            raise ConfigError(f"a TensorSpec with max_len has None as its first dimension "
+                              f"and fixed ones after it, got {self.shape}")
+        bounds = self.buckets or ()
+        if list(bounds) != sorted(set(bounds)) or (bounds and bounds[0] < 1):
+            raise ConfigError(f"TensorSpec buckets must be increasing positive lengths, "
+                              f"got {bounds}")
+
+    @property
+    def variable(self) -> bool:
+        """Whether the first dimension is a bounded variable length (``max_len``)."""
+        return self.max_len is not None
+
+    @functools.cached_property
+    def boundaries(self) -> tuple[int, ...]:
+        """The bucket lengths, ascending, the last one ``max_len``."""
+        assert self.max_len is not None
+        if self.buckets is None:
+            return power_buckets(self.max_len)
+        return (*(b for b in self.buckets if b < self.max_len), self.max_len)
+
+    def bucket_of(self, length: int) -> int:
+        """The smallest boundary at least ``length`` (``length`` <= ``max_len``)."""
+        bounds = self.boundaries
+        return bounds[bisect.bisect_left(bounds, length)]
+
+    def check_length(self, length: int, name: str = "input") -> None:
+        """Refuse a variable length of 0 or over ``max_len``, naming the field."""
+        if self.max_len is not None and not 1 <= length <= self.max_len:
+            raise InvalidPayload(f"{name} has length {length}; this model takes lengths "
+                                 f"1..{self.max_len} (max_len)")
+
+    def check(self, value: Any, name: str = "input") -> np.ndarray[Any, Any]:
         """Convert ``value`` (nested lists or an array) to this spec, or raise."""
         try:
             arr = value if type(value) is np.ndarray else np.asarray(value)
@@ -35,6 +87,8 @@ class TensorSpec:
             raise InvalidPayload(f"input is not a rectangular array: {exc}") from exc
         self._check_kind(arr)
         self._check_shape(arr.shape)
+        if self.max_len is not None:
+            self.check_length(arr.shape[0], name)
         if arr.dtype == self._np_dtype:
             cast = arr
         else:
@@ -43,9 +97,13 @@ class TensorSpec:
         self._check_range(arr, cast)
         return cast
 
-    def check_rows(self, value: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    def check_rows(self, value: np.ndarray[Any, Any], name: str = "input"
+                   ) -> np.ndarray[Any, Any]:
         """Check a multi-row payload (first dimension: the rows) in one go."""
-        return self._rows_spec.check(value)
+        rows = self._rows_spec.check(value)
+        if self.max_len is not None:
+            self.check_length(rows.shape[1], name)
+        return rows
 
     @functools.cached_property
     def _rows_spec(self) -> TensorSpec:
@@ -80,12 +138,22 @@ class TensorSpec:
             raise InvalidPayload(f"input shape {tuple(shape)} does not match {want_text}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": [-1 if d is None else d for d in self.shape]}
+        """The published form; a fixed-shape spec's has only ``dtype`` and ``shape``."""
+        data: dict[str, Any] = {"dtype": self.dtype,
+                                "shape": [-1 if d is None else d for d in self.shape]}
+        if self.max_len is not None:
+            data.update(max_len=self.max_len, pad_value=self.pad_value,
+                        buckets=list(self.boundaries))
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TensorSpec:
         shape = tuple(None if d == -1 else int(d) for d in data["shape"])
-        return cls(dtype=str(data["dtype"]), shape=shape)
+        max_len, buckets = data.get("max_len"), data.get("buckets")
+        return cls(dtype=str(data["dtype"]), shape=shape,
+                   max_len=None if max_len is None else int(max_len),
+                   pad_value=data.get("pad_value", 0),
+                   buckets=None if buckets is None else tuple(int(b) for b in buckets))
 
 
 def model_meta(name: str, *, input_name: str, output_name: str, spec: TensorSpec | None,

@@ -68,7 +68,7 @@ def model_input(data: dict[str, Any], info: ModelInfo) -> Any:
                              f"reads its input from {info.input_name!r})")
     value = data[info.input_name]
     if info.spec:
-        return info.spec.check(value)
+        return info.spec.check(value, info.input_name)
     _refuse_tensor_tags(value)
     return value
 

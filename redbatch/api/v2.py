@@ -257,6 +257,8 @@ def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo) -> np.ndarray[Any, An
     if not fits:
         raise BadRequest(f"input {info.input_name!r} has shape {list(arr.shape)}; model "
                          f"{info.name!r} takes {[-1, *_row_dims(info)]}")
+    if info.spec.variable:  # a variable length: at most the spec's max_len
+        info.spec.check_length(arr.shape[1], info.input_name)
     return arr
 
 

@@ -130,7 +130,8 @@ def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
         _decode_rows(request, fmt, model, out)
         return
     try:
-        value = model.spec.check(request.payload) if model.spec else request.payload
+        value = model.spec.check(request.payload, model.input_name) if model.spec \
+            else request.payload
     except InvalidPayload as exc:
         out.early.append((request, fmt, exc))
         return
@@ -174,13 +175,13 @@ def _checked_rows(payload: np.ndarray[Any, Any], model: Model, pack: Pack
     if spec is None:
         return list(enumerate(payload))
     try:
-        return list(enumerate(spec.check_rows(payload)))
+        return list(enumerate(spec.check_rows(payload, model.input_name)))
     except InvalidPayload:
         pass
     rows = []
     for row, value in enumerate(payload):
         try:
-            rows.append((row, spec.check(value)))
+            rows.append((row, spec.check(value, model.input_name)))
         except InvalidPayload as exc:
             pack.errors[row] = exc
     return rows

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.errors import ModelError, RedbatchError
+from redbatch.worker import ragged
 from redbatch.worker.model import BatchFn, Model
 
 log = logging.getLogger("redbatch.worker")
@@ -58,6 +59,11 @@ class Forwarder:
         self._auto = model.inline is None and device == "cpu" and not model.is_async
         self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
         self._passes: list[int] = []  # items in each pass of ``run_batches`` since taken
+        spec = model.spec
+        self._spec = spec if spec is not None and spec.variable else None
+        self._pads = self._spec is not None and model.stack  # the worker pads its passes
+        self._trims = self._pads and ragged.trims(model.output_spec)
+        self._padding = [0, 0]  # padded and real lengths of padded passes since taken
         self._errors = ErrorLog(model.name)
 
     @property
@@ -76,13 +82,27 @@ class Forwarder:
 
     async def run_batches(self, inputs: list[Any]) -> list[Any]:
         """``run`` in passes of at most ``max_batch_size`` inputs (the rows of multi-row
-        requests can make a claimed batch larger)."""
+        requests can make a claimed batch larger); a variable-length model's inputs
+        grouped by length bucket first (``ragged``), each group in passes of its own."""
+        if self._spec is None:
+            return await self._run_passes(inputs, None)
+        results: list[Any] = [None] * len(inputs)
+        for length, indices in ragged.bucket_groups(inputs, self._spec).items():
+            outputs = await self._run_passes([inputs[i] for i in indices], length)
+            for i, output in zip(indices, outputs, strict=True):
+                results[i] = output
+        return results
+
+    async def _run_passes(self, inputs: list[Any], length: int | None) -> list[Any]:
         size = self.model.policy.max_batch_size
         results: list[Any] = []
         for start in range(0, len(inputs), size):
             chunk = inputs[start:start + size]
             self._passes.append(len(chunk))
-            results += await self.run(chunk)
+            if self._pads and length is not None:
+                self._padding[0] += length * len(chunk)
+                self._padding[1] += sum(len(item) for item in chunk)
+            results += await self.run(chunk, length)
         return results
 
     def take_passes(self) -> list[int]:
@@ -90,31 +110,50 @@ class Forwarder:
         passes, self._passes = self._passes, []
         return passes
 
-    async def run(self, inputs: list[Any]) -> list[Any]:
-        """One result per input: the model's output, or a ``RedbatchError``."""
+    def take_padding(self) -> tuple[int, int]:
+        """(padded, real) lengths summed over the padded passes since the last call;
+        (0, 0) for a model the worker does not pad."""
+        padded, real = self._padding
+        self._padding = [0, 0]
+        return padded, real
+
+    async def run(self, inputs: list[Any], length: int | None = None) -> list[Any]:
+        """One result per input: the model's output, or a ``RedbatchError``.  ``length``:
+        the bucket length a variable-length model's pass is padded to."""
         if not inputs:
             return []
         try:
-            return await self._call(inputs)
+            return await self._call(inputs, length)
         except ContractError as exc:
             self._errors.failed(exc, f"broke the batch contract on {len(inputs)} items",
                                 logging.ERROR)
             return [exc] * len(inputs)
         except Exception as exc:
-            return await self._isolate(inputs, exc)
+            return await self._isolate(inputs, exc, length)
 
-    async def _isolate(self, inputs: list[Any], exc: Exception) -> list[Any]:
+    async def _isolate(self, inputs: list[Any], exc: Exception, length: int | None
+                       ) -> list[Any]:
+        """Bisect a batch that raised (a padded pass's halves keep its length)."""
         if len(inputs) == 1:
             self._errors.failed(exc, "an item failed the forward pass")
             return [exc if isinstance(exc, RedbatchError) else self._model_error(exc)]
         mid = len(inputs) // 2
-        return await self.run(inputs[:mid]) + await self.run(inputs[mid:])
+        return await self.run(inputs[:mid], length) + await self.run(inputs[mid:], length)
 
     def _model_error(self, exc: Exception) -> ModelError:
         return ModelError(f"model {self.model.name!r} raised {type(exc).__name__}: {exc}")
 
-    async def _call(self, inputs: list[Any]) -> list[Any]:
-        arg: Any = np.stack(inputs) if self.model.stack else inputs
+    def _arg(self, inputs: list[Any], length: int | None) -> Any:
+        """What the batch function gets: the list, one stacked array, or, for a
+        variable-length model, ``(padded, lengths)``."""
+        if not self.model.stack:
+            return inputs
+        if self._spec is not None and length is not None:
+            return ragged.pad_batch(inputs, length, self._spec.pad_value)
+        return np.stack(inputs)
+
+    async def _call(self, inputs: list[Any], length: int | None) -> list[Any]:
+        arg = self._arg(inputs, length)
         inline = self.inline
         started = time.perf_counter()
         try:
@@ -123,7 +162,16 @@ class Forwarder:
             self._recent.append((time.perf_counter() - started) * 1000)
         if inline:  # let the heartbeat and replies run between inline passes (untimed)
             await asyncio.sleep(0)
-        return self._check_outputs(outputs, len(inputs))
+        rows = self._check_outputs(outputs, len(inputs))
+        return self._trim(rows, arg[1], length) if self._trims and length else rows
+
+    def _trim(self, rows: list[Any], lengths: Any, length: int) -> list[Any]:
+        trimmed = ragged.trim_rows(rows, lengths, length)
+        if trimmed is None:
+            raise ContractError(f"model {self.model.name!r} has per-token outputs (its "
+                                f"output_spec) but did not return {length} of them per "
+                                f"input for a pass padded to {length}")
+        return trimmed
 
     async def _pass(self, arg: Any, inline: bool) -> Any:
         if self.model.is_async:

@@ -37,6 +37,10 @@ class Model:
     output_name: str = defaults.OUTPUT_NAME
     stack: bool = False
     loader: Loader | None = None
+    # What one output looks like; only its first dimension matters: ``None`` there means
+    # per-token, trimmed back to each request's length after a padded pass (a
+    # variable-length ``spec`` with ``stack=True``); otherwise outputs stay whole.
+    output_spec: TensorSpec | None = None
     # Where a sync batch function runs: True on the event loop, False in the forward
     # thread, None (auto) on the loop while its last passes all took under
     # ``forward.AUTO_INLINE_MS`` on a CPU worker, else in the thread.  Use False for a
@@ -108,7 +112,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           stride_s: float = defaults.STRIDE_S,
           allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH, spec: TensorSpec | None = None,
           input_name: str = defaults.INPUT_NAME, output_name: str = defaults.OUTPUT_NAME,
-          stack: bool = False, timeout_s: float | None = None) -> Callable[[BatchFn], Model]:
+          stack: bool = False, timeout_s: float | None = None,
+          output_spec: TensorSpec | None = None) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
     The knobs are Ray's; ``timeout_s`` is accepted as another name for
@@ -119,6 +124,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,
-                     spec=spec, input_name=input_name, output_name=output_name, stack=stack)
+                     spec=spec, input_name=input_name, output_name=output_name, stack=stack,
+                     output_spec=output_spec)
 
     return wrap

@@ -70,6 +70,7 @@ class Computed:
     busy_s: float  # forward and encode
     failed: int  # items the model failed on
     passes: list[int]  # items in each forward pass
+    padding: tuple[int, int] = (0, 0)  # padded and real lengths (variable-length models)
 
 
 async def _settle(task: asyncio.Task[Any] | None, *, abandon: bool = False) -> None:
@@ -222,7 +223,7 @@ class BatchRunner:
         outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
         return Computed(outs, fwd_ms, time.perf_counter() - started,
                         sum(isinstance(r, RedbatchError) for r in results),
-                        self._forwarder.take_passes())
+                        self._forwarder.take_passes(), self._forwarder.take_padding())
 
     async def _forward(self, items: list[Item]) -> list[Any]:
         if not any(item.request.suspect for item in items):
@@ -322,14 +323,15 @@ class BatchRunner:
                   for pack in decoded.packs]
         self.stats.batch(decoded, entries=batch.claimed, size=batch.size, passes=passes,
                          waits_ms=waits, fwd_ms=fwd_ms, busy_s=computed.busy_s,
-                         failed=computed.failed)
+                         failed=computed.failed, padding=computed.padding)
+        padded, real = computed.padding
         log.info("model=%s n=%d items=%d entries=%d passes=%d computed=%d failed=%d "
-                 "rejected=%d late=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f", self.model.name,
+                 "rejected=%d late=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f%s", self.model.name,
                  max(passes, default=0), sum(passes), batch.claimed, len(passes),
                  len(decoded.items) - computed.failed, computed.failed,
                  len(decoded.early) + decoded.invalid_rows - batch.late, batch.late,
                  max(waits, default=0), fwd_ms,
-                 reply_ms)
+                 reply_ms, f" pad={padded / real:.2f}" if real else "")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(
                 r.trace_id or r.id for r in _requests(decoded)))

@@ -97,6 +97,8 @@ class WorkerStats:
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
         self.forward_ms = 0.0  # total forward time
         self.queue_wait_ms = 0.0  # total queue wait of answered entries (one per pack)
+        self.padded = 0  # padded passes of a variable-length model: lengths padded to,
+        self.real = 0  # and the items' own lengths (``padding_waste``: their ratio)
         self.capacity = Capacity()
         self.pass_times = PassTimes()  # read by the batch window and the deadline check
         self.hist = {"batch_size": Buckets(metrics.BATCH_BUCKETS),
@@ -111,16 +113,19 @@ class WorkerStats:
         self.batch_size = metrics.BATCH_SIZE.labels(model)
         self.batch_entries = metrics.BATCH_ENTRIES.labels(model)
         self.fill = metrics.BATCH_FILL.labels(model)
+        self.waste = metrics.PADDING_WASTE.labels(model)
         self.outcomes = {o: metrics.WORKER_ITEMS.labels(model, o)
                          for o in ("computed", "expired", "invalid", "error")}
         self.dead_letters = metrics.DEAD_LETTERS.labels(model)
         self.retries = metrics.RETRIES.labels(model)
 
     def batch(self, decoded: Decoded, *, entries: int, size: int, passes: list[int],
-              waits_ms: list[int], fwd_ms: float, busy_s: float, failed: int) -> None:
+              waits_ms: list[int], fwd_ms: float, busy_s: float, failed: int,
+              padding: tuple[int, int] = (0, 0)) -> None:
         """One served batch: ``entries`` queue entries of ``size`` items in all, the
         items of each forward pass, the entries' queue waits (clamped by
-        ``protocol.queue_wait_ms``), the forward and busy time, the items that failed."""
+        ``protocol.queue_wait_ms``), the forward and busy time, the items that failed,
+        and the (padded, real) lengths of its padded passes."""
         self.batches += 1
         self.entries += entries
         self.items += size
@@ -136,6 +141,18 @@ class WorkerStats:
         self._outcomes(decoded, failed)
         if not failed:  # a failed pass is bisected: its time is no pass's
             self.pass_times.add(passes, fwd_ms)
+        self._padding(*padding)
+
+    def _padding(self, padded: int, real: int) -> None:
+        if real:
+            self.padded += padded
+            self.real += real
+            self.waste.observe(padded / real)
+
+    @property
+    def padding_waste(self) -> float | None:
+        """Padded over real elements since start (None before a padded pass)."""
+        return self.padded / self.real if self.real else None
 
     def _passes(self, passes: list[int]) -> None:
         self.passes += len(passes)
@@ -179,4 +196,5 @@ class WorkerStats:
                 "passes": self.passes, "pass_items": self.pass_items,
                 "forward_ms": round(self.forward_ms, 3),
                 "queue_wait_ms": round(self.queue_wait_ms, 3),
+                "padded": self.padded, "real": self.real,
                 "hist": {name: list(b.counts) for name, b in self.hist.items()}}

@@ -65,16 +65,37 @@ def torch_batch_fn(module: Callable[[Any], Any], device: str) -> BatchFn:
     return run
 
 
+def torch_padded_fn(module: Callable[..., Any], device: str) -> BatchFn:
+    """Wrap a module (already on ``device``) for a variable-length spec: it is called as
+    ``module(padded, lengths)``, both tensors on ``device`` (``lengths``: int64, one per
+    row), and returns one output row per input (the worker trims per-token ones)."""
+    import torch
+
+    def run(arg: tuple[Any, Any]) -> list[Any]:
+        padded, lengths = arg
+        with torch.inference_mode():
+            outputs = module(to_device(torch.from_numpy(padded), device),
+                             to_device(torch.from_numpy(lengths), device))
+        return split_outputs(outputs, len(lengths))
+
+    return run
+
+
 def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec,
                 policy: BatchPolicy | None = None, *, input_name: str = defaults.INPUT_NAME,
-                output_name: str = defaults.OUTPUT_NAME) -> Model:
+                output_name: str = defaults.OUTPUT_NAME,
+                output_spec: TensorSpec | None = None) -> Model:
     """A ``Model`` whose ``build()`` returns a torch module, built inside the worker
-    process, moved to its device and put in eval mode."""
+    process, moved to its device and put in eval mode.  With a variable-length
+    ``spec`` (``max_len``) the module's forward takes ``(padded, lengths)``; an
+    ``output_spec`` whose first dimension is ``None`` has its outputs trimmed."""
+    wrap = torch_padded_fn if spec.variable else torch_batch_fn
 
     def load(device: str) -> BatchFn:
         resolved = resolve_device(device)
         module = build().to(resolved).eval()
-        return torch_batch_fn(module, resolved)
+        return wrap(module, resolved)
 
     return Model(name=name, loader=load, policy=policy or BatchPolicy(), spec=spec,
-                 input_name=input_name, output_name=output_name)
+                 input_name=input_name, output_name=output_name, stack=spec.variable,
+                 output_spec=output_spec)

@@ -1,0 +1,50 @@
+"""Variable lengths: group a batch's items by length bucket, pad a bucket's pass to its
+length, and trim per-token outputs back to each item's own length.
+
+A variable-length spec (``TensorSpec(max_len=...)``) has ``None`` as its first
+dimension.  Items are grouped by the smallest bucket boundary at least their length;
+each group runs in passes of at most ``max_batch_size``, never split because shapes
+differ.  A model the worker stacks for (``stack=True``, ``torch_model``) gets
+``(padded, lengths)``: the items padded with ``pad_value`` to the bucket's length, and
+their true lengths (int64)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from redbatch.spec import TensorSpec
+
+
+def bucket_groups(inputs: list[Any], spec: TensorSpec) -> dict[int, list[int]]:
+    """Bucket length -> the indices of the inputs in it, shortest bucket first."""
+    groups: dict[int, list[int]] = {}
+    for i, value in enumerate(inputs):
+        groups.setdefault(spec.bucket_of(len(value)), []).append(i)
+    return dict(sorted(groups.items()))
+
+
+def pad_batch(items: list[Any], length: int, pad_value: float
+              ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``items`` (arrays whose first dimension is at most ``length``) as one array
+    ``[n, length, ...]`` padded with ``pad_value``, and their lengths."""
+    first = np.asarray(items[0])
+    padded = np.full((len(items), length, *first.shape[1:]), pad_value, dtype=first.dtype)
+    lengths = np.fromiter((len(item) for item in items), dtype=np.int64, count=len(items))
+    for row, item in enumerate(items):
+        padded[row, :len(item)] = item
+    return padded, lengths
+
+
+def trims(output_spec: TensorSpec | None) -> bool:
+    """Whether outputs are per-token (first dimension ``None``): trimmed to each length."""
+    return output_spec is not None and bool(output_spec.shape) and output_spec.shape[0] is None
+
+
+def trim_rows(rows: list[Any], lengths: np.ndarray[Any, Any], length: int) -> list[Any] | None:
+    """Each output cut to its item's length; None if one is not ``length`` long (the
+    model broke the per-token contract)."""
+    if any(len(getattr(row, "shape", ())) == 0 or len(row) != length for row in rows):
+        return None
+    return [row[:n] for row, n in zip(rows, lengths.tolist(), strict=True)]

@@ -1,0 +1,243 @@
+"""Variable lengths: a spec with ``max_len`` is batched by length bucket, padded to the
+bucket's length, and its per-token outputs trimmed back; a batch is never split
+because its shapes differ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from redbatch import TensorSpec
+from redbatch.demo import TOKENS, echo_tokens, models
+from redbatch.errors import ConfigError, InvalidPayload
+from redbatch.producer import Client
+from redbatch.spec import ModelInfo
+from redbatch.worker.forward import Forwarder
+from redbatch.worker.model import Model
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from redbatch.worker.stats import WorkerStats
+from redbatch.worker.torch_helpers import torch_model
+from tests.conftest import wait_live
+from tests.test_gateway import error_code, gateway
+from tests.test_packing import rows_taken
+from tests.test_v2 import infer_body, v2_error
+
+# full claims: the worker waits for max_batch_size requests (3 s at most)
+FULL = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=3.0, allow_small_batch=False)
+BUCKETS = len(TOKENS.boundaries)
+
+
+async def settled(worker: Worker, items: int) -> WorkerStats:
+    """The worker's stats once they count ``items`` answered items (a batch is counted
+    just after its replies go out, so a caller may hear back first)."""
+    stats = worker.runners[0].stats
+    for _ in range(200):
+        if stats.items >= items:
+            return stats
+        await asyncio.sleep(0.01)
+    pytest.fail(f"the worker counted {stats.items} items, not {items}")
+
+
+def token_ids(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(1, 50_000) for _ in range(length)]
+
+
+# --- the spec ------------------------------------------------------------------------
+def test_default_buckets_are_powers_of_two_up_to_max_len() -> None:
+    assert TOKENS.boundaries == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert TensorSpec("int64", (None,), max_len=300).boundaries[-2:] == (256, 300)
+    spec = TensorSpec("int64", (None, 4), max_len=100, buckets=(16, 64, 200))
+    assert spec.boundaries == (16, 64, 100)
+    assert [spec.bucket_of(n) for n in (1, 16, 17, 64, 65, 100)] == [16, 16, 64, 64, 100, 100]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"shape": (None,), "max_len": 0}, {"shape": (4,), "max_len": 8},
+    {"shape": (None, None), "max_len": 8}, {"shape": (None,), "buckets": (4,)},
+    {"shape": (None,), "max_len": 8, "buckets": (4, 2)}])
+def test_a_bad_variable_spec_is_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        TensorSpec("int64", **kwargs)
+
+
+def test_fixed_specs_publish_the_same_meta_and_variable_ones_round_trip() -> None:
+    for spec in (TensorSpec("float32", (3,)), TensorSpec("float32", (None,))):
+        assert json.dumps(spec.to_json()) == json.dumps(
+            {"dtype": spec.dtype, "shape": [-1 if d is None else d for d in spec.shape]})
+        assert TensorSpec.from_json(spec.to_json()) == spec
+    spec = TensorSpec("int64", (None, 2), max_len=100, pad_value=-1, buckets=(10, 50))
+    published = spec.to_json()
+    assert published == {"dtype": "int64", "shape": [-1, 2], "max_len": 100, "pad_value": -1,
+                         "buckets": [10, 50, 100]}
+    back = ModelInfo.from_meta({"name": "m", "spec": published}).spec
+    assert back is not None and back.boundaries == spec.boundaries and back.max_len == 100
+
+
+def test_an_input_over_max_len_is_refused_naming_the_field() -> None:
+    TOKENS.check(list(range(512)), "x")
+    with pytest.raises(InvalidPayload, match=r"x has length 513; .* 1\.\.512 "):
+        TOKENS.check(list(range(513)), "x")
+    with pytest.raises(InvalidPayload, match="length 0"):
+        TOKENS.check(np.zeros(0, np.int64))
+    with pytest.raises(InvalidPayload, match="length 600"):
+        TOKENS.check_rows(np.zeros((2, 600), np.int64))
+
+
+# --- the worker ----------------------------------------------------------------------
+async def test_64_mixed_lengths_run_in_few_passes_and_come_back_trimmed(
+        start_worker: Callable[..., Worker], redis_url: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 512) for _ in range(64)]
+    # passes <= buckets hit by each claim; the claims (whichever 32 each takes) hit at
+    # most this many each, so the bound holds however the requests are split
+    assert len({TOKENS.bucket_of(n) for n in lengths}) <= (math.ceil(64 / 32) + BUCKETS) // 2
+    inputs = [token_ids(rng, n) for n in lengths]
+    worker = start_worker([replace(echo_tokens(FULL), name="toks")])
+    await wait_live(redis_url, "toks")
+    caplog.set_level(logging.INFO, logger="redbatch.worker")
+    async with Client(redis_url) as client:
+        outputs = await asyncio.gather(*(client.predict("toks", x, timeout_s=20)
+                                         for x in inputs))
+    assert [np.asarray(out).tolist() for out in outputs] == inputs
+    stats = await settled(worker, 64)
+    assert stats.passes <= math.ceil(64 / 32) + BUCKETS
+    assert stats.real == sum(lengths) and stats.padded >= stats.real
+    assert stats.padding_waste is not None and stats.padding_waste >= 1.0
+    assert stats.counters()["padded"] == stats.padded
+    lines = [r.getMessage() for r in caplog.records if "model=toks n=" in r.getMessage()]
+    assert lines and all(" pad=" in line and "\n" not in line for line in lines)
+
+
+async def test_eight_mixed_lengths_are_padded_not_bisected(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """The (2,3), (1,3), (1,5), (2,5), (2,7) batch: stacking used to fail and the
+    failure bisection split it into five passes."""
+    rng = random.Random(1)
+    inputs = [token_ids(rng, n) for n in (3, 3, 3, 5, 5, 5, 7, 7)]
+    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2)
+    worker = start_worker([replace(echo_tokens(policy), name="toks8")])
+    await wait_live(redis_url, "toks8")
+    async with Client(redis_url) as client:
+        outputs = await client.predict_many("toks8", inputs, timeout_s=20)
+    assert [np.asarray(out).tolist() for out in outputs] == inputs
+    stats = await settled(worker, 8)
+    assert stats.passes <= math.ceil(8 / 32) + BUCKETS
+    assert stats.pass_items == 8 and stats.real == 3 * 3 + 3 * 5 + 2 * 7
+
+
+async def test_same_length_arrays_pack_and_mixed_ones_do_not(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.05)
+    worker = start_worker([replace(echo_tokens(policy), name="packed")])
+    await wait_live(redis_url, "packed")
+    inputs = [np.arange(n % 3 + 1, dtype=np.int64) + n for n in range(12)]
+    async with Client(redis_url, pack_rows=32) as client:
+        await rows_taken(client, "packed")
+        outputs = await client.predict_many("packed", inputs, timeout_s=20)
+        with pytest.raises(InvalidPayload, match="x has length 513"):
+            await client.predict("packed", list(range(513)), timeout_s=20)
+    assert [np.asarray(o).tolist() for o in outputs] == [x.tolist() for x in inputs]
+    stats = await settled(worker, 12 + 1)  # rows of one length travelled together: 3 packs
+    assert stats.entries == 3 + 1 and stats.items == 12 + 1
+
+
+# --- the gateway ---------------------------------------------------------------------
+async def test_the_gateway_refuses_an_over_long_input_with_422(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([m for m in models() if m.name == "echo_tokens"])
+    async with gateway(redis_url) as http:
+        await wait_live(redis_url, "echo_tokens")
+        ok = await http.post("/v1/models/echo_tokens/predict", json={"x": [5, 6, 7]})
+        assert ok.status_code == 200 and ok.json()["y"] == [5, 6, 7]
+        resp = await http.post("/v1/models/echo_tokens/predict", json={"x": [1] * 513})
+        assert resp.status_code == 422 and error_code(resp) == "invalid_payload"
+        assert "x has length 513" in resp.json()["error"]["message"]
+        resp = await http.post("/v2/models/echo_tokens/infer",
+                               json=infer_body("x", "INT64", [1, 600], [0] * 600))
+        assert resp.status_code == 400 and "length 600" in v2_error(resp)  # v2's 422
+        assert resp.headers["x-redbatch-error-code"] == "invalid_payload"
+        resp = await http.post("/v2/models/echo_tokens/infer",
+                               json=infer_body("x", "INT64", [2, 3], [1, 2, 3, 4, 5, 6]))
+        assert resp.status_code == 200, resp.text
+
+
+# --- the forward step: torch_model, trimming -------------------------------------------
+class Doubled:
+    """A module whose forward takes (padded, lengths): per-token outputs, and pooled
+    ones (the sum of each row's real tokens)."""
+
+    def __init__(self, pooled: bool) -> None:
+        self.pooled = pooled
+        self.shapes: list[tuple[int, ...]] = []
+
+    def to(self, _device: str) -> Doubled:
+        return self
+
+    def eval(self) -> Doubled:
+        return self
+
+    def __call__(self, padded: Any, lengths: Any) -> Any:
+        import torch
+
+        self.shapes.append(tuple(padded.shape))
+        if not self.pooled:
+            return padded * 2
+        mask = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
+        return (padded * mask).sum(dim=1)
+
+
+async def forward(model: Model, inputs: list[Any]) -> tuple[list[Any], Forwarder]:
+    with ThreadPoolExecutor(1) as executor:
+        fwd = Forwarder(model, model.bind("cpu"), executor)
+        return await fwd.run_batches(inputs), fwd
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+async def test_torch_model_gets_padded_and_lengths(pooled: bool) -> None:
+    pytest.importorskip("torch")
+    module = Doubled(pooled)
+    spec = TensorSpec("int64", (None,), max_len=16, pad_value=-9)
+    model = torch_model("dbl", lambda: module, spec, BatchPolicy(max_batch_size=2),
+                        output_spec=None if pooled else TensorSpec("int64", (None,)))
+    inputs = [np.arange(1, n + 1, dtype=np.int64) for n in (3, 9, 2, 4, 1, 16)]
+    outputs, fwd = await forward(model, inputs)
+    want = [int(x.sum()) if pooled else (x * 2).tolist() for x in inputs]
+    assert [np.asarray(o).tolist() for o in outputs] == want
+    # buckets 1, 2, 4 (two items: one pass), 16 (two items: one pass)
+    assert sorted(module.shapes) == [(1, 1), (1, 2), (2, 4), (2, 16)]
+    assert fwd.take_passes() == [1, 1, 2, 2]
+    assert fwd.take_padding() == (1 + 2 + 8 + 32, sum(len(x) for x in inputs))
+
+
+async def test_a_per_token_output_of_the_wrong_length_breaks_the_contract() -> None:
+    model = Model("short", fn=lambda batch: batch[0][:, :1], spec=TOKENS, stack=True,
+                  output_spec=TensorSpec("int64", (None,)))
+    outputs, _fwd = await forward(model, [np.arange(3), np.arange(4)])
+    assert all("did not return 4 of them" in str(o) for o in outputs)
+
+
+async def test_a_list_model_gets_same_bucket_groups_unpadded() -> None:
+    seen: list[list[int]] = []
+
+    def lengths(items: list[Any]) -> list[int]:
+        seen.append([len(x) for x in items])
+        return [len(x) for x in items]
+
+    model = Model("lens", fn=lengths, spec=TOKENS)
+    inputs = [np.zeros(n, np.int64) for n in (3, 100, 4, 70, 1)]
+    outputs, fwd = await forward(model, inputs)
+    assert outputs == [3, 100, 4, 70, 1]
+    assert seen == [[1], [3, 4], [100, 70]]
+    assert fwd.take_padding() == (0, 0)  # the worker padded nothing
