@@ -68,6 +68,8 @@ STRIDE_S: Final = 0.0  # least time between two batch pops of one worker; 0: con
 ALLOW_SMALL_BATCH: Final = True  # a window counts from the oldest request's enqueue
 ADAPTIVE: Final = True  # a lone request skips the window while load is light
 QUIET_S: Final[float | None] = None  # gap that closes a window early; None: a quarter of it
+MAX_BATCH_COST: Final[float | None] = None  # most total cost in one pass; None: no cost
+OVERSIZE: Final = "alone"  # an item costlier than max_batch_cost: alone, or refuse (422)
 INPUT_NAME: Final = "inputs"  # a model's input field in JSON bodies
 OUTPUT_NAME: Final = "outputs"  # a model's output field in JSON answers
 

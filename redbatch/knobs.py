@@ -45,6 +45,7 @@ KNOBS: dict[str, Knob] = {
     "allow_small_batch": Knob(bool),
     "adaptive": Knob(bool),
     "quiet_s": Knob(float, 0, 60, " s", low_open=True, nullable=True),
+    "max_batch_cost": Knob(float, 0, low_open=True, nullable=True),
     "max_queue_len": Knob(int, 1, nullable=True, part="model"),
 }
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.errors import ModelError, RedbatchError
-from redbatch.worker import ragged
+from redbatch.worker import cost, ragged
 from redbatch.worker.model import BatchFn, Model
 
 log = logging.getLogger("redbatch.worker")
@@ -82,27 +82,48 @@ class Forwarder:
 
     async def run_batches(self, inputs: list[Any]) -> list[Any]:
         """``run`` in passes of at most ``max_batch_size`` inputs (the rows of multi-row
-        requests can make a claimed batch larger); a variable-length model's inputs
-        grouped by length bucket first (``ragged``), each group in passes of its own."""
+        requests can make a claimed batch larger) and, with a cost budget, at most that
+        cost (``cost``); a variable-length model's inputs grouped by length bucket
+        first (``ragged``), each group in passes of its own."""
+        limit = cost.budget(self.model.policy, self.model.batch_size_fn)
         if self._spec is None:
-            return await self._run_passes(inputs, None)
+            return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
         for length, indices in ragged.bucket_groups(inputs, self._spec).items():
-            outputs = await self._run_passes([inputs[i] for i in indices], length)
+            outputs = await self._run_passes([inputs[i] for i in indices], length, limit)
             for i, output in zip(indices, outputs, strict=True):
                 results[i] = output
         return results
 
-    async def _run_passes(self, inputs: list[Any], length: int | None) -> list[Any]:
+    async def _run_passes(self, inputs: list[Any], length: int | None, limit: float | None
+                          ) -> list[Any]:
+        if limit is not None:
+            return await self._run_by_cost(inputs, length, limit)
         size = self.model.policy.max_batch_size
         results: list[Any] = []
         for start in range(0, len(inputs), size):
-            chunk = inputs[start:start + size]
-            self._passes.append(len(chunk))
-            if self._pads and length is not None:
-                self._padding[0] += length * len(chunk)
-                self._padding[1] += sum(len(item) for item in chunk)
-            results += await self.run(chunk, length)
+            results += await self._run_pass(inputs[start:start + size], length)
+        return results
+
+    async def _run_pass(self, chunk: list[Any], length: int | None) -> list[Any]:
+        self._passes.append(len(chunk))
+        if self._pads and length is not None:
+            self._padding[0] += length * len(chunk)
+            self._padding[1] += sum(len(item) for item in chunk)
+        return await self.run(chunk, length)
+
+    async def _run_by_cost(self, inputs: list[Any], length: int | None, limit: float
+                           ) -> list[Any]:
+        """Passes of at most ``limit`` cost; an item over it alone, or refused."""
+        costs = cost.item_costs(inputs, self.model.batch_size_fn, length)
+        kept, kept_costs, errors = cost.screen(costs, limit, self.model.oversize == "refuse",
+                                               self.model.name)
+        results: list[Any] = [errors.get(i) for i in range(len(inputs))]
+        for start, end in cost.cut(kept_costs, self.model.policy.max_batch_size, limit):
+            indices = kept[start:end]
+            outputs = await self._run_pass([inputs[i] for i in indices], length)
+            for i, output in zip(indices, outputs, strict=True):
+                results[i] = output
         return results
 
     def take_passes(self) -> list[int]:

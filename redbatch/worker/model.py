@@ -19,10 +19,12 @@ from redbatch.errors import ConfigError
 from redbatch.spec import TensorSpec, model_meta
 from redbatch.worker.policy import BatchPolicy
 
-__all__ = ["BatchFn", "Loader", "Model", "batch"]
+__all__ = ["BatchFn", "CostFn", "Loader", "Model", "batch"]
 
 BatchFn = Callable[[Any], Any]
 Loader = Callable[[str], BatchFn]
+CostFn = Callable[[Any], float]
+OVERSIZE = ("alone", "refuse")
 
 
 @dataclass
@@ -54,6 +56,14 @@ class Model:
     # by its max_timeout_s).  None: the gateway's.
     max_queue_len: int | None = None
     default_timeout_s: float | None = None
+    # Batches by cost (``policy.max_batch_cost``): an item's cost (Ray's
+    # ``batch_size_fn``; None: padded length for a variable-length model, else 1), and
+    # what happens to an item costlier than the whole budget: it runs in a pass of its
+    # own (``alone``), or is answered ``InvalidPayload`` (``refuse``).  A
+    # ``batch_size_fn`` without ``max_batch_cost`` uses ``max_batch_size`` as the
+    # budget, as Ray does.
+    batch_size_fn: CostFn | None = None
+    oversize: str = defaults.OVERSIZE
     # The model's own values of the live knobs (``redbatch.knobs``), before overrides.
     knob_defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
@@ -65,6 +75,9 @@ class Model:
             raise ConfigError(f"model {self.name!r}: max_queue_len must be >= 1")
         if self.default_timeout_s is not None and not self.default_timeout_s > 0:
             raise ConfigError(f"model {self.name!r}: default_timeout_s must be > 0")
+        if self.oversize not in OVERSIZE:
+            raise ConfigError(f"model {self.name!r}: oversize must be one of {OVERSIZE}, "
+                              f"got {self.oversize!r}")
         self.knob_defaults = self.knob_values()
 
     def knob_values(self) -> dict[str, Any]:
@@ -113,18 +126,23 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH, spec: TensorSpec | None = None,
           input_name: str = defaults.INPUT_NAME, output_name: str = defaults.OUTPUT_NAME,
           stack: bool = False, timeout_s: float | None = None,
-          output_spec: TensorSpec | None = None) -> Callable[[BatchFn], Model]:
+          output_spec: TensorSpec | None = None,
+          max_batch_cost: float | None = defaults.MAX_BATCH_COST,
+          batch_size_fn: CostFn | None = None,
+          oversize: str = defaults.OVERSIZE) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
     The knobs are Ray's; ``timeout_s`` is accepted as another name for
     ``batch_wait_timeout_s`` (the ``{max_batch_size, timeout_s, stride_s,
-    allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict)."""
+    allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict).
+    ``max_batch_cost``, ``batch_size_fn`` and ``oversize``: batches by cost (``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
-    policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch)
+    policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
+                         max_batch_cost=max_batch_cost)
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,
                      spec=spec, input_name=input_name, output_name=output_name, stack=stack,
-                     output_spec=output_spec)
+                     output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize)
 
     return wrap

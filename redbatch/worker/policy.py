@@ -12,7 +12,7 @@ from redbatch.knobs import check_range
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
-          "adaptive", "quiet_s"}
+          "adaptive", "quiet_s", "max_batch_cost"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class BatchPolicy:
       A claim that finds two or more requests queued always waits.  And the window
       closes early once no request has arrived for a quiet gap (``quiet_s``, default a
       quarter of the window): nobody else is on the way, so the batch goes now.
+    * ``max_batch_cost``: most total cost in one forward pass (None: no cost).  An
+      item's cost is the model's ``batch_size_fn`` of it, else, for a variable-length
+      model, its padded length (a pass costs bucket length x items), else 1.
     """
 
     max_batch_size: int = defaults.MAX_BATCH_SIZE
@@ -49,6 +52,7 @@ class BatchPolicy:
     allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH
     adaptive: bool = defaults.ADAPTIVE
     quiet_s: float | None = defaults.QUIET_S
+    max_batch_cost: float | None = defaults.MAX_BATCH_COST
 
     def __post_init__(self) -> None:
         for name, value in self.to_json().items():
@@ -95,4 +99,5 @@ class BatchPolicy:
             "allow_small_batch": self.allow_small_batch,
             "adaptive": self.adaptive,
             "quiet_s": self.quiet_s,
+            "max_batch_cost": self.max_batch_cost,
         }

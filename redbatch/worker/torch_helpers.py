@@ -12,7 +12,7 @@ import numpy as np
 from redbatch import defaults
 from redbatch.spec import TensorSpec
 from redbatch.worker.forward import ContractError
-from redbatch.worker.model import BatchFn, Model
+from redbatch.worker.model import BatchFn, CostFn, Model
 from redbatch.worker.policy import BatchPolicy
 
 
@@ -84,11 +84,13 @@ def torch_padded_fn(module: Callable[..., Any], device: str) -> BatchFn:
 def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec,
                 policy: BatchPolicy | None = None, *, input_name: str = defaults.INPUT_NAME,
                 output_name: str = defaults.OUTPUT_NAME,
-                output_spec: TensorSpec | None = None) -> Model:
+                output_spec: TensorSpec | None = None, batch_size_fn: CostFn | None = None,
+                oversize: str = defaults.OVERSIZE) -> Model:
     """A ``Model`` whose ``build()`` returns a torch module, built inside the worker
     process, moved to its device and put in eval mode.  With a variable-length
     ``spec`` (``max_len``) the module's forward takes ``(padded, lengths)``; an
-    ``output_spec`` whose first dimension is ``None`` has its outputs trimmed."""
+    ``output_spec`` whose first dimension is ``None`` has its outputs trimmed;
+    ``batch_size_fn`` and ``oversize``: batches by cost (``Model``)."""
     wrap = torch_padded_fn if spec.variable else torch_batch_fn
 
     def load(device: str) -> BatchFn:
@@ -98,4 +100,4 @@ def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec,
 
     return Model(name=name, loader=load, policy=policy or BatchPolicy(), spec=spec,
                  input_name=input_name, output_name=output_name, stack=spec.variable,
-                 output_spec=output_spec)
+                 output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize)
