@@ -208,12 +208,21 @@ def test_batch_and_meta_carry_the_cost_settings() -> None:
 
 
 # --- a real worker -----------------------------------------------------------------------
+COST_64 = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2, max_batch_cost=64)
+
+
+async def serve(start_worker: Callable[..., Worker], redis_url: str, name: str,
+                policy: BatchPolicy = COST_64, **kw: Any) -> tuple[Shapes, Worker]:
+    """A live worker of a ``tokens_model`` whose passes are noted."""
+    fn = Shapes()
+    worker = start_worker([tokens_model(name, fn, policy, **kw)], config=BEATING)
+    await wait_live(redis_url, name)
+    return fn, worker
+
+
 async def test_sixteen_requests_run_in_passes_of_at_most_64_padded_tokens(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    fn = Shapes()
-    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2, max_batch_cost=64)
-    start_worker([tokens_model("cost16", fn, policy)])
-    await wait_live(redis_url, "cost16")
+    fn, _ = await serve(start_worker, redis_url, "cost16")
     inputs = [ids(16, start=1000 * i).tolist() for i in range(16)]
     async with Client(redis_url) as client:
         outputs = await client.predict_many("cost16", inputs, timeout_s=20)
@@ -225,10 +234,7 @@ async def test_sixteen_requests_run_in_passes_of_at_most_64_padded_tokens(
 
 async def test_a_refused_request_gets_invalid_payload_and_the_rest_succeed(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    fn = Shapes()
-    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2, max_batch_cost=64)
-    start_worker([tokens_model("refusing", fn, policy, oversize="refuse")])
-    await wait_live(redis_url, "refusing")
+    fn, _ = await serve(start_worker, redis_url, "refusing", oversize="refuse")
     inputs = [ids(8).tolist(), ids(200).tolist(), ids(5).tolist()]
     async with Client(redis_url) as client:
         outputs = await client.predict_many("refusing", inputs, timeout_s=20,
@@ -240,10 +246,7 @@ async def test_a_refused_request_gets_invalid_payload_and_the_rest_succeed(
 
 async def test_the_rows_of_a_multi_row_request_count_one_by_one(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    fn = Shapes()
-    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.05, max_batch_cost=64)
-    start_worker([tokens_model("rows", fn, policy)])
-    await wait_live(redis_url, "rows")
+    fn, _ = await serve(start_worker, redis_url, "rows")
     rows = np.stack([ids(16, start=100 * i) for i in range(10)])  # one request, 10 rows
     async with Client(redis_url) as client:
         await rows_taken(client, "rows")
@@ -255,10 +258,8 @@ async def test_the_rows_of_a_multi_row_request_count_one_by_one(
 
 async def test_max_batch_cost_changes_live_and_bad_values_get_422(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    fn = Shapes()
-    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2)
-    worker = start_worker([tokens_model("livecost", fn, policy)], config=BEATING)
-    await wait_live(redis_url, "livecost")
+    fn, worker = await serve(start_worker, redis_url, "livecost", replace(COST_64,
+                             max_batch_cost=None))
     inputs = [ids(16, start=50 * i).tolist() for i in range(8)]
     async with Client(redis_url) as client:
         answer = await client.configure("livecost", max_batch_cost=32)
