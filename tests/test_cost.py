@@ -295,3 +295,23 @@ def test_replace_keeps_the_cost_settings() -> None:
     copy = replace(model, name="toks2")
     assert (copy.oversize, copy.batch_size_fn, copy.policy.max_batch_cost) == (
         "refuse", len, 64)
+
+
+async def test_a_refused_row_fails_alone_in_its_multi_row_request(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    def heavy_zeros(row: np.ndarray[Any, Any]) -> float:
+        return 100.0 if row[0] == 0 else float(len(row))
+
+    fn, _ = await serve(start_worker, redis_url, "rowcost", oversize="refuse",
+                        batch_size_fn=heavy_zeros)
+    rows = np.stack([ids(16, start=100 * i) for i in range(4)])  # row 0 starts at 0
+    async with Client(redis_url) as client:
+        await rows_taken(client, "rowcost")
+        [future] = await client.submit_many("rowcost", [rows], timeout_s=20, batched=True,
+                                            reply=True)
+        reply = await future
+    assert list(reply.row_errors) == [0]
+    code, message = reply.row_errors[0]
+    assert code == InvalidPayload.code and "costs 100" in message
+    assert [np.asarray(o).tolist() for o in reply.payload[1:]] == rows[1:].tolist()
+    assert fn.shapes == [(3, 16)]  # 16 x 3 = 48 <= 64
