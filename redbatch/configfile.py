@@ -40,7 +40,7 @@ from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
 
 T = TypeVar("T")
-POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s")  # -> the models' BatchPolicy
+POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost")  # -> BatchPolicy
 LIMIT_KEYS = ("max_queue_len", "default_timeout_s")  # -> the models' own limits
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}

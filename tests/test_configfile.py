@@ -33,6 +33,7 @@ device = "cpu"
 replicas = 1
 max_batch_size = 4
 batch_wait_timeout_s = 0.001
+max_batch_cost = 64
 max_queue_len = 1000
 default_timeout_s = 4
 """
@@ -52,7 +53,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     assert model.target == "redbatch.demo:models" and model.worker.device == "cpu"
     assert model.worker.lease_ttl_s == 5  # [worker] defaults reach every model
     assert model.overrides == {"max_batch_size": 4, "batch_wait_timeout_s": 0.001,
-                            "max_queue_len": 1000, "default_timeout_s": 4}
+                            "max_batch_cost": 64, "max_queue_len": 1000,
+                            "default_timeout_s": 4}
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -60,6 +62,7 @@ def test_a_good_file(tmp_path: Path) -> None:
     ("[[models]]\ntarget='a:b'\n[[models]]\ntarget='a:b'\nreplicas='2'",
      r"models\[1\]\.replicas: must be int"),
     ("[[models]]\ntarget='a:b'\nmax_batch_size=0", r"models\[0\]: max_batch_size"),
+    ("[[models]]\ntarget='a:b'\nmax_batch_cost=0", r"models\[0\]: max_batch_cost"),
     ("[[models]]\ntarget='a:b'\nmax_batch_size=16.5", r"models\[0\]\.max_batch_size: must"),
     ("[[models]]\ntarget='a:b'\nmax_batch_size=true", r"models\[0\]\.max_batch_size: must"),
     ("[[models]]\ndevice='cpu'", r"models\[0\]\.target: must be MODULE:OBJECT"),
