@@ -113,14 +113,18 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH, spec: TensorSpec | None = None,
           input_name: str = defaults.INPUT_NAME, output_name: str = defaults.OUTPUT_NAME,
           stack: bool = False, timeout_s: float | None = None,
-          output_spec: TensorSpec | None = None) -> Callable[[BatchFn], Model]:
+          output_spec: TensorSpec | None = None,
+          max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES
+          ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
     The knobs are Ray's; ``timeout_s`` is accepted as another name for
     ``batch_wait_timeout_s`` (the ``{max_batch_size, timeout_s, stride_s,
-    allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict)."""
+    allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict);
+    ``max_concurrent_batches``: batches in flight per worker (``BatchPolicy``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
-    policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch)
+    policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
+                         max_concurrent_batches=max_concurrent_batches)
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,

@@ -12,7 +12,8 @@ from redbatch.knobs import check_range
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
-          "adaptive", "quiet_s"}
+          "adaptive", "quiet_s", "max_concurrent_batches"}
+MAX_CONCURRENT_BATCHES_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class BatchPolicy:
       A claim that finds two or more requests queued always waits.  And the window
       closes early once no request has arrived for a quiet gap (``quiet_s``, default a
       quarter of the window): nobody else is on the way, so the batch goes now.
+    * ``max_concurrent_batches`` (1..64, Ray's name): batches a worker keeps between
+      claim and publish at once; above 1 an async model's calls overlap, a sync model's
+      pass overlaps the others' claims and replies.  Read when the worker starts (not
+      a live knob).
     """
 
     max_batch_size: int = defaults.MAX_BATCH_SIZE
@@ -49,10 +54,16 @@ class BatchPolicy:
     allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH
     adaptive: bool = defaults.ADAPTIVE
     quiet_s: float | None = defaults.QUIET_S
+    max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES
 
     def __post_init__(self) -> None:
         for name, value in self.to_json().items():
             check_range(name, value)  # the live knobs' ranges (redbatch.knobs)
+        concurrent = self.max_concurrent_batches
+        if isinstance(concurrent, bool) or not isinstance(concurrent, int) or not (
+                1 <= concurrent <= MAX_CONCURRENT_BATCHES_LIMIT):
+            raise ConfigError(f"max_concurrent_batches must be an integer 1.."
+                              f"{MAX_CONCURRENT_BATCHES_LIMIT}, got {concurrent!r}")
 
     @classmethod
     def from_mapping(cls, knobs: Mapping[str, Any]) -> BatchPolicy:
