@@ -7,17 +7,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Callable
 
 import pytest
 import redis
 
 from redbatch import Client, batch, codec, protocol
+from redbatch.config import RedisSettings
 from redbatch.errors import ConfigError
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
-from tests.conftest import Proc, redbatch_cmd, test_env, wait_live
+from tests.conftest import FAST_WORKER, Proc, redbatch_cmd, test_env, wait_live
 from tests.test_reliability import (
     FAST_LEASE,
     TAKEOVER,
@@ -141,3 +143,62 @@ async def test_kill_9_with_three_batches_in_flight_loses_nothing(
     assert all(seen == [1] for _, seen in gauge.calls)  # suspects: each alone
     assert inflight_total(raw_redis, "sleepy") == 0
     assert raw_redis.llen(protocol.dead_letter_key("sleepy")) == 0
+
+
+async def test_a_sync_model_computes_one_batch_at_a_time(redis_url: str,
+                                                         start_worker: Callable[..., Worker]
+                                                         ) -> None:
+    """A sync model shares the one forward thread: its passes never overlap, but the
+    next batch is claimed (moved to the in-flight list) while one computes."""
+    seen: list[int] = []  # in-flight entries at each call's start
+    running = [0, 0]  # now, peak
+    raw = redis.Redis.from_url(redis_url)
+    inflight = protocol.inflight_key("syncgauge", "*")
+
+    @batch(name="syncgauge", max_batch_size=4, batch_wait_timeout_s=0.0,
+           max_concurrent_batches=3)
+    def syncgauge(xs: list[int]) -> list[int]:
+        running[0] += 1
+        running[1] = max(running)
+        seen.append(sum(int(raw.llen(key)) for key in raw.keys(inflight)))
+        time.sleep(SLEEP_S)
+        running[0] -= 1
+        return [x * 2 for x in xs]
+
+    start_worker([syncgauge])
+    await wait_live(redis_url, "syncgauge")
+    async with Client(redis_url) as client:
+        futures = await client.submit_many("syncgauge", list(range(12)), timeout_s=30)
+        assert await asyncio.wait_for(asyncio.gather(*futures), 20) == [
+            x * 2 for x in range(12)]
+    raw.close()
+    assert running[1] == 1
+    assert max(seen) > 4  # more than the computing batch was claimed
+
+
+async def test_a_graceful_stop_finishes_every_batch_in_flight(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    gauge = Gauge()
+    worker = Worker([gauged("stopping", gauge, max_concurrent_batches=3)],
+                    RedisSettings(redis_url), FAST_WORKER)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await wait_live(redis_url, "stopping")
+        replies, entries = [], []
+        for value in range(12):
+            reply_to = protocol.reply_key(f"stopping-test-{value}")
+            entries.append(raw_request("stopping", value, reply_to)[1])
+            replies.append(reply_to)
+        raw_redis.rpush(protocol.queue_key("stopping"), *entries)
+        while gauge.now < 3:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 20)
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+    for value, reply_to in enumerate(replies):
+        reply = await asyncio.to_thread(read_reply, raw_redis, reply_to, 5)
+        assert reply.ok and reply.payload == value * 2
+    assert inflight_total(raw_redis, "stopping") == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -73,6 +74,30 @@ class Computed:
     padding: tuple[int, int] = (0, 0)  # padded and real lengths (variable-length models)
 
 
+class BusyClock:
+    """Time during which at least one of overlapping batches was computing: each batch,
+    as its compute ends, gets the share since the previous one ended, so that the
+    shares add up to the union (the worker's items/s, not ``N`` times lower)."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._since = self._closed = self._taken = 0.0
+
+    def start(self) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def end(self) -> float:
+        """This batch's share of the busy time (seconds)."""
+        total = self._closed + time.perf_counter() - self._since
+        self._active -= 1
+        if self._active == 0:
+            self._closed = total
+        share, self._taken = total - self._taken, total
+        return share
+
+
 async def _settle(task: asyncio.Task[Any] | None, *, abandon: bool = False) -> None:
     """Wait for ``task`` and raise its error; with ``abandon``, cancel it if it still
     runs and swallow its outcome (the error being handled is already on its way)."""
@@ -105,6 +130,12 @@ class BatchRunner:
         self._forwarders = [self._forwarder] + [
             Forwarder(model, fn, executor, device) for _ in range(self._limit - 1)]
         self._in_flight = 0  # batches between claim and publish (many-batch mode)
+        self._clock = BusyClock()
+        # a sync model's passes share the one forward thread: its batches compute one
+        # at a time (their forward times stay the pass's own), overlapping the others'
+        # claims and replies; an async model's calls overlap
+        self._computing: asyncio.Lock | contextlib.nullcontext[None] = (
+            contextlib.nullcontext() if model.is_async else asyncio.Lock())
         self._link = LeanLink(redis)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
@@ -212,12 +243,8 @@ class BatchRunner:
         batch claimed before it was published (claim order: the ack trims the
         in-flight head); its slot frees once it is published, or failed."""
         self._in_flight += 1
-        forwarder = self._forwarders.pop()
         try:
-            try:
-                computed = await self._compute(batch, forwarder)
-            finally:
-                self._forwarders.append(forwarder)
+            computed = await self._compute_one(batch)
             if previous is not None:
                 await asyncio.wait([previous])  # (a cancel of this task leaves it be)
                 previous.result()  # its error: this batch cannot be acked either
@@ -288,6 +315,19 @@ class BatchRunner:
                                                         - self._rows_per_entry)
         self._rows_per_entry = rows if rows > 1.05 else 1.0  # back to single requests
         return max(1, min(size, int(size / self._rows_per_entry)))
+
+    async def _compute_one(self, batch: Claimed) -> Computed:
+        """``_compute`` on a free Forwarder, beside the other batches in flight."""
+        async with self._computing:
+            forwarder = self._forwarders.pop()
+            self._clock.start()
+            try:
+                computed = await self._compute(batch, forwarder)
+            finally:
+                computed_busy_s = self._clock.end()
+                self._forwarders.append(forwarder)
+            computed.busy_s = computed_busy_s
+            return computed
 
     async def _compute(self, batch: Claimed, forwarder: Forwarder | None = None
                        ) -> Computed:
