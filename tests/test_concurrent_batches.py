@@ -202,3 +202,26 @@ async def test_a_graceful_stop_finishes_every_batch_in_flight(
         reply = await asyncio.to_thread(read_reply, raw_redis, reply_to, 5)
         assert reply.ok and reply.payload == value * 2
     assert inflight_total(raw_redis, "stopping") == 0
+
+
+def test_busy_time_of_overlapping_batches_is_their_union(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Busy time feeds the worker's published items/s: overlapping batches count the
+    time at least one computed, not the sum of their times."""
+    from redbatch.worker import runner
+
+    now = [0.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
+    clock = runner.BusyClock()
+    shares = []
+    for at, event in [(0, "start"), (1, "start"), (2, "end"), (3, "end"),  # [0,2] [1,3]
+                      (5, "start"), (6, "end"),  # alone: [5,6]
+                      (7, "start"), (8, "start"), (9, "start"), (10, "end"), (11, "end"),
+                      (12, "end")]:  # three at once: [7,12]
+        now[0] = float(at)
+        if event == "start":
+            clock.start()
+        else:
+            shares.append(clock.end())
+    assert shares == [2.0, 1.0, 1.0, 3.0, 1.0, 1.0]
+    assert sum(shares) == 3 + 1 + 5
