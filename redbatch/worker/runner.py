@@ -317,8 +317,13 @@ class BatchRunner:
         return max(1, min(size, int(size / self._rows_per_entry)))
 
     async def _compute_one(self, batch: Claimed) -> Computed:
-        """``_compute`` on a free Forwarder, beside the other batches in flight."""
+        """``_compute`` on a free Forwarder, beside the other batches in flight; the
+        deadlines are checked again first (a sync model's batch may have waited for
+        the ones claimed before it)."""
         async with self._computing:
+            batch.late += drop_infeasible(batch.decoded, protocol.now_ms(),
+                                          self.model.policy.max_batch_size,
+                                          self.stats.pass_times.estimate_ms)
             forwarder = self._forwarders.pop()
             self._clock.start()
             try:
@@ -367,7 +372,6 @@ class BatchRunner:
         await _run_into(fwd, results, items, [i for i, item in enumerate(items)
                                              if not item.request.suspect])
         return results
-
 
     async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
         published = time.perf_counter()
