@@ -67,6 +67,7 @@ BATCH_WAIT_TIMEOUT_S: Final = 0.005  # the batch window
 STRIDE_S: Final = 0.0  # least time between two batch pops of one worker; 0: continuous
 ALLOW_SMALL_BATCH: Final = True  # a window counts from the oldest request's enqueue
 ADAPTIVE: Final = True  # a lone request skips the window while load is light
+MAX_CONCURRENT_BATCHES: Final = 1  # batches between claim and publish per worker
 QUIET_S: Final[float | None] = None  # gap that closes a window early; None: a quarter of it
 MAX_BATCH_COST: Final[float | None] = None  # most total cost in one pass; None: no cost
 OVERSIZE: Final = "alone"  # an item costlier than max_batch_cost: alone, or refuse (422)

@@ -12,7 +12,8 @@ from redbatch.knobs import check_range
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
-          "adaptive", "quiet_s", "max_batch_cost"}
+          "adaptive", "quiet_s", "max_batch_cost", "max_concurrent_batches"}
+MAX_CONCURRENT_BATCHES_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class BatchPolicy:
     * ``max_batch_cost``: most total cost in one forward pass (None: no cost).  An
       item's cost is the model's ``batch_size_fn`` of it, else, for a variable-length
       model, its padded length (a pass costs bucket length x items), else 1.
+    * ``max_concurrent_batches`` (1..64, Ray's name): batches a worker keeps between
+      claim and publish at once; above 1 an async model's calls overlap, a sync model's
+      pass overlaps the others' claims and replies.  Read when the worker starts (not
+      a live knob).
     """
 
     max_batch_size: int = defaults.MAX_BATCH_SIZE
@@ -53,10 +58,16 @@ class BatchPolicy:
     adaptive: bool = defaults.ADAPTIVE
     quiet_s: float | None = defaults.QUIET_S
     max_batch_cost: float | None = defaults.MAX_BATCH_COST
+    max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES
 
     def __post_init__(self) -> None:
         for name, value in self.to_json().items():
             check_range(name, value)  # the live knobs' ranges (redbatch.knobs)
+        concurrent = self.max_concurrent_batches
+        if isinstance(concurrent, bool) or not isinstance(concurrent, int) or not (
+                1 <= concurrent <= MAX_CONCURRENT_BATCHES_LIMIT):
+            raise ConfigError(f"max_concurrent_batches must be an integer 1.."
+                              f"{MAX_CONCURRENT_BATCHES_LIMIT}, got {concurrent!r}")
 
     @classmethod
     def from_mapping(cls, knobs: Mapping[str, Any]) -> BatchPolicy:

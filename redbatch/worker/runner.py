@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -73,6 +74,30 @@ class Computed:
     padding: tuple[int, int] = (0, 0)  # padded and real lengths (variable-length models)
 
 
+class BusyClock:
+    """Time during which at least one of overlapping batches was computing: each batch,
+    as its compute ends, gets the share since the previous one ended, so that the
+    shares add up to the union (the worker's items/s, not ``N`` times lower)."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._since = self._closed = self._taken = 0.0
+
+    def start(self) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def end(self) -> float:
+        """This batch's share of the busy time (seconds)."""
+        total = self._closed + time.perf_counter() - self._since
+        self._active -= 1
+        if self._active == 0:
+            self._closed = total
+        share, self._taken = total - self._taken, total
+        return share
+
+
 async def _settle(task: asyncio.Task[Any] | None, *, abandon: bool = False) -> None:
     """Wait for ``task`` and raise its error; with ``abandon``, cancel it if it still
     runs and swallow its outcome (the error being handled is already on its way)."""
@@ -99,6 +124,18 @@ class BatchRunner:
         self.model = model
         self._worker_id = worker_id
         self._forwarder = Forwarder(model, fn, executor, device)
+        # one Forwarder per batch in flight (``max_concurrent_batches``): each counts
+        # its own batch's passes and padding
+        self._limit = model.policy.max_concurrent_batches  # read at start only
+        self._forwarders = [self._forwarder] + [
+            Forwarder(model, fn, executor, device) for _ in range(self._limit - 1)]
+        self._in_flight = 0  # batches between claim and publish (many-batch mode)
+        self._clock = BusyClock()
+        # a sync model's passes share the one forward thread: its batches compute one
+        # at a time (their forward times stay the pass's own), overlapping the others'
+        # claims and replies; an async model's calls overlap
+        self._computing: asyncio.Lock | contextlib.nullcontext[None] = (
+            contextlib.nullcontext() if model.is_async else asyncio.Lock())
         self._link = LeanLink(redis)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
@@ -117,17 +154,28 @@ class BatchRunner:
         self._policy = policy
 
     async def serve(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop``: claim -> decode (``_take``), forward -> encode
+        """Serve until ``stop``; after an error, the next call first returns what this
+        worker still held to the queue's front.  One batch in flight at a time
+        (``_serve_one``), or up to the policy's ``max_concurrent_batches``
+        (``_serve_many``; read when the worker starts).  Batches are published in claim
+        order either way: each ack trims the head of the in-flight list."""
+        await self._return_unacked()
+        self._unacked = True
+        self.claimer.stop = stop  # a window still filling at shutdown closes
+        if self._limit > 1:
+            await self._serve_many(stop)
+        else:
+            await self._serve_one(stop)
+        self._unacked = False  # only after a clean stop: everything claimed was answered
+
+    async def _serve_one(self, stop: asyncio.Event) -> None:
+        """One batch at a time: claim -> decode (``_take``), forward -> encode
         (``_compute``), publish (``_publish_batch``).  While recent passes were short
         (under ``PREFETCH_MAX_MS``), the next batch is claimed and decoded during this
         pass, and this one is published during the next, so the model does not wait on
         Redis; a slow model claims only when it is free, so that an idle worker can take
         the next batch instead.  Batches are published in claim order (each ack trims
-        the head of the in-flight list).  After an error, the next call first returns
-        what this worker still held to the queue's front."""
-        await self._return_unacked()
-        self._unacked = True
-        self.claimer.stop = stop  # a window still filling at shutdown closes
+        the head of the in-flight list)."""
         claiming: asyncio.Task[Claimed | None] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
@@ -150,7 +198,60 @@ class BatchRunner:
         finally:
             for task in (claiming, publishing):
                 await _settle(task, abandon=True)
-        self._unacked = False  # only after a clean stop: everything claimed was answered
+
+    async def _serve_many(self, stop: asyncio.Event) -> None:
+        """Up to ``max_concurrent_batches`` batches between claim and publish: one loop
+        claims and decodes (one claim at a time), each batch then runs in a task of its
+        own (``_run_batch``): an async model's forward calls overlap on the loop, a
+        sync model's pass overlaps the claims and replies of the others.  A batch
+        holding suspects runs alone (the others drained first), so that a crash
+        blames exactly the suspect it names."""
+        slots = asyncio.Semaphore(self._limit)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            while not stop.is_set():
+                await slots.acquire()
+                tasks = _check_done(tasks)
+                batch = None if stop.is_set() else await self._take()
+                if batch is None:
+                    slots.release()
+                    continue
+                tasks = await self._launch(batch, tasks, slots)
+            await asyncio.gather(*tasks)  # a graceful stop: every batch finishes
+        finally:
+            for task in tasks:
+                await _settle(task, abandon=True)
+
+    async def _launch(self, batch: Claimed, tasks: list[asyncio.Task[None]],
+                      slots: asyncio.Semaphore) -> list[asyncio.Task[None]]:
+        """Start ``batch``'s task, published after the one before it; a batch with
+        suspects waits until the others are done, and the next waits for it."""
+        suspect = any(item.request.suspect for item in batch.decoded.items)
+        if suspect:
+            await asyncio.gather(*tasks)
+            tasks = []
+        task = asyncio.create_task(self._run_batch(batch, tasks[-1] if tasks else None,
+                                                   slots))
+        if suspect:
+            await asyncio.gather(task)
+            return []
+        return [*tasks, task]
+
+    async def _run_batch(self, batch: Claimed, previous: asyncio.Task[None] | None,
+                         slots: asyncio.Semaphore) -> None:
+        """Forward and encode ``batch`` on a free Forwarder, then publish it once the
+        batch claimed before it was published (claim order: the ack trims the
+        in-flight head); its slot frees once it is published, or failed."""
+        self._in_flight += 1
+        try:
+            computed = await self._compute_one(batch)
+            if previous is not None:
+                await asyncio.wait([previous])  # (a cancel of this task leaves it be)
+                previous.result()  # its error: this batch cannot be acked either
+            await self._publish_batch(batch, computed)
+        finally:
+            self._in_flight -= 1
+            slots.release()
 
     async def _return_unacked(self) -> None:
         """After a failure, requeue (in order) whatever this worker still holds."""
@@ -215,22 +316,43 @@ class BatchRunner:
         self._rows_per_entry = rows if rows > 1.05 else 1.0  # back to single requests
         return max(1, min(size, int(size / self._rows_per_entry)))
 
-    async def _compute(self, batch: Claimed) -> Computed:
-        """Forward and encode: the replies of one batch."""
+    async def _compute_one(self, batch: Claimed) -> Computed:
+        """``_compute`` on a free Forwarder, beside the other batches in flight; the
+        deadlines are checked again first (a sync model's batch may have waited for
+        the ones claimed before it)."""
+        async with self._computing:
+            batch.late += drop_infeasible(batch.decoded, protocol.now_ms(),
+                                          self.model.policy.max_batch_size,
+                                          self.stats.pass_times.estimate_ms)
+            forwarder = self._forwarders.pop()
+            self._clock.start()
+            try:
+                computed = await self._compute(batch, forwarder)
+            finally:
+                computed_busy_s = self._clock.end()
+                self._forwarders.append(forwarder)
+            computed.busy_s = computed_busy_s
+            return computed
+
+    async def _compute(self, batch: Claimed, forwarder: Forwarder | None = None
+                       ) -> Computed:
+        """Forward (on ``forwarder``, by default the first) and encode: the replies of
+        one batch."""
+        fwd = forwarder or self._forwarder
         started = time.perf_counter()
-        results = await self._forward(batch.decoded.items)
+        results = await self._forward(batch.decoded.items, fwd)
         fwd_ms = (time.perf_counter() - started) * 1000
         outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
         return Computed(outs, fwd_ms, time.perf_counter() - started,
                         sum(isinstance(r, RedbatchError) for r in results),
-                        self._forwarder.take_passes(), self._forwarder.take_padding())
+                        fwd.take_passes(), fwd.take_padding())
 
-    async def _forward(self, items: list[Item]) -> list[Any]:
+    async def _forward(self, items: list[Item], fwd: Forwarder) -> list[Any]:
         if not any(item.request.suspect for item in items):
-            return await self._forwarder.run_batches([item.value for item in items])
-        return await self._forward_suspects(items)
+            return await fwd.run_batches([item.value for item in items])
+        return await self._forward_suspects(items, fwd)
 
-    async def _forward_suspects(self, items: list[Item]) -> list[Any]:
+    async def _forward_suspects(self, items: list[Item], fwd: Forwarder) -> list[Any]:
         """A batch holding entries of a batch that crashed a worker: each suspect entry
         (requeued at the queue's front: they come first) in passes of its own, named in
         this worker's crashing key while they run, so that a crash blames that entry
@@ -244,18 +366,12 @@ class BatchRunner:
             await self._redis.set(self._crashing, items[indices[0]].request.id,
                                   ex=protocol.CRASHING_TTL_S)
             try:
-                await self._run_into(results, items, indices)
+                await _run_into(fwd, results, items, indices)
             finally:
                 await self._redis.delete(self._crashing)
-        await self._run_into(results, items, [i for i, item in enumerate(items)
-                                              if not item.request.suspect])
+        await _run_into(fwd, results, items, [i for i, item in enumerate(items)
+                                             if not item.request.suspect])
         return results
-
-    async def _run_into(self, results: list[Any], items: list[Item], indices: list[int]
-                        ) -> None:
-        outputs = await self._forwarder.run_batches([items[i].value for i in indices])
-        for i, output in zip(indices, outputs, strict=True):
-            results[i] = output
 
     async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
         published = time.perf_counter()
@@ -331,10 +447,26 @@ class BatchRunner:
                  len(decoded.items) - computed.failed, computed.failed,
                  len(decoded.early) + decoded.invalid_rows - batch.late, batch.late,
                  max(waits, default=0), fwd_ms,
-                 reply_ms, f" pad={padded / real:.2f}" if real else "")
+                 reply_ms, (f" pad={padded / real:.2f}" if real else "")
+                 + (f" inflight={self._in_flight}" if self._limit > 1 else ""))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(
                 r.trace_id or r.id for r in _requests(decoded)))
+
+
+async def _run_into(fwd: Forwarder, results: list[Any], items: list[Item],
+                    indices: list[int]) -> None:
+    outputs = await fwd.run_batches([items[i].value for i in indices])
+    for i, output in zip(indices, outputs, strict=True):
+        results[i] = output
+
+
+def _check_done(tasks: list[asyncio.Task[None]]) -> list[asyncio.Task[None]]:
+    """The tasks still running; a finished one's error is raised here."""
+    for task in tasks:
+        if task.done():
+            task.result()
+    return [task for task in tasks if not task.done()]
 
 
 def _requests(decoded: Decoded) -> list[Request]:
