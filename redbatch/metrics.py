@@ -94,11 +94,12 @@ GATEWAY_METRICS: Final = ("redbatch_requests_total", "redbatch_request_duration_
 WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_seconds",
                          "redbatch_batch_size", "redbatch_batch_entries",
                          "redbatch_batch_fill_ratio", "redbatch_worker_items_total",
-                         "redbatch_retries_total", "redbatch_dead_letters_total")
+                         "redbatch_retries_total", "redbatch_dead_letters_total",
+                         "redbatch_padding_waste_ratio")
 HISTOGRAMS: Final = frozenset({"redbatch_request_duration_seconds",
                                "redbatch_queue_wait_seconds", "redbatch_forward_seconds",
                                "redbatch_batch_size", "redbatch_batch_entries",
-                               "redbatch_batch_fill_ratio"})
+                               "redbatch_batch_fill_ratio", "redbatch_padding_waste_ratio"})
 
 
 def series_names(names: Iterable[str] = GATEWAY_METRICS + WORKER_METRICS) -> set[str]:
