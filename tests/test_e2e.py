@@ -48,7 +48,7 @@ async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]
         echo = await http.post("/v1/models/echo/predict", json={"x": [0.5, 1.5]})
         assert echo.json() == {"y": [0.5, 1.5]}
         models = (await http.get("/v1/models")).json()["models"]
-        assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "adder"}
+        assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "textcls", "adder"}
         assert all(m["live_workers"] == 1 for m in models)
 
 
