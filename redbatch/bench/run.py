@@ -138,8 +138,8 @@ def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
             "queue_wait_ms_per_entry": d["queue_wait_ms"] / max(d["entries"], 1.0),
             "items_per_entry": d["items"] / max(d["entries"], 1.0),
             # variable lengths: real tokens per second of forward, padded over real
-            "real_per_forward_s": d["real"] * 1000 / max(d["forward_ms"], 1e-9),
-            "pad_ratio": d["padded"] / max(d["real"], 1.0)}
+            "real_per_forward_s": d.get("real", 0.0) * 1000 / max(d["forward_ms"], 1e-9),
+            "pad_ratio": d.get("padded", 0.0) / max(d.get("real", 0.0), 1.0)}
 
 
 def bare_model(duration_s: float) -> dict[str, float]:
