@@ -9,7 +9,8 @@
 * ``textcls``: the W3 benchmark model, a one-layer transformer text classifier (seed 0)
   over 1 to 512 token ids; body ``{"input_ids": [ids]}`` (other fields, such as an
   ``attention_mask``, are ignored: the mask is implied by the length), reply
-  ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its bucket.
+  ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its bucket;
+  a pass padded to 256 or more runs its rows one at a time, each at its own length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.bench.mlp import W2_IN, build_mlp
-from redbatch.bench.textcls import MAX_LEN, build_textcls
+from redbatch.bench.textcls import MAX_LEN, build_served
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
@@ -59,6 +60,6 @@ def models() -> list[Model]:
                       input_name="x", output_name="y")
     echo = Model("echo", fn=echo_fn, policy=policy, spec=TensorSpec("float32", (None,)),
                  input_name="x", output_name="y", inline=True)
-    textcls = torch_model("textcls", build_textcls, TensorSpec("int64", (None,), max_len=MAX_LEN),
+    textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN),
                           policy, input_name="input_ids", output_name="logits")
     return [mlp, echo, echo_tokens(policy), textcls, adder]

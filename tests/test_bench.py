@@ -133,11 +133,12 @@ def test_w3_bare_sweep_takes_each_buckets_best_batch(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(w3, "_rate", fake_rate)
     monkeypatch.setattr(w3, "_exact", lambda model, duration_s: 5.0)
     bare = w3.bare_sweep(0.01)
-    assert {k: v["best_batch"] for k, v in bare["buckets"].items()} == {
-        "8": 8, "16": 8, "32": 8, "64": 8, "128": 8, "256": 1, "512": 1}
+    for name in ("plain", "served"):
+        assert {k: v["best_batch"] for k, v in bare[name]["buckets"].items()} == {
+            "8": 8, "16": 8, "32": 8, "64": 8, "128": 8, "256": 1, "512": 1}
     seconds = sum(sum(map(len, rows)) / (1000.0 * length)
                   for length, rows in w3.buckets().items())
-    assert bare["best_tokens_per_s"] == pytest.approx(7167 / seconds)
+    assert bare["plain"]["best_tokens_per_s"] == pytest.approx(7167 / seconds)
     assert bare["batch1_exact_tokens_per_s"] == 5.0
 
 
@@ -146,15 +147,19 @@ def test_w3_report_gives_tokens_per_second_and_the_targets(
     ours, naive = _case(1200, 2000), _case(1000, 1000)
     ours["batching"].update(real_per_forward_s=45000.0, pad_ratio=1.3)
     res = {"redbatch_w3": w3.tokens(ours), "naive2_w3": w3.tokens(naive),
-           "bare_w3": {"buckets": {"8": {"best_batch": 32, "tokens_per_s": {32: 90000.0}}},
-                       "best_tokens_per_s": 50000.0, "batch1_exact_tokens_per_s": 40000.0}}
+           "bare_w3": {"plain": {"buckets": {"8": {"best_batch": 32,
+                                                   "tokens_per_s": {32: 90000.0}}},
+                                 "best_tokens_per_s": 60000.0},
+                       "served": {"buckets": {}, "best_tokens_per_s": 50000.0},
+                       "batch1_exact_tokens_per_s": 40000.0}}
     run.report(res)
     out = capsys.readouterr().out
     assert f"{1200 * 7167 / 64:.0f}" in out  # tokens/s = req/s x mean length
     assert "x1.20 the tokens/s of naive2_w3 (target x1.1: met)" in out
     assert "ray_w3" not in out
     assert "8:32 (90000)" in out
-    assert "45000 real tokens per forward-second (90% of the best strategy" in out
+    assert ("45000 real tokens per forward-second, 90% of the served forward's best "
+            "strategy (target 90%), 75% of the anchors' forward's") in out
 
 
 def test_batching_counts_real_tokens_per_forward_second() -> None:

@@ -3,7 +3,11 @@ its logits equal at batch 1 and in a padded pass, and the bench's W3 bodies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+import pytest
 import torch
 
 from redbatch.bench import textcls
@@ -43,13 +47,17 @@ def test_logits_equal_the_anchors_reference() -> None:
                                    atol=1e-4)
 
 
-def test_a_padded_pass_gives_each_body_its_batch1_logits() -> None:
-    model, bodies = textcls.build_textcls(), textcls.bodies()
+@pytest.mark.parametrize("length", [128, 512])  # served: batched / row by row
+@pytest.mark.parametrize("build", [textcls.build_textcls, textcls.build_served])
+def test_a_padded_pass_gives_each_body_its_batch1_logits(build: Callable[[], Any],
+                                                         length: int) -> None:
+    model, reference = build(), textcls.build_textcls()
+    bodies = [b for b in textcls.bodies() if len(b["input_ids"]) <= length]
     rows = [np.asarray(b["input_ids"], dtype=np.int64) for b in bodies]
-    padded, lengths = pad_batch(rows, 512, 0)
+    padded, lengths = pad_batch(rows, length, 0)
     with torch.inference_mode():
         got = model(torch.from_numpy(padded), torch.from_numpy(lengths)).numpy()
-    want = np.stack([logits_batch1(model, b["input_ids"]) for b in bodies])
+    want = np.stack([logits_batch1(reference, b["input_ids"]) for b in bodies])
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 

@@ -41,8 +41,10 @@ def bodies_text() -> str:
     return "[\n" + ",\n".join(json.dumps(b) for b in bodies()) + "\n]\n"
 
 
-def build_textcls() -> Any:
-    """The W3 classifier (seed 0); call it as ``model(padded_ids, lengths)``."""
+def build_textcls(alone_from: int | None = None) -> Any:
+    """The W3 classifier (seed 0); call it as ``model(padded_ids, lengths)``.  With
+    ``alone_from``, a pass padded to at least that length runs its rows one at a time,
+    each cut to its own length (same logits; see ``build_served``)."""
     import torch
 
     class TextClassifier(torch.nn.Module):
@@ -54,6 +56,12 @@ def build_textcls() -> Any:
             self.head = torch.nn.Linear(DIM, OUT)
 
         def forward(self, ids: Any, lens: Any) -> Any:
+            if alone_from is not None and ids.shape[1] >= alone_from:
+                return torch.cat([self.padded(ids[i:i + 1, :n], lens[i:i + 1])
+                                  for i, n in enumerate(lens.tolist())])
+            return self.padded(ids, lens)
+
+        def padded(self, ids: Any, lens: Any) -> Any:
             pad = torch.arange(ids.shape[1], device=ids.device)[None, :] >= lens[:, None]
             h = self.enc(self.emb(ids), src_key_padding_mask=pad)
             h = h.masked_fill(pad.unsqueeze(-1), 0.0)
@@ -61,3 +69,14 @@ def build_textcls() -> Any:
 
     torch.manual_seed(0)
     return TextClassifier().eval()
+
+
+ALONE_FROM = 256
+
+
+def build_served() -> Any:
+    """The classifier as the demo model ``textcls`` serves it: a pass padded to 256 or
+    more runs its rows one at a time at their own lengths.  On CPU, with PyTorch's fast
+    path, long rows cost more per token batched and padded than alone (bench: W3's
+    per-bucket sweep), while short rows gain from batching."""
+    return build_textcls(ALONE_FROM)
