@@ -286,14 +286,18 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
     """W3 against the naive server with 2 processes, then the bare model's sweep."""
     w3.write_bodies(procs.logdir)
     naive = servers.start_naive(procs, "naive2", workers=2)
+    servers.start_worker(procs, redis_url, "worker-w3")  # 2 replicas, as naive's 2 processes
     try:
+        producer.wait_live_workers(redis_url, "textcls", 2)
         w3.check_replies([f"{ours}/v1/models/textcls/predict", f"{naive}/w3"])
         cases = interleaved([
             Target("redbatch_w3", f"{ours}/v1/models/textcls/predict", "w3.lua",
-                   procs.pids("redis", "worker", "gateway"), redis_url, "textcls"),
+                   procs.pids("redis", "worker", "worker-w3", "gateway"), redis_url,
+                   "textcls"),
             Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2"))], args)
     finally:
         procs.stop_one("naive2")
+        procs.stop_one("worker-w3")
     res.update({name: w3.tokens(case) for name, case in cases.items()})
     res["bare_w3"] = w3.bare_sweep(0.2 if args.quick else 0.5)
 
