@@ -1,5 +1,5 @@
-"""redbatch bench (or scripts/bench): W1 and W2 through redbatch, the naive baseline and
-the bare model, measured in one run on this machine, with ratios against the baselines.
+"""redbatch bench (or scripts/bench): W1, W2 and W3 through redbatch, the naive baseline
+and the bare model, measured in one run on this machine, with ratios against the baselines.
 
 Workloads (docs/benchmarks.md): POST {"x": [16 or 64 floats]},
 wrk -t1 at 64 connections (throughput, p50/p90/p99) and at 1 connection (latency),
@@ -8,6 +8,7 @@ W2 is the torch MLP (64-1024-1024-16, one torch thread), batched at most 32 with
 5 ms window.  Also: the producer path (``bench/producer.py``: no HTTP), mean
 batch size and queue wait vs forward time (from the workers' counters), a
 concurrency sweep plotted to a PNG, and a JSON file for comparing runs.
+W3 (the text classifier ``textcls``, 64 bodies of 8 to 458 tokens) is ``bench/w3.py``.
 """
 
 from __future__ import annotations
@@ -314,9 +315,10 @@ def run_ray(procs: Procs, args: argparse.Namespace, res: dict[str, Any]) -> None
         res["sweep_w2"].update(sweep({"ray": f"{base}/w2"}, sweep_levels(args), args.sweep_s))
 
 
-BENCH_HELP = """W1 (a no-op model) and W2 (a torch MLP, batched at most 32 with a 5 ms window)
-through redbatch, a naive FastAPI server and the bare model, measured in one run on
-this machine, with ratios against the baselines (method: docs/benchmarks.md).
+BENCH_HELP = """W1 (a no-op model), W2 (a torch MLP, batched at most 32 with a 5 ms window) and
+W3 (a transformer text classifier over 8 to 458 tokens, in tokens/s) through redbatch,
+a naive FastAPI server and the bare model, measured in one run on this machine, with
+ratios against the baselines (method: docs/benchmarks.md).
 
 HTTP load comes from wrk -t1 at 64 connections (throughput, p50/p90/p99) and at one
 connection (latency), in rounds where redbatch and the naive server take turns
