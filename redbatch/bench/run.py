@@ -287,18 +287,19 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
     """W3 against the naive server with 2 processes, then the bare model's sweep."""
     w3.write_bodies(procs.logdir)
     naive = servers.start_naive(procs, "naive2", workers=2)
-    servers.start_worker(procs, redis_url, "worker-w3")  # 2 replicas, as naive's 2 processes
+    extra = [f"worker-w3-{i}" for i in range(1, args.w3_replicas)]  # beside the run's one
+    for name in extra:
+        servers.start_worker(procs, redis_url, name)
     try:
-        producer.wait_live_workers(redis_url, "textcls", 2)
+        producer.wait_live_workers(redis_url, "textcls", args.w3_replicas)
         w3.check_replies([f"{ours}/v1/models/textcls/predict", f"{naive}/w3"])
         cases = interleaved([
             Target("redbatch_w3", f"{ours}/v1/models/textcls/predict", "w3.lua",
-                   procs.pids("redis", "worker", "worker-w3", "gateway"), redis_url,
-                   "textcls"),
+                   procs.pids("redis", "worker", *extra, "gateway"), redis_url, "textcls"),
             Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2"))], args)
     finally:
-        procs.stop_one("naive2")
-        procs.stop_one("worker-w3")
+        for name in ("naive2", *extra):
+            procs.stop_one(name)
     res.update({name: w3.tokens(case) for name, case in cases.items()})
     res["bare_w3"] = w3.bare_sweep(0.2 if args.quick else 0.5)
 
@@ -339,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                         "`redbatch gateway`)")
     parser.add_argument("--w3-only", action="store_true",
                         help="only W3 (the text classifier; with Ray Serve under --ray)")
+    parser.add_argument("--w3-replicas", type=int, default=2,
+                        help="worker replicas for W3 (2, as the naive server's 2 processes)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
@@ -346,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.duration_s = args.duration_s or (3.0 if args.quick else 4.0)
     args.rounds = args.rounds or (1 if args.quick else 3)
-    if args.rounds < 1 or args.duration_s <= 0 or args.gateways < 1:
-        parser.error("--rounds and --gateways must be at least 1, --duration-s positive")
+    if min(args.rounds, args.gateways, args.w3_replicas) < 1 or args.duration_s <= 0:
+        parser.error("--rounds, --gateways and --w3-replicas must be at least 1, "
+                     "--duration-s positive")
     args.warmup_s = 1.0 if args.quick else 3.0
     args.sweep_s = 2.0 if args.quick else 5.0
     out = Path(args.out)
