@@ -6,6 +6,11 @@
 * ``echo_tokens``: variable-length token ids (int64, 1 to 512 of them); body
   ``{"x": [ids]}``, reply ``{"y": ids}``.  The worker batches them by length bucket,
   hands ``(padded, lengths)`` to the model and trims each output back to its length.
+* ``textcls``: the W3 benchmark model, a one-layer transformer text classifier (seed 0)
+  over 1 to 512 token ids; body ``{"input_ids": [ids]}`` (other fields, such as an
+  ``attention_mask``, are ignored: the mask is implied by the length), reply
+  ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its bucket;
+  a pass padded to 256 or more runs its rows one at a time, each at its own length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
 """
 
@@ -16,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.bench.mlp import W2_IN, build_mlp
+from redbatch.bench.textcls import MAX_LEN, build_served
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
@@ -54,4 +60,6 @@ def models() -> list[Model]:
                       input_name="x", output_name="y")
     echo = Model("echo", fn=echo_fn, policy=policy, spec=TensorSpec("float32", (None,)),
                  input_name="x", output_name="y", inline=True)
-    return [mlp, echo, echo_tokens(policy), adder]
+    textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN),
+                          policy, input_name="input_ids", output_name="logits")
+    return [mlp, echo, echo_tokens(policy), textcls, adder]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from redbatch.bench import run
+from redbatch.bench import run, w3
 from redbatch.bench.servers import cpu_seconds
 
 
@@ -113,3 +113,60 @@ def test_the_bare_model_counts_at_its_faster_measurement() -> None:
     bare = run.faster_of(before, after)
     assert bare["batch32_items_per_s"] == 28000.0 and bare["batch1_items_per_s"] == 8000.0
     assert bare["runs"] == [before, after]
+
+
+def test_w3_buckets_hold_each_body_in_the_smallest_power_of_two() -> None:
+    buckets = w3.buckets()
+    assert sum(len(rows) for rows in buckets.values()) == 64
+    assert list(buckets) == [8, 16, 32, 64, 128, 256, 512]
+    for length, rows in buckets.items():
+        assert all(length // 2 < len(ids) <= length for ids in rows)
+
+
+def test_w3_bare_sweep_takes_each_buckets_best_batch(monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    def fake_rate(model: Any, rows: list[list[int]], length: int, batch: int,
+                  duration_s: float) -> float:
+        best = 1 if length >= 256 else 8  # long buckets best alone, short ones at 8
+        return 1000.0 * length / (1 + abs(batch - best))
+
+    monkeypatch.setattr(w3, "_rate", fake_rate)
+    monkeypatch.setattr(w3, "_exact", lambda model, duration_s: 5.0)
+    bare = w3.bare_sweep(0.01)
+    for name in ("plain", "served"):
+        assert {k: v["best_batch"] for k, v in bare[name]["buckets"].items()} == {
+            "8": 8, "16": 8, "32": 8, "64": 8, "128": 8, "256": 1, "512": 1}
+    seconds = sum(sum(map(len, rows)) / (1000.0 * length)
+                  for length, rows in w3.buckets().items())
+    assert bare["plain"]["best_tokens_per_s"] == pytest.approx(7167 / seconds)
+    assert bare["batch1_exact_tokens_per_s"] == 5.0
+
+
+def test_w3_report_gives_tokens_per_second_and_the_targets(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    ours, naive = _case(1200, 2000), _case(1000, 1000)
+    ours["batching"].update(real_per_forward_s=45000.0, pad_ratio=1.3)
+    res = {"redbatch_w3": w3.tokens(ours), "naive2_w3": w3.tokens(naive),
+           "bare_w3": {"plain": {"buckets": {"8": {"best_batch": 32,
+                                                   "tokens_per_s": {32: 90000.0}}},
+                                 "best_tokens_per_s": 60000.0},
+                       "served": {"buckets": {}, "best_tokens_per_s": 50000.0},
+                       "batch1_exact_tokens_per_s": 40000.0}}
+    run.report(res)
+    out = capsys.readouterr().out
+    assert f"{1200 * 7167 / 64:.0f}" in out  # tokens/s = req/s x mean length
+    assert "x1.20 the tokens/s of naive2_w3 (target x1.1: met)" in out
+    assert "ray_w3" not in out
+    assert "8:32 (90000)" in out
+    assert ("45000 real tokens per forward-second, 90% of the served forward's best "
+            "strategy (target 90%), 75% of the anchors' forward's") in out
+
+
+def test_batching_counts_real_tokens_per_forward_second() -> None:
+    zero = dict.fromkeys(("batches", "items", "entries", "forward_ms", "queue_wait_ms",
+                          "padded", "real"), 0.0)
+    after = {**zero, "batches": 10.0, "items": 40.0, "entries": 40.0, "forward_ms": 500.0,
+             "padded": 6000.0, "real": 4000.0}
+    b = run.batching(zero, after)
+    assert b["real_per_forward_s"] == pytest.approx(8000.0)
+    assert b["pad_ratio"] == pytest.approx(1.5)

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from redbatch import Client
+from redbatch.bench import textcls
 from redbatch.bench.mlp import build_mlp
-from tests.conftest import Proc, free_port, redbatch_cmd, wait_http
+from tests.conftest import Proc, free_port, redbatch_cmd, wait_http, wait_live
+from tests.test_textcls import REFERENCE
 
 pytestmark = pytest.mark.e2e
 W2_X = [i / 64 for i in range(64)]
@@ -48,8 +50,25 @@ async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]
         echo = await http.post("/v1/models/echo/predict", json={"x": [0.5, 1.5]})
         assert echo.json() == {"y": [0.5, 1.5]}
         models = (await http.get("/v1/models")).json()["models"]
-        assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "adder"}
+        assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "textcls", "adder"}
         assert all(m["live_workers"] == 1 for m in models)
+
+
+async def test_textcls_serves_bodies_of_different_lengths(stack: tuple[str, Proc, Proc],
+                                                         redis_url: str) -> None:
+    """W3's classifier through a real worker and gateway: bodies of 8, 11 and 458 tokens
+    sent together (the worker pads them by bucket) get the anchors' batch-1 logits; the
+    body's attention_mask is not the model's input field, so it is ignored."""
+    base, _worker, _gateway = stack
+    await wait_live(redis_url, "textcls")
+    bodies = textcls.bodies()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        replies = await asyncio.gather(*(
+            http.post("/v1/models/textcls/predict", json=bodies[i]) for i in (20, 0, 21)))
+    for i, resp in zip((20, 0, 21), replies, strict=True):
+        assert resp.status_code == 200, resp.text
+        assert list(resp.json()) == ["logits"]
+        np.testing.assert_allclose(resp.json()["logits"], REFERENCE[i], atol=1e-4)
 
 
 async def test_batches_fill_under_load(stack: tuple[str, Proc, Proc]) -> None:

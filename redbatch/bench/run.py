@@ -1,5 +1,5 @@
-"""redbatch bench (or scripts/bench): W1 and W2 through redbatch, the naive baseline and
-the bare model, measured in one run on this machine, with ratios against the baselines.
+"""redbatch bench (or scripts/bench): W1, W2 and W3 through redbatch, the naive baseline
+and the bare model, measured in one run on this machine, with ratios against the baselines.
 
 Workloads (docs/benchmarks.md): POST {"x": [16 or 64 floats]},
 wrk -t1 at 64 connections (throughput, p50/p90/p99) and at 1 connection (latency),
@@ -8,6 +8,7 @@ W2 is the torch MLP (64-1024-1024-16, one torch thread), batched at most 32 with
 5 ms window.  Also: the producer path (``bench/producer.py``: no HTTP), mean
 batch size and queue wait vs forward time (from the workers' counters), a
 concurrency sweep plotted to a PNG, and a JSON file for comparing runs.
+W3 (the text classifier ``textcls``, 64 bodies of 8 to 458 tokens) is ``bench/w3.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import redis
 
 from redbatch import defaults, protocol
-from redbatch.bench import producer, servers
+from redbatch.bench import producer, servers, w3
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds
 
@@ -53,7 +54,7 @@ def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, An
 def batch_counters(redis_url: str, model: str) -> dict[str, float]:
     raw = redis.Redis.from_url(redis_url)
     totals = {"batches": 0.0, "items": 0.0, "entries": 0.0, "forward_ms": 0.0,
-              "queue_wait_ms": 0.0}
+              "queue_wait_ms": 0.0, "padded": 0.0, "real": 0.0}
     for value in raw.hvals(protocol.worker_info_key(model)):
         info = json.loads(value)
         for key in totals:
@@ -136,7 +137,10 @@ def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     return {"mean_batch": d["items"] / batches, "fill_ratio": d["items"] / batches / 32,
             "forward_ms_per_batch": d["forward_ms"] / batches,
             "queue_wait_ms_per_entry": d["queue_wait_ms"] / max(d["entries"], 1.0),
-            "items_per_entry": d["items"] / max(d["entries"], 1.0)}
+            "items_per_entry": d["items"] / max(d["entries"], 1.0),
+            # variable lengths: real tokens per second of forward, padded over real
+            "real_per_forward_s": d.get("real", 0.0) * 1000 / max(d["forward_ms"], 1e-9),
+            "pad_ratio": d.get("padded", 0.0) / max(d.get("real", 0.0), 1.0)}
 
 
 def bare_model(duration_s: float) -> dict[str, float]:
@@ -202,6 +206,13 @@ def fmt(case: dict[str, Any]) -> str:
 
 
 def report(res: dict[str, Any]) -> None:
+    if "redbatch_w2" in res:
+        report_w1_w2(res)
+    if "redbatch_w3" in res:
+        w3.report(res)
+
+
+def report_w1_w2(res: dict[str, Any]) -> None:
     print("\nsystem / workload          rps@64   p50@64   p99@64    p50@1  cpu/req errors  (ms)")
     for key in ("redbatch_w1", "naive_w1", "ray_w1", "redbatch_w2", "naive_w2", "ray_w2"):
         if key in res:
@@ -235,8 +246,23 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     procs = Procs(logdir)
     try:
         redis_url, ours = servers.start_redbatch(procs, args.gateways)
-        naive = servers.start_naive(procs)
         res: dict[str, Any] = {"args": vars(args), "started": time.strftime("%FT%TZ")}
+        if not args.w3_only:
+            run_w1_w2(procs, args, res, redis_url, ours)
+        run_w3(procs, args, res, redis_url, ours)
+        if args.ray:  # last: Ray's idle daemons would take CPU from the other figures
+            run_ray(procs, args, res)
+        return res
+    finally:
+        procs.stop()
+
+
+def run_w1_w2(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_url: str,
+              ours: str) -> None:
+    """W1 and W2 against the naive server (1 process), the producer path, the bare
+    model and the W2 concurrency sweep."""
+    naive = servers.start_naive(procs)
+    try:
         mine, theirs = procs.pids("redis", "worker", "gateway"), procs.pids("naive")
         for wl, model in (("w1", "echo"), ("w2", "mlp")):
             res.update(interleaved([
@@ -246,29 +272,54 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         before = bare_model(min(args.duration_s, 3.0))
         res["producer"] = producer.measure(procs, redis_url, args.duration_s * args.rounds)
         res["bare_model"] = faster_of(before, bare_model(min(args.duration_s, 3.0)))
-        levels = [1, 64] if args.quick else [1, 4, 16, 64, 256]
         res["sweep_w2"] = sweep({"redbatch": f"{ours}/v1/models/mlp/predict",
-                                 "naive": f"{naive}/w2"}, levels, args.sweep_s)
-        if args.ray:  # last: Ray's idle daemons would take CPU from the other figures
-            ray = run_ray(procs, args, res)
-            res["sweep_w2"].update(sweep({"ray": f"{ray}/w2"}, levels, args.sweep_s))
-        return res
+                                 "naive": f"{naive}/w2"}, sweep_levels(args), args.sweep_s)
     finally:
-        procs.stop()
+        procs.stop_one("naive")
 
 
-def run_ray(procs: Procs, args: argparse.Namespace, res: dict[str, Any]) -> str:
-    """Ray Serve's W1 and W2 in this run (its whole process tree counts as its CPU)."""
+def sweep_levels(args: argparse.Namespace) -> list[int]:
+    return [1, 64] if args.quick else [1, 4, 16, 64, 256]
+
+
+def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_url: str,
+           ours: str) -> None:
+    """W3 against the naive server with 2 processes, then the bare model's sweep."""
+    w3.write_bodies(procs.logdir)
+    naive = servers.start_naive(procs, "naive2", workers=2)
+    extra = [f"worker-w3-{i}" for i in range(1, args.w3_replicas)]  # beside the run's one
+    for name in extra:
+        servers.start_worker(procs, redis_url, name)
+    try:
+        producer.wait_live_workers(redis_url, "textcls", args.w3_replicas)
+        w3.check_replies([f"{ours}/v1/models/textcls/predict", f"{naive}/w3"])
+        cases = interleaved([
+            Target("redbatch_w3", f"{ours}/v1/models/textcls/predict", "w3.lua",
+                   procs.pids("redis", "worker", *extra, "gateway"), redis_url, "textcls"),
+            Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2"))], args)
+    finally:
+        for name in ("naive2", *extra):
+            procs.stop_one(name)
+    res.update({name: w3.tokens(case) for name, case in cases.items()})
+    res["bare_w3"] = w3.bare_sweep(0.2 if args.quick else 0.5)
+
+
+def run_ray(procs: Procs, args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Ray Serve's workloads in this run (its whole process tree counts as its CPU)."""
     base = servers.start_ray(procs, args.ray)
+    w3.check_replies([f"{base}/w3"])
     pids = procs.pids("ray")
-    for wl in ("w1", "w2"):
-        res.update(interleaved([Target(f"ray_{wl}", f"{base}/{wl}", f"{wl}.lua", pids)], args))
-    return base
+    for wl in ("w3",) if args.w3_only else ("w1", "w2", "w3"):
+        case = interleaved([Target(f"ray_{wl}", f"{base}/{wl}", f"{wl}.lua", pids)], args)
+        res.update({name: w3.tokens(c) if wl == "w3" else c for name, c in case.items()})
+    if "sweep_w2" in res:
+        res["sweep_w2"].update(sweep({"ray": f"{base}/w2"}, sweep_levels(args), args.sweep_s))
 
 
-BENCH_HELP = """W1 (a no-op model) and W2 (a torch MLP, batched at most 32 with a 5 ms window)
-through redbatch, a naive FastAPI server and the bare model, measured in one run on
-this machine, with ratios against the baselines (method: docs/benchmarks.md).
+BENCH_HELP = """W1 (a no-op model), W2 (a torch MLP, batched at most 32 with a 5 ms window) and
+W3 (a transformer text classifier over 8 to 458 tokens, in tokens/s) through redbatch,
+a naive FastAPI server and the bare model, measured in one run on this machine, with
+ratios against the baselines (method: docs/benchmarks.md).
 
 HTTP load comes from wrk -t1 at 64 connections (throughput, p50/p90/p99) and at one
 connection (latency), in rounds where redbatch and the naive server take turns
@@ -287,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateways", type=int, default=defaults.GATEWAY_PROCESSES,
                         help=f"gateway processes ({defaults.GATEWAY_PROCESSES}, as "
                         "`redbatch gateway`)")
+    parser.add_argument("--w3-only", action="store_true",
+                        help="only W3 (the text classifier; with Ray Serve under --ray)")
+    parser.add_argument("--w3-replicas", type=int, default=2,
+                        help="worker replicas for W3 (2, as the naive server's 2 processes)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
@@ -294,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.duration_s = args.duration_s or (3.0 if args.quick else 4.0)
     args.rounds = args.rounds or (1 if args.quick else 3)
-    if args.rounds < 1 or args.duration_s <= 0 or args.gateways < 1:
-        parser.error("--rounds and --gateways must be at least 1, --duration-s positive")
+    if min(args.rounds, args.gateways, args.w3_replicas) < 1 or args.duration_s <= 0:
+        parser.error("--rounds, --gateways and --w3-replicas must be at least 1, "
+                     "--duration-s positive")
     args.warmup_s = 1.0 if args.quick else 3.0
     args.sweep_s = 2.0 if args.quick else 5.0
     out = Path(args.out)
@@ -306,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (out / f"bench-{stamp}.json").write_text(json.dumps(res, indent=2))
     png = out / f"sweep-{stamp}.png"
+    plotted = "sweep_w2" in res and plot(res["sweep_w2"], png)
     print(f"\nresults: {out / f'bench-{stamp}.json'}"
-          f"{'; plot: ' + str(png) if plot(res['sweep_w2'], png) else ''}; logs: {logdir}")
+          f"{'; plot: ' + str(png) if plotted else ''}; logs: {logdir}")
     return 0
 
 

@@ -101,16 +101,15 @@ def start_ray(procs: Procs, python: str, timeout_s: float = 180) -> str:
     return base
 
 
-def start_naive(procs: Procs) -> str:
+def start_naive(procs: Procs, name: str = "naive", workers: int = 1) -> str:
+    """The naive FastAPI baseline under uvicorn, ``workers`` processes."""
     port = free_port()
-    procs.start("naive", [sys.executable, "-m", "uvicorn", "redbatch.bench.baselines.naive:app",
-                          "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
-                          "--log-level", "warning"])
+    procs.start(name, [sys.executable, "-m", "uvicorn", "redbatch.bench.baselines.naive:app",
+                       "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+                       "--log-level", "warning", "--workers", str(workers)])
     base = f"http://127.0.0.1:{port}"
     wait_ok(f"{base}/w2", {"x": W2_X})
     return base
-
-
 
 
 def cpu_seconds(pids: list[int]) -> float:

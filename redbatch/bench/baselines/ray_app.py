@@ -1,8 +1,10 @@
 """Ray Serve for ``redbatch bench --ray PYTHON``: a reference
 setup (local Ray with num_cpus=2, Serve's HTTP proxy, one replica each) serving
 W1 at ``/w1`` (a no-op deployment) and W2 at ``/w2`` (``@serve.batch(32, 5 ms)`` over
-the same MLP as redbatch's demo).  Run by the Python that has ``ray[serve]`` and torch,
-as a plain script: it imports nothing from redbatch but ``../mlp.py``.
+the same MLP as redbatch's demo), and W3 at ``/w3`` (``@serve.batch(32, 5 ms)`` over
+the text classifier, each batch zero-padded to its longest body).  Run by the Python
+that has ``ray[serve]`` and torch, as a plain script: it imports nothing from redbatch
+but ``../mlp.py`` and ``../textcls.py``.
 Prints READY when serving; stops on SIGTERM.
 """
 
@@ -20,7 +22,7 @@ from starlette.requests import Request
 
 PORT = int(os.environ.get("RAY_BENCH_PORT", "18002"))
 NOLOG = {"enable_access_log": False}
-HERE = str(Path(__file__).resolve().parent.parent)  # holds mlp.py, for driver and replicas
+HERE = str(Path(__file__).resolve().parent.parent)  # holds mlp.py, textcls.py
 
 
 @serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
@@ -47,6 +49,28 @@ class Batched:
         return {"y": await self.infer((await request.json())["x"])}
 
 
+@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
+class Text:
+    def __init__(self) -> None:
+        import textcls  # type: ignore[import-not-found]  # redbatch/bench/textcls.py
+
+        torch.set_num_threads(1)
+        self.model = textcls.build_textcls()
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def infer(self, bodies: list[Any]) -> list[Any]:
+        longest = max(len(b["input_ids"]) for b in bodies)
+        ids = [b["input_ids"] + [0] * (longest - len(b["input_ids"])) for b in bodies]
+        lens = [sum(b["attention_mask"]) for b in bodies]
+        with torch.inference_mode():
+            out: list[Any] = self.model(torch.tensor(ids, dtype=torch.int64),
+                                        torch.tensor(lens, dtype=torch.int64)).tolist()
+        return out
+
+    async def __call__(self, request: Request) -> dict[str, Any]:
+        return {"logits": await self.infer(await request.json())}
+
+
 def main() -> None:
     stop = {"flag": False}
     sys.path.insert(0, HERE)
@@ -57,6 +81,8 @@ def main() -> None:
               name="w1", route_prefix="/w1", logging_config=NOLOG)
     serve.run(Batched.bind(),  # type: ignore[attr-defined]
               name="w2", route_prefix="/w2", logging_config=NOLOG)
+    serve.run(Text.bind(),  # type: ignore[attr-defined]
+              name="w3", route_prefix="/w3", logging_config=NOLOG)
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
     print(f"READY port={PORT} ray={ray.__version__}", flush=True)

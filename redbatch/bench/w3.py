@@ -1,0 +1,177 @@
+"""W3 in a bench run: the text classifier (``textcls``) over the 64 bodies of 8 to 458
+tokens, through redbatch and the naive server with 2 processes (and Ray Serve under
+``--ray``), in tokens/s = req/s x mean length; and the bare model's best strategy,
+measured in-process in the same run: for each length bucket, the batch size (1 to 32)
+whose passes, padded to the bucket, give the most real tokens/s."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from redbatch.bench import textcls
+from redbatch.spec import power_buckets
+from redbatch.worker.ragged import pad_batch
+
+BODIES_ENV = "REDBATCH_W3_BODIES"  # wrk/w3.lua reads the bodies from this file
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def write_bodies(logdir: Path) -> None:
+    """The bodies file ``wrk/w3.lua`` sends (its path in the environment wrk inherits)."""
+    path = logdir / "w3_bodies.json"
+    path.write_text(textcls.bodies_text())
+    os.environ[BODIES_ENV] = str(path)
+
+
+CHECKED = (0, 20, 21, 33)  # bodies of 11, 8, 458 and 385 tokens
+TOLERANCE = 1e-4
+
+
+def check_replies(urls: list[str]) -> None:
+    """Each server's logits for a few bodies against the model's own at batch 1, sent
+    together so that a batching server pads them (and waits for it to load)."""
+    import numpy as np
+    import torch
+
+    from redbatch.bench.servers import wait_ok
+
+    model, sent = textcls.build_textcls(), [textcls.bodies()[i] for i in CHECKED]
+    with torch.inference_mode():
+        want = [model(torch.tensor([b["input_ids"]]), torch.tensor([len(b["input_ids"])]))
+                .numpy()[0] for b in sent]
+    for url in urls:
+        wait_ok(url, sent[0])
+        got = _post_all(url, sent)
+        worst = max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want, strict=True))
+        if worst > TOLERANCE:
+            raise SystemExit(f"bench: {url} answers W3 logits {worst:.1e} off the model's")
+
+
+def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[list[float]]:
+    import httpx
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        replies = list(pool.map(lambda b: httpx.post(url, json=b, timeout=30), bodies))
+    return [r.raise_for_status().json()["logits"] for r in replies]
+
+
+def mean_len() -> float:
+    lengths = textcls.lengths()
+    return sum(lengths) / len(lengths)
+
+
+def buckets() -> dict[int, list[list[int]]]:
+    """Bucket length (powers of two up to 512, as the worker's) -> its bodies' ids."""
+    bounds = power_buckets(textcls.MAX_LEN)
+    out: dict[int, list[list[int]]] = {}
+    for body in textcls.bodies():
+        ids = body["input_ids"]
+        out.setdefault(next(b for b in bounds if b >= len(ids)), []).append(ids)
+    return dict(sorted(out.items()))
+
+
+def _rate(model: Any, rows: list[list[int]], length: int, batch: int, duration_s: float
+          ) -> float:
+    """Real tokens/s of passes of ``batch`` rows (cycling through ``rows``), padded to
+    ``length`` as the worker pads them, forward and back to numpy included."""
+    import numpy as np
+    import torch
+
+    passes = [[np.asarray(rows[(start + k) % len(rows)], dtype=np.int64) for k in range(batch)]
+              for start in range(len(rows))]
+    done, started, i = 0, time.perf_counter(), 0
+    with torch.inference_mode():
+        while time.perf_counter() - started < duration_s:
+            padded, lens = pad_batch(passes[i % len(passes)], length, 0)
+            model(torch.from_numpy(padded), torch.from_numpy(lens)).numpy()
+            done, i = done + int(lens.sum()), i + 1
+    return done / (time.perf_counter() - started)
+
+
+def bare_sweep(duration_s: float) -> dict[str, Any]:
+    """The best strategy of the anchors' forward (``plain``) and of the forward that
+    ``textcls`` serves (``served``: long passes row by row), and batch 1 at each body's
+    own length (no padding)."""
+    import torch
+
+    torch.set_num_threads(1)
+    plain = textcls.build_textcls()
+    return {"plain": best_strategy(plain, duration_s),
+            "served": best_strategy(textcls.build_served(), duration_s),
+            "batch1_exact_tokens_per_s": _exact(plain, duration_s * 3)}
+
+
+def best_strategy(model: Any, duration_s: float) -> dict[str, Any]:
+    """Per bucket: tokens/s at each batch size and the best; overall, the tokens/s over
+    the 64 bodies with each bucket at its best batch size."""
+    out: dict[str, Any] = {"buckets": {}}
+    seconds = 0.0
+    for length, rows in buckets().items():
+        rates = {b: _rate(model, rows, length, b, duration_s) for b in BATCH_SIZES}
+        best = max(rates, key=lambda b: rates[b])
+        out["buckets"][str(length)] = {"bodies": len(rows), "tokens_per_s": rates,
+                                       "best_batch": best}
+        seconds += sum(map(len, rows)) / rates[best]
+    out["best_tokens_per_s"] = sum(textcls.lengths()) / seconds
+    return out
+
+
+def _exact(model: Any, duration_s: float) -> float:
+    """Real tokens/s of batch 1 at each body's own length (no padding at all)."""
+    import torch
+
+    rows = [torch.tensor([b["input_ids"]]) for b in textcls.bodies()]
+    lens = [torch.tensor([r.shape[1]]) for r in rows]
+    done, started, i = 0, time.perf_counter(), 0
+    with torch.inference_mode():
+        while time.perf_counter() - started < duration_s:
+            model(rows[i % len(rows)], lens[i % len(rows)]).numpy()
+            done, i = done + rows[i % len(rows)].shape[1], i + 1
+    return done / (time.perf_counter() - started)
+
+
+def tokens(case: dict[str, Any]) -> dict[str, Any]:
+    """A W3 case with its tokens/s (req/s x mean length) at 64 and 1 connection."""
+    mean = mean_len()
+    for key in ("c64", "c1"):
+        case[key]["tokens_per_s"] = case[key]["rps"] * mean
+    return case
+
+
+def report(res: dict[str, Any]) -> None:
+    print(f"\nW3 (text, 64 bodies of 8-458 tokens, mean {mean_len():.2f})"
+          "   tokens/s@64  p50@64  p99@64  p50@1  p99@1  errors  (ms)")
+    for key in ("redbatch_w3", "naive2_w3", "ray_w3"):
+        if key in res:
+            c64, c1 = res[key]["c64"], res[key]["c1"]
+            print(f"  {key:<52} {c64['tokens_per_s']:>9.0f} {c64['lat_p50_us'] / 1000:>7.2f}"
+                  f" {c64['lat_p99_us'] / 1000:>7.2f} {c1['lat_p50_us'] / 1000:>6.2f}"
+                  f" {c1['lat_p99_us'] / 1000:>6.2f} {c64['errors'] + c1['errors']:>6}")
+    ours = res["redbatch_w3"]["c64"]["tokens_per_s"]
+    for other, target in (("naive2_w3", 1.1), ("ray_w3", 10.0)):
+        if other in res:
+            ratio = ours / res[other]["c64"]["tokens_per_s"]
+            print(f"  w3: x{ratio:.2f} the tokens/s of {other} (target x{target}: "
+                  f"{'met' if ratio >= target else 'NOT met'})")
+    _report_bare(res["bare_w3"], res["redbatch_w3"]["batching"])
+
+
+def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:
+    for name, label in (("plain", "the anchors' forward"), ("served", "as served")):
+        best = bare[name]
+        print(f"  bare model ({label}): best strategy {best['best_tokens_per_s']:.0f} tokens/s;"
+              " best batch per bucket " + ", ".join(
+                  f"{b}:{v['best_batch']} ({v['tokens_per_s'][v['best_batch']]:.0f})"
+                  for b, v in best["buckets"].items()))
+    print(f"  bare model: batch 1 at each body's own length "
+          f"{bare['batch1_exact_tokens_per_s']:.0f} tokens/s")
+    passes = batching.get("real_per_forward_s", 0.0)
+    print(f"  redbatch's passes: {passes:.0f} real tokens per forward-second, "
+          f"{passes / bare['served']['best_tokens_per_s']:.0%} of the served forward's best "
+          f"strategy (target 90%), {passes / bare['plain']['best_tokens_per_s']:.0%} of the "
+          f"anchors' forward's; mean batch {batching['mean_batch']:.1f}, padding "
+          f"{batching.get('pad_ratio', 0.0):.2f}x")
