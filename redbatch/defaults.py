@@ -70,6 +70,7 @@ ADAPTIVE: Final = True  # a lone request skips the window while load is light
 MAX_CONCURRENT_BATCHES: Final = 1  # batches between claim and publish per worker
 QUIET_S: Final[float | None] = None  # gap that closes a window early; None: a quarter of it
 MAX_BATCH_COST: Final[float | None] = None  # most total cost in one pass; None: no cost
+AUTO_BATCH: Final = False  # pass sizes by measurement (max_batch_size a cap); off: the cap
 OVERSIZE: Final = "alone"  # an item costlier than max_batch_cost: alone, or refuse (422)
 INPUT_NAME: Final = "inputs"  # a model's input field in JSON bodies
 OUTPUT_NAME: Final = "outputs"  # a model's output field in JSON answers

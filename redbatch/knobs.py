@@ -46,6 +46,7 @@ KNOBS: dict[str, Knob] = {
     "adaptive": Knob(bool),
     "quiet_s": Knob(float, 0, 60, " s", low_open=True, nullable=True),
     "max_batch_cost": Knob(float, 0, low_open=True, nullable=True),
+    "auto_batch": Knob(bool),
     "max_queue_len": Knob(int, 1, nullable=True, part="model"),
 }
 

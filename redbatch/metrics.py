@@ -77,6 +77,10 @@ BATCH_FILL: Final = Histogram(
 PADDING_WASTE: Final = Histogram(
     "redbatch_padding_waste_ratio", "Padded elements over real elements per batch of a "
     "variable-length model (1.0: no padding)", ["model"], buckets=WASTE_BUCKETS)
+AUTO_BATCH_SIZE: Final = Gauge(
+    "redbatch_auto_batch_size", "Pass size chosen by measurement per length bucket "
+    "(auto_batch; bucket \"all\" for a fixed-shape model)", ["model", "bucket"],
+    multiprocess_mode="livemostrecent")
 WORKER_ITEMS: Final = Counter(
     "redbatch_worker_items", "Claimed entries by outcome: computed (reached the model), "
     "expired, invalid (bad entry or input), error (the model failed on it)",
@@ -95,7 +99,7 @@ WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_second
                          "redbatch_batch_size", "redbatch_batch_entries",
                          "redbatch_batch_fill_ratio", "redbatch_worker_items_total",
                          "redbatch_retries_total", "redbatch_dead_letters_total",
-                         "redbatch_padding_waste_ratio")
+                         "redbatch_padding_waste_ratio", "redbatch_auto_batch_size")
 HISTOGRAMS: Final = frozenset({"redbatch_request_duration_seconds",
                                "redbatch_queue_wait_seconds", "redbatch_forward_seconds",
                                "redbatch_batch_size", "redbatch_batch_entries",

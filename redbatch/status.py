@@ -5,7 +5,8 @@ Per model: queue depth, live workers and their devices, items/s (from the worker
 counters over the sampling interval), the batch-size distribution (items per forward
 pass) and the queue entries per claimed batch, p50/p99 queue wait
 and forward time (from the bucket counts each worker publishes with its heartbeat,
-since the worker started), and the dead letters waiting.
+since the worker started), the pass size chosen per length bucket under
+``auto_batch``, and the dead letters waiting.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class ModelStatus:
     batch_sizes: dict[str, int] = field(default_factory=dict)
     knobs: dict[str, Any] = field(default_factory=dict)  # in effect (workers' meta)
     overrides: dict[str, Any] = field(default_factory=dict)  # stored live changes
+    auto_sizes: dict[str, str] = field(default_factory=dict)  # bucket -> size ("4-8")
 
 
 def quantile(q: float, bounds: tuple[float, ...], counts: list[int], *,
@@ -94,7 +96,19 @@ def read_model(client: redis.Redis, model: str) -> ModelStatus:
     status.mean_entries = entries / status.batches if status.batches else 0.0
     _fill_quantiles(status, workers)
     _fill_knobs(status, client)
+    status.auto_sizes = auto_sizes(workers)
     return status
+
+
+def auto_sizes(workers: list[dict[str, Any]]) -> dict[str, str]:
+    """Bucket -> the pass size its workers chose (``auto_batch``): ``"16"``, or
+    ``"8-16"`` when they differ; buckets in the workers' order."""
+    seen: dict[str, list[int]] = {}
+    for info in workers:
+        for bucket, size in (info.get("auto_sizes") or {}).items():
+            seen.setdefault(str(bucket), []).append(int(size))
+    return {bucket: f"{min(s)}" if min(s) == max(s) else f"{min(s)}-{max(s)}"
+            for bucket, s in seen.items()}
 
 
 def _fill_knobs(status: ModelStatus, client: redis.Redis) -> None:

@@ -19,6 +19,7 @@ COLUMNS = ("model", "queue", "workers (devices)", "items/s", "max batch / window
            "items/pass mean / p50 / p99",
            "entries/batch mean / p50 / p99", "queue wait p50 / p99", "forward p50 / p99",
            "dead letters")
+AUTO_COLUMN = "auto size per bucket"  # shown when a model has auto_batch on
 
 
 def _ms(value: float | None) -> str:
@@ -44,18 +45,25 @@ def _batching(s: status.ModelStatus) -> str:
     size, wait_s = s.knobs.get("max_batch_size"), s.knobs.get("batch_wait_timeout_s")
     if size is None or wait_s is None:
         return "-"
-    return (f"{_knob(s, 'max_batch_size', str(size))} / "
+    auto = _knob(s, "auto_batch", "auto") + " " if s.knobs.get("auto_batch") else ""
+    return (f"{auto}{_knob(s, 'max_batch_size', str(size))} / "
             f"{_knob(s, 'batch_wait_timeout_s', _ms(wait_s * 1000))}")
+
+
+def _auto(s: status.ModelStatus) -> str:
+    """``bucket:size`` per length bucket under ``auto_batch``, else ``-``."""
+    return " ".join(f"{b}:{n}" for b, n in s.auto_sizes.items()) or "-"
 
 
 def table(statuses: dict[str, status.ModelStatus]) -> Table:
     out = Table(title="redbatch status", caption="distributions since each worker started; "
                 "* changed live (redbatch config)")
-    for column in COLUMNS:
+    auto = (AUTO_COLUMN,) if any(s.auto_sizes for s in statuses.values()) else ()
+    for column in COLUMNS[:5] + auto + COLUMNS[5:]:
         out.add_column(column, justify="left" if column == "model" else "right")
     for s in statuses.values():
         out.add_row(s.model, str(s.queue_depth), _devices(s), _num(s.items_per_s),
-                    _batching(s),
+                    _batching(s), *(_auto(s) for _ in auto),
                     f"{s.mean_batch:.1f} / {_num(s.batch_size_p50)} / {_num(s.batch_size_p99)}",
                     f"{s.mean_entries:.1f} / {_num(s.entries_p50)} / {_num(s.entries_p99)}",
                     f"{_ms(s.queue_wait_ms_p50)} / {_ms(s.queue_wait_ms_p99)}",

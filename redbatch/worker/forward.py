@@ -14,6 +14,7 @@ import numpy as np
 
 from redbatch.errors import ModelError, RedbatchError
 from redbatch.worker import cost, ragged
+from redbatch.worker.autosize import AutoSizer
 from redbatch.worker.model import BatchFn, Model
 
 log = logging.getLogger("redbatch.worker")
@@ -49,7 +50,7 @@ class ContractError(ModelError):
 
 class Forwarder:
     def __init__(self, model: Model, fn: BatchFn, executor: Executor,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", sizer: AutoSizer | None = None) -> None:
         self.model = model
         self._fn = fn
         self._executor = executor
@@ -65,6 +66,10 @@ class Forwarder:
         self._trims = self._pads and ragged.trims(model.output_spec)
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
         self._errors = ErrorLog(model.name)
+        # ``auto_batch``: the learned pass sizes (shared by a runner's Forwarders), and
+        # the items and time of the last pass that ran whole
+        self.sizer = sizer or AutoSizer()
+        self._timed: tuple[int, float] | None = None
 
     @property
     def pass_ms(self) -> float | None:
@@ -82,7 +87,8 @@ class Forwarder:
 
     async def run_batches(self, inputs: list[Any]) -> list[Any]:
         """``run`` in passes of at most ``max_batch_size`` inputs (the rows of multi-row
-        requests can make a claimed batch larger) and, with a cost budget, at most that
+        requests can make a claimed batch larger), or with ``auto_batch`` of the size
+        learned for the bucket (``autosize``), and, with a cost budget, at most that
         cost (``cost``); a variable-length model's inputs grouped by length bucket
         first (``ragged``), each group in passes of its own."""
         limit = cost.budget(self.model.policy, self.model.batch_size_fn)
@@ -97,29 +103,45 @@ class Forwarder:
 
     async def _run_passes(self, inputs: list[Any], length: int | None, limit: float | None
                           ) -> list[Any]:
+        size = self._pass_size(length)
         if limit is not None:
-            return await self._run_by_cost(inputs, length, limit)
-        size = self.model.policy.max_batch_size
+            return await self._run_by_cost(inputs, length, limit, size)
         results: list[Any] = []
         for start in range(0, len(inputs), size):
             results += await self._run_pass(inputs[start:start + size], length)
         return results
+
+    def _pass_size(self, length: int | None) -> int:
+        """Most items in one of the bucket's passes: ``max_batch_size``, or with
+        ``auto_batch`` the size learned for the bucket (at most that)."""
+        policy = self.model.policy
+        if not policy.auto_batch:
+            if self.sizer.chosen:  # turned off live: ``redbatch status`` shows none
+                self.sizer.forget()
+            return policy.max_batch_size
+        return self.sizer.size(length, policy.max_batch_size)
 
     async def _run_pass(self, chunk: list[Any], length: int | None) -> list[Any]:
         self._passes.append(len(chunk))
         if self._pads and length is not None:
             self._padding[0] += length * len(chunk)
             self._padding[1] += sum(len(item) for item in chunk)
-        return await self.run(chunk, length)
+        if not self.model.policy.auto_batch:
+            return await self.run(chunk, length)
+        self._timed = None
+        outputs = await self.run(chunk, length)
+        if self._timed is not None and self._timed[0] == len(chunk):  # not bisected
+            self.sizer.observe(length, len(chunk), self._timed[1])
+        return outputs
 
-    async def _run_by_cost(self, inputs: list[Any], length: int | None, limit: float
-                           ) -> list[Any]:
+    async def _run_by_cost(self, inputs: list[Any], length: int | None, limit: float,
+                           size: int) -> list[Any]:
         """Passes of at most ``limit`` cost; an item over it alone, or refused."""
         costs = cost.item_costs(inputs, self.model.batch_size_fn, length)
         kept, kept_costs, errors = cost.screen(costs, limit, self.model.oversize == "refuse",
                                                self.model.name)
         results: list[Any] = [errors.get(i) for i in range(len(inputs))]
-        for start, end in cost.cut(kept_costs, self.model.policy.max_batch_size, limit):
+        for start, end in cost.cut(kept_costs, size, limit):
             indices = kept[start:end]
             outputs = await self._run_pass([inputs[i] for i in indices], length)
             for i, output in zip(indices, outputs, strict=True):
@@ -180,11 +202,14 @@ class Forwarder:
         try:
             outputs = await self._pass(arg, inline)
         finally:
-            self._recent.append((time.perf_counter() - started) * 1000)
+            pass_ms = (time.perf_counter() - started) * 1000
+            self._recent.append(pass_ms)
         if inline:  # let the heartbeat and replies run between inline passes (untimed)
             await asyncio.sleep(0)
         rows = self._check_outputs(outputs, len(inputs))
-        return self._trim(rows, arg[1], length) if self._trims and length else rows
+        rows = self._trim(rows, arg[1], length) if self._trims and length else rows
+        self._timed = (len(inputs), pass_ms)
+        return rows
 
     def _trim(self, rows: list[Any], lengths: Any, length: int) -> list[Any]:
         trimmed = ragged.trim_rows(rows, lengths, length)

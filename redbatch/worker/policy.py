@@ -12,7 +12,7 @@ from redbatch.knobs import check_range
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
-          "adaptive", "quiet_s", "max_batch_cost", "max_concurrent_batches"}
+          "adaptive", "quiet_s", "max_batch_cost", "max_concurrent_batches", "auto_batch"}
 MAX_CONCURRENT_BATCHES_LIMIT = 64
 
 
@@ -49,6 +49,9 @@ class BatchPolicy:
       claim and publish at once; above 1 an async model's calls overlap, a sync model's
       pass overlaps the others' claims and replies.  Read when the worker starts (not
       a live knob).
+    * ``auto_batch``: cut each length bucket's passes at the size measured to give the
+      most items/s (``worker/autosize.py``); ``max_batch_size`` is then a cap, not a
+      target.  Off: passes of up to ``max_batch_size``.
     """
 
     max_batch_size: int = defaults.MAX_BATCH_SIZE
@@ -59,6 +62,7 @@ class BatchPolicy:
     quiet_s: float | None = defaults.QUIET_S
     max_batch_cost: float | None = defaults.MAX_BATCH_COST
     max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES
+    auto_batch: bool = defaults.AUTO_BATCH
 
     def __post_init__(self) -> None:
         for name, value in self.to_json().items():
@@ -111,4 +115,5 @@ class BatchPolicy:
             "adaptive": self.adaptive,
             "quiet_s": self.quiet_s,
             "max_batch_cost": self.max_batch_cost,
+            "auto_batch": self.auto_batch,
         }

@@ -123,12 +123,14 @@ class BatchRunner:
         self._crashing = protocol.crashing_key(model.name, worker_id)
         self.model = model
         self._worker_id = worker_id
-        self._forwarder = Forwarder(model, fn, executor, device)
+        self.stats = WorkerStats(model.name, model.policy.max_batch_size)
+        self._forwarder = Forwarder(model, fn, executor, device, self.stats.sizer)
         # one Forwarder per batch in flight (``max_concurrent_batches``): each counts
         # its own batch's passes and padding
         self._limit = model.policy.max_concurrent_batches  # read at start only
         self._forwarders = [self._forwarder] + [
-            Forwarder(model, fn, executor, device) for _ in range(self._limit - 1)]
+            Forwarder(model, fn, executor, device, self.stats.sizer)
+            for _ in range(self._limit - 1)]
         self._in_flight = 0  # batches between claim and publish (many-batch mode)
         self._clock = BusyClock()
         # a sync model's passes share the one forward thread: its batches compute one
@@ -139,7 +141,6 @@ class BatchRunner:
         self._link = LeanLink(redis)
         self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                                blocking)
-        self.stats = WorkerStats(model.name, model.policy.max_batch_size)
         self.claimer.pass_ms = self.stats.pass_times.estimate_ms  # the window's slack
         self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters)
         self._unacked = False

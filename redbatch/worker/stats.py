@@ -12,6 +12,7 @@ from typing import Any
 
 from redbatch import metrics, protocol
 from redbatch.errors import DeadlineExceeded
+from redbatch.worker.autosize import AutoSizer
 from redbatch.worker.decode import Decoded
 
 CAPACITY_SMOOTHING = 0.5  # weight of the last heartbeat interval in ``items_per_s``
@@ -101,6 +102,9 @@ class WorkerStats:
         self.real = 0  # and the items' own lengths (``padding_waste``: their ratio)
         self.capacity = Capacity()
         self.pass_times = PassTimes()  # read by the batch window and the deadline check
+        self.sizer = AutoSizer()  # ``auto_batch``: pass sizes learned per length bucket
+        self._model = model
+        self._gauged: set[str] = set()  # buckets with a redbatch_auto_batch_size series
         self.hist = {"batch_size": Buckets(metrics.BATCH_BUCKETS),
                      "batch_entries": Buckets(metrics.BATCH_BUCKETS),
                      "queue_wait_s": Buckets(metrics.LATENCY_BUCKETS_S),
@@ -197,4 +201,16 @@ class WorkerStats:
                 "forward_ms": round(self.forward_ms, 3),
                 "queue_wait_ms": round(self.queue_wait_ms, 3),
                 "padded": self.padded, "real": self.real,
-                "hist": {name: list(b.counts) for name, b in self.hist.items()}}
+                "hist": {name: list(b.counts) for name, b in self.hist.items()},
+                **self._auto_sizes()}
+
+    def _auto_sizes(self) -> dict[str, Any]:
+        """``auto_sizes`` (bucket -> chosen pass size) while ``auto_batch`` chooses
+        them, nothing otherwise; the gauge follows."""
+        sizes = self.sizer.sizes()
+        for bucket in self._gauged - set(sizes):
+            metrics.AUTO_BATCH_SIZE.remove(self._model, bucket)
+        for bucket, size in sizes.items():
+            metrics.AUTO_BATCH_SIZE.labels(self._model, bucket).set(size)
+        self._gauged = set(sizes)
+        return {"auto_sizes": sizes} if sizes else {}

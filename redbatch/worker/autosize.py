@@ -1,0 +1,116 @@
+"""Batch size by measurement (``BatchPolicy.auto_batch``): per length bucket, the pass
+size that gives the most items per second, learned from the passes as they run.
+
+Batching does not always pay: on a CPU a transformer's short inputs gain many times
+from batch 32 over batch 1, its long ones lose.  So, per bucket (a fixed-shape model
+has one, ``"all"``), the worker keeps the smoothed time and item count of its passes by
+size, the size rounded up to a power of two (a pass of 3 items counts for size 4, with
+its 3 items).  The size it cuts a bucket's passes at is the one whose passes gave the
+most items/s, ``items / pass time``, among those whose pass took at most
+``MAX_PASS_MS`` (size 1 is always allowed); never above ``max_batch_size``, a cap.
+
+* Before ``WARMUP_PASSES`` passes of a bucket were measured, its passes are cut at
+  ``max_batch_size``, as without ``auto_batch``.
+* Exploration: one choice in ``EXPLORE_EVERY`` (a seeded RNG) tries a neighbour of the
+  best size instead, half or double (one not measured yet first), so that the curve
+  is learned beyond the sizes that happen to run.
+* A pass that failed (bisected) is not measured.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+WARMUP_PASSES = 4  # passes of a bucket measured before its size is chosen by them
+EXPLORE_EVERY = 16  # one choice in this many tries a neighbouring size
+SMOOTHING = 0.3  # weight of the last pass in a size's smoothed time and items
+MAX_PASS_MS = 100.0  # the latency budget of one pass (size 1 is always allowed)
+FIXED = "all"  # the bucket label of a fixed-shape model
+
+
+def slot(size: int) -> int:
+    """The power of two a pass of ``size`` items counts for (rounded up)."""
+    return 1 << max(0, size - 1).bit_length()
+
+
+def label(bucket: int | None) -> str:
+    """A bucket as the counters and metrics name it: its length, or ``all``."""
+    return FIXED if bucket is None else str(bucket)
+
+
+@dataclass
+class Curve:
+    """One bucket's passes: per size slot, the smoothed pass time (ms) and items."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+    items: dict[int, float] = field(default_factory=dict)
+    passes: int = 0
+
+    def add(self, items: int, ms: float) -> None:
+        key = slot(items)
+        self.passes += 1
+        if key not in self.ms:
+            self.ms[key], self.items[key] = ms, float(items)
+            return
+        self.ms[key] += SMOOTHING * (ms - self.ms[key])
+        self.items[key] += SMOOTHING * (items - self.items[key])
+
+    def best(self, cap: int, budget_ms: float) -> int:
+        """The slot of the most items/s among those within the budget and the cap
+        (the quickest slot when none is within the budget)."""
+        keys = [k for k in self.ms if k <= slot(cap)] or [min(self.ms)]
+        fits = [k for k in keys if self.ms[k] <= budget_ms] or [min(keys, key=lambda k: self.ms[k])]
+        return max(fits, key=lambda k: self.items[k] / max(self.ms[k], 1e-6))
+
+
+class AutoSizer:
+    """The learned pass sizes of one model in one worker (shared by its Forwarders)."""
+
+    def __init__(self, seed: int | None = None, explore_every: int = EXPLORE_EVERY,
+                 budget_ms: float = MAX_PASS_MS) -> None:
+        self._curves: dict[int | None, Curve] = {}
+        self.chosen: dict[int | None, int] = {}  # bucket -> the size chosen last
+        self._rng = random.Random(seed)
+        self.explore_every = explore_every
+        self.budget_ms = budget_ms
+
+    def size(self, bucket: int | None, cap: int) -> int:
+        """The size to cut ``bucket``'s passes at now (at most ``cap``)."""
+        curve = self._curves.get(bucket)
+        if curve is None or curve.passes < WARMUP_PASSES:
+            self.chosen[bucket] = cap
+            return cap
+        best = min(curve.best(cap, self.budget_ms), cap)
+        self.chosen[bucket] = best
+        if self.explore_every and self._rng.random() * self.explore_every < 1:
+            return self._neighbour(curve, best, cap)
+        return best
+
+    def _neighbour(self, curve: Curve, best: int, cap: int) -> int:
+        """Half or double ``best`` (within 1..cap), one not measured yet first."""
+        sides = sorted({max(1, best // 2), min(cap, best * 2)} - {best})
+        if not sides:
+            return best
+        fresh = [s for s in sides if slot(s) not in curve.ms]
+        return self._rng.choice(fresh or sides)
+
+    def observe(self, bucket: int | None, items: int, ms: float) -> None:
+        """One pass of ``items`` items in ``bucket`` took ``ms``."""
+        curve = self._curves.get(bucket)
+        if curve is None:
+            curve = self._curves[bucket] = Curve()
+        curve.add(items, ms)
+
+    def forget(self) -> None:
+        """``auto_batch`` was turned off: no size is chosen any more (what was
+        measured stays, for when it is turned on again)."""
+        self.chosen.clear()
+
+    def sizes(self) -> dict[str, int]:
+        """Each bucket's chosen size (the exploration aside), shortest bucket first."""
+        ordered = sorted(self.chosen.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+        return {label(bucket): size for bucket, size in ordered}
+
+    def curve(self, bucket: int | None) -> Curve | None:
+        return self._curves.get(bucket)
