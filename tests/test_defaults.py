@@ -45,9 +45,10 @@ WORKER = {"block_timeout_s": "BLOCK_TIMEOUT_S", "heartbeat_interval_s": "HEARTBE
 POLICY = {"max_batch_size": "MAX_BATCH_SIZE", "batch_wait_timeout_s": "BATCH_WAIT_TIMEOUT_S",
           "stride_s": "STRIDE_S", "allow_small_batch": "ALLOW_SMALL_BATCH",
           "adaptive": "ADAPTIVE", "quiet_s": "QUIET_S", "max_batch_cost": "MAX_BATCH_COST",
-          "max_concurrent_batches": "MAX_CONCURRENT_BATCHES"}
+          "max_concurrent_batches": "MAX_CONCURRENT_BATCHES", "auto_batch": "AUTO_BATCH"}
 MODEL = {"input_name": "INPUT_NAME", "output_name": "OUTPUT_NAME", "oversize": "OVERSIZE"}
-BATCH = {**{k: v for k, v in POLICY.items() if k not in {"adaptive", "quiet_s"}}, **MODEL}
+BATCH = {**{k: v for k, v in POLICY.items() if k not in {"adaptive", "quiet_s", "auto_batch"}},
+         **MODEL}
 
 # Parameters allowed a numeric literal default, each with its reason.
 EXEMPT = {

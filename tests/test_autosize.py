@@ -1,0 +1,355 @@
+"""Batch size by measurement (``auto_batch``): the learner picks, per length bucket, the
+pass size that gives the most items/s within the pass-time budget; the forward step
+cuts each bucket's passes at it; the sizes show in the counters, the metrics and
+``redbatch status``; off (the default), nothing changes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import redis
+from prometheus_client import REGISTRY
+from rich.console import Console
+
+from redbatch import TensorSpec, protocol, status, status_view
+from redbatch.errors import InvalidKnob
+from redbatch.knobs import check
+from redbatch.producer import Client
+from redbatch.worker import autosize
+from redbatch.worker.autosize import AutoSizer, Curve, slot
+from redbatch.worker.forward import Forwarder
+from redbatch.worker.model import Model
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from redbatch.worker.stats import WorkerStats
+from tests.conftest import wait_live
+
+Cost = Callable[[int, int], float]  # (items, bucket length) -> pass ms
+
+
+def run_learner(sizer: AutoSizer, buckets: dict[int | None, int], cost: Cost, cap: int,
+                rounds: int, noise: float = 0.0, seed: int = 0) -> list[int]:
+    """``rounds`` batches of ``buckets[b]`` items per bucket, each bucket cut into
+    passes of the size the learner picks and each pass timed by ``cost`` (times a
+    random factor within ``1 +- noise``); the sizes picked, in order."""
+    rng, picked = random.Random(seed), []
+    for _ in range(rounds):
+        for bucket, items in buckets.items():
+            size = sizer.size(bucket, cap)
+            picked.append(size)
+            for start in range(0, items, size):
+                n = min(size, items - start)
+                ms = cost(n, bucket or 1) * (1 + noise * (2 * rng.random() - 1))
+                sizer.observe(bucket, n, ms)
+    return picked
+
+
+def linear(a: float, b: float) -> Cost:
+    """Pass time a + b x items x length: a per-pass overhead and a cost per token."""
+    return lambda n, length: a + b * n * length
+
+
+def superlinear(b: float, power: float) -> Cost:
+    """Pass time b x (items x length) ** power: each item costs more the more share
+    the pass (attention over long padded rows on a CPU)."""
+    return lambda n, length: b * (n * length) ** power
+
+
+# --- the learner ---------------------------------------------------------------------
+def test_overhead_per_pass_makes_the_cap_the_best_size() -> None:
+    sizer = AutoSizer(seed=1)
+    run_learner(sizer, {16: 64}, linear(5.0, 0.001), cap=32, rounds=300)
+    assert sizer.sizes() == {"16": 32}
+
+
+def test_superlinear_cost_makes_batch_one_the_best_size() -> None:
+    sizer = AutoSizer(seed=2)
+    picked = run_learner(sizer, {512: 32}, superlinear(0.002, 1.3), cap=32, rounds=400)
+    assert sizer.sizes() == {"512": 1}
+    assert picked[0] == 32  # it starts at the cap
+    assert picked[-100:].count(1) >= 80  # and then sticks to 1, exploring now and then
+
+
+def test_each_bucket_learns_its_own_size() -> None:
+    """Short rows gain from batching, long ones lose: both in one worker."""
+    def cost(n: int, length: int) -> float:
+        return linear(2.0, 0.001)(n, length) if length <= 16 else superlinear(
+            0.002, 1.3)(n, length)
+
+    sizer = AutoSizer(seed=3)
+    run_learner(sizer, {8: 40, 16: 40, 256: 40}, cost, cap=32, rounds=500, noise=0.1)
+    assert sizer.sizes() == {"8": 32, "16": 32, "256": 1}
+
+
+def test_an_interior_optimum_is_found() -> None:
+    """Overhead plus a quadratic term: items/s peaks at 8 (of 1, 2, 4, ..., 32)."""
+    def cost(n: int, _length: int) -> float:
+        return 2.0 + 0.25 * n + 0.02 * n * n
+
+    sizer = AutoSizer(seed=4)
+    run_learner(sizer, {None: 64}, cost, cap=32, rounds=600, noise=0.05)
+    assert sizer.sizes() == {"all": 8}
+    best = max((1, 2, 4, 8, 16, 32), key=lambda n: n / cost(n, 1))
+    assert best == 8
+
+
+def test_the_pass_time_budget_bounds_the_size() -> None:
+    """Bigger is faster here, but a pass of 16 takes 36 ms, over a 30 ms budget."""
+    sizer = AutoSizer(seed=5, budget_ms=30.0)
+    run_learner(sizer, {None: 64}, lambda n, _l: 20.0 + n, cap=32, rounds=400)
+    assert sizer.sizes() == {"all": 8}
+    unbounded = AutoSizer(seed=5)
+    run_learner(unbounded, {None: 64}, lambda n, _l: 20.0 + n, cap=32, rounds=400)
+    assert unbounded.sizes() == {"all": 32}
+
+
+def test_size_one_is_allowed_even_over_the_budget() -> None:
+    sizer = AutoSizer(seed=6, budget_ms=1.0)
+    run_learner(sizer, {64: 8}, lambda n, _l: 10.0 * n, cap=8, rounds=200)
+    assert sizer.sizes() == {"64": 1}
+
+
+def test_the_cap_before_warmup_and_always_above() -> None:
+    sizer = AutoSizer(seed=7, explore_every=0)
+    for _ in range(autosize.WARMUP_PASSES):
+        assert sizer.size(8, 32) == 32  # today's behaviour until measured
+        sizer.observe(8, 32, 40.0)
+    sizer.observe(8, 4, 1.0)  # far better per item
+    assert sizer.size(8, 32) == 4
+    assert sizer.size(8, 2) == 2  # max_batch_size lowered live: a cap
+    assert sizer.sizes() == {"8": 2}
+    sizer.forget()
+    assert sizer.sizes() == {} and sizer.curve(8) is not None
+
+
+def test_a_pass_counts_for_its_size_rounded_up_with_its_own_items() -> None:
+    assert [slot(n) for n in (1, 2, 3, 4, 5, 17, 32)] == [1, 2, 4, 4, 8, 32, 32]
+    curve = Curve()
+    curve.add(3, 6.0)
+    assert curve.items == {4: 3.0} and curve.ms == {4: 6.0}
+    curve.add(4, 10.0)
+    assert curve.items[4] == pytest.approx(3.3) and curve.ms[4] == pytest.approx(7.2)
+
+
+def test_exploration_is_rare_seeded_and_tries_the_neighbours() -> None:
+    def picks(seed: int) -> list[int]:
+        sizer = AutoSizer(seed=seed)
+        for _ in range(autosize.WARMUP_PASSES):
+            sizer.observe(None, 8, 8.0)
+        sizer.observe(None, 4, 8.0)
+        sizer.observe(None, 16, 8.0)  # 16 is best
+        sizer.observe(None, 32, 80.0)
+        return [sizer.size(None, 32) for _ in range(1600)]
+
+    first = picks(11)
+    assert first == picks(11)  # seeded: the same choices
+    assert set(first) == {16, 8, 32}
+    explored = len(first) - first.count(16)
+    assert 50 <= explored <= 150  # about 1 in 16 (100)
+    none = AutoSizer(explore_every=0)
+    for _ in range(autosize.WARMUP_PASSES):
+        none.observe(None, 8, 8.0)
+    assert {none.size(None, 32) for _ in range(200)} == {8}
+
+
+def test_an_unmeasured_neighbour_is_explored_first() -> None:
+    sizer = AutoSizer(seed=0, explore_every=1)  # explore every time
+    for _ in range(autosize.WARMUP_PASSES):
+        sizer.observe(None, 8, 8.0)
+    sizer.observe(None, 16, 100.0)  # measured, and worse
+    assert {sizer.size(None, 32) for _ in range(50)} == {4}
+
+
+# --- the forward step ----------------------------------------------------------------
+SPEC = TensorSpec("int64", (None,), max_len=64)
+
+
+def recording(policy: BatchPolicy, passes: list[tuple[int, int]]) -> Model:
+    """A list model over token ids (sum of each), noting (longest, items) per pass."""
+    def fn(items: list[Any]) -> list[int]:
+        passes.append((max(len(x) for x in items), len(items)))
+        return [int(np.asarray(x).sum()) for x in items]
+
+    return Model("rec", fn=fn, policy=policy, spec=SPEC)
+
+
+async def run_forward(model: Model, inputs: list[Any], sizer: AutoSizer | None = None
+                      ) -> tuple[list[Any], Forwarder]:
+    with ThreadPoolExecutor(1) as executor:
+        fwd = Forwarder(model, model.bind("cpu"), executor, sizer=sizer)
+        return await fwd.run_batches(inputs), fwd
+
+
+def trained(bucket: int, best: int) -> AutoSizer:
+    """A learner that has measured ``best`` as by far the best size of ``bucket``."""
+    sizer = AutoSizer(explore_every=0)
+    for size in (1, 2, 4, 8, 16, 32):
+        for _ in range(autosize.WARMUP_PASSES):
+            sizer.observe(bucket, size, 1.0 if size == best else 100.0)
+    return sizer
+
+
+@pytest.mark.parametrize(("best", "passes"), [(4, [4, 4, 4]), (1, [1] * 12),
+                                              (32, [12])])
+async def test_a_bucket_runs_in_passes_of_the_chosen_size(best: int, passes: list[int]
+                                                          ) -> None:
+    seen: list[tuple[int, int]] = []
+    model = recording(BatchPolicy(max_batch_size=32, auto_batch=True), seen)
+    inputs = [np.arange(1, 31 + i % 2) for i in range(12)]  # bucket 32
+    outputs, fwd = await run_forward(model, inputs, trained(32, best))
+    assert outputs == [int(x.sum()) for x in inputs]
+    assert fwd.take_passes() == passes
+    assert [n for _len, n in seen] == passes
+
+
+async def test_off_by_default_passes_are_max_batch_size_and_nothing_is_learned() -> None:
+    assert BatchPolicy().auto_batch is False
+    seen: list[tuple[int, int]] = []
+    model = recording(BatchPolicy(max_batch_size=4), seen)
+    sizer = trained(32, 1)
+    sizer.chosen.clear()
+    inputs = [np.arange(1, 31) for _ in range(12)]
+    outputs, fwd = await run_forward(model, inputs, sizer)
+    assert outputs == [int(x.sum()) for x in inputs]
+    assert fwd.take_passes() == [4, 4, 4]
+    assert sizer.sizes() == {} and sizer.curve(32).passes == 6 * autosize.WARMUP_PASSES
+
+
+async def test_passes_are_measured_and_a_failed_one_is_not() -> None:
+    def fn(items: list[Any]) -> list[int]:
+        if any(int(x[0]) < 0 for x in items):
+            raise ValueError("negative")
+        return [len(x) for x in items]
+
+    model = Model("m", fn=fn, policy=BatchPolicy(max_batch_size=8, auto_batch=True),
+                  spec=SPEC)
+    sizer = AutoSizer(explore_every=0)
+    good = [np.arange(1, 5) for _ in range(8)]  # bucket 4
+    await run_forward(model, good, sizer)
+    curve = sizer.curve(4)
+    assert curve is not None and curve.passes == 1 and set(curve.ms) == {8}
+    outputs, _fwd = await run_forward(model, [np.array([-1, 2, 3, 4]), *good[:7]], sizer)
+    assert isinstance(outputs[0], Exception) and outputs[1:] == [4] * 7
+    assert curve.passes == 1  # the bisected pass taught nothing
+
+
+async def test_with_a_cost_budget_the_chosen_size_caps_the_items_too() -> None:
+    seen: list[tuple[int, int]] = []
+    model = recording(BatchPolicy(max_batch_size=32, max_batch_cost=32 * 6,
+                                  auto_batch=True), seen)
+    inputs = [np.arange(1, 31) for _ in range(12)]  # cost 32 each: 6 per pass by cost
+    _outputs, fwd = await run_forward(model, inputs, trained(32, 4))
+    assert fwd.take_passes() == [4, 4, 4]
+    _outputs, fwd = await run_forward(model, inputs, trained(32, 32))
+    assert fwd.take_passes() == [6, 6]
+
+
+def test_counters_and_gauge_show_the_sizes_only_while_chosen() -> None:
+    stats = WorkerStats("autosize_gauge", 32)
+    assert "auto_sizes" not in stats.counters()
+    for _ in range(autosize.WARMUP_PASSES):
+        stats.sizer.observe(256, 1, 1.0)
+    stats.sizer.explore_every = 0
+    stats.sizer.size(256, 32)
+    stats.sizer.size(None, 32)  # not warmed up: the cap
+    assert stats.counters()["auto_sizes"] == {"all": 32, "256": 1}
+
+    def gauge(bucket: str) -> float | None:
+        return REGISTRY.get_sample_value("redbatch_auto_batch_size",
+                                         {"model": "autosize_gauge", "bucket": bucket})
+
+    assert (gauge("256"), gauge("all")) == (1.0, 32.0)
+    stats.sizer.forget()
+    assert "auto_sizes" not in stats.counters()
+    assert gauge("256") is None
+
+
+def test_knob_and_policy() -> None:
+    assert check("auto_batch", True) is True
+    with pytest.raises(InvalidKnob, match="true or false"):
+        check("auto_batch", 1)
+    policy = BatchPolicy.from_mapping({"auto_batch": True, "max_batch_size": 8})
+    assert policy.auto_batch and policy.to_json()["auto_batch"] is True
+
+
+def test_status_shows_the_sizes_per_bucket() -> None:
+    workers = [{"worker_id": "a", "auto_sizes": {"8": 32, "256": 1}},
+               {"worker_id": "b", "auto_sizes": {"8": 16, "256": 1}}, {"worker_id": "c"}]
+    assert status.auto_sizes(workers) == {"8": "16-32", "256": "1"}
+    on = status.ModelStatus("txt", 0, 0, knobs={"max_batch_size": 32, "auto_batch": True,
+                                                "batch_wait_timeout_s": 0.005},
+                            auto_sizes={"8": "32", "256": "1"})
+    off = status.ModelStatus("mlp", 0, 0, knobs={"max_batch_size": 32,
+                                                 "batch_wait_timeout_s": 0.005})
+    console = Console(width=400, record=True)
+    console.print(status_view.table({"txt": on, "mlp": off}))
+    text = console.export_text()
+    assert status_view.AUTO_COLUMN in text and "8:32 256:1" in text
+    assert "auto 32 / 5.0 ms" in text
+    console = Console(width=400, record=True)
+    console.print(status_view.table({"mlp": off}))
+    assert status_view.AUTO_COLUMN not in console.export_text()
+
+
+# --- end to end ----------------------------------------------------------------------
+def timed(passes: list[tuple[int, int]]) -> Model:
+    """Pass time known: short rows (bucket 8) 10 ms + 0.1 ms per item (batching pays),
+    long rows (bucket 64) 2 ms x items squared (it does not)."""
+    def fn(items: list[Any]) -> list[int]:
+        longest = max(len(x) for x in items)
+        n = len(items)
+        time.sleep((0.010 + 0.0001 * n) if longest <= 8 else 0.002 * n * n)
+        passes.append((longest, n))
+        return [int(np.asarray(x).sum()) for x in items]
+
+    policy = BatchPolicy(max_batch_size=8, batch_wait_timeout_s=0.02, auto_batch=True)
+    return Model("autotimed", fn=fn, policy=policy, spec=SPEC)
+
+
+async def test_a_worker_learns_batch_8_for_short_rows_and_1_for_long_ones(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis
+        ) -> None:
+    passes: list[tuple[int, int]] = []
+    worker = start_worker([replace(timed(passes), name="autotimed")])
+    await wait_live(redis_url, "autotimed")
+    sizer = worker.runners[0].stats.sizer
+    sizer.explore_every = 2  # learn in a few rounds
+    rng = random.Random(5)
+    # one length per bucket: each side travels as one multi-row entry, so that a
+    # claim of 2 entries holds both
+    short = [[rng.randrange(1, 100) for _ in range(8)] for _ in range(8)]
+    long = [[rng.randrange(1, 100) for _ in range(64)] for _ in range(8)]
+    deadline = time.monotonic() + 40
+    async with Client(redis_url) as client:
+        while sizer.sizes() != {"8": 8, "64": 1}:
+            assert time.monotonic() < deadline, f"learned only {sizer.sizes()}"
+            outs = await asyncio.gather(client.predict_many("autotimed", short, timeout_s=20),
+                                        client.predict_many("autotimed", long, timeout_s=20))
+            assert outs == [[sum(x) for x in short], [sum(x) for x in long]]
+        sizer.explore_every = 0
+        passes.clear()
+        outs = await asyncio.gather(client.predict_many("autotimed", short, timeout_s=20),
+                                    client.predict_many("autotimed", long, timeout_s=20))
+    assert outs == [[sum(x) for x in short], [sum(x) for x in long]]
+    assert sorted(passes) == [(8, 8)] + [(64, 1)] * 8
+    await _published(raw_redis, {"8": 8, "64": 1})
+    assert status.read_model(raw_redis, "autotimed").auto_sizes == {"8": "8", "64": "1"}
+
+
+async def _published(client: redis.Redis, sizes: dict[str, int]) -> None:
+    """Wait for a heartbeat to publish ``sizes`` in the worker's info."""
+    for _ in range(100):
+        infos = [orjson.loads(v) for v in client.hvals(protocol.worker_info_key("autotimed"))]
+        if infos and infos[0].get("auto_sizes") == sizes:
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"the heartbeat never published {sizes}")
