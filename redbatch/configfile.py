@@ -40,7 +40,7 @@ from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
 
 T = TypeVar("T")
-POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost")  # -> BatchPolicy
+POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
 LIMIT_KEYS = ("max_queue_len", "default_timeout_s")  # -> the models' own limits
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}
@@ -112,6 +112,9 @@ def _check_policy(policy: dict[str, Any], where: str) -> None:
     wait = policy.get("batch_wait_timeout_s", 0.0)
     if type(wait) not in (int, float):
         raise ConfigError(f"{where}.batch_wait_timeout_s: must be float, got {wait!r}")
+    if type(policy.get("auto_batch", False)) is not bool:
+        raise ConfigError(f"{where}.auto_batch: must be true or false, "
+                          f"got {policy['auto_batch']!r}")
     try:
         BatchPolicy(**policy)
     except (ConfigError, TypeError, ValueError) as exc:

@@ -47,7 +47,7 @@ POLICY = {"max_batch_size": "MAX_BATCH_SIZE", "batch_wait_timeout_s": "BATCH_WAI
           "adaptive": "ADAPTIVE", "quiet_s": "QUIET_S", "max_batch_cost": "MAX_BATCH_COST",
           "max_concurrent_batches": "MAX_CONCURRENT_BATCHES", "auto_batch": "AUTO_BATCH"}
 MODEL = {"input_name": "INPUT_NAME", "output_name": "OUTPUT_NAME", "oversize": "OVERSIZE"}
-BATCH = {**{k: v for k, v in POLICY.items() if k not in {"adaptive", "quiet_s", "auto_batch"}},
+BATCH = {**{k: v for k, v in POLICY.items() if k not in {"adaptive", "quiet_s"}},
          **MODEL}
 
 # Parameters allowed a numeric literal default, each with its reason.

@@ -130,7 +130,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           max_batch_cost: float | None = defaults.MAX_BATCH_COST,
           batch_size_fn: CostFn | None = None,
           oversize: str = defaults.OVERSIZE,
-          max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES
+          max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES,
+          auto_batch: bool = defaults.AUTO_BATCH
           ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
@@ -138,11 +139,13 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     ``batch_wait_timeout_s`` (the ``{max_batch_size, timeout_s, stride_s,
     allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict).
     ``max_batch_cost``, ``batch_size_fn`` and ``oversize``: batches by cost (``Model``);
-    ``max_concurrent_batches``: batches in flight per worker (``BatchPolicy``)."""
+    ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
+    size per length bucket by measurement (both ``BatchPolicy``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
-                         max_concurrent_batches=max_concurrent_batches)
+                         max_concurrent_batches=max_concurrent_batches,
+                         auto_batch=auto_batch)
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,
