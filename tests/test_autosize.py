@@ -353,3 +353,23 @@ async def _published(client: redis.Redis, sizes: dict[str, int]) -> None:
             return
         await asyncio.sleep(0.05)
     pytest.fail(f"the heartbeat never published {sizes}")
+
+
+def test_turning_auto_batch_off_live_clears_the_shown_sizes() -> None:
+    import redis.asyncio as aioredis
+
+    from redbatch import batch
+    from redbatch.worker.runner import BatchRunner
+
+    model = batch(name="autosize_off", auto_batch=True)(lambda xs: xs)
+    with ThreadPoolExecutor(1) as pool:
+        runner = BatchRunner(aioredis.Redis(port=1), model, model.fn, "w", pool, 1.0)
+        sizer = runner.stats.sizer
+        for _ in range(autosize.WARMUP_PASSES):
+            sizer.observe(None, 1, 1.0)
+        sizer.size(None, 32)
+        assert sizer.chosen
+        model.policy = replace(model.policy, auto_batch=False)
+        runner.set_policy(model.policy)
+        runner._use_policy()  # what the next claim does
+        assert not sizer.chosen and "auto_sizes" not in runner.stats.counters()

@@ -4,9 +4,11 @@ and, when a batch raises, bisect it so that only the culprit items fail."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -96,9 +98,8 @@ class Forwarder:
             return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
         for length, indices in ragged.bucket_groups(inputs, self._spec).items():
-            outputs = await self._run_passes([inputs[i] for i in indices], length, limit)
-            for i, output in zip(indices, outputs, strict=True):
-                results[i] = output
+            await run_into(results, inputs, indices,
+                           functools.partial(self._run_passes, length=length, limit=limit))
         return results
 
     async def _run_passes(self, inputs: list[Any], length: int | None, limit: float | None
@@ -116,8 +117,6 @@ class Forwarder:
         ``auto_batch`` the size learned for the bucket (at most that)."""
         policy = self.model.policy
         if not policy.auto_batch:
-            if self.sizer.chosen:  # turned off live: ``redbatch status`` shows none
-                self.sizer.forget()
             return policy.max_batch_size
         return self.sizer.size(length, policy.max_batch_size)
 
@@ -142,10 +141,8 @@ class Forwarder:
                                                self.model.name)
         results: list[Any] = [errors.get(i) for i in range(len(inputs))]
         for start, end in cost.cut(kept_costs, size, limit):
-            indices = kept[start:end]
-            outputs = await self._run_pass([inputs[i] for i in indices], length)
-            for i, output in zip(indices, outputs, strict=True):
-                results[i] = output
+            await run_into(results, inputs, kept[start:end],
+                           lambda subset: self._run_pass(subset, length))
         return results
 
     def take_passes(self) -> list[int]:
@@ -240,3 +237,11 @@ class Forwarder:
                                 f"{n} inputs; a batch function must return one output per "
                                 "input")
         return rows
+
+
+async def run_into(results: list[Any], inputs: list[Any], indices: list[int],
+                   run: Callable[[list[Any]], Awaitable[list[Any]]]) -> None:
+    """``run`` the inputs at ``indices`` and put each output at its input's place."""
+    outputs = await run([inputs[i] for i in indices])
+    for i, output in zip(indices, outputs, strict=True):
+        results[i] = output

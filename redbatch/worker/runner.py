@@ -20,7 +20,7 @@ from redbatch.protocol import Reply, Request, Timings
 from redbatch.worker.claim import Claimer
 from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
 from redbatch.worker.decode import Decoded, Item, decode_batch
-from redbatch.worker.forward import Forwarder
+from redbatch.worker.forward import Forwarder, run_into
 from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.reaper import Reaper
@@ -292,6 +292,8 @@ class BatchRunner:
         return batch
 
     def _use_policy(self) -> None:
+        if not self._policy.auto_batch:  # off (or turned off live): status shows no sizes
+            self.stats.sizer.forget()
         self.claimer.set_policy(self._policy)
         self._claimer_policy = self._policy
         self.stats.max_batch_size = self._policy.max_batch_size
@@ -363,15 +365,16 @@ class BatchRunner:
             if item.request.suspect:
                 groups.setdefault(id(item.request), []).append(i)
         results: list[Any] = [None] * len(items)
+        values = [item.value for item in items]
         for indices in groups.values():
             await self._redis.set(self._crashing, items[indices[0]].request.id,
                                   ex=protocol.CRASHING_TTL_S)
             try:
-                await _run_into(fwd, results, items, indices)
+                await run_into(results, values, indices, fwd.run_batches)
             finally:
                 await self._redis.delete(self._crashing)
-        await _run_into(fwd, results, items, [i for i, item in enumerate(items)
-                                             if not item.request.suspect])
+        await run_into(results, values, [i for i, item in enumerate(items)
+                                         if not item.request.suspect], fwd.run_batches)
         return results
 
     async def _publish_batch(self, batch: Claimed, computed: Computed) -> None:
@@ -453,13 +456,6 @@ class BatchRunner:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(
                 r.trace_id or r.id for r in _requests(decoded)))
-
-
-async def _run_into(fwd: Forwarder, results: list[Any], items: list[Item],
-                    indices: list[int]) -> None:
-    outputs = await fwd.run_batches([items[i].value for i in indices])
-    for i, output in zip(indices, outputs, strict=True):
-        results[i] = output
 
 
 def _check_done(tasks: list[asyncio.Task[None]]) -> list[asyncio.Task[None]]:
