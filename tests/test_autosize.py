@@ -370,6 +370,5 @@ def test_turning_auto_batch_off_live_clears_the_shown_sizes() -> None:
         sizer.size(None, 32)
         assert sizer.chosen
         model.policy = replace(model.policy, auto_batch=False)
-        runner.set_policy(model.policy)
         runner._use_policy()  # what the next claim does
         assert not sizer.chosen and "auto_sizes" not in runner.stats.counters()

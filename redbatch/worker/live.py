@@ -44,5 +44,3 @@ class LiveKnobs:
             if value != before[name]:
                 log.info("model=%s knob %s: %r -> %r (live)", model.name, name,
                          before[name], value)
-        if model.knob_values() != before:
-            self._runner.set_policy(model.policy)

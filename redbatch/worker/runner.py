@@ -22,7 +22,6 @@ from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
 from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder, run_into
 from redbatch.worker.model import BatchFn, Model
-from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
@@ -147,12 +146,9 @@ class BatchRunner:
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
         self._busy = False  # the last claim came back full
-        self._policy = self._claimer_policy = model.policy  # a live change: the next claim
-
-    def set_policy(self, policy: BatchPolicy) -> None:
-        """Batch under ``policy`` from the next claim on (``model.policy`` is already
-        the new one: its forward passes and published meta follow at once)."""
-        self._policy = policy
+        # the policy the claimer has: a live change of ``model.policy`` (its forward
+        # passes and published meta follow at once) reaches it at the next claim
+        self._claimer_policy = model.policy
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until ``stop``; after an error, the next call first returns what this
@@ -275,7 +271,7 @@ class BatchRunner:
 
     async def _take(self) -> Claimed | None:
         """Claim and decode the next batch (None on an idle timeout)."""
-        if self._policy is not self._claimer_policy:
+        if self.model.policy is not self._claimer_policy:
             self._use_policy()
         raws = await self.claimer.claim(self._claim_count)
         self._busy = len(raws) >= self._claim_count
@@ -292,12 +288,12 @@ class BatchRunner:
         return batch
 
     def _use_policy(self) -> None:
-        if not self._policy.auto_batch:  # off (or turned off live): status shows no sizes
+        policy = self._claimer_policy = self.model.policy
+        if not policy.auto_batch:  # off (or turned off live): status shows no sizes
             self.stats.sizer.forget()
-        self.claimer.set_policy(self._policy)
-        self._claimer_policy = self._policy
-        self.stats.max_batch_size = self._policy.max_batch_size
-        self._claim_count = self._policy.max_batch_size
+        self.claimer.set_policy(policy)
+        self.stats.max_batch_size = policy.max_batch_size
+        self._claim_count = policy.max_batch_size
         self._rows_per_entry = 1.0
 
     def _schedule(self, batch: Claimed) -> None:
