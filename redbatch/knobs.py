@@ -61,6 +61,9 @@ def check_range(name: str, value: Any) -> None:
     """Raise ``InvalidKnob`` when ``value`` is outside the knob's range (``BatchPolicy``
     checks its fields with this)."""
     knob = KNOBS.get(name)
+    if knob is not None and value is None and not knob.nullable:
+        kind = "true or false" if knob.kind is bool else _range_text(knob)
+        raise InvalidKnob(f"{knob.label or name} must be {kind}, got None")
     if knob is None or value is None or knob.kind is bool:
         return
     low_bad = knob.low is not None and (value <= knob.low if knob.low_open else value < knob.low)

@@ -229,3 +229,11 @@ def test_cli_sets_shows_and_resets(redis_url: str, raw_redis: redis.Redis,
     assert orjson.loads(capsys.readouterr().out.splitlines()[-1])["overrides"] == {}
     assert not raw_redis.exists(protocol.config_key("clied"))
     assert main(["config", "nobody", *url]) == 2
+
+
+@pytest.mark.parametrize("name", ["max_batch_size", "batch_wait_timeout_s", "adaptive"])
+def test_a_policy_refuses_none_for_a_knob_that_is_not_nullable(name: str) -> None:
+    from redbatch import BatchPolicy
+
+    with pytest.raises(InvalidKnob, match=f"{name}.* must be .*got None"):
+        BatchPolicy(**{name: None})
