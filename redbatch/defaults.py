@@ -42,6 +42,7 @@ GATEWAY_MAX_CONNECTIONS: Final = 1024  # open connections per gateway process
 GATEWAY_PROCESSES: Final = 2  # gateway processes sharing the port (scripts/layout)
 PACK_ROWS: Final = 32  # a Client's most rows in one multi-row request (1: never pack)
 LIVE_REFRESH_S: Final = 1.0  # a process reads who is live at most this often per model
+MISS_REFRESH_S: Final = 0.25  # ...and a model unknown or with no live worker, this often
 RETRY_AFTER_S: Final = 1.0  # what a 503 advises when nothing better is known (Retry-After)
 ENQUEUE_DRAIN_S: Final = 5.0  # a closing Client waits this long for pushes in flight
 

@@ -133,7 +133,16 @@ class GatewayGroup:
                             proc.name, grace_s)
                 proc.kill()
                 proc.join(5)
+            self._log_exit(proc)
             self._mark_dead(proc)
+
+    @staticmethod
+    def _log_exit(proc: BaseProcess) -> None:
+        """One line per process at shutdown: 0 (or -SIGTERM) is a clean stop."""
+        clean = proc.exitcode in (0, -signal.SIGTERM)
+        log.log(logging.INFO if clean else logging.WARNING,
+                "gateway process %s (pid %s) stopped with exit code %s", proc.name,
+                proc.pid, proc.exitcode)
 
     def _mark_dead(self, proc: BaseProcess) -> None:
         from prometheus_client import multiprocess

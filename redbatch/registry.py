@@ -50,6 +50,11 @@ class LiveSummary:
     known: bool  # a worker is live or the model is registered
 
     def fresh(self, refresh_s: float) -> bool:
+        """Whether to trust it still: for ``refresh_s``, or for ``MISS_REFRESH_S`` at
+        most while it says nobody serves the model (a worker that just started is seen
+        within that, not after a whole ``refresh_s``)."""
+        if not self.live:
+            refresh_s = min(refresh_s, defaults.MISS_REFRESH_S)
         return time.monotonic() - self.at <= refresh_s
 
 

@@ -119,6 +119,9 @@ async def test_two_processes_share_the_port_and_one_set_of_counters(
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running: {alive}"
     assert not path.exists()
+    for child in children:  # one line each at shutdown, with its exit code
+        assert re.search(rf"\(pid {child.pid}\) stopped with exit code (0|-15)\b",
+                         proc.log()), proc.log()
 
 
 @pytest.mark.e2e
@@ -133,6 +136,7 @@ def test_a_process_that_dies_stops_the_gateway_with_an_error(
     victim.kill()
     assert proc.popen.wait(40) == 2, proc.log()
     assert f"(pid {victim.pid}) exited with code -9" in proc.log()
+    assert f"(pid {victim.pid}) stopped with exit code -9" in proc.log()
     _, alive = psutil.wait_procs([other], timeout=10)
     assert not alive
     assert given.is_dir()

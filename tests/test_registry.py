@@ -12,7 +12,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
+from redbatch.api.directory import ModelDirectory
+from redbatch.config import RedisSettings
+from redbatch.errors import UnknownModel
 from redbatch.producer.admission import Admission
 from redbatch.registry import LiveCache, live_workers
 
@@ -113,3 +116,34 @@ async def test_summary_of_workers_that_publish_no_or_bad_capacity(
         {protocol.F_ITEMS_PER_S: 2.5, protocol.F_ROWS: True}))
     summary = await cache.get("m")
     assert (summary.live, summary.items_per_s, summary.rows) == (2, 42.5, True)
+
+
+async def test_a_summary_with_no_live_worker_is_trusted_briefly(
+        raw_redis: redis.Redis, client: aioredis.Redis) -> None:
+    """A model nobody serves is re-read after MISS_REFRESH_S (a worker that just started
+    is seen at once), one that is served only after the whole refresh_s."""
+    cache = LiveCache(client, refresh_s=30.0)
+    assert (await cache.get("m")).live == 0
+    register(raw_redis, "m", "w1", 10.0)
+    assert cache.cached("m") is not None  # within MISS_REFRESH_S: still the miss
+    await asyncio.sleep(defaults.MISS_REFRESH_S + 0.05)
+    assert cache.cached("m") is None
+    assert (await cache.get("m")).live == 1
+    raw_redis.delete(protocol.workers_key("m"))
+    await asyncio.sleep(defaults.MISS_REFRESH_S + 0.05)
+    assert cache.cached("m") is not None and (await cache.get("m")).live == 1
+
+
+async def test_the_gateway_forgets_an_unknown_model_quickly(
+        raw_redis: redis.Redis, client: aioredis.Redis) -> None:
+    directory = ModelDirectory(client, RedisSettings(), refresh_s=30.0)
+    with pytest.raises(UnknownModel):
+        await directory.get("m")
+    raw_redis.set(protocol.meta_key("m"), orjson.dumps({"name": "m"}))
+    with pytest.raises(UnknownModel):  # the miss is remembered for a moment...
+        await directory.get("m")
+    await asyncio.sleep(defaults.MISS_REFRESH_S + 0.05)
+    assert (await directory.get("m")).name == "m"  # ...not for the whole refresh_s
+    raw_redis.delete(protocol.meta_key("m"))
+    await asyncio.sleep(defaults.MISS_REFRESH_S + 0.05)
+    assert (await directory.get("m")).name == "m"  # a hit is kept for refresh_s

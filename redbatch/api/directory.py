@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.config import RedisSettings
 from redbatch.producer.admission import unknown_model
 from redbatch.redis_conn import deadline_bound, idempotent, translated
@@ -22,7 +22,9 @@ MAX_CACHED = 1024
 
 
 class ModelDirectory:
-    """Looks models up in Redis; remembers hits and misses for ``refresh_s``."""
+    """Looks models up in Redis; remembers hits for ``refresh_s`` and misses for
+    ``MISS_REFRESH_S`` at most (a model whose first worker just registered is found
+    within that, by every gateway process)."""
 
     def __init__(self, redis: aioredis.Redis, settings: RedisSettings, refresh_s: float) -> None:
         self._redis = redis
@@ -34,7 +36,7 @@ class ModelDirectory:
         """The model's info, or ``UnknownModel`` if no worker ever registered it; a
         lookup in Redis (a cache miss) ends by ``deadline_ms`` (``DeadlineExceeded``)."""
         hit = self._cache.get(name)
-        if hit is None or time.monotonic() - hit[0] > self._refresh_s:
+        if hit is None or self._stale(hit):
             async with deadline_bound(deadline_ms, f"looking up model {name!r}"):
                 hit = (time.monotonic(), await self._fetch(name))
             if len(self._cache) >= MAX_CACHED:  # names come from URLs: keep this bounded
@@ -43,6 +45,11 @@ class ModelDirectory:
         if hit[1] is None:
             raise unknown_model(name)
         return hit[1]
+
+    def _stale(self, hit: tuple[float, ModelInfo | None]) -> bool:
+        refresh_s = self._refresh_s if hit[1] is not None else \
+            min(self._refresh_s, defaults.MISS_REFRESH_S)
+        return time.monotonic() - hit[0] > refresh_s
 
     async def _fetch(self, name: str) -> ModelInfo | None:
         protocol.check_model_name(name)
