@@ -22,16 +22,19 @@ from starlette.requests import Request
 
 PORT = int(os.environ.get("RAY_BENCH_PORT", "18002"))
 NOLOG = {"enable_access_log": False}
+# A replica asks for one CPU by default: three would not fit in num_cpus=2, and W3's
+# would never be scheduled.  They are measured one at a time, so each asks for half.
+REPLICA = {"num_cpus": 0.5}
 HERE = str(Path(__file__).resolve().parent.parent)  # holds mlp.py, textcls.py
 
 
-@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
+@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG, ray_actor_options=REPLICA)
 class Noop:
     async def __call__(self, request: Request) -> dict[str, Any]:
         return {"y": (await request.json())["x"]}
 
 
-@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
+@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG, ray_actor_options=REPLICA)
 class Batched:
     def __init__(self) -> None:
         import mlp  # type: ignore[import-not-found]  # redbatch/bench/mlp.py, via PYTHONPATH
@@ -49,7 +52,7 @@ class Batched:
         return {"y": await self.infer((await request.json())["x"])}
 
 
-@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG)
+@serve.deployment(max_ongoing_requests=64, logging_config=NOLOG, ray_actor_options=REPLICA)
 class Text:
     def __init__(self) -> None:
         import textcls  # type: ignore[import-not-found]  # redbatch/bench/textcls.py
