@@ -90,3 +90,19 @@ def from_section(data: Any) -> Levels:
                       if isinstance(caps, list) and len(caps) == count else None)
     except (KeyError, TypeError, ValueError, AttributeError):
         return ONE
+
+
+def of_meta(raw: bytes | str | None) -> Levels:
+    """The levels of a model's raw meta (one level when it has no ``priority``)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    if not text or '"priority"' not in text:
+        return ONE
+    try:
+        return from_section(orjson.loads(text).get("priority"))
+    except (orjson.JSONDecodeError, AttributeError):
+        return ONE
+
+
+def by_level(depths: list[int]) -> dict[str, int]:
+    """Queue depths per level (``{"1": n, ...}``), for listings."""
+    return {str(level): depth for level, depth in enumerate(depths, 1)}

@@ -10,6 +10,27 @@ from typing import Final
 
 from redbatch import protocol
 
+
+# The push loop the enqueue scripts share: entry i's marker is KEYS[k + i], its TTL
+# ARGV[t + i], the entry ARGV[t + n + i]; ``room`` entries fit.  An entry whose marker
+# exists (a retried push) counts as accepted but is not pushed again.
+def _push_loop(k: str, t: str) -> str:
+    return f"""local accepted, pushed = 0, 0
+for i = 1, n do
+  if redis.call('SET', KEYS[{k} + i], 'q', 'NX', 'PX', ARGV[{t} + i]) then
+    if room <= 0 then
+      redis.call('DEL', KEYS[{k} + i])
+      break
+    end
+    redis.call('RPUSH', KEYS[1], ARGV[{t} + n + i])
+    room = room - 1
+    pushed = pushed + 1
+  end
+  accepted = accepted + 1
+end
+"""
+
+
 # KEYS[1]=queue  KEYS[1+i]=marker of entry i
 # ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[2+i]=marker ttl ms of entry i  ARGV[2+n+i]=entry i
 # Pushes entries in order while the queue is under its cap.  An entry whose marker
@@ -18,20 +39,7 @@ from redbatch import protocol
 ENQUEUE: Final = """
 local n = #KEYS - 1
 local room = tonumber(ARGV[1]) - redis.call('LLEN', KEYS[1])
-local accepted, pushed = 0, 0
-for i = 1, n do
-  if redis.call('SET', KEYS[1 + i], 'q', 'NX', 'PX', ARGV[2 + i]) then
-    if room <= 0 then
-      redis.call('DEL', KEYS[1 + i])
-      break
-    end
-    redis.call('RPUSH', KEYS[1], ARGV[2 + n + i])
-    room = room - 1
-    pushed = pushed + 1
-  end
-  accepted = accepted + 1
-end
-if pushed > 0 then
+""" + _push_loop("1", "2") + """if pushed > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return {accepted, redis.call('LLEN', KEYS[1])}
@@ -69,20 +77,7 @@ local ahead = 0
 for i = 3, 2 + a do ahead = ahead + redis.call('LLEN', KEYS[i]) end
 local own = redis.call('LLEN', KEYS[1])
 local room = math.min(tonumber(ARGV[1]) - ahead - own, tonumber(ARGV[2]) - own)
-local accepted, pushed = 0, 0
-for i = 1, n do
-  if redis.call('SET', KEYS[2 + a + i], 'q', 'NX', 'PX', ARGV[4 + i]) then
-    if room <= 0 then
-      redis.call('DEL', KEYS[2 + a + i])
-      break
-    end
-    redis.call('RPUSH', KEYS[1], ARGV[4 + n + i])
-    room = room - 1
-    pushed = pushed + 1
-  end
-  accepted = accepted + 1
-end
-if pushed > 0 then
+""" + _push_loop("2 + a", "4") + """if pushed > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('RPUSH', KEYS[2], 1) end
   redis.call('PEXPIRE', KEYS[2], ARGV[3])

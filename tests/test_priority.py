@@ -6,6 +6,7 @@ level keeps its one queue and no bell."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -19,7 +20,17 @@ import orjson
 import pytest
 import redis
 
-from redbatch import Client, InvalidPayload, Model, QueueFull, codec, lua, protocol
+from redbatch import (
+    Client,
+    InvalidPayload,
+    Model,
+    QueueFull,
+    codec,
+    lua,
+    protocol,
+    status,
+    status_view,
+)
 from redbatch.config import WorkerConfig
 from redbatch.errors import InvalidKnob
 from redbatch.worker.policy import BatchPolicy
@@ -110,8 +121,9 @@ def test_enqueue_level_counts_the_more_urgent_levels_and_its_own_cap(raw_redis: 
 
 # --- ordering and the starvation guard -------------------------------------------
 async def test_urgent_requests_overtake_a_backlog(start_worker: Callable[..., Worker],
-                                                  redis_url: str, raw_redis: redis.Redis
-                                                  ) -> None:
+                                                  redis_url: str, raw_redis: redis.Redis,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "redbatch.worker")
     model, release, batches = held_model("urgent")
     start_worker([model])
     await wait_live(redis_url, "urgent")
@@ -126,6 +138,7 @@ async def test_urgent_requests_overtake_a_backlog(start_worker: Callable[..., Wo
         results = await asyncio.gather(first, *urgent, plain, *backlog)
     assert results == [0, 1, 2, 3, 50, *range(100, 110)]
     assert sorted(batches[1]) == [1, 2, 3, 50]  # levels 1 and 2 before the backlog
+    assert "levels=1:3,2:1" in caplog.text  # the batch log line names its levels
     assert raw_redis.exists(protocol.bell_key("urgent")) == 0
 
 
@@ -265,6 +278,10 @@ async def test_priority_caps_change_live(start_worker: Callable[..., Worker], re
     async with gateway(redis_url) as http:
         listed = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
         assert listed["live"]["priority"] == {"levels": 2, "default": 1, "caps": [50, 1]}
+        assert listed["live"]["queue_depths"] == {"1": 0, "2": 0}
+    seen = status.read_model(raw_redis, "live")
+    assert seen.queue_depths == {"1": 0, "2": 0} and seen.knobs["priority_caps"] == [50, 1]
+    assert "(p1:0 p2:0) caps 50/1*" in status_view._queue(seen)
 
 
 # --- reliability and foreign producers -------------------------------------------------

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from redbatch import metrics, protocol
 from redbatch.errors import RedbatchError
+from redbatch.levels import of_meta
 from redbatch.redis_conn import translated
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ async def refresh_gauges(gateway: Gateway) -> None:
     now = protocol.now_ms()
     for name in await gateway.directory.model_names():
         async with translated(gateway.redis_settings):
-            depth = await redis.llen(protocol.queue_key(name))
+            keys = of_meta(await redis.get(protocol.meta_key(name))).queues(name)
+            depth = sum([int(await redis.llen(key)) for key in keys])  # every level
             live = await redis.zcount(protocol.workers_key(name), now, "+inf")
         metrics.QUEUE_DEPTH.labels(name).set(int(depth))
         metrics.LIVE_WORKERS.labels(name).set(int(live))

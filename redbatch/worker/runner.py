@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -449,7 +450,9 @@ class BatchRunner:
                  len(decoded.early) + decoded.invalid_rows - batch.late, batch.late,
                  max(waits, default=0), fwd_ms,
                  reply_ms, (f" pad={padded / real:.2f}" if real else "")
-                 + (f" inflight={self._in_flight}" if self._limit > 1 else ""))
+                 + (f" inflight={self._in_flight}" if self._limit > 1 else "")
+                 + (_levels_text(decoded, self.model.default_priority)
+                    if self.model.priority_levels > 1 else ""))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(
                 r.trace_id or r.id for r in _requests(decoded)))
@@ -462,6 +465,13 @@ def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeo
         return LevelClaimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                             blocking, levels=model.priorities, share=model.priority_share)
     return Claimer(redis, model.name, worker_id, model.policy, block_timeout_s, blocking)
+
+
+def _levels_text(decoded: Decoded, default: int) -> str:
+    """`` levels=1:3,2:1``: the batch's requests per priority level (a multi-level
+    model's batch log line)."""
+    counts = Counter(r.priority or default for r in _requests(decoded))
+    return " levels=" + ",".join(f"{level}:{n}" for level, n in sorted(counts.items()))
 
 
 def _check_done(tasks: list[asyncio.Task[None]]) -> list[asyncio.Task[None]]:
