@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from redbatch import Client, DeadlineExceeded, Model, QueueFull
 from redbatch.bench import producer
 from redbatch.bench.servers import Procs
@@ -118,6 +120,22 @@ async def _scenario(redis_url: str) -> dict[str, Any]:
             "rest_loaded": rest.summary()}
 
 
+def _wait_redis(url: str, timeout_s: float = 30.0) -> None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        client.close()
+
+
 def run(logdir: Path) -> dict[str, Any]:
     """Redis and one worker of the scenario's model as child processes, then the load."""
     procs = Procs(logdir)
@@ -129,6 +147,7 @@ def run(logdir: Path) -> dict[str, Any]:
         procs.start("worker", [sys.executable, "-m", "redbatch", "worker",
                                "redbatch.bench.priority:models", "--redis-url", url,
                                "--device", "cpu"], {"REDBATCH_LOG_LEVEL": "WARNING"})
+        _wait_redis(url)
         producer.wait_live_workers(url, MODEL, 1)
         return run_loop(_scenario(url))
     finally:
