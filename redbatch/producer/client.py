@@ -205,12 +205,10 @@ class Client:
                        reply_to=self.reply_to, payload=inputs, trace_id=trace_id, rows=rows,
                        priority=priority)
 
-    async def _level(self, model: str, priority: int | None) -> int:
-        """The level of a request that asks for ``priority`` (checked against the
-        model's levels, as its workers publish them); 0 when it asks for none (the
-        model's default, decided at the enqueue: nothing more per request)."""
-        if priority is None:
-            return 0
+    async def _level(self, model: str, priority: int) -> int:
+        """The level of a request that asks for ``priority``, checked against the
+        model's levels as its workers publish them (a request that asks for none goes
+        to the model's default level, decided at the enqueue: nothing per request)."""
         async with translated(self.settings):
             return (await self._admission.levels(model)).resolve(model, priority)
 
@@ -250,9 +248,8 @@ class Client:
         out of its range: ``InvalidPayload``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
         listener = await self._ready(model, 1, deadline)
-        level = await self._level(model, priority)
-        request = self._request(model, inputs, deadline, request_id, trace_id)
-        request.priority = level
+        level = 0 if priority is None else await self._level(model, priority)
+        request = self._request(model, inputs, deadline, request_id, trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
@@ -278,7 +275,7 @@ class Client:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
         listener = await self._ready(model, len(inputs), deadline)
-        level = await self._level(model, priority)
+        level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
         requests = [self._request(model, x, deadline, rid, rows=_rows(x) if batched else 0,
                                   priority=level)
