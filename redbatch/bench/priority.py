@@ -41,6 +41,7 @@ LOW_CAP = 40  # level 2's own queue cap: 0.2 s of the model's capacity
 UNLOADED_S, LOADED_S = 8.0, 15.0
 TIMEOUT_S = 5.0
 TICK_S = 0.005
+REDIS_START_S = 30.0  # how long the scenario waits for its redis-server to answer
 
 
 def _sleep_pass(xs: list[Any]) -> list[Any]:
@@ -120,9 +121,9 @@ async def _scenario(redis_url: str) -> dict[str, Any]:
             "rest_loaded": rest.summary()}
 
 
-def _wait_redis(url: str, timeout_s: float = 30.0) -> None:
+def _wait_redis(url: str) -> None:
     client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + REDIS_START_S
     try:
         while True:
             try:
