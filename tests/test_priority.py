@@ -194,6 +194,9 @@ async def test_a_full_low_level_is_503_while_the_urgent_one_flows(
     assert "priority 2" in refused.json()["error"]["message"]
     assert int(refused.headers["retry-after"]) >= 1
     assert time.monotonic() - started < 1.0
+    scraped = (await http.get("/metrics")).text
+    assert 'redbatch_queue_depth_level{level="2",model="capped"} 2.0' in scraped
+    assert 'redbatch_queue_depth{model="capped"} 2.0' in scraped
     v2_refused = await http.post("/v2/models/capped/infer",
                                  json={**V2, "parameters": {"priority": 2}})
     assert v2_refused.status_code == 503, v2_refused.text
