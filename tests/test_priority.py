@@ -313,6 +313,32 @@ async def test_a_killed_worker_of_a_multi_level_model_loses_nothing(
     assert raw_redis.llen(protocol.dead_letter_key("slow_levels")) == 0
 
 
+async def test_the_reaper_requeues_to_the_most_urgent_level_and_rings(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    import redis.asyncio as aioredis
+
+    from redbatch.levels import Levels
+    from redbatch.worker.reaper import Reaper
+
+    reply_to = protocol.reply_key("reap-test")
+    entries = [foreign_entry("reaped", v, reply_to) for v in (1, 2)]
+    raw_redis.rpush(protocol.inflight_key("reaped", "dead"), *entries)
+    raw_redis.zadd(protocol.workers_key("reaped"), {"dead": protocol.now_ms() - 1})
+    raw_redis.rpush(protocol.queue_key("reaped", 1), b"queued-before")
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        reaper = Reaper(client, "reaped", 3, levels=Levels(3, 2))
+        assert await reaper.reap("dead") == 2
+    finally:
+        await client.aclose()
+    level1 = raw_redis.lrange(protocol.queue_key("reaped", 1), 0, -1)
+    assert [codec.decode(e)["payload"] for e in level1[:2]] == [1, 2]  # at the front
+    assert level1[2] == b"queued-before"
+    assert all(codec.decode(e)["suspect"] for e in level1[:2])
+    assert raw_redis.lrange(protocol.bell_key("reaped"), 0, -1) == [b"1"]
+    assert raw_redis.llen(protocol.queue_key("reaped")) == 0  # not the default level's
+
+
 def foreign_entry(model: str, value: int, reply_to: str) -> bytes:
     now = protocol.now_ms()
     request = protocol.Request(protocol.new_id(), model, now, now + 20_000, reply_to, value)
