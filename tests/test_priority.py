@@ -215,6 +215,8 @@ async def test_a_full_low_level_is_503_while_the_urgent_one_flows(
 @pytest.mark.parametrize(("headers", "body_params", "named"), [
     ({"X-Redbatch-Priority": "high"}, None, "X-Redbatch-Priority"),
     ({"X-Redbatch-Priority": "1.5"}, None, "X-Redbatch-Priority"),
+    ({"X-Redbatch-Priority": b"\xb2"}, None, "X-Redbatch-Priority"),  # a latin-1 digit
+    ({"X-Redbatch-Priority": "99999"}, None, "X-Redbatch-Priority"),
     ({"X-Redbatch-Priority": "3"}, None, "priority 3"),
     ({"X-Redbatch-Priority": "-1"}, None, "priority -1"),
     ({}, {"priority": 9}, "parameters.priority"),
@@ -222,7 +224,7 @@ async def test_a_full_low_level_is_503_while_the_urgent_one_flows(
     ({}, {"priority": True}, "parameters.priority"),
 ])
 async def test_a_bad_priority_is_400_naming_it(
-        capped: tuple[httpx.AsyncClient, threading.Event], headers: dict[str, str],
+        capped: tuple[httpx.AsyncClient, threading.Event], headers: dict[str, Any],
         body_params: dict[str, Any] | None, named: str) -> None:
     http, release = capped
     release.set()

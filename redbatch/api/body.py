@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -13,6 +14,7 @@ from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload, Unsupporte
 
 TIMEOUT_HEADER = b"x-redbatch-timeout-ms"
 PRIORITY_HEADER = b"x-redbatch-priority"
+PRIORITY_RE = re.compile(r"-?[0-9]{1,4}")  # an integer; its range is the model's
 REQUEST_ID_HEADER = b"x-request-id"
 TIMEOUT_FIELD = "timeout_ms"
 JSON_MEDIA_TYPES = frozenset({b"application/json"})  # the predict body is JSON (parse_json)
@@ -139,7 +141,7 @@ def priority_header(headers: Headers, info: ModelInfo) -> int | None:
     if raw is None:
         return None
     text = raw.decode("latin-1").strip()
-    if not text.lstrip("-").isdigit() or len(text) > 4:
+    if not PRIORITY_RE.fullmatch(text):
         raise BadRequest(f"X-Redbatch-Priority must be an integer level, got {text[:40]!r}")
     return checked_priority(int(text), "X-Redbatch-Priority", info)
 

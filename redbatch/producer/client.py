@@ -210,7 +210,9 @@ class Client:
         model's levels as its workers publish them (a request that asks for none goes
         to the model's default level, decided at the enqueue: nothing per request)."""
         async with translated(self.settings):
-            return (await self._admission.levels(model)).resolve(model, priority)
+            levels = await self._admission.levels(model)
+        level = levels.resolve(model, priority)
+        return level if levels.many else 0  # one level: the plain path, no field
 
     async def _ready(self, model: str, count: int, deadline_ms: int) -> ReplyListener:
         """The listener (starting the client if needed), once ``model`` is a valid name

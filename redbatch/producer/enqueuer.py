@@ -127,7 +127,8 @@ class Enqueuer:
         """A multi-level model's pushes, each level's into its queue (concurrently)."""
         groups: dict[int, list[int]] = {}
         for index, push in enumerate(pushes):
-            groups.setdefault(push.level or levels.default, []).append(index)
+            level = push.level if 0 < push.level <= levels.count else levels.default
+            groups.setdefault(level, []).append(index)  # (levels may change under a push)
         results = await asyncio.gather(*(
             self._send_level(model, [pushes[i] for i in indices], level, levels)
             for level, indices in groups.items()))
