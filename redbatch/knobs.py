@@ -136,6 +136,9 @@ def _known(name: str) -> None:
 
 def check_caps(caps: list[int] | None, levels: int) -> None:
     """``InvalidKnob`` unless ``priority_caps`` is None or holds one cap per level."""
+    if caps is not None and levels == 1:
+        raise InvalidKnob("priority_caps is for a model of several priority levels; this "
+                          "one has one (its queue cap is max_queue_len)")
     if caps is not None and len(caps) != levels:
         raise InvalidKnob(f"priority_caps must be null or a list of {levels} integers >= 1 "
                           f"(one per priority level of the model), got {caps!r}")

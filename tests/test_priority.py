@@ -380,6 +380,8 @@ async def test_a_single_level_model_has_no_bell_and_one_queue(
         assert await client.predict("plain", 1, priority=1) == 1  # its one level
         with pytest.raises(InvalidPayload):
             await client.predict("plain", 1, priority=2)
+        with pytest.raises(InvalidKnob, match="several priority levels"):
+            await client.configure("plain", priority_caps=[5])
     names = {k.decode() for k in raw_redis.keys("rb:{plain}:*")}
     assert not any(k.endswith(":bell") or ":queue:p" in k for k in names), names
     assert "priority" not in orjson.loads(raw_redis.get(protocol.meta_key("plain")) or b"{}")

@@ -137,11 +137,11 @@ class Model:
                           output_name=self.output_name, spec=self.spec,
                           policy=self.policy.to_json(),
                           limits={"max_queue_len": self.max_queue_len,
-                                  "default_timeout_s": self.default_timeout_s,
-                                  "priority_caps": self.priority_caps},
+                                  "default_timeout_s": self.default_timeout_s},
                           defaults=self.knob_defaults)
         if self.priority_levels > 1:  # read by producers (LIVE_SUMMARY): levels, caps
             meta["priority"] = self.priorities.to_json()
+            meta["limits"]["priority_caps"] = self.priority_caps
         return meta
 
 
