@@ -20,6 +20,7 @@ max_batch_size = 16               # batching knobs override the models' own poli
 batch_wait_timeout_s = 0.002
 max_queue_len = 1000              # this model's queue cap (the lower of it and the gateway's)
 default_timeout_s = 5             # deadline of its requests that set none
+priority_caps = [1000, 100]       # each priority level's queue cap (models of 2 levels)
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
@@ -36,12 +37,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from redbatch import knobs
 from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
 
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
-LIMIT_KEYS = ("max_queue_len", "default_timeout_s")  # -> the models' own limits
+LIMIT_KEYS = ("max_queue_len", "default_timeout_s", "priority_caps")  # -> models' own
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}
 
@@ -128,6 +130,10 @@ def _check_limits(limits: dict[str, Any], where: str) -> None:
     timeout = limits.get("default_timeout_s", 1.0)
     if type(timeout) not in (int, float) or not timeout > 0:
         raise ConfigError(f"{where}.default_timeout_s: must be a number > 0, got {timeout!r}")
+    try:
+        knobs.check("priority_caps", limits.get("priority_caps"))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.{exc}") from exc
 
 
 def build(cls: type[T], values: dict[str, Any], where: str) -> T:
@@ -165,5 +171,13 @@ def with_overrides(models: list[Any], overrides: dict[str, Any]) -> list[Any]:
         return models
     policy = {k: v for k, v in overrides.items() if k in POLICY_KEYS}
     limits = {k: v for k, v in overrides.items() if k in LIMIT_KEYS}
-    return [dataclasses.replace(m, policy=dataclasses.replace(m.policy, **policy), **limits)
-            for m in models]
+    return [dataclasses.replace(m, policy=dataclasses.replace(m.policy, **policy),
+                                **_limits_for(m, limits)) for m in models]
+
+
+def _limits_for(model: Any, limits: dict[str, Any]) -> dict[str, Any]:
+    """The limits for ``model``: ``priority_caps`` only for a model of several levels
+    (one target may hold models of one level beside it)."""
+    if model.priority_levels > 1:
+        return limits
+    return {k: v for k, v in limits.items() if k != "priority_caps"}

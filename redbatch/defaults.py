@@ -73,6 +73,9 @@ QUIET_S: Final[float | None] = None  # gap that closes a window early; None: a q
 MAX_BATCH_COST: Final[float | None] = None  # most total cost in one pass; None: no cost
 AUTO_BATCH: Final = False  # pass sizes by measurement (max_batch_size a cap); off: the cap
 OVERSIZE: Final = "alone"  # an item costlier than max_batch_cost: alone, or refuse (422)
+PRIORITY_LEVELS: Final = 1  # a model's priority levels (1..L; 1: one queue, no priorities)
+DEFAULT_PRIORITY: Final = 1  # the level of a request that gives none (or 0)
+PRIORITY_SHARE: Final = 0.1  # least share of claimed entries kept for the less urgent levels
 INPUT_NAME: Final = "inputs"  # a model's input field in JSON bodies
 OUTPUT_NAME: Final = "outputs"  # a model's output field in JSON answers
 

@@ -48,6 +48,8 @@ KNOBS: dict[str, Knob] = {
     "max_batch_cost": Knob(float, 0, low_open=True, nullable=True),
     "auto_batch": Knob(bool),
     "max_queue_len": Knob(int, 1, nullable=True, part="model"),
+    # a list of one int per priority level (its length is checked against the model's)
+    "priority_caps": Knob(list, 1, nullable=True, part="model"),
 }
 
 
@@ -66,15 +68,28 @@ def check_range(name: str, value: Any) -> None:
         raise InvalidKnob(f"{knob.label or name} must be {kind}, got None")
     if knob is None or value is None or knob.kind is bool:
         return
+    if knob.kind is list:
+        for item in value:
+            check_range_item(name, knob, item)
+        return
+    check_range_item(name, knob, value)
+
+
+def check_range_item(name: str, knob: Knob, value: Any) -> None:
+    """``InvalidKnob`` when one value (of a list knob: one of its items) is out of range."""
     low_bad = knob.low is not None and (value <= knob.low if knob.low_open else value < knob.low)
     if low_bad or (knob.high is not None and value > knob.high):
         raise InvalidKnob(f"{knob.label or name} must be {_range_text(knob)}, got {value}")
 
 
-_KIND_TEXT = {int: "an integer", float: "a number", bool: "true or false"}
+_KIND_TEXT = {int: "an integer", float: "a number", bool: "true or false",
+              list: f"a list of 1-{protocol.MAX_PRIORITY_LEVELS} integers"}
 
 
 def _is_kind(value: Any, kind: type) -> bool:
+    if kind is list:
+        return isinstance(value, list) and 1 <= len(value) <= protocol.MAX_PRIORITY_LEVELS \
+            and all(_is_kind(item, int) for item in value)
     if isinstance(value, bool):
         return kind is bool
     return isinstance(value, (int, float) if kind is float else kind)
@@ -117,6 +132,16 @@ def _change(name: str, value: Any) -> Any:
 def _known(name: str) -> None:
     if name not in KNOBS:
         raise InvalidKnob(f"unknown knob {name!r}; live knobs: {', '.join(KNOBS)}")
+
+
+def check_caps(caps: list[int] | None, levels: int) -> None:
+    """``InvalidKnob`` unless ``priority_caps`` is None or holds one cap per level."""
+    if caps is not None and levels == 1:
+        raise InvalidKnob("priority_caps is for a model of several priority levels; this "
+                          "one has one (its queue cap is max_queue_len)")
+    if caps is not None and len(caps) != levels:
+        raise InvalidKnob(f"priority_caps must be null or a list of {levels} integers >= 1 "
+                          f"(one per priority level of the model), got {caps!r}")
 
 
 def effective(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -167,7 +192,15 @@ async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict
         meta, raw = await pipe.execute()
     if not meta:
         raise UnknownModel(f"unknown model {model!r}: no worker serves it")
-    return model_defaults(orjson.loads(meta)), decode_stored(raw)[0]
+    data = orjson.loads(meta)
+    base = {**model_defaults(data), "priority_levels": _levels(data)}
+    return base, decode_stored(raw)[0]
+
+
+def _levels(meta: Mapping[str, Any]) -> int:
+    """A model's priority levels, from its meta (1: none published)."""
+    section = meta.get("priority")
+    return int(section.get("levels", 1)) if isinstance(section, dict) else 1
 
 
 async def show(redis: aioredis.Redis, model: str) -> dict[str, Any]:
@@ -187,6 +220,7 @@ async def configure(redis: aioredis.Redis, model: str, changes: Mapping[str, Any
     overrides = {**overrides, **checked}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     values = effective(base, overrides)
+    check_caps(values.get("priority_caps"), base["priority_levels"])
     await _store(redis, model, checked, reset)
     return {"overrides": overrides, "effective": values}
 

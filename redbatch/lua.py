@@ -10,6 +10,27 @@ from typing import Final
 
 from redbatch import protocol
 
+
+# The push loop the enqueue scripts share: entry i's marker is KEYS[k + i], its TTL
+# ARGV[t + i], the entry ARGV[t + n + i]; ``room`` entries fit.  An entry whose marker
+# exists (a retried push) counts as accepted but is not pushed again.
+def _push_loop(k: str, t: str) -> str:
+    return f"""local accepted, pushed = 0, 0
+for i = 1, n do
+  if redis.call('SET', KEYS[{k} + i], 'q', 'NX', 'PX', ARGV[{t} + i]) then
+    if room <= 0 then
+      redis.call('DEL', KEYS[{k} + i])
+      break
+    end
+    redis.call('RPUSH', KEYS[1], ARGV[{t} + n + i])
+    room = room - 1
+    pushed = pushed + 1
+  end
+  accepted = accepted + 1
+end
+"""
+
+
 # KEYS[1]=queue  KEYS[1+i]=marker of entry i
 # ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[2+i]=marker ttl ms of entry i  ARGV[2+n+i]=entry i
 # Pushes entries in order while the queue is under its cap.  An entry whose marker
@@ -18,20 +39,7 @@ from redbatch import protocol
 ENQUEUE: Final = """
 local n = #KEYS - 1
 local room = tonumber(ARGV[1]) - redis.call('LLEN', KEYS[1])
-local accepted, pushed = 0, 0
-for i = 1, n do
-  if redis.call('SET', KEYS[1 + i], 'q', 'NX', 'PX', ARGV[2 + i]) then
-    if room <= 0 then
-      redis.call('DEL', KEYS[1 + i])
-      break
-    end
-    redis.call('RPUSH', KEYS[1], ARGV[2 + n + i])
-    room = room - 1
-    pushed = pushed + 1
-  end
-  accepted = accepted + 1
-end
-if pushed > 0 then
+""" + _push_loop("1", "2") + """if pushed > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return {accepted, redis.call('LLEN', KEYS[1])}
@@ -52,6 +60,80 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
 end
 return items
+"""
+
+# KEYS[1]=level queue  KEYS[2]=bell  KEYS[3..2+a]=the queues of the more urgent levels
+# KEYS[2+a+i]=marker of entry i
+# ARGV[1]=cap of the entries queued at this level and above  ARGV[2]=this level's own cap
+# ARGV[3]=queue ttl ms  ARGV[4]=a  ARGV[4+i]=marker ttl ms of entry i  ARGV[4+n+i]=entry i
+# ENQUEUE for one priority level of a multi-level model: pushes in order while both caps
+# leave room, and rings the bell (a list of one element) if it pushed any.
+# Returns {how many entries, in order, were accepted; entries queued at this level and
+# above after; entries at this level after}.
+ENQUEUE_LEVEL: Final = """
+local a = tonumber(ARGV[4])
+local n = #KEYS - 2 - a
+local ahead = 0
+for i = 3, 2 + a do ahead = ahead + redis.call('LLEN', KEYS[i]) end
+local own = redis.call('LLEN', KEYS[1])
+local room = math.min(tonumber(ARGV[1]) - ahead - own, tonumber(ARGV[2]) - own)
+""" + _push_loop("2 + a", "4") + """if pushed > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('RPUSH', KEYS[2], 1) end
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+own = redis.call('LLEN', KEYS[1])
+return {accepted, ahead + own, own}
+"""
+
+# KEYS[1]=bell  KEYS[2]=inflight  KEYS[3..]=the level queues, most urgent first
+# ARGV[1]=max count  ARGV[2]=inflight ttl ms  ARGV[3]=slots reserved for the levels
+# below the most urgent non-empty one  ARGV[4]=rotation (which of those comes first)
+# CLAIM for a multi-level model: the reserved slots go one entry at a time to the
+# non-empty lower levels in turn (so none of them starves), the rest in priority order;
+# the entries move to the in-flight list's tail, in the order returned.  Silences the
+# bell (DEL) once every level queue is empty.
+# Returns {entries taken from below the most urgent non-empty level, entries left in
+# the level queues, {entries...}}.
+CLAIM_LEVELS: Final = """
+local n, reserve, rot = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local levels = #KEYS - 2
+local lens, top = {}, nil
+for l = 1, levels do
+  lens[l] = redis.call('LLEN', KEYS[2 + l])
+  if top == nil and lens[l] > 0 then top = l end
+end
+local items, low = {}, 0
+local function take(l, k)
+  local got = redis.call('LPOP', KEYS[2 + l], k) or {}
+  for i = 1, #got do items[#items + 1] = got[i] end
+  lens[l] = lens[l] - #got
+  if top ~= nil and l > top then low = low + #got end
+  return #got
+end
+if top ~= nil then
+  local lower = {}
+  for l = top + 1, levels do if lens[l] > 0 then lower[#lower + 1] = l end end
+  local k = 0
+  while reserve > 0 and #items < n and #lower > 0 do
+    local at = (rot + k) % #lower + 1
+    take(lower[at], 1)
+    if lens[lower[at]] == 0 then table.remove(lower, at) else k = k + 1 end
+    reserve = reserve - 1
+  end
+  for l = top, levels do
+    if #items >= n then break end
+    if lens[l] > 0 then take(l, n - #items) end
+  end
+end
+for i = 1, #items, 1000 do  -- in slices: Lua's unpack has a stack limit
+  redis.call('RPUSH', KEYS[2], unpack(items, i, math.min(i + 999, #items)))
+end
+if #items > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
+local left = 0
+for l = 1, levels do left = left + lens[l] end
+if left == 0 then redis.call('DEL', KEYS[1]) end
+return {low, left, items}
 """
 
 # Shared helpers: answer a request at most once (its marker turns to 'd' with the
@@ -131,7 +213,8 @@ return out
 
 # KEYS[1]=the dead worker's inflight  KEYS[2]=queue  KEYS[3]=dead letters
 # KEYS[4]=workers zset  KEYS[5]=worker info hash  KEYS[6]=its crashing key
-# KEYS[5+2j]=marker j  KEYS[6+2j]=reply_to j
+# KEYS[7]=the bell (a multi-level model: KEYS[2] is its most urgent level's queue), or
+# KEYS[2] again (one level: no bell)  KEYS[6+2j]=marker j  KEYS[7+2j]=reply_to j
 # ARGV[1]=worker id  ARGV[2]=now ms, or 'force' (a worker returning its own batch)
 # ARGV[3]=sha1 hex of the in-flight entries the caller read (concatenated)
 # ARGV[4]=reply ttl s  ARGV[5]=nq  ARGV[6..5+nq]=entries to requeue, in queue order
@@ -151,8 +234,12 @@ for i = 5 + nq, 6, -1 do
 end
 if nq > 0 then
   redis.call('PEXPIRE', KEYS[2], {protocol.QUEUE_TTL_S * 1000})
+  if KEYS[7] ~= KEYS[2] and redis.call('EXISTS', KEYS[7]) == 0 then
+    redis.call('RPUSH', KEYS[7], 1)
+    redis.call('PEXPIRE', KEYS[7], {protocol.QUEUE_TTL_S * 1000})
+  end
 end
-replies(6 + nq, 7, ARGV[4])
+replies(6 + nq, 8, ARGV[4])
 dead_letters(KEYS[3], 6 + nq)
 redis.call('DEL', KEYS[1], KEYS[6])
 if ARGV[2] ~= 'force' then
@@ -168,8 +255,10 @@ return nq
 # of their published items_per_s, whether each publishes rows = true, and whether the
 # model is known (a worker is live, or its meta exists).  A missing or unreadable
 # capacity field counts as 0 items/s and no rows.
+# The meta's ``priority`` section (a multi-level model's levels, default and caps),
+# re-encoded, or "" when it has none (one level: its meta is not decoded).
 # Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
-# known 1|0}.
+# known 1|0, priority JSON or ""}.
 LIVE_SUMMARY: Final = f"""
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
 local total, rows = 0, #ids > 0
@@ -180,8 +269,16 @@ for i = 1, #ids do
   if rate and rate > 0 then total = total + rate end
   rows = rows and cap['{protocol.F_ROWS}'] == true
 end
-local known = #ids > 0 or redis.call('EXISTS', KEYS[3]) == 1
-return {{#ids, tostring(total), rows and 1 or 0, known and 1 or 0}}
+local raw = redis.call('GET', KEYS[3])
+local known = #ids > 0 or raw ~= false
+local levels = ''
+if raw and string.find(raw, '"priority"', 1, true) then
+  local ok, meta = pcall(cjson.decode, raw)
+  if ok and type(meta) == 'table' and type(meta['priority']) == 'table' then
+    levels = cjson.encode(meta['priority'])
+  end
+end
+return {{#ids, tostring(total), rows and 1 or 0, known and 1 or 0, levels}}
 """
 
-PRODUCER_SCRIPTS: Final = (ENQUEUE, LIVE_SUMMARY)  # loaded when a Client starts
+PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, LIVE_SUMMARY)  # loaded when a Client starts

@@ -53,6 +53,10 @@ INFLIGHT: Final = Gauge(
 QUEUE_DEPTH: Final = Gauge(
     "redbatch_queue_depth", "Entries in the model's queue (read from Redis at scrape time)",
     ["model"], multiprocess_mode="livemostrecent")
+QUEUE_DEPTH_LEVEL: Final = Gauge(
+    "redbatch_queue_depth_level", "Entries in each priority level's queue of a model of "
+    "several levels (read from Redis at scrape time)",
+    ["model", "level"], multiprocess_mode="livemostrecent")
 LIVE_WORKERS: Final = Gauge(
     "redbatch_live_workers", "Workers of the model holding a live lease (at scrape time)",
     ["model"], multiprocess_mode="livemostrecent")
@@ -94,7 +98,7 @@ DEAD_LETTERS: Final = Counter(
 
 GATEWAY_METRICS: Final = ("redbatch_requests_total", "redbatch_request_duration_seconds",
                           "redbatch_inflight_requests", "redbatch_queue_depth",
-                          "redbatch_live_workers")
+                          "redbatch_queue_depth_level", "redbatch_live_workers")
 WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_seconds",
                          "redbatch_batch_size", "redbatch_batch_entries",
                          "redbatch_batch_fill_ratio", "redbatch_worker_items_total",

@@ -38,6 +38,7 @@ MARKER_GRACE_MS: Final = 5000  # a request marker outlives its deadline by this 
 MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
 MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
 MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS
+MAX_PRIORITY_LEVELS: Final = 16  # a model's priority levels are 1..L, L at most this
 CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worker this long
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -54,6 +55,7 @@ F_ATTEMPT: Final = "attempt"
 F_TRACE_ID: Final = "trace_id"  # optional: the caller's correlation id (X-Request-ID)
 TRACE_ID_RE: Final = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 F_ROWS: Final = "rows"  # optional: the payload is a tensor of this many rows, one item each
+F_PRIORITY: Final = "priority"  # optional: the request's priority level (1: most urgent)
 F_SUSPECT: Final = "suspect"  # optional: was in a batch that crashed a worker: run it alone
 F_ROW_ERRORS: Final = "row_errors"  # reply to a multi-row request: the rows that failed
 F_ROW: Final = "row"
@@ -79,8 +81,27 @@ def check_model_name(model: str) -> str:
     return model
 
 
-def queue_key(model: str) -> str:
+def queue_key(model: str, level: int = 0) -> str:
+    """A model's queue; with priority levels, level ``level``'s queue: the default
+    level's (``level`` 0) is the plain queue, the others ``...:queue:p<level>``."""
+    if level:
+        return f"{PREFIX}:{{{model}}}:queue:p{level}"
     return f"{PREFIX}:{{{model}}}:queue"
+
+
+def level_queues(model: str, levels: int, default: int) -> list[str]:
+    """The queues of a model's priority levels 1..``levels``, most urgent first; level
+    ``default`` keeps the plain queue (so foreign producers and autoscalers that know
+    only ``queue_key(model)`` still see it)."""
+    return [queue_key(model, 0 if level == default else level)
+            for level in range(1, levels + 1)]
+
+
+def bell_key(model: str) -> str:
+    """List of one element while a multi-level model's level queues may hold entries:
+    its workers block on it (``BLMOVE`` bell to itself, never consumed); every
+    multi-level enqueue rings it, a claim that empties every level silences it."""
+    return f"{PREFIX}:{{{model}}}:bell"
 
 
 def inflight_key(model: str, worker_id: str) -> str:
@@ -202,6 +223,7 @@ class Request:
     trace_id: str = ""
     rows: int = 0  # 0: one input; n >= 1: the payload's first dimension, n items
     suspect: bool = False  # in a batch that crashed a worker: run alone
+    priority: int = 0  # its priority level (1: most urgent); 0: none given (one level)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -220,6 +242,8 @@ class Request:
             wire[F_ROWS] = self.rows
         if self.suspect:
             wire[F_SUSPECT] = True
+        if self.priority:
+            wire[F_PRIORITY] = self.priority
         return wire
 
 
@@ -306,7 +330,16 @@ def request_from_wire(wire: Any) -> Request:
         trace_id=_trace_id(wire.get(F_TRACE_ID)),
         rows=_rows(wire.get(F_ROWS)),
         suspect=wire.get(F_SUSPECT) is True,
+        priority=_priority(wire.get(F_PRIORITY)),
     )
+
+
+def _priority(value: Any) -> int:
+    """The envelope's priority level; informational (the queue an entry sits in is what
+    orders it), so a bad one is dropped rather than failing the request."""
+    if type(value) is int and 1 <= value <= MAX_PRIORITY_LEVELS:
+        return value
+    return 0
 
 
 def _rows(value: Any) -> int:

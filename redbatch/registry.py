@@ -17,6 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from redbatch import defaults, lua, protocol
+from redbatch.levels import ONE, Levels, from_summary
 from redbatch.redis_conn import idempotent
 
 
@@ -48,6 +49,7 @@ class LiveSummary:
     items_per_s: float  # their summed measured capacity
     rows: bool  # every live worker takes multi-row requests (and one is live)
     known: bool  # a worker is live or the model is registered
+    levels: Levels = ONE  # its priority levels, as its workers publish them
 
     def fresh(self, refresh_s: float) -> bool:
         """Whether to trust it still: for ``refresh_s``, or for ``MISS_REFRESH_S`` at
@@ -100,6 +102,6 @@ class LiveCache:
                 protocol.meta_key(model)]
         reply: Any = await idempotent(self._redis, lambda: self._script(
             keys=keys, args=[protocol.now_ms()]))
-        live, items_per_s, rows, known = reply
+        live, items_per_s, rows, known, levels = reply
         return LiveSummary(time.monotonic(), int(live), float(items_per_s), bool(int(rows)),
-                           bool(int(known)))
+                           bool(int(known)), from_summary(levels))

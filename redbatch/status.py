@@ -19,6 +19,7 @@ import orjson
 import redis
 
 from redbatch import knobs, metrics, protocol
+from redbatch.levels import by_level, of_meta
 from redbatch.registry import live_workers_sync
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
@@ -51,6 +52,7 @@ class ModelStatus:
     knobs: dict[str, Any] = field(default_factory=dict)  # in effect (workers' meta)
     overrides: dict[str, Any] = field(default_factory=dict)  # stored live changes
     auto_sizes: dict[str, str] = field(default_factory=dict)  # bucket -> size ("4-8")
+    queue_depths: dict[str, int] = field(default_factory=dict)  # per priority level
 
 
 def quantile(q: float, bounds: tuple[float, ...], counts: list[int], *,
@@ -85,8 +87,12 @@ def _merged(workers: list[dict[str, Any]], name: str) -> list[int]:
 def read_model(client: redis.Redis, model: str) -> ModelStatus:
     """One model's status now (no rates: see ``sample``)."""
     workers = live_workers_sync(client, model)
-    status = ModelStatus(model, int(client.llen(protocol.queue_key(model))),
-                         int(client.llen(protocol.dead_letter_key(model))), workers)
+    meta: Any = client.get(protocol.meta_key(model))
+    depths = [int(client.llen(key)) for key in of_meta(meta).queues(model)]
+    status = ModelStatus(model, sum(depths), int(client.llen(protocol.dead_letter_key(model))),
+                         workers)
+    if len(depths) > 1:
+        status.queue_depths = by_level(depths)
     status.batches = sum(int(w.get("batches", 0)) for w in workers)
     status.items = sum(int(w.get("items", 0)) for w in workers)
     status.passes = sum(int(w.get("passes", 0)) for w in workers)
@@ -95,7 +101,7 @@ def read_model(client: redis.Redis, model: str) -> ModelStatus:
     entries = sum(int(w.get("entries", 0)) for w in workers)
     status.mean_entries = entries / status.batches if status.batches else 0.0
     _fill_quantiles(status, workers)
-    _fill_knobs(status, client)
+    _fill_knobs(status, client, meta)
     status.auto_sizes = auto_sizes(workers)
     return status
 
@@ -111,9 +117,8 @@ def auto_sizes(workers: list[dict[str, Any]]) -> dict[str, str]:
             for bucket, s in seen.items()}
 
 
-def _fill_knobs(status: ModelStatus, client: redis.Redis) -> None:
+def _fill_knobs(status: ModelStatus, client: redis.Redis, meta: Any) -> None:
     """The knobs the workers publish in effect, and the stored overrides."""
-    meta: Any = client.get(protocol.meta_key(status.model))
     status.knobs = knobs.published(orjson.loads(meta)) if meta else {}
     raw: Any = client.hgetall(protocol.config_key(status.model))
     status.overrides = knobs.decode_stored(raw)[0]

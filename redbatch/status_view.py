@@ -50,6 +50,17 @@ def _batching(s: status.ModelStatus) -> str:
             f"{_knob(s, 'batch_wait_timeout_s', _ms(wait_s * 1000))}")
 
 
+def _queue(s: status.ModelStatus) -> str:
+    """The queue depth; per priority level too, ``12 (p1:2 p2:10)``, with the level
+    caps changed live marked."""
+    if not s.queue_depths:
+        return str(s.queue_depth)
+    levels = " ".join(f"p{level}:{n}" for level, n in s.queue_depths.items())
+    caps = s.knobs.get("priority_caps")
+    capped = f" caps {_knob(s, 'priority_caps', '/'.join(map(str, caps)))}" if caps else ""
+    return f"{s.queue_depth} ({levels}){capped}"
+
+
 def _auto(s: status.ModelStatus) -> str:
     """``bucket:size`` per length bucket under ``auto_batch``, else ``-``."""
     return " ".join(f"{b}:{n}" for b, n in s.auto_sizes.items()) or "-"
@@ -62,7 +73,7 @@ def table(statuses: dict[str, status.ModelStatus]) -> Table:
     for column in COLUMNS[:5] + auto + COLUMNS[5:]:
         out.add_column(column, justify="left" if column == "model" else "right")
     for s in statuses.values():
-        out.add_row(s.model, str(s.queue_depth), _devices(s), _num(s.items_per_s),
+        out.add_row(s.model, _queue(s), _devices(s), _num(s.items_per_s),
                     _batching(s), *(_auto(s) for _ in auto),
                     f"{s.mean_batch:.1f} / {_num(s.batch_size_p50)} / {_num(s.batch_size_p99)}",
                     f"{s.mean_entries:.1f} / {_num(s.entries_p50)} / {_num(s.entries_p99)}",

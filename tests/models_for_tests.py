@@ -13,3 +13,11 @@ def slow(xs: list[int]) -> list[int]:
     """Sleeps ``SLOW_FORWARD_S`` (default 2 s) per batch, then echoes."""
     time.sleep(float(os.environ.get("SLOW_FORWARD_S", "2")))
     return xs
+
+
+@batch(name="slow_levels", max_batch_size=8, batch_wait_timeout_s=0.0, priority_levels=3,
+       default_priority=2)
+def slow_levels(xs: list[int]) -> list[int]:
+    """``slow`` with three priority levels."""
+    time.sleep(float(os.environ.get("SLOW_FORWARD_S", "2")))
+    return xs

@@ -74,6 +74,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     ("[[models]]\ntarget='a:b'\nmax_queue_len=0", r"models\[0\]\.max_queue_len: must"),
     ("[[models]]\ntarget='a:b'\ndefault_timeout_s='5'", r"models\[0\]\.default_timeout_s"),
     ("[gateway\n", r"redbatch\.toml: "),
+    ("[[models]]\ntarget='a:b'\npriority_caps=[5, 0]", r"models\[0\]\.priority_caps must"),
+    ("[[models]]\ntarget='a:b'\npriority_caps=5", r"models\[0\]\.priority_caps must"),
 ])
 def test_a_bad_file_names_the_field(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -124,3 +126,14 @@ def test_flags_and_environment_win_over_the_file(tmp_path: Path,
     both = cli.build_parser().parse_args(["up", "-c", str(path), "--models", "a:b"])
     with pytest.raises(ConfigError, match="do not mix"):
         cli._up_plan(both)
+
+
+def test_priority_caps_reach_only_the_models_of_several_levels() -> None:
+    from redbatch import Model
+
+    one = Model("one", fn=lambda xs: xs)
+    two = Model("two", fn=lambda xs: xs, priority_levels=2)
+    got = configfile.with_overrides([one, two], {"priority_caps": [100, 5]})
+    assert (got[0].priority_caps, got[1].priority_caps) == (None, [100, 5])
+    with pytest.raises(ConfigError, match="2 integers"):
+        configfile.with_overrides([two], {"priority_caps": [100]})

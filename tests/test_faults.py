@@ -18,6 +18,8 @@ import redis.asyncio as aioredis
 from redbatch import Client, DeadlineExceeded, Model, RedisUnavailable, batch, protocol
 from redbatch.checks import check_eviction
 from redbatch.config import RedisSettings, WorkerConfig
+from redbatch.levels import ONE
+from redbatch.producer.enqueuer import _target
 from redbatch.worker.process import Worker
 from tests.conftest import RedisServer
 from tests.test_gateway import _wait_registered, gateway
@@ -99,9 +101,10 @@ async def test_a_retried_push_is_not_queued_twice(redis_url: str) -> None:
         entry = b"entry"
         for _ in range(3):  # e.g. the connection reset after the first push
             assert client._enqueuer is not None
-            accepted, depth = await client._enqueuer._run("m", [request], [entry], 100)
+            target = _target("m", 100, 0, ONE)
+            accepted, depths = await client._enqueuer._run("m", target, [request], [entry])
             assert accepted == 1
-        assert depth == 1
+        assert depths == [1]
         assert await client.redis.llen(protocol.queue_key("m")) == 1
 
 

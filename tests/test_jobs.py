@@ -33,6 +33,7 @@ from redbatch.jobs.errors import BadSource, ItemError
 from redbatch.jobs.sinks import write_output
 from redbatch.jobs.submit import TERMINAL
 from redbatch.jobs.tasks import url_of
+from redbatch.jobs.throttle import queue_of
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, Proc, free_port, test_env
 
@@ -105,6 +106,24 @@ async def test_inline_list_job_returns_outputs_and_progress(
     status = job_status(raw_redis, job.id)
     assert status["status"] == "finished" and status["done"] == 200
     assert status["queue"] == BULK_QUEUE and "inc" in status["description"]
+
+
+async def test_a_job_at_a_low_priority_paces_on_its_level(
+        start_worker: Callable[..., Worker], raw_redis: redis.Redis, redis_url: str,
+        rq_worker: Proc) -> None:
+    levels = batch(name="inc_levels", max_batch_size=16, batch_wait_timeout_s=0.002,
+                   priority_levels=3)(lambda xs: [x + 1 for x in xs])
+    start_worker([levels])
+    job = submit_bulk(raw_redis, "inc_levels", list(range(100)),
+                      options=BulkOptions(chunk_size=16, priority=3))
+    assert await wait_job(job, rq_worker) == "finished", rq_worker.log()
+    assert job.return_value(refresh=True)["outputs"] == list(range(1, 101))
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await queue_of(client, "inc_levels", 3) == protocol.queue_key("inc_levels", 3)
+        assert await queue_of(client, "inc_levels", None) == protocol.queue_key("inc_levels")
+    finally:
+        await client.aclose()
 
 
 async def test_npy_over_http_with_npy_output(start_worker: Callable[..., Worker],

@@ -55,6 +55,10 @@ def test_checks_name_the_knob_and_value() -> None:
                                ("adaptive", 1, "true or false"),
                                ("quiet_s", 0, "0..60 s"),
                                ("max_queue_len", 0, ">= 1"),
+                               ("priority_caps", [5, 0], ">= 1, got 0"),
+                               ("priority_caps", [5, 1.5], "a list of 1-16 integers"),
+                               ("priority_caps", [], "a list of 1-16 integers"),
+                               ("priority_caps", 5, "a list of 1-16 integers"),
                                ("max_bach_size", 8, "unknown knob")]:
         with pytest.raises(InvalidKnob, match=re.escape(words)):
             check(name, value)
@@ -75,6 +79,8 @@ def test_cli_values_are_json() -> None:
                                            "adaptive": False, "quiet_s": None}
     with pytest.raises(InvalidKnob, match="KNOB=VALUE"):
         parse_changes(["max_batch_size"])
+    assert parse_changes(["priority_caps=[100, 5]"]) == {"priority_caps": [100, 5]}
+    assert check("priority_caps", [100, 5]) == [100, 5]
 
 
 async def test_a_running_worker_applies_max_batch_size_within_2_s(

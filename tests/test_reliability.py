@@ -213,8 +213,9 @@ async def test_a_claim_that_fails_midway_is_returned_not_lost(
     top_up, block_one = Claimer._top_up, Claimer._block_one
     state = {"moved": False, "failed": 0}
 
-    async def blocking(self: Claimer, timeout_s: float) -> bytes | None:
-        item = await block_one(self, timeout_s)
+    async def blocking(self: Claimer, timeout_s: float, wake_at_ms: int | None = None
+                       ) -> bytes | None:
+        item = await block_one(self, timeout_s, wake_at_ms)
         state["moved"] = item is not None
         return item
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 from starlette.types import Receive
 
-from redbatch import protocol
+from redbatch import levels, protocol
 from redbatch.api.directory import ModelInfo
 from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload, UnsupportedMediaType
 
 TIMEOUT_HEADER = b"x-redbatch-timeout-ms"
+PRIORITY_HEADER = b"x-redbatch-priority"
+PRIORITY_RE = re.compile(r"-?[0-9]{1,4}")  # an integer; its range is the model's
 REQUEST_ID_HEADER = b"x-request-id"
 TIMEOUT_FIELD = "timeout_ms"
 JSON_MEDIA_TYPES = frozenset({b"application/json"})  # the predict body is JSON (parse_json)
@@ -128,3 +131,27 @@ def trace_id(headers: Headers) -> str:
     if not protocol.TRACE_ID_RE.fullmatch(value):
         raise BadRequest("X-Request-ID must be 1-128 characters of [A-Za-z0-9._:/-]")
     return value
+
+
+def priority_header(headers: Headers, info: ModelInfo) -> int | None:
+    """``X-Redbatch-Priority``: the request's priority level (1 most urgent; 0: the
+    model's default), None without the header; 400 naming it when it is not an integer
+    or out of the model's levels."""
+    raw = headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return None
+    text = raw.decode("latin-1").strip()
+    if not PRIORITY_RE.fullmatch(text):
+        raise BadRequest(f"X-Redbatch-Priority must be an integer level, got {text[:40]!r}")
+    return checked_priority(int(text), "X-Redbatch-Priority", info)
+
+
+def checked_priority(value: Any, where: str, info: ModelInfo) -> int | None:
+    """``value`` as a priority level of the model (None: none given); 400 naming
+    ``where`` when it is not an integer of the model's levels."""
+    if value is None:
+        return None
+    try:
+        return levels.from_section(info.meta.get("priority")).resolve(info.name, value)
+    except InvalidPayload as exc:
+        raise BadRequest(f"{where}: {exc}") from exc

@@ -115,14 +115,15 @@ class InferCore:
         return deadline_ms
 
     async def submit_tensor(self, info: ModelInfo, tensor: np.ndarray[Any, Any],
-                            deadline_ms: int) -> list[tuple[int, asyncio.Future[Reply]]]:
+                            deadline_ms: int, priority: int | None = None
+                            ) -> list[tuple[int, asyncio.Future[Reply]]]:
         """A batch tensor as multi-row requests (one enqueue), sliced into views of up
         to a pack's rows, never split into rows: each one's first row and the future
         of its ``Reply`` (whose ``row_errors`` name its failed rows)."""
         starts, parts = packing.slices(tensor, self.client.pack_rows)
         futures = await self.client.submit_many(
             info.name, parts, reply=True, batched=True, deadline_ms=deadline_ms,
-            max_queue_len=info.max_queue_len)
+            max_queue_len=info.max_queue_len, priority=priority)
         return list(zip(starts, futures, strict=True))
 
     # --- v1 predict -------------------------------------------------------------
@@ -167,7 +168,8 @@ class InferCore:
             headers, data, self.model_default_s(info), self.config.max_timeout_s))
         pending = await self.client.submit(model, value, reply=True, trace_id=trace_id,
                                            deadline_ms=deadline_ms,
-                                           max_queue_len=info.max_queue_len)
+                                           max_queue_len=info.max_queue_len,
+                                           priority=body.priority_header(headers, info))
         request_id = pending.request_id
         watch = asyncio.get_running_loop().call_later(  # most end first: no task, no Pending
             WATCH_AFTER_S, self._watch, model, request_id, deadline_ms, pending, receive)

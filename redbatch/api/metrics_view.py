@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from redbatch import metrics, protocol
 from redbatch.errors import RedbatchError
+from redbatch.levels import by_level, of_meta
 from redbatch.redis_conn import translated
 
 if TYPE_CHECKING:
@@ -22,9 +23,12 @@ async def refresh_gauges(gateway: Gateway) -> None:
     now = protocol.now_ms()
     for name in await gateway.directory.model_names():
         async with translated(gateway.redis_settings):
-            depth = await redis.llen(protocol.queue_key(name))
+            keys = of_meta(await redis.get(protocol.meta_key(name))).queues(name)
+            depths = [int(await redis.llen(key)) for key in keys]
             live = await redis.zcount(protocol.workers_key(name), now, "+inf")
-        metrics.QUEUE_DEPTH.labels(name).set(int(depth))
+        metrics.QUEUE_DEPTH.labels(name).set(sum(depths))  # every level
+        for level, depth in by_level(depths).items() if len(depths) > 1 else ():
+            metrics.QUEUE_DEPTH_LEVEL.labels(name, level).set(depth)
         metrics.LIVE_WORKERS.labels(name).set(int(live))
 
 

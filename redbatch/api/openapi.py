@@ -273,6 +273,9 @@ def _v2_schemas() -> dict[str, Schema]:
                 "parameters": {"type": "object", "properties": {
                     "timeout": {"type": "number", "exclusiveMinimum": 0,
                                 "description": "microseconds; shortens the deadline only"},
+                    "priority": {"type": "integer", "minimum": 0,
+                                 "description": "priority level, 1 most urgent; 0: the "
+                                                "model's default"},
                     "binary_data_output": {"type": "boolean"}}},
                 "inputs": {"type": "array", "minItems": 1, "maxItems": 1,
                            "items": _ref("InferInputTensor")},

@@ -137,6 +137,7 @@ class InferCall:
     tensor: np.ndarray[Any, Any]
     timeout_s: float
     binary_output: bool
+    priority: int | None = None  # parameters.priority (as Triton's; 0: the default)
 
 
 def split_body(raw: bytes, headers: body.Headers) -> tuple[bytes, bytes]:
@@ -311,7 +312,9 @@ def parse_infer(raw: bytes, headers: body.Headers, info: ModelInfo, default_s: f
     params = _mapping(data.get("parameters"), "'parameters'")
     return InferCall(request_id=_request_id(data), tensor=input_tensor(data, info, binary),
                      timeout_s=timeout_s(headers, params, default_s, max_s),
-                     binary_output=_binary_output(data, params, info))
+                     binary_output=_binary_output(data, params, info),
+                     priority=body.checked_priority(params.get("priority"),
+                                                    "parameters.priority", info))
 
 
 # --- answering ------------------------------------------------------------------
@@ -492,7 +495,7 @@ class V2Api:
         call = parse_infer(await core.read(headers, request.receive), headers, info,
                            core.model_default_s(info), core.config.max_timeout_s)
         deadline_ms = core.deadline_ms(info, arrived_ms, call.timeout_s)
-        sent = await core.submit_tensor(info, call.tensor, deadline_ms)
+        sent = await core.submit_tensor(info, call.tensor, deadline_ms, call.priority)
         results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
         return infer_response(info, call, parts_of(len(call.tensor), [s for s, _ in sent],
                                                    list(results)))

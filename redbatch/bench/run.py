@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from redbatch import defaults, protocol
-from redbatch.bench import producer, servers, w3
+from redbatch.bench import priority, producer, servers, w3
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds
 
@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only W3 (the text classifier; with Ray Serve under --ray)")
     parser.add_argument("--w3-replicas", type=int, default=2,
                         help="worker replicas for W3 (2, as the naive server's 2 processes)")
+    parser.add_argument("--priority", action="store_true",
+                        help="only the priority overload scenario (about a minute: "
+                             "bench/priority.py)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
@@ -357,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logdir = Path(tempfile.mkdtemp(prefix="redbatch-bench-"))
+    if args.priority:
+        return run_priority(out, logdir)
     res = run(args, logdir)
     report(res)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -365,6 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     plotted = "sweep_w2" in res and plot(res["sweep_w2"], png)
     print(f"\nresults: {out / f'bench-{stamp}.json'}"
           f"{'; plot: ' + str(png) if plotted else ''}; logs: {logdir}")
+    return 0
+
+
+def run_priority(out: Path, logdir: Path) -> int:
+    res = priority.run(logdir)
+    priority.report(res)
+    path = out / f"priority-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(res, indent=2))
+    print(f"\nresults: {path}; logs: {logdir}")
     return 0
 
 

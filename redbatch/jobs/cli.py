@@ -89,6 +89,8 @@ def _add_pacing(parser: argparse.ArgumentParser) -> None:
                         f"drain before one chunk ({defaults.JOB_MAX_WAIT_S:g})")
     parser.add_argument("--timeout-s", type=float,
                         help=f"deadline of each item ({defaults.JOB_ITEM_TIMEOUT_S:g})")
+    parser.add_argument("--priority", type=int, help="the items' priority level, for a model "
+                        "of several (1 most urgent; default: the model's default level)")
     parser.add_argument("--wait-workers-s", type=float, help="fail when the model has no "
                         f"live worker for this long ({defaults.JOB_WAIT_WORKERS_S:g})")
     parser.add_argument("--retries", type=int, default=defaults.JOB_RETRIES,
@@ -122,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> BulkOptions:
-    names = ("chunk_size", "low_water", "max_wait_s", "timeout_s", "wait_workers_s")
+    names = ("chunk_size", "low_water", "max_wait_s", "timeout_s", "wait_workers_s",
+             "priority")
     return BulkOptions(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
 
 

@@ -59,7 +59,7 @@ from redbatch.jobs.errors import BulkJobFailed, ItemError
 from redbatch.jobs.progress import Progress
 from redbatch.jobs.sinks import write_output
 from redbatch.jobs.sources import BadRow, check_output, open_source
-from redbatch.jobs.throttle import wait_for_room
+from redbatch.jobs.throttle import queue_of, wait_for_room
 from redbatch.producer.client import Client
 from redbatch.redis_conn import translated
 
@@ -79,6 +79,7 @@ class BulkOptions:
     max_inflight_chunks: int = defaults.JOB_MAX_INFLIGHT_CHUNKS  # awaiting replies at a time
     wait_workers_s: float = defaults.JOB_WAIT_WORKERS_S  # wait for a live worker this long
     max_errors: int = defaults.JOB_MAX_ERRORS  # item error messages kept in job.meta
+    priority: int | None = None  # the items' priority level; None: the model's default
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.max_inflight_chunks < 1:
@@ -166,9 +167,12 @@ class _Runner:
         self.outputs: list[Any] = []
         self.pending: deque[tuple[int, list[Any], list[Slot]]] = deque()
         self.sent = 0
+        self.queue = protocol.queue_key(model)  # the queue its items go to (paced on)
 
     async def run(self, items: Iterator[Any]) -> list[Any]:
         await self._live_worker()
+        async with translated(self.client.settings):
+            self.queue = await queue_of(self.client.redis, self.model, self.opts.priority)
         try:
             for chunk in _chunks(items, self.opts.chunk_size):
                 await self._admit()
@@ -196,7 +200,7 @@ class _Runner:
         await self._live_worker()
         async with translated(self.client.settings):
             self.progress.throttled_s += await wait_for_room(
-                self.client.redis, self.model, self.opts.low_water_mark, self.opts.max_wait_s)
+                self.client.redis, self.queue, self.opts.low_water_mark, self.opts.max_wait_s)
 
     async def _submit(self, chunk: list[Any]) -> list[Slot]:
         """Push a chunk's readable items; a slot per item (its future, or its error)."""
@@ -208,7 +212,8 @@ class _Runner:
 
     async def _push(self, items: list[Any]) -> list[Slot]:
         """A future per item (an item that cannot be encoded fails its own)."""
-        return list(await self.client.submit_many(self.model, items, self.opts.timeout_s))
+        return list(await self.client.submit_many(self.model, items, self.opts.timeout_s,
+                                                  priority=self.opts.priority))
 
     async def _settle_oldest(self) -> None:
         first, chunk, slots = self.pending.popleft()

@@ -19,16 +19,23 @@ import time
 import redis.asyncio as aioredis
 
 from redbatch import protocol
+from redbatch.levels import of_meta
 
 FIRST_DELAY_S = 0.005
 MAX_DELAY_S = 0.05
 
 
-async def wait_for_room(redis: aioredis.Redis, model: str, low_water: int,
+async def queue_of(redis: aioredis.Redis, model: str, priority: int | None) -> str:
+    """The queue that ``model``'s requests of ``priority`` go to (a model of several
+    priority levels has one per level; ``InvalidPayload`` for a level it lacks)."""
+    levels = of_meta(await redis.get(protocol.meta_key(model)))
+    return levels.queue(model, levels.resolve(model, priority))
+
+
+async def wait_for_room(redis: aioredis.Redis, key: str, low_water: int,
                         max_wait_s: float) -> float:
-    """Wait while ``model``'s queue is longer than ``low_water`` (at most ``max_wait_s``);
+    """Wait while the queue ``key`` is longer than ``low_water`` (at most ``max_wait_s``);
     return the seconds waited."""
-    key = protocol.queue_key(model)
     started = time.monotonic()
     delay = FIRST_DELAY_S
     while await redis.llen(key) > low_water:

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from redbatch import defaults, protocol
 from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
+from redbatch.levels import Levels
 from redbatch.registry import LiveCache
 
 REFRESH_S = defaults.LIVE_REFRESH_S
@@ -65,6 +66,10 @@ class Admission:
         if not summary.live:
             raise no_live_workers(model)
 
+    async def levels(self, model: str) -> Levels:
+        """The model's priority levels, as its workers publish them (cached)."""
+        return (await self._live.get(model)).levels
+
     async def takes_rows(self, model: str) -> bool:
         """Whether every live worker of ``model`` takes multi-row requests (cached)."""
         return (await self._live.get(model)).rows
@@ -96,3 +101,15 @@ class Admission:
         why = "is full" if cap >= self.limit(own) else "could not drain before the deadline"
         return QueueFull(f"queue of model {model!r} {why} ({depth} queued, cap {cap}, "
                          f"drain rate {rate:.0f}/s)", retry_s)
+
+    async def level_full(self, model: str, level: int, depths: tuple[int, int], cap: int,
+                         level_cap: int | None) -> QueueFull:
+        """The error for a request refused at priority ``level``: ``depths`` are the
+        entries queued at that level and above, and at that level alone; Retry-After
+        from the drain rate of the former (all that is served before it)."""
+        ahead, own = depths
+        full = await self.queue_full(model, ahead, cap)
+        if level_cap is not None and own >= level_cap:
+            return QueueFull(f"queue of model {model!r} at priority {level} is full ({own} "
+                             f"queued at that level, its cap {level_cap})", full.retry_after_s)
+        return QueueFull(f"{full} at priority {level}", full.retry_after_s)

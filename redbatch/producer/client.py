@@ -199,10 +199,20 @@ class Client:
         return protocol.now_ms() + round(chosen * 1000)
 
     def _request(self, model: str, inputs: Any, deadline_ms: int, request_id: str | None,
-                 trace_id: str = "", rows: int = 0) -> Request:
+                 trace_id: str = "", rows: int = 0, priority: int = 0) -> Request:
         return Request(id=request_id or protocol.new_request_id(), model=model,
                        enqueue_ms=protocol.now_ms(), deadline_ms=deadline_ms,
-                       reply_to=self.reply_to, payload=inputs, trace_id=trace_id, rows=rows)
+                       reply_to=self.reply_to, payload=inputs, trace_id=trace_id, rows=rows,
+                       priority=priority)
+
+    async def _level(self, model: str, priority: int) -> int:
+        """The level of a request that asks for ``priority``, checked against the
+        model's levels as its workers publish them (a request that asks for none goes
+        to the model's default level, decided at the enqueue: nothing per request)."""
+        async with translated(self.settings):
+            levels = await self._admission.levels(model)
+        level = levels.resolve(model, priority)
+        return level if levels.many else 0  # one level: the plain path, no field
 
     async def _ready(self, model: str, count: int, deadline_ms: int) -> ReplyListener:
         """The listener (starting the client if needed), once ``model`` is a valid name
@@ -226,8 +236,8 @@ class Client:
 
     async def submit(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                      reply: bool = False, request_id: str | None = None, trace_id: str = "",
-                     deadline_ms: int | None = None, max_queue_len: int | None = None
-                     ) -> RequestFuture[Any]:
+                     deadline_ms: int | None = None, max_queue_len: int | None = None,
+                     priority: int | None = None) -> RequestFuture[Any]:
         """Enqueue one request; return its future at once (``.request_id`` names it).
 
         It resolves to the model's output (``reply=True``: the whole ``Reply``, with
@@ -235,22 +245,25 @@ class Client:
         ``request_id``: the caller's own (its marker dedupes the caller's retries);
         ``trace_id`` travels with the request for the logs (the gateway's
         ``X-Request-ID``); ``deadline_ms`` (absolute) takes the place of ``timeout_s``;
-        ``max_queue_len``: the model's own queue cap, below the client's."""
+        ``max_queue_len``: the model's own queue cap, below the client's; ``priority``:
+        the request's priority level, 1 the most urgent (None or 0: the model's default;
+        out of its range: ``InvalidPayload``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
         listener = await self._ready(model, 1, deadline)
-        request = self._request(model, inputs, deadline, request_id, trace_id)
+        level = 0 if priority is None else await self._level(model, priority)
+        request = self._request(model, inputs, deadline, request_id, trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
         future = listener.expect(request.id, deadline, reply)
-        self._push(model, [request], entries, max_queue_len)
+        self._push(model, [request], entries, max_queue_len, level)
         return future
 
     async def submit_many(self, model: str, inputs: Sequence[Any],
                           timeout_s: float | None = None, *, reply: bool = False,
                           request_ids: Sequence[str] | None = None, batched: bool = False,
-                          deadline_ms: int | None = None, max_queue_len: int | None = None
-                          ) -> list[RequestFuture[Any]]:
+                          deadline_ms: int | None = None, max_queue_len: int | None = None,
+                          priority: int | None = None) -> list[RequestFuture[Any]]:
         """Enqueue every input in one round trip; return one future per input, as
         ``submit`` does, once they are enqueued or refused (refusals and other errors
         are in the futures), so that a caller pacing itself on the queue's depth sees
@@ -258,30 +271,33 @@ class Client:
         requests of up to ``pack_rows`` rows.  ``batched``: each input is
         itself a batch of rows along its first dimension (1 to ``MAX_ROWS``), sent
         whole as one multi-row request; its future resolves to the rows' outputs (or
-        its ``Reply``, whose ``row_errors`` name the failed rows)."""
+        its ``Reply``, whose ``row_errors`` name the failed rows).  ``priority``: as
+        for ``submit``, for every input."""
         if not inputs:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
         listener = await self._ready(model, len(inputs), deadline)
+        level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
-        requests = [self._request(model, x, deadline, rid, rows=_rows(x) if batched else 0)
+        requests = [self._request(model, x, deadline, rid, rows=_rows(x) if batched else 0,
+                                  priority=level)
                     for x, rid in zip(inputs, ids, strict=True)]
         entries = None
         if request_ids:  # as in ``submit``: the caller's ids travel alone, encoded now
             entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
             listener.check_new([r.id for r in requests])
         futures = [listener.expect(r.id, deadline, reply) for r in requests]
-        await self._enqueued(self._push(model, requests, entries, max_queue_len), requests,
-                             deadline)
+        await self._enqueued(self._push(model, requests, entries, max_queue_len, level),
+                             requests, deadline)
         return futures
 
     def _push(self, model: str, requests: list[Request], entries: list[bytes] | None,
-              cap: int | None) -> asyncio.Future[Outcome]:
+              cap: int | None, level: int = 0) -> asyncio.Future[Outcome]:
         """The one push path: the enqueue goes out with this tick's flush, bounded by
         the waiters' own deadline timers; its outcome settles the refused or failed
         waiters through a callback (no task, no second timer)."""
         assert self._enqueuer is not None
-        pushed = self._enqueuer.push(model, requests, entries, cap)
+        pushed = self._enqueuer.push(model, requests, entries, cap, level)
         pushed.add_done_callback(functools.partial(self._pushed, requests))
         return pushed
 
@@ -313,19 +329,21 @@ class Client:
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                       reply: bool = False, request_id: str | None = None,
                       trace_id: str = "", deadline_ms: int | None = None,
-                      max_queue_len: int | None = None) -> Any:
+                      max_queue_len: int | None = None, priority: int | None = None) -> Any:
         """Run ``model`` on one input and return its output (``reply=True``: the
         whole ``Reply``) or raise a typed error; keywords as for ``submit``."""
         return await (await self.submit(
             model, inputs, timeout_s, reply=reply, request_id=request_id, trace_id=trace_id,
-            deadline_ms=deadline_ms, max_queue_len=max_queue_len))
+            deadline_ms=deadline_ms, max_queue_len=max_queue_len, priority=priority))
 
     async def predict_many(self, model: str, inputs: Sequence[Any],
                            timeout_s: float | None = None, *, reply: bool = False,
-                           return_exceptions: bool = False) -> list[Any]:
+                           return_exceptions: bool = False, priority: int | None = None
+                           ) -> list[Any]:
         """Send many requests in one pipelined round trip; outputs (``reply=True``:
         ``Reply``s) in input order."""
-        futures = await self.submit_many(model, inputs, timeout_s, reply=reply)
+        futures = await self.submit_many(model, inputs, timeout_s, reply=reply,
+                                         priority=priority)
         return list(await asyncio.gather(*futures, return_exceptions=return_exceptions))
 
 

@@ -18,6 +18,7 @@ from redbatch.codec import Format
 from redbatch.config import RedisSettings
 from redbatch.errors import QueueFull
 from redbatch.lean import LeanLink
+from redbatch.levels import Levels
 from redbatch.producer import packing
 from redbatch.producer.admission import Admission
 from redbatch.producer.packing import Failures, RoutePack, Unit
@@ -35,6 +36,17 @@ class Push:
     entries: list[bytes] | None  # None: encoded (or packed) at the flush
     cap: int | None  # the caller's own queue cap for the model, if any
     done: asyncio.Future[Outcome]
+    level: int = 0  # the priority level the caller asked for; 0: the model's default
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a flush's entries go: the enqueue script, its keys before the requests'
+    markers and its arguments before their TTLs."""
+
+    source: str
+    keys: tuple[str, ...]
+    args: tuple[Any, ...]
 
 
 def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
@@ -68,14 +80,15 @@ class Enqueuer:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
     def push(self, model: str, requests: list[Request], entries: list[bytes] | None,
-             cap: int | None = None) -> asyncio.Future[Outcome]:
+             cap: int | None = None, level: int = 0) -> asyncio.Future[Outcome]:
         """Queue a push for this tick's flush (``cap``: the caller's own queue cap for
-        ``model``); resolves to its refused or failed requests (``ALL_IN``: none)."""
+        ``model``; ``level``: a priority level, 0 for the model's default); resolves to
+        its refused or failed requests (``ALL_IN``: none)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Outcome] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush)
-        self._pending.setdefault(model, []).append(Push(requests, entries, cap, done))
+        self._pending.setdefault(model, []).append(Push(requests, entries, cap, done, level))
         return done
 
     def _flush(self) -> None:
@@ -89,17 +102,40 @@ class Enqueuer:
         """One flush of ``model``: each push learns its refused or failed requests."""
         try:
             async with translated(self._settings):
-                units, failed = await self._plan(model, pushes)
-                refused, full = await self._enqueue(model, pushes, units) if units \
-                    else ([], None)
+                levels = await self._admission.levels(model)  # cached, as the cap's rate
+                failed = await (self._send_levels(model, pushes, levels) if levels.many
+                                else self._send_level(model, pushes, 0, levels))
         except Exception as exc:
             for push in pushes:
                 _settle(push, [(r.id, exc) for r in push.requests])
             return
-        if full is not None:
-            _add_refused(failed, refused, full)
         for index, push in enumerate(pushes):
             _settle(push, failed.get(index, ALL_IN))
+
+    async def _send_level(self, model: str, pushes: list[Push], level: int, levels: Levels
+                          ) -> Failures:
+        """The pushes' entries into one queue (``level``: of a multi-level model)."""
+        units, failed = await self._plan(model, pushes)
+        if units:
+            refused, full = await self._enqueue(model, pushes, units, level, levels)
+            if full is not None:
+                _add_refused(failed, refused, full)
+        return failed
+
+    async def _send_levels(self, model: str, pushes: list[Push], levels: Levels
+                           ) -> Failures:
+        """A multi-level model's pushes, each level's into its queue (concurrently)."""
+        groups: dict[int, list[int]] = {}
+        for index, push in enumerate(pushes):
+            level = push.level if 0 < push.level <= levels.count else levels.default
+            groups.setdefault(level, []).append(index)  # (levels may change under a push)
+        results = await asyncio.gather(*(
+            self._send_level(model, [pushes[i] for i in indices], level, levels)
+            for level, indices in groups.items()))
+        failed: Failures = {}
+        for indices, part in zip(groups.values(), results, strict=True):
+            failed.update({indices[i]: errors for i, errors in part.items()})
+        return failed
 
     async def _plan(self, model: str, pushes: list[Push]) -> tuple[list[Unit], Failures]:
         """The flush's entries (same-shape requests packed, while the model's workers
@@ -110,56 +146,77 @@ class Enqueuer:
                             self._fmt, self._pack_rows,
                             self._route_pack if packing_on else None)
 
-    async def _enqueue(self, model: str, pushes: list[Push], units: list[Unit]
-                       ) -> tuple[list[Unit], QueueFull | None]:
-        """Push the units under the queue cap: the refused ones, and why."""
+    async def _enqueue(self, model: str, pushes: list[Push], units: list[Unit], level: int,
+                       levels: Levels) -> tuple[list[Unit], QueueFull | None]:
+        """Push the units under the queue cap (a multi-level model's: the entries at
+        ``level`` and above, and ``level``'s own cap): the refused ones, and why."""
         own = _own_cap(pushes)
         cap = await self._admission.cap(model, min(u.request.deadline_ms for u in units), own)
-        accepted, depth = await self._run(model, [u.request for u in units],
-                                          [u.entry for u in units], cap)
+        accepted, depths = await self._run(model, _target(model, cap, level, levels),
+                                           [u.request for u in units], [u.entry for u in units])
         if accepted == len(units):
             return [], None
-        return units[accepted:], await self._admission.queue_full(model, depth, cap, own)
+        if not levels.many:
+            return units[accepted:], await self._admission.queue_full(model, depths[0], cap,
+                                                                      own)
+        return units[accepted:], await self._admission.level_full(
+            model, level, (depths[0], depths[1]), cap, levels.cap(level))
 
-    async def _run(self, model: str, requests: list[Request], entries: list[bytes], cap: int
-                   ) -> tuple[int, int]:
-        """The ENQUEUE script, sent once more on a broken connection (Redis restarted):
+    async def _run(self, model: str, target: Target, requests: list[Request],
+                   entries: list[bytes]) -> tuple[int, list[int]]:
+        """The enqueue script, sent once more on a broken connection (Redis restarted):
         the requests' markers make a push that did land count once, not twice.  The
         pool's idle connections are dropped then, stale as well."""
-        calls = _calls(model, requests, entries, cap)
+        calls = _calls(model, target, requests, entries)
         try:
-            return await self._call(calls)
+            return await self._call(target, calls)
         except redis.ConnectionError as exc:
             if not is_stale(exc):
                 raise
             await drop_idle(self._redis)
-            return await self._call(calls)
+            return await self._call(target, calls)
 
-    async def _call(self, calls: list[tuple[list[str], list[Any]]]) -> tuple[int, int]:
+    async def _call(self, target: Target, calls: list[tuple[list[str], list[Any]]]
+                    ) -> tuple[int, list[int]]:
         """One call of the script; over ``ENQUEUE_CHUNK`` entries, chunks in one MULTI
-        (no worker drains the queue between them, so the cap holds for all)."""
+        (no worker drains the queue between them, so the cap holds for all).  Returns
+        the entries accepted and the script's depths after."""
         if len(calls) == 1:
-            accepted, depth = await self._link.script(lua.ENQUEUE, *calls[0])
-            return int(accepted), int(depth)
+            accepted, *depths = await self._link.script(target.source, *calls[0])
+            return int(accepted), [int(d) for d in depths]
+        script = self._script if target.source == lua.ENQUEUE else \
+            self._redis.register_script(target.source)
         async with self._redis.pipeline(transaction=True) as pipe:
             for keys, args in calls:
-                await self._script(keys=keys, args=args, client=pipe)
+                await script(keys=keys, args=args, client=pipe)
             results = await pipe.execute()
-        sizes = [len(keys) - 1 for keys, _args in calls]
-        return accepted_prefix([int(r[0]) for r in results], sizes), int(results[-1][1])
+        sizes = [len(keys) - len(target.keys) for keys, _args in calls]
+        return accepted_prefix([int(r[0]) for r in results], sizes), \
+            [int(d) for d in results[-1][1:]]
 
 
-def _calls(model: str, requests: list[Request], entries: list[bytes], cap: int
+def _target(model: str, cap: int, level: int, levels: Levels) -> Target:
+    """The plain queue (one level), or level ``level``'s queue, which the cap counts
+    with the more urgent ones, and the bell."""
+    ttl_ms = protocol.QUEUE_TTL_S * 1000
+    if not levels.many:
+        return Target(lua.ENQUEUE, (protocol.queue_key(model),), (cap, ttl_ms))
+    queues = levels.queues(model)
+    ahead = queues[:level - 1]
+    own_cap = levels.cap(level)
+    return Target(lua.ENQUEUE_LEVEL, (queues[level - 1], protocol.bell_key(model), *ahead),
+                  (cap, cap if own_cap is None else own_cap, ttl_ms, len(ahead)))
+
+
+def _calls(model: str, target: Target, requests: list[Request], entries: list[bytes]
            ) -> list[tuple[list[str], list[Any]]]:
     now = protocol.now_ms()
-    queue = protocol.queue_key(model)
     calls = []
     for start in range(0, len(requests), ENQUEUE_CHUNK):
         chunk = requests[start:start + ENQUEUE_CHUNK]
-        keys = [queue, *(protocol.request_key(model, r.id) for r in chunk)]
+        keys = [*target.keys, *(protocol.request_key(model, r.id) for r in chunk)]
         ttls = [protocol.marker_ttl_ms(r.deadline_ms, now) for r in chunk]
-        args: list[Any] = [cap, protocol.QUEUE_TTL_S * 1000, *ttls,
-                           *entries[start:start + ENQUEUE_CHUNK]]
+        args: list[Any] = [*target.args, *ttls, *entries[start:start + ENQUEUE_CHUNK]]
         calls.append((keys, args))
     return calls
 

@@ -73,9 +73,11 @@ class SyncClient:
         return [_chained(f, self._loop) for f in futures]
 
     def predict_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
-                     *, reply: bool = False, return_exceptions: bool = False) -> list[Any]:
+                     *, reply: bool = False, return_exceptions: bool = False,
+                     priority: int | None = None) -> list[Any]:
         coro = self._client.predict_many(model, inputs, timeout_s, reply=reply,
-                                         return_exceptions=return_exceptions)
+                                         return_exceptions=return_exceptions,
+                                         priority=priority)
         return self._call(coro, self._budget(timeout_s))
 
     def configure(self, model: str, *, reset: bool = False, **values: Any) -> dict[str, Any]:

@@ -126,6 +126,8 @@ class Claimer:
         """Form the next batches under ``policy`` (a live change, between batches)."""
         self._policy = policy
 
+    script = lua.CLAIM  # loaded once, before the first claim
+
     async def _take(self, count: int) -> list[bytes]:
         """CLAIM, with an EXISTS of the cancelled set riding in the same write."""
         claim = ("EVALSHA", _CLAIM_SHA, 2, self.queue, self.inflight, count,
@@ -158,25 +160,37 @@ class Claimer:
             log.info("model=%s skipped %d cancelled requests (their callers went away)",
                      self.model, len(gone))
 
-    async def _block_one(self, timeout_s: float, wake_at_ms: int | None = None) -> bytes | None:
-        """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment.
-        An LLEN rides in the same write (Redis runs it once the pop is served), so the
-        next step knows, without a round trip, whether the queue holds more."""
+    async def _block(self, timeout_s: float, count: int, wake_at_ms: int | None = None
+                     ) -> list[bytes]:
+        """Up to ``count`` entries once one comes (blocking), [] when none came."""
+        first = await self._block_one(timeout_s, wake_at_ms)
+        return [] if first is None else [first, *await self._top_up(count - 1)]
+
+    async def _blocking(self, wake_at_ms: int | None, *commands: tuple[Any, ...]
+                        ) -> list[Any]:
+        """``commands`` in one write, the first a blocking pop; with ``wake_at_ms``
+        (precise mode) the pop gives up at that moment (``CLIENT UNBLOCK``)."""
         timer = None
         if wake_at_ms is not None and self._client_id is not None:
             delay_s = max(0.0, (wake_at_ms - protocol.now_ms()) / 1000)
             timer = asyncio.get_running_loop().call_later(delay_s, self._unblock,
                                                           self._client_id)
-        timeout: Any = max(timeout_s, MIN_BLOCK_S)  # redis takes fractional seconds
         try:
-            item, left, exists = await self._link.pipeline(
-                ("BLMOVE", self.queue, self.inflight, "LEFT", "RIGHT", timeout),
-                ("LLEN", self.queue), ("EXISTS", self.cancelled))
+            return await self._link.pipeline(*commands)
         finally:
             if timer is not None:
                 timer.cancel()
             if self._unblocks:  # a fired unblock must land before our next blocking pop
                 await asyncio.gather(*self._unblocks, return_exceptions=True)
+
+    async def _block_one(self, timeout_s: float, wake_at_ms: int | None = None) -> bytes | None:
+        """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment.
+        An LLEN rides in the same write (Redis runs it once the pop is served), so the
+        next step knows, without a round trip, whether the queue holds more."""
+        timeout: Any = max(timeout_s, MIN_BLOCK_S)  # redis takes fractional seconds
+        item, left, exists = await self._blocking(
+            wake_at_ms, ("BLMOVE", self.queue, self.inflight, "LEFT", "RIGHT", timeout),
+            ("LLEN", self.queue), ("EXISTS", self.cancelled))
         self._drained = left == 0
         self.cancels = self.cancels or exists == 1
         return item if isinstance(item, bytes) else None
@@ -202,7 +216,7 @@ class Claimer:
 
     async def _prepare(self) -> None:
         if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
-            await self._link.execute("SCRIPT", "LOAD", lua.CLAIM)
+            await self._link.execute("SCRIPT", "LOAD", self.script)
             self._loaded = True
         if self._precise and self._client_id is None:
             self._client_id = int(await self._link.execute("CLIENT", "ID"))
@@ -222,10 +236,9 @@ class Claimer:
     async def _claim_batch(self, size: int) -> list[bytes]:
         items = await self._top_up(size)
         if not items:
-            first = await self._block_one(self._block_timeout_s)
-            if first is None:
+            items = await self._block(self._block_timeout_s, size)  # and those behind it
+            if not items:
                 return []
-            items = [first, *await self._top_up(size - 1)]  # those queued behind it
         if len(items) >= size or not self._worth_waiting(len(items)):
             return items  # full, or a lone request in a quiet spell: not even a top-up
         if self._policy.batch_wait_timeout_s > 0 or not self._policy.allow_small_batch:
@@ -290,12 +303,11 @@ class Claimer:
                 return
             wake_at = min(window_end_ms, now + quiet_ms) if quiet_ms else window_end_ms
             remaining_s = min((window_end_ms - now) / 1000, self._block_timeout_s)
-            item = await self._block_one(remaining_s, wake_at)
-            if item is None:
+            new = await self._block(remaining_s, size - len(items), wake_at)
+            if not new:
                 if wake_at < window_end_ms:
                     return
                 continue
-            new = [item, *await self._top_up(size - len(items) - 1)]
             items.extend(new)
             window_end_ms = self._closer(window_end_ms, new, size)
 
@@ -312,9 +324,8 @@ class Claimer:
                 await asyncio.sleep(remaining_s)
                 items.extend(await self._take(size - len(items)))
                 return
-            item = await self._block_one(min(remaining_s - SERVER_TIMER_SLACK_S,
-                                             self._block_timeout_s))
-            if item is not None:
-                new = [item, *await self._top_up(size - len(items) - 1)]
+            new = await self._block(min(remaining_s - SERVER_TIMER_SLACK_S,
+                                        self._block_timeout_s), size - len(items))
+            if new:
                 items.extend(new)
                 window_end_ms = self._closer(window_end_ms, new, size)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redbatch import defaults, knobs, protocol
+from redbatch import defaults, knobs, levels, protocol
 from redbatch.errors import ConfigError
 from redbatch.spec import TensorSpec, model_meta
 from redbatch.worker.policy import BatchPolicy
@@ -25,6 +25,7 @@ BatchFn = Callable[[Any], Any]
 Loader = Callable[[str], BatchFn]
 CostFn = Callable[[Any], float]
 OVERSIZE = ("alone", "refuse")
+MAX_PRIORITY_SHARE = 0.5  # a worker keeps at most half its claims for the lower levels
 
 
 @dataclass
@@ -64,6 +65,14 @@ class Model:
     # budget, as Ray does.
     batch_size_fn: CostFn | None = None
     oversize: str = defaults.OVERSIZE
+    # Priority levels 1..priority_levels (1 most urgent; read at start): a request that
+    # gives none takes ``default_priority``; ``priority_caps`` (a live knob) caps each
+    # level's queue; a worker keeps ``priority_share`` of its claims for the levels
+    # below the most urgent one that waits (``docs/models.md``).
+    priority_levels: int = defaults.PRIORITY_LEVELS
+    default_priority: int = defaults.DEFAULT_PRIORITY
+    priority_caps: list[int] | None = None
+    priority_share: float = defaults.PRIORITY_SHARE
     # The model's own values of the live knobs (``redbatch.knobs``), before overrides.
     knob_defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
@@ -78,7 +87,18 @@ class Model:
         if self.oversize not in OVERSIZE:
             raise ConfigError(f"model {self.name!r}: oversize must be one of {OVERSIZE}, "
                               f"got {self.oversize!r}")
+        levels.check_levels(self.name, self.priority_levels, self.default_priority)
+        if not 0 <= self.priority_share <= MAX_PRIORITY_SHARE:
+            raise ConfigError(f"model {self.name!r}: priority_share must be "
+                              f"0..{MAX_PRIORITY_SHARE}, got {self.priority_share}")
+        knobs.check_caps(knobs.check("priority_caps", self.priority_caps), self.priority_levels)
         self.knob_defaults = self.knob_values()
+
+    @property
+    def priorities(self) -> levels.Levels:
+        """The model's priority levels, with the per-level caps in effect now."""
+        caps = None if self.priority_caps is None else tuple(self.priority_caps)
+        return levels.Levels(self.priority_levels, self.default_priority, caps)
 
     def knob_values(self) -> dict[str, Any]:
         """The live knobs' values now: the policy's fields and the model's own."""
@@ -90,6 +110,7 @@ class Model:
         """Put live knob values (checked: ``knobs.effective``) into effect; a policy
         that does not hold together raises ``ConfigError`` and changes nothing."""
         split = knobs.parts(values)
+        knobs.check_caps(split["model"].get("priority_caps"), self.priority_levels)
         policy = dataclasses.replace(self.policy, **split["policy"])
         self.policy = policy
         for name, value in split["model"].items():
@@ -112,12 +133,16 @@ class Model:
 
     def meta(self) -> dict[str, Any]:
         """What gateways need to know: published to ``meta_key(name)`` by workers."""
-        return model_meta(self.name, input_name=self.input_name,
+        meta = model_meta(self.name, input_name=self.input_name,
                           output_name=self.output_name, spec=self.spec,
                           policy=self.policy.to_json(),
                           limits={"max_queue_len": self.max_queue_len,
                                   "default_timeout_s": self.default_timeout_s},
                           defaults=self.knob_defaults)
+        if self.priority_levels > 1:  # read by producers (LIVE_SUMMARY): levels, caps
+            meta["priority"] = self.priorities.to_json()
+            meta["limits"]["priority_caps"] = self.priority_caps
+        return meta
 
 
 def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_SIZE,
@@ -131,7 +156,10 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           batch_size_fn: CostFn | None = None,
           oversize: str = defaults.OVERSIZE,
           max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES,
-          auto_batch: bool = defaults.AUTO_BATCH
+          auto_batch: bool = defaults.AUTO_BATCH,
+          priority_levels: int = defaults.PRIORITY_LEVELS,
+          default_priority: int = defaults.DEFAULT_PRIORITY,
+          priority_share: float = defaults.PRIORITY_SHARE
           ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
@@ -140,7 +168,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict).
     ``max_batch_cost``, ``batch_size_fn`` and ``oversize``: batches by cost (``Model``);
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
-    size per length bucket by measurement (both ``BatchPolicy``)."""
+    size per length bucket by measurement (both ``BatchPolicy``); ``priority_levels``,
+    ``default_priority``, ``priority_share``: priority levels (``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -150,6 +179,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,
                      spec=spec, input_name=input_name, output_name=output_name, stack=stack,
-                     output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize)
+                     output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize,
+                     priority_levels=priority_levels, default_priority=default_priority,
+                     priority_share=priority_share)
 
     return wrap

@@ -109,7 +109,7 @@ class Worker:
                 log.warning("%s", warning)
 
         async def first() -> None:
-            for script in (lua.CLAIM, lua.PUBLISH, lua.REAP):
+            for script in (lua.CLAIM, lua.CLAIM_LEVELS, lua.PUBLISH, lua.REAP):
                 await redis.script_load(script)
             await self._beat(redis)
 

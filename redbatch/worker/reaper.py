@@ -3,7 +3,8 @@
 It runs inside every worker, piggybacked on the heartbeat (one extra command per
 model per beat when nothing is dead).  For each worker whose lease expired it reads
 the in-flight list, bumps each request's ``attempt``, and in one atomic script
-pushes them back to the *front* of the queue (in order), dead-letters those that
+pushes them back to the *front* of the queue (in order; a model of several priority
+levels: of its most urgent level's queue, ringing its bell), dead-letters those that
 reached ``max_attempts`` (their callers get ``worker_crashed``) and forgets the worker.
 The script re-checks the lease and the list's digest, so a worker that woke up, or a
 second reaper, makes it a no-op.
@@ -27,6 +28,7 @@ import redis.asyncio as aioredis
 
 from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
+from redbatch.levels import ONE, Levels
 from redbatch.protocol import Request, Timings
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.replies import (
@@ -52,9 +54,14 @@ class Plan:
 class Reaper:
     def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int,
                  stats: WorkerStats | None = None,
-                 dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS) -> None:
+                 dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS,
+                 levels: Levels = ONE) -> None:
         self._redis = redis
         self.model = model
+        # where requeued entries go: the queue's front; with priority levels, the most
+        # urgent level's front, and the bell rings (one level: no bell, the queue again)
+        self.queue = levels.queues(model)[0]
+        self.bell = protocol.bell_key(model) if levels.many else self.queue
         self.max_attempts = max_attempts
         self.stats = stats
         self.dead_letters = dead_letters
@@ -117,10 +124,10 @@ class Reaper:
         raws, crashing = await self._read(worker_id, force)
         plan = self.plan(raws, bump=not force, crashing=crashing)
         pair_keys, tail = publish_args(plan.replies, plan.dead, self.dead_letters)
-        keys = [protocol.inflight_key(self.model, worker_id), protocol.queue_key(self.model),
+        keys = [protocol.inflight_key(self.model, worker_id), self.queue,
                 protocol.dead_letter_key(self.model), protocol.workers_key(self.model),
                 protocol.worker_info_key(self.model),
-                protocol.crashing_key(self.model, worker_id), *pair_keys]
+                protocol.crashing_key(self.model, worker_id), self.bell, *pair_keys]
         now = "force" if force else protocol.now_ms()
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),

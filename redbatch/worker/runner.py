@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
 from redbatch.worker.claim import Claimer
+from redbatch.worker.claim_levels import LevelClaimer
 from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
 from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder, run_into
@@ -138,10 +140,10 @@ class BatchRunner:
         self._computing: asyncio.Lock | contextlib.nullcontext[None] = (
             contextlib.nullcontext() if model.is_async else asyncio.Lock())
         self._link = LeanLink(redis)
-        self.claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
-                               blocking)
+        self.claimer = claimer_for(redis, model, worker_id, block_timeout_s, blocking)
         self.claimer.pass_ms = self.stats.pass_times.estimate_ms  # the window's slack
-        self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters)
+        self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters,
+                             model.priorities)
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
@@ -448,10 +450,28 @@ class BatchRunner:
                  len(decoded.early) + decoded.invalid_rows - batch.late, batch.late,
                  max(waits, default=0), fwd_ms,
                  reply_ms, (f" pad={padded / real:.2f}" if real else "")
-                 + (f" inflight={self._in_flight}" if self._limit > 1 else ""))
+                 + (f" inflight={self._in_flight}" if self._limit > 1 else "")
+                 + (_levels_text(decoded, self.model.default_priority)
+                    if self.model.priority_levels > 1 else ""))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(
                 r.trace_id or r.id for r in _requests(decoded)))
+
+
+def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeout_s: float,
+                blocking: aioredis.Redis | None) -> Claimer:
+    """The claimer of ``model``: over its one queue, or over its priority levels."""
+    if model.priority_levels > 1:
+        return LevelClaimer(redis, model.name, worker_id, model.policy, block_timeout_s,
+                            blocking, levels=model.priorities, share=model.priority_share)
+    return Claimer(redis, model.name, worker_id, model.policy, block_timeout_s, blocking)
+
+
+def _levels_text(decoded: Decoded, default: int) -> str:
+    """`` levels=1:3,2:1``: the batch's requests per priority level (a multi-level
+    model's batch log line)."""
+    counts = Counter(r.priority or default for r in _requests(decoded))
+    return " levels=" + ",".join(f"{level}:{n}" for level, n in sorted(counts.items()))
 
 
 def _check_done(tasks: list[asyncio.Task[None]]) -> list[asyncio.Task[None]]:

@@ -1,0 +1,108 @@
+"""Priority levels of a model: its count, its default level and the per-level queue
+caps, as workers publish them (the meta's ``priority`` section) and producers read
+them (``LIVE_SUMMARY``).  Level 1 is the most urgent; a request that gives no level
+(or 0) takes the model's default.  A model of one level has none of this on the wire:
+its single queue is ``protocol.queue_key(model)`` and nothing else changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from redbatch import defaults, protocol
+from redbatch.errors import ConfigError, InvalidPayload
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """A model's priority levels ``1..count``."""
+
+    count: int = defaults.PRIORITY_LEVELS
+    default: int = defaults.DEFAULT_PRIORITY
+    caps: tuple[int, ...] | None = None  # each level's own queue cap; None: none
+
+    @property
+    def many(self) -> bool:
+        return self.count > 1
+
+    def resolve(self, model: str, priority: int | None) -> int:
+        """The level of a request that asks for ``priority`` (None or 0: the default);
+        ``InvalidPayload`` naming it when it is not an integer in range."""
+        if priority is None or (type(priority) is int and priority == 0):
+            return self.default
+        if type(priority) is not int or not 1 <= priority <= self.count:
+            raise InvalidPayload(
+                f"priority {priority!r} is out of range for model {model!r}: its levels "
+                f"are 1..{self.count} (1 most urgent; 0 or none: its default, "
+                f"{self.default})")
+        return priority
+
+    def cap(self, level: int) -> int | None:
+        """Level ``level``'s own queue cap, if it has one."""
+        return None if self.caps is None else self.caps[level - 1]
+
+    def queue(self, model: str, level: int) -> str:
+        """Level ``level``'s queue: the default level keeps the plain queue."""
+        return protocol.queue_key(model, 0 if level == self.default else level)
+
+    def queues(self, model: str) -> list[str]:
+        """Every level's queue, most urgent first."""
+        return protocol.level_queues(model, self.count, self.default)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"levels": self.count, "default": self.default,
+                "caps": None if self.caps is None else list(self.caps)}
+
+
+ONE = Levels()
+
+
+def check_levels(model: str, count: Any, default: Any) -> None:
+    """``ConfigError`` unless ``count`` is 1..MAX_PRIORITY_LEVELS and ``default`` 1..count."""
+    top = protocol.MAX_PRIORITY_LEVELS
+    if type(count) is not int or not 1 <= count <= top:
+        raise ConfigError(f"model {model!r}: priority_levels must be 1..{top}, got {count!r}")
+    if type(default) is not int or not 1 <= default <= count:
+        raise ConfigError(f"model {model!r}: default_priority must be 1..{count} "
+                          f"(its priority_levels), got {default!r}")
+
+
+def from_summary(text: Any) -> Levels:
+    """The levels of the meta's ``priority`` section as ``LIVE_SUMMARY`` returns it
+    (JSON, "" for a model of one level); one level when it cannot be read."""
+    if not text:
+        return ONE
+    try:
+        return from_section(orjson.loads(text))
+    except orjson.JSONDecodeError:
+        return ONE
+
+
+def from_section(data: Any) -> Levels:
+    """The levels of a meta's ``priority`` section (``{"levels", "default", "caps"}``);
+    one level when there is none or it cannot be read."""
+    try:
+        count, default = int(data["levels"]), int(data["default"])
+        caps = data.get("caps")
+        return Levels(count, default, tuple(int(c) for c in caps)
+                      if isinstance(caps, list) and len(caps) == count else None)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ONE
+
+
+def of_meta(raw: bytes | str | None) -> Levels:
+    """The levels of a model's raw meta (one level when it has no ``priority``)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    if not text or '"priority"' not in text:
+        return ONE
+    try:
+        return from_section(orjson.loads(text).get("priority"))
+    except (orjson.JSONDecodeError, AttributeError):
+        return ONE
+
+
+def by_level(depths: list[int]) -> dict[str, int]:
+    """Queue depths per level (``{"1": n, ...}``), for listings."""
+    return {str(level): depth for level, depth in enumerate(depths, 1)}
