@@ -6,7 +6,9 @@ and reply_to can still be read); an expired request is answered with
 with ``invalid_payload``.  None of them reaches the model.
 
 A multi-row request (``rows``) becomes one item per row, gathered back into one
-reply by its ``Pack``; a row that does not match the spec fails alone.
+reply by its ``Pack``; a row that does not match the spec fails alone.  A model
+with named inputs (``Signature``) takes a map input name -> value per request,
+every field checked (multi-row requests are refused: they carry one tensor).
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
         return
     try:
         value = model.spec.check(request.payload, model.input_name) if model.spec \
+            else model.signature.check(request.payload) if model.signature \
             else request.payload
     except InvalidPayload as exc:
         out.early.append((request, fmt, exc))
@@ -141,6 +144,11 @@ def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
 def _decode_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> None:
     """One item per row of a multi-row request; rows that fail the spec fail alone."""
     rows = request.rows
+    if model.signature is not None:
+        out.early.append((request, fmt, InvalidPayload(
+            f"model {model.name!r} takes named inputs: send each row as a request of its "
+            "own (multi-row requests carry one tensor)")))
+        return
     payload = _rows_array(request.payload)
     if payload is None or payload.ndim == 0 or payload.shape[0] != rows:
         out.early.append((request, fmt, InvalidPayload(

@@ -16,7 +16,7 @@ from typing import Any
 
 from redbatch import defaults, knobs, protocol
 from redbatch.errors import ConfigError
-from redbatch.spec import TensorSpec, model_meta
+from redbatch.spec import Signature, TensorSpec, model_meta
 from redbatch.worker.policy import BatchPolicy
 
 __all__ = ["BatchFn", "CostFn", "Loader", "Model", "batch"]
@@ -35,6 +35,14 @@ class Model:
     fn: BatchFn | None = None
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     spec: TensorSpec | None = None
+    # Named inputs and outputs (``Signature``), instead of ``spec``: a request is a map
+    # input name -> value, a reply a map output name -> value; ``outputs`` as names,
+    # or names -> specs (``None`` first dimension: per-token, trimmed).  With
+    # ``stack=True`` the function gets a dict name -> stacked array (variable-length
+    # inputs: ``(dict, lengths)``) and returns a dict output name -> batched outputs;
+    # else a list of dicts, returning a list of dicts.
+    inputs: dict[str, TensorSpec] | None = None
+    outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None
     input_name: str = defaults.INPUT_NAME
     output_name: str = defaults.OUTPUT_NAME
     stack: bool = False
@@ -66,6 +74,7 @@ class Model:
     oversize: str = defaults.OVERSIZE
     # The model's own values of the live knobs (``redbatch.knobs``), before overrides.
     knob_defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
+    signature: Signature | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         protocol.check_model_name(self.name)
@@ -78,7 +87,21 @@ class Model:
         if self.oversize not in OVERSIZE:
             raise ConfigError(f"model {self.name!r}: oversize must be one of {OVERSIZE}, "
                               f"got {self.oversize!r}")
+        self.signature = self._signature()
         self.knob_defaults = self.knob_values()
+
+    def _signature(self) -> Signature | None:
+        """The named inputs and outputs, checked against the other fields."""
+        if self.inputs is None and self.outputs is None:
+            return None
+        if self.inputs is None or self.outputs is None:
+            raise ConfigError(f"model {self.name!r}: inputs and outputs go together (a "
+                              "model with one input has spec, input_name and output_name)")
+        if self.spec is not None or self.output_spec is not None:
+            raise ConfigError(f"model {self.name!r}: inputs and spec (or output_spec) are "
+                              "mutually exclusive: give each input its spec in inputs, "
+                              "each output its spec in outputs")
+        return Signature.of(self.inputs, self.outputs)
 
     def knob_values(self) -> dict[str, Any]:
         """The live knobs' values now: the policy's fields and the model's own."""
@@ -117,13 +140,15 @@ class Model:
                           policy=self.policy.to_json(),
                           limits={"max_queue_len": self.max_queue_len,
                                   "default_timeout_s": self.default_timeout_s},
-                          defaults=self.knob_defaults)
+                          defaults=self.knob_defaults, signature=self.signature)
 
 
 def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_SIZE,
           batch_wait_timeout_s: float = defaults.BATCH_WAIT_TIMEOUT_S,
           stride_s: float = defaults.STRIDE_S,
           allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH, spec: TensorSpec | None = None,
+          inputs: dict[str, TensorSpec] | None = None,
+          outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None,
           input_name: str = defaults.INPUT_NAME, output_name: str = defaults.OUTPUT_NAME,
           stack: bool = False, timeout_s: float | None = None,
           output_spec: TensorSpec | None = None,
@@ -140,7 +165,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict).
     ``max_batch_cost``, ``batch_size_fn`` and ``oversize``: batches by cost (``Model``);
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
-    size per length bucket by measurement (both ``BatchPolicy``)."""
+    size per length bucket by measurement (both ``BatchPolicy``); ``inputs`` and
+    ``outputs``: named inputs and outputs instead of one ``spec`` (``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -149,7 +175,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,
-                     spec=spec, input_name=input_name, output_name=output_name, stack=stack,
+                     spec=spec, inputs=inputs, outputs=outputs, input_name=input_name,
+                     output_name=output_name, stack=stack,
                      output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize)
 
     return wrap
