@@ -169,16 +169,23 @@ def _field_names(names: Any, what: str) -> None:
         raise ConfigError(f"{what} name {bad[0]!r} must match {FIELD_NAME_RE.pattern}")
 
 
+def field_message(name: str, exc: Exception) -> str:
+    """``exc``'s message, naming input ``name`` ("input shape ..." -> "input 'x'
+    shape ...")."""
+    field, message = f"input {name!r}", str(exc)
+    if message.startswith(field):
+        return message
+    if message.startswith("input "):
+        return f"{field} {message.removeprefix('input ')}"
+    return f"{field}: {message}"
+
+
 def _checked_field(spec: TensorSpec, value: Any, name: str) -> np.ndarray[Any, Any]:
     """``spec.check`` of one named input, its error naming the input."""
-    field = f"input {name!r}"
     try:
-        return spec.check(value, field)
+        return spec.check(value, f"input {name!r}")
     except InvalidPayload as exc:
-        message = str(exc)
-        if not message.startswith(field):  # "input shape ..." -> "input 'x' shape ..."
-            message = f"{field} {message.removeprefix('input ')}"
-        raise InvalidPayload(message) from exc
+        raise InvalidPayload(field_message(name, exc)) from exc
 
 
 @dataclass(frozen=True, eq=False)

@@ -247,7 +247,8 @@ class PredictEndpoint:
 def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any]:
     """The fields of a GET's query string that a POST body would hold: the model's
     input (JSON numbers; a repeated key or a comma list makes a list), or each named
-    input under its own name, and ``timeout_ms``.  Other keys are ignored, as a body's other fields are."""
+    input under its own name, and ``timeout_ms``.  Other keys are ignored, as a
+    body's other fields are."""
     if raw_body:
         raise BadRequest("a GET predict takes its input from the query string, not a body")
     try:

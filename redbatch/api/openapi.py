@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from redbatch import __version__
-from redbatch.api.v2 import V2_DATATYPES
+from redbatch.api.v2_tensors import V2_DATATYPES
 
 Schema = dict[str, Any]
 
