@@ -74,7 +74,7 @@ def _read(tensor: dict[str, Any], signature: Signature, chunk: bytes) -> np.ndar
     try:
         dtype = dtype_of(tensor.get("datatype"))
         if dtype != spec.dtype:
-            raise BadRequest(f"has datatype {V2_DATATYPES[spec.dtype]}, got "
+            raise BadRequest(f"input has datatype {V2_DATATYPES[spec.dtype]}, got "
                              f"{tensor.get('datatype')}")
         arr = tensor_data(tensor, chunk, dtype, shape_of(tensor.get("shape")))
         return spec.check_rows(arr, f"input {name!r}")
