@@ -19,6 +19,7 @@ from redbatch.errors import ConfigError, InvalidPayload, ModelError
 from redbatch.producer import Client
 from redbatch.spec import ModelInfo, Signature
 from redbatch.worker.process import Worker
+from redbatch.worker.torch_helpers import torch_model
 from tests.conftest import wait_live
 from tests.test_gateway import error_code, gateway
 from tests.test_v2 import v2_error
@@ -67,7 +68,24 @@ def short(batch: dict[str, np.ndarray]) -> dict[str, Any]:
 
 PAIR = Model("pair", fn=pair.fn, policy=WINDOW, stack=True, inputs=pair.inputs,
              outputs=pair.outputs)
-MODELS = [PAIR, TOKENS, rows_model, forgetful, short]
+
+
+def build_masker() -> Any:
+    import torch
+
+    class Masker(torch.nn.Module):
+        """Keyword inputs (torch tensors) and lengths=; a tuple in outputs order."""
+
+        def forward(self, ids: Any, mask: Any, lengths: Any) -> tuple[Any, Any]:
+            assert isinstance(ids, torch.Tensor) and lengths.dtype == torch.int64
+            return ids * mask, lengths
+
+    return Masker()
+
+
+TORCH = torch_model("ttokens", build_masker, policy=WINDOW, inputs={"ids": IDS, "mask": MASK},
+                    outputs={"kept": TensorSpec("int64", (None,)), "length": None})
+MODELS = [PAIR, TOKENS, rows_model, forgetful, short, TORCH]
 
 
 @pytest.fixture
@@ -195,6 +213,16 @@ async def test_variable_inputs_share_a_length_bucket_and_are_trimmed(served: str
     assert sorted(four["lengths"].tolist()) == [3, 4]
     short = int(np.argmin(four["lengths"]))
     assert four["ids"][short, 3] == -1 and four["mask"][short, 3] == 0  # own pad values
+
+
+async def test_a_torch_model_takes_keyword_tensors(served: str) -> None:
+    async with Client(served) as client:
+        got = await client.predict_many("ttokens", [
+            {"ids": [5, 6, 7], "mask": [1, 0, 1]}, {"ids": [9], "mask": [1]}])
+    assert got[0]["kept"].tolist() == [5, 0, 7] and got[0]["length"] == 3
+    assert got[1]["kept"].tolist() == [9] and got[1]["length"] == 1
+    with pytest.raises(ConfigError, match="'lengths'"):
+        torch_model("bad", build_masker, inputs={"lengths": IDS}, outputs=["y"])
 
 
 # --- v1 ----------------------------------------------------------------------------------------

@@ -15,15 +15,9 @@ import numpy as np
 import orjson
 from starlette.responses import Response
 
+from redbatch.api import v2_tensors
 from redbatch.api.directory import ModelInfo
-from redbatch.api.v2_tensors import (
-    MAX_DIMS,
-    V2_DATATYPES,
-    dtype_of,
-    mapping,
-    shape_of,
-    tensor_data,
-)
+from redbatch.api.v2_tensors import V2_DATATYPES, mapping
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import BadRequest, InvalidPayload, ModelError
 from redbatch.protocol import Reply
@@ -72,11 +66,12 @@ def _read(tensor: dict[str, Any], signature: Signature, chunk: bytes) -> np.ndar
     name = tensor["name"]
     spec = signature.inputs[name]
     try:
-        dtype = dtype_of(tensor.get("datatype"))
+        dtype = v2_tensors.dtype_of(tensor.get("datatype"))
         if dtype != spec.dtype:
             raise BadRequest(f"input has datatype {V2_DATATYPES[spec.dtype]}, got "
                              f"{tensor.get('datatype')}")
-        arr = tensor_data(tensor, chunk, dtype, shape_of(tensor.get("shape")))
+        shape = v2_tensors.shape_of(tensor.get("shape"))
+        arr = v2_tensors.tensor_data(tensor, chunk, dtype, shape)
         return spec.check_rows(arr, f"input {name!r}")
     except (BadRequest, InvalidPayload) as exc:
         raise BadRequest(field_message(name, exc)) from exc
@@ -142,7 +137,7 @@ def _stacked(name: str, replies: list[Reply], signature: Signature) -> np.ndarra
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise ModelError(f"the rows' outputs {name!r} do not stack into one tensor: "
                          f"{exc!r}") from exc
-    if arr.dtype.name not in V2_DATATYPES or arr.ndim > MAX_DIMS:
+    if arr.dtype.name not in V2_DATATYPES or arr.ndim > v2_tensors.MAX_DIMS:
         raise ModelError(f"output {name!r} ({arr.dtype.name}, {arr.ndim} dims) cannot be a "
                          "v2 tensor")
     return np.ascontiguousarray(arr, dtype=WIRE_DTYPES[arr.dtype.name])
