@@ -30,7 +30,10 @@ log = logging.getLogger("redbatch.producer")
 class Client:
     """Async client: ``predict``, ``submit`` (a future, like Ray's ``.remote()``),
     ``predict_many`` and ``submit_many`` (one pipelined round trip for many requests);
-    ``reply=True`` gives the whole ``Reply`` (timings, error code) for the output.
+    ``reply=True`` gives the whole ``Reply`` (timings, error code) for the output.  A
+    model with named inputs and outputs takes a dict input name -> value per request
+    (``predict("pair", {"x": x, "scale": 2.0})``; lists of dicts for the ``_many``
+    calls) and answers a dict output name -> value.
 
     Use ``async with Client(url) as client`` or call ``start``/``close``; the first
     request starts a client that was not started.  Numpy inputs of one shape and dtype
