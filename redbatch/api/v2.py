@@ -15,7 +15,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,15 +95,20 @@ def _row_dims(info: ModelInfo) -> list[int]:
     return [-1 if d is None else d for d in info.spec.shape] if info.spec else []
 
 
-def _named(info: ModelInfo) -> list[tuple[str, str, str, list[int]]]:
-    """A model with named inputs and outputs: ``(kind, name, datatype, row dims)`` of
-    each; an output without a spec is ``ANY`` with unknown dims."""
+Described = list[tuple[str, str, list[int]]]  # (name, datatype, row dims) of tensors
+
+
+def _described(specs: Mapping[str, TensorSpec | None]) -> Described:
+    """Named tensors as v2 lists them; one without a spec is ``ANY`` of unknown dims."""
+    return [(name, V2_DATATYPES[spec.dtype], [-1 if d is None else d for d in spec.shape])
+            if spec else (name, ANY_DATATYPE, [-1]) for name, spec in specs.items()]
+
+
+def _named(info: ModelInfo) -> dict[str, Described]:
+    """The ``inputs`` and ``outputs`` of a model with named ones."""
     assert info.signature is not None
-    inputs: dict[str, TensorSpec | None] = dict(info.signature.inputs)
-    return [(kind, name, V2_DATATYPES[spec.dtype] if spec else ANY_DATATYPE,
-             [-1 if d is None else d for d in spec.shape] if spec else [-1])
-            for kind, specs in (("inputs", inputs), ("outputs", info.signature.outputs))
-            for name, spec in specs.items()]
+    return {"inputs": _described(info.signature.inputs),
+            "outputs": _described(info.signature.outputs)}
 
 
 def model_metadata(info: ModelInfo) -> dict[str, Any]:
@@ -111,11 +116,10 @@ def model_metadata(info: ModelInfo) -> dict[str, Any]:
     the output is listed with the input's datatype and only its batch dimension (a
     response's ``datatype`` and ``shape`` are the real ones)."""
     if info.signature is not None:
-        named = _named(info)
         return {"name": info.name, "versions": [VERSION], "platform": "redbatch",
                 **{kind: [{"name": name, "datatype": datatype, "shape": [-1, *dims]}
-                          for k, name, datatype, dims in named if k == kind]
-                   for kind in ("inputs", "outputs")}}
+                          for name, datatype, dims in tensors]
+                   for kind, tensors in _named(info).items()}}
     datatype = _datatype(info)
     return {
         "name": info.name, "versions": [VERSION], "platform": "redbatch",
@@ -132,10 +136,10 @@ def _config_tensors(info: ModelInfo) -> dict[str, list[dict[str, Any]]]:
         return {"input": [{"name": info.input_name, "data_type": data_type,
                            "dims": _row_dims(info)}],
                 "output": [{"name": info.output_name, "data_type": data_type, "dims": [-1]}]}
-    named = _named(info)
-    return {kind[:-1]: [{"name": name, "data_type": f"TYPE_{datatype}", "dims": dims}
-                        for k, name, datatype, dims in named if k == kind]
-            for kind in ("inputs", "outputs")}
+    return {kind[:-1]: [{"name": name, "dims": dims, "data_type": "TYPE_INVALID"
+                         if datatype == ANY_DATATYPE else f"TYPE_{datatype}"}
+                        for name, datatype, dims in tensors]  # "inputs" -> "input"
+            for kind, tensors in _named(info).items()}
 
 
 def model_config(info: ModelInfo) -> dict[str, Any]:
