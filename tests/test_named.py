@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from redbatch.demo import pair
 from redbatch.errors import ConfigError, InvalidPayload, ModelError
 from redbatch.producer import Client
 from redbatch.spec import ModelInfo, Signature
+from redbatch.worker.forward import Forwarder
 from redbatch.worker.process import Worker
 from redbatch.worker.torch_helpers import torch_model
 from tests.conftest import wait_live
@@ -60,12 +62,6 @@ def forgetful(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     return {"x": batch["a"]}  # no "y"
 
 
-@batch(name="short", max_batch_size=8, batch_wait_timeout_s=0.01, stack=True,
-       inputs={"a": TensorSpec("float32", ())}, outputs=("x",))
-def short(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {"x": batch["a"][:1]}  # one value, whatever the batch
-
-
 PAIR = Model("pair", fn=pair.fn, policy=WINDOW, stack=True, inputs=pair.inputs,
              outputs=pair.outputs)
 
@@ -85,7 +81,7 @@ def build_masker() -> Any:
 
 TORCH = torch_model("ttokens", build_masker, policy=WINDOW, inputs={"ids": IDS, "mask": MASK},
                     outputs={"kept": TensorSpec("int64", (None,)), "length": None})
-MODELS = [PAIR, TOKENS, rows_model, forgetful, short, TORCH]
+MODELS = [PAIR, TOKENS, rows_model, forgetful, TORCH]
 
 
 @pytest.fixture
@@ -188,10 +184,40 @@ async def test_a_broken_return_fails_the_batch_with_a_clear_error(served: str) -
     async with Client(served) as client:
         with pytest.raises(ModelError, match="no output 'y'"):
             await client.predict("forgetful", {"a": 1.0})
-        got = await client.predict_many("short", [{"a": 1.0}] * 3, return_exceptions=True)
-    if all(isinstance(g, ModelError) for g in got):  # one batch of 3
-        assert "1 values of output 'x' for a batch of 3" in str(got[0])
-    assert all(isinstance(g, ModelError) or g["x"] == 1.0 for g in got)
+
+
+def forward(model: Model, items: list[dict[str, Any]]) -> list[Any]:
+    """The worker's forward step on checked items, without Redis."""
+    assert model.signature is not None and model.fn is not None
+    forwarder = Forwarder(model, model.fn, ThreadPoolExecutor(1))
+    return asyncio.run(forwarder.run_batches([model.signature.check(i) for i in items]))
+
+
+@pytest.mark.parametrize(("returned", "says"), [
+    ({"x": [1.0]}, "returned 1 values of output 'x' for a batch of 3"),
+    ({"x": [1.0] * 3, "z": [0] * 3}, "unknown output 'z'"),
+    ({"x": 1.0}, "returned float for output 'x'"),
+    ([{"x": 1.0}] * 3, "must return a dict of its outputs"),
+])
+def test_every_request_of_a_broken_pass_fails_naming_the_output(returned: Any,
+                                                                says: str) -> None:
+    model = Model("broken", fn=lambda batch: returned, stack=True,
+                  inputs={"a": TensorSpec("float32", ())}, outputs=["x"])
+    results = forward(model, [{"a": 1.0}] * 3)
+    assert all(isinstance(r, ModelError) and says in str(r) for r in results), results
+
+
+def test_stack_false_gets_each_bucket_apart_unpadded() -> None:
+    calls: list[list[int]] = []
+
+    def lengths(items: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+        calls.append([len(item["ids"]) for item in items])
+        return [{"n": len(item["ids"])} for item in items]
+
+    model = Model("lens", fn=lengths, inputs={"ids": IDS, "mask": MASK}, outputs=["n"])
+    got = forward(model, [{"ids": [1] * n, "mask": [1] * n} for n in (5, 1, 7, 2)])
+    assert [g["n"] for g in got] == [5, 1, 7, 2]
+    assert sorted(calls) == [[1], [2], [5, 7]]  # buckets 1, 2 and 8
 
 
 # --- variable lengths ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ list of dicts and returns a list of dicts.  A broken return raises ``ValueError`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,18 +59,22 @@ def _columns(outputs: Any, signature: Signature, n: int) -> dict[str, list[Any]]
         raise ValueError(f"must return a dict of its outputs {list(signature.outputs)} "
                          f"(stack=True), got {type(outputs).__name__}")
     _check_names(outputs, signature, "a dict")
-    columns: dict[str, list[Any]] = {}
-    for name in signature.outputs:
-        value = outputs[name]
-        if isinstance(value, str | bytes | Mapping) or value is None or (
-                hasattr(value, "shape") and len(value.shape) == 0):
-            raise ValueError(f"returned {type(value).__name__} for output {name!r}; it "
-                             f"needs a list, array or tensor of {n}")
-        columns[name] = list(value)
-        if len(columns[name]) != n:
-            raise ValueError(f"returned {len(columns[name])} values of output {name!r} for "
-                             f"a batch of {n} inputs")
-    return columns
+    return {name: _column(name, outputs[name], n) for name in signature.outputs}
+
+
+def _column(name: str, value: Any, n: int) -> list[Any]:
+    """One output of a stacked pass as ``n`` values (one per input)."""
+    column = None
+    if not isinstance(value, str | bytes | Mapping) and getattr(value, "shape", None) != ():
+        with contextlib.suppress(TypeError):  # not iterable: None
+            column = list(value)
+    if column is None:
+        raise ValueError(f"returned {type(value).__name__} for output {name!r}; it needs "
+                         f"a list, array or tensor of {n}")
+    if len(column) != n:
+        raise ValueError(f"returned {len(column)} values of output {name!r} for a batch "
+                         f"of {n} inputs")
+    return column
 
 
 def _listed_rows(outputs: Any, signature: Signature, n: int) -> list[dict[str, Any]]:
