@@ -35,14 +35,6 @@ class Model:
     fn: BatchFn | None = None
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     spec: TensorSpec | None = None
-    # Named inputs and outputs (``Signature``), instead of ``spec``: a request is a map
-    # input name -> value, a reply a map output name -> value; ``outputs`` as names,
-    # or names -> specs (``None`` first dimension: per-token, trimmed).  With
-    # ``stack=True`` the function gets a dict name -> stacked array (variable-length
-    # inputs: ``(dict, lengths)``) and returns a dict output name -> batched outputs;
-    # else a list of dicts, returning a list of dicts.
-    inputs: dict[str, TensorSpec] | None = None
-    outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None
     input_name: str = defaults.INPUT_NAME
     output_name: str = defaults.OUTPUT_NAME
     stack: bool = False
@@ -72,6 +64,14 @@ class Model:
     # budget, as Ray does.
     batch_size_fn: CostFn | None = None
     oversize: str = defaults.OVERSIZE
+    # Named inputs and outputs (``Signature``), instead of ``spec``: a request is a map
+    # input name -> value, a reply a map output name -> value; ``outputs`` as names,
+    # or names -> specs (``None`` first dimension: per-token, trimmed).  With
+    # ``stack=True`` the function gets a dict name -> stacked array (variable-length
+    # inputs: ``(dict, lengths)``) and returns a dict output name -> batched outputs;
+    # else a list of dicts, returning a list of dicts.
+    inputs: dict[str, TensorSpec] | None = None
+    outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None
     # The model's own values of the live knobs (``redbatch.knobs``), before overrides.
     knob_defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
     signature: Signature | None = field(init=False, repr=False, compare=False)
