@@ -60,19 +60,22 @@ def _binary_size(tensor: dict[str, Any]) -> int:
     return size if type(size) is int and size > 0 else 0
 
 
-def _read(tensor: dict[str, Any], signature: Signature, chunk: bytes) -> np.ndarray[Any, Any]:
-    """One input as an array ``[batch, *row]``, checked against its spec; an error
-    names the input."""
+def _read(tensor: dict[str, Any], signature: Signature, binary: bytes
+          ) -> tuple[np.ndarray[Any, Any], int]:
+    """One input as an array ``[batch, *row]``, checked against its spec, and the
+    bytes it took from the front of ``binary``; an error names the input."""
     name = tensor["name"]
     spec = signature.inputs[name]
     try:
+        size = _binary_size(tensor)
+        chunk = binary[:size]
         dtype = v2_tensors.dtype_of(tensor.get("datatype"))
         if dtype != spec.dtype:
             raise BadRequest(f"input has datatype {V2_DATATYPES[spec.dtype]}, got "
                              f"{tensor.get('datatype')}")
         shape = v2_tensors.shape_of(tensor.get("shape"))
         arr = v2_tensors.tensor_data(tensor, chunk, dtype, shape)
-        return spec.check_rows(arr, f"input {name!r}")
+        return spec.check_rows(arr, f"input {name!r}"), size
     except (BadRequest, InvalidPayload) as exc:
         raise BadRequest(field_message(name, exc)) from exc
 
@@ -82,8 +85,7 @@ def _arrays(data: dict[str, Any], info: ModelInfo, binary: bytes) -> Arrays:
     arrays: Arrays = {}
     offset = 0
     for tensor in _listed_inputs(data, info):
-        size = _binary_size(tensor)
-        arrays[tensor["name"]] = _read(tensor, _signature(info), binary[offset:offset + size])
+        arrays[tensor["name"]], size = _read(tensor, _signature(info), binary[offset:])
         offset += size
     if offset != len(binary):
         raise BadRequest(f"{len(binary) - offset} bytes of binary data follow the JSON "
