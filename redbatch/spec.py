@@ -243,6 +243,14 @@ class Signature:
     def check(self, payload: Any) -> dict[str, np.ndarray[Any, Any]]:
         """A request's payload as checked arrays, or ``InvalidPayload`` naming the field
         that is missing, unknown or bad."""
+        self._check_names(payload)
+        values = {name: _checked_field(spec, payload[name], name)
+                  for name, spec in self.inputs.items()}
+        self.check_lengths({name: len(values[name]) for name in self.variable})
+        return values
+
+    def _check_names(self, payload: Any) -> None:
+        """``payload`` is a map with every input and no other key."""
         if not isinstance(payload, dict):
             raise InvalidPayload(f"the input must be a map of the named inputs "
                                  f"{list(self.inputs)}, got {type(payload).__name__}")
@@ -254,10 +262,20 @@ class Signature:
         if missing:
             raise InvalidPayload(f"missing input {missing[0]!r}; this model takes "
                                  f"{list(self.inputs)}")
-        values = {name: _checked_field(spec, payload[name], name)
-                  for name, spec in self.inputs.items()}
-        self.check_lengths({name: len(values[name]) for name in self.variable})
-        return values
+
+    def split_rows(self, payload: Any, rows: int) -> list[dict[str, Any]]:
+        """A multi-row payload (a map input name -> ``rows`` rows) as one map per row,
+        unchecked; ``InvalidPayload`` naming the input that is not ``rows`` long."""
+        self._check_names(payload)
+        for name in self.inputs:
+            value = payload[name]
+            length = len(value) if isinstance(value, list) or (
+                isinstance(value, np.ndarray) and value.ndim) else None
+            if length != rows:
+                raise InvalidPayload(f"input {name!r} of a request of {rows} rows needs "
+                                     f"{rows} rows (a tensor or a list whose first "
+                                     f"dimension is {rows}), got {length}")
+        return [{name: payload[name][row] for name in self.inputs} for row in range(rows)]
 
     def check_lengths(self, lengths: dict[str, int]) -> None:
         """Variable-length inputs of one request share one length."""

@@ -807,3 +807,31 @@ async def test_two_named_inputs_in_and_two_named_outputs_out(
     assert meta["inputs"] == {"x": {"dtype": "float32", "shape": [4]},
                               "scale": {"dtype": "float32", "shape": []}}
     assert list(meta["outputs"]) == ["y", "norm"]
+
+
+async def test_a_multi_row_request_of_named_inputs_fails_a_bad_row_alone(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    """``rows: n`` with a map input name -> n rows: one reply, one output map per row;
+    a bad row is null in the payload and named in row_errors."""
+    start_worker([pair_model()])
+    reply_to = new_reply_to()
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    scale = np.array([1.0, np.nan, 2.0], dtype=np.float32)  # row 1: NaN
+    request = {**envelope(PAIR, reply_to, {"x": msgpack_tensor(x), "scale": [1, 2, 3]}),
+               "rows": 3}
+    request["payload"]["scale"] = msgpack_tensor(scale)
+    await enqueue(rc, PAIR, mp(request))
+    _raw, reply = await next_reply(rc, reply_to)
+    assert reply["ok"] is True and len(reply["payload"]) == 3
+    first, bad, last = reply["payload"]
+    assert bad is None
+    np.testing.assert_array_equal(tensor_from_reply(first["y"]), x[0])
+    np.testing.assert_array_equal(tensor_from_reply(last["y"]), x[2] * 2)
+    (row_error,) = reply["row_errors"]
+    assert row_error["row"] == 1 and row_error["code"] == "invalid_payload"
+    assert "'scale'" in row_error["message"]
+    short = {**envelope(PAIR, reply_to, {"x": [[1, 2, 3, 4]], "scale": [1, 2]}), "rows": 2}
+    await enqueue(rc, PAIR, mp(short))
+    _raw, reply = await next_reply(rc, reply_to)
+    assert_error(reply, short["id"], "invalid_payload")
+    assert "'x'" in reply["error"]["message"]

@@ -24,6 +24,7 @@ from redbatch.worker.process import Worker
 from redbatch.worker.torch_helpers import torch_model
 from tests.conftest import wait_live
 from tests.test_gateway import error_code, gateway
+from tests.test_metrics import eventually, sample
 from tests.test_v2 import v2_error
 
 # a window: requests sent together share a claim (and their passes)
@@ -158,6 +159,10 @@ async def test_two_inputs_over_the_client_and_a_bad_request_fails_alone(served: 
         np.testing.assert_allclose((await futures[0])["y"], [3, 3, 3, 3])
         reply = await (await client.submit("pair", {"x": x_row(1), "scale": -1}, reply=True))
         assert reply.ok and reply.timings.batch_size >= 1
+        rows = {"x": np.stack([x_row(i) for i in range(3)]), "scale": [1, 0, 2]}
+        (whole,) = await client.submit_many("pair", [rows], batched=True)
+        assert [float(out["norm"]) for out in await whole] == pytest.approx(
+            [float(np.linalg.norm(x_row(0))), 0.0, 2 * float(np.linalg.norm(x_row(2)))])
 
 
 def _sync_calls(url: str) -> None:
@@ -309,6 +314,17 @@ async def test_v2_infer_with_two_inputs_and_two_outputs(http: httpx.AsyncClient)
     resp = await http.post("/v2/models/pair/infer",
                            json=pair_body(1, outputs=[{"name": "norm"}]))
     assert [o["name"] for o in resp.json()["outputs"]] == ["norm"]
+
+
+async def test_v2_rows_travel_as_multi_row_entries(http: httpx.AsyncClient) -> None:
+    entries = sample("redbatch_batch_entries_sum", model="pair")
+    items = sample("redbatch_batch_size_sum", model="pair")
+    resp = await http.post("/v2/models/pair/infer", json=pair_body(8))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["outputs"][0]["shape"] == [8, 4]
+    assert await eventually(lambda: sample("redbatch_batch_size_sum", model="pair")
+                            == items + 8)
+    assert sample("redbatch_batch_entries_sum", model="pair") == entries + 1  # not 8
 
 
 async def test_v2_binary_inputs_and_outputs(http: httpx.AsyncClient) -> None:

@@ -471,7 +471,8 @@ class V2Api:
 
     async def _infer_named(self, info: ModelInfo, raw: bytes, headers: body.Headers,
                            arrived_ms: int) -> Response:
-        """A model with named inputs and outputs (``v2_named``): one request per row."""
+        """A model with named inputs and outputs (``v2_named``): multi-row requests of
+        maps input name -> rows."""
         core = self.gateway.core
         header, binary = split_body(raw, headers)
         data = body.parse_json(header)
@@ -479,15 +480,17 @@ class V2Api:
         doc: dict[str, Any] = {"model_name": info.name, "model_version": VERSION}
         if (request_id := _request_id(data)) is not None:
             doc["id"] = request_id
-        rows = v2_named.input_rows(data, info, binary)
+        arrays = v2_named.input_arrays(data, info, binary)
         chosen = v2_named.chosen_outputs(data, params, info)
         deadline_ms = core.deadline_ms(info, arrived_ms, timeout_s(
             headers, params, core.model_default_s(info), core.config.max_timeout_s))
-        futures = await core.client.submit_many(info.name, rows, reply=True,
+        starts, parts = v2_named.slices(arrays, core.client.pack_rows)
+        futures = await core.client.submit_many(info.name, parts, reply=True, batched=True,
                                                 deadline_ms=deadline_ms,
                                                 max_queue_len=info.max_queue_len)
         results = await asyncio.gather(*futures, return_exceptions=True)
-        replies = settle(len(rows), parts_of(len(rows), list(range(len(rows))), list(results)))
+        total = len(next(iter(arrays.values())))
+        replies = settle(total, parts_of(total, starts, list(results)))
         return v2_named.respond(doc, chosen, replies, info, _timing_headers(replies))
 
 

@@ -2,10 +2,11 @@
 
 The call's ``inputs`` are the model's inputs, each once, each checked against its
 spec (errors name the input), all sharing the batch dimension (and, for
-variable-length ones, the length).  Each row goes out as a request of its own (a map
-input name -> that row), batched by the workers with everyone else's traffic; the
-rows' output maps are stacked back into one v2 output per name, in the order the
-call asks for them (all of them, in the model's order, if it names none)."""
+variable-length ones, the length).  They go out as multi-row requests, as a single
+input does (``InferCore.submit_tensor``): each a map input name -> a slice of its
+rows, never split, each row one item batched by the workers with everyone else's
+traffic; the rows' output maps are stacked back into one v2 output per name, in the
+order the call asks for them (all of them, in the model's order, if it names none)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from redbatch.api.directory import ModelInfo
 from redbatch.api.v2_tensors import V2_DATATYPES, mapping
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import BadRequest, InvalidPayload, ModelError
+from redbatch.producer import packing
 from redbatch.protocol import Reply
 from redbatch.spec import Signature, field_message
 
@@ -93,10 +95,9 @@ def _arrays(data: dict[str, Any], info: ModelInfo, binary: bytes) -> Arrays:
     return arrays
 
 
-def input_rows(data: dict[str, Any], info: ModelInfo, binary: bytes
-               ) -> list[dict[str, np.ndarray[Any, Any]]]:
-    """The call's rows, one map input name -> row each: the inputs share the batch
-    dimension, and their variable lengths."""
+def input_arrays(data: dict[str, Any], info: ModelInfo, binary: bytes) -> Arrays:
+    """The call's inputs, checked: they share the batch dimension, and their
+    variable lengths."""
     arrays = _arrays(data, info, binary)
     signature = _signature(info)
     first, rows = next(iter(arrays)), len(next(iter(arrays.values())))
@@ -105,7 +106,17 @@ def input_rows(data: dict[str, Any], info: ModelInfo, binary: bytes
             raise BadRequest(f"input {name!r} has batch dimension {len(arr)} but {first!r} "
                              f"has {rows}: all inputs share the batch dimension")
     signature.check_lengths({name: arrays[name].shape[1] for name in signature.variable})
-    return [{name: arr[row] for name, arr in arrays.items()} for row in range(rows)]
+    return arrays
+
+
+def slices(arrays: Arrays, pack_rows: int) -> tuple[list[int], list[Arrays]]:
+    """The inputs cut along the batch dimension into multi-row requests of up to a
+    pack's rows (a map input name -> rows each): each one's first row, and the maps."""
+    rows = len(next(iter(arrays.values())))
+    per = packing.pack_size(sum(a.nbytes for a in arrays.values()) // rows, pack_rows)
+    starts = list(range(0, rows, per))
+    return starts, [{name: arr[start:start + per] for name, arr in arrays.items()}
+                    for start in starts]
 
 
 def chosen_outputs(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
@@ -129,11 +140,11 @@ def chosen_outputs(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
     return chosen or dict.fromkeys(known, binary)
 
 
-def _stacked(name: str, replies: list[Reply], signature: Signature) -> np.ndarray[Any, Any]:
+def _stacked(name: str, rows: list[Any], signature: Signature) -> np.ndarray[Any, Any]:
     """Output ``name`` of every row, stacked (in its spec's dtype when it has one)."""
     spec = signature.outputs.get(name)
     try:
-        arr = np.stack([np.asarray(reply.payload[name]) for reply in replies])
+        arr = np.stack([np.asarray(row[name]) for row in rows])
         if spec is not None:
             arr = arr.astype(spec.dtype)
     except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -145,14 +156,23 @@ def _stacked(name: str, replies: list[Reply], signature: Signature) -> np.ndarra
     return np.ascontiguousarray(arr, dtype=WIRE_DTYPES[arr.dtype.name])
 
 
+def _rows_of(reply: Reply) -> list[Any]:
+    """The output maps of a multi-row request's rows (a list, one per row)."""
+    if not isinstance(reply.payload, list):
+        raise ModelError(f"a reply to a multi-row request holds "
+                         f"{type(reply.payload).__name__}, not one output map per row")
+    return reply.payload
+
+
 def respond(doc: dict[str, Any], chosen: dict[str, bool], replies: list[Reply],
             info: ModelInfo, headers: dict[str, str]) -> Response:
     """The v2 answer: ``doc`` with one output per chosen name; binary ones after the
     JSON header, in that order."""
     outputs: list[dict[str, Any]] = []
     binary: list[bytes] = []
+    rows = [row for reply in replies for row in _rows_of(reply)]
     for name, as_binary in chosen.items():
-        arr = _stacked(name, replies, _signature(info))
+        arr = _stacked(name, rows, _signature(info))
         output: dict[str, Any] = {"name": name, "datatype": V2_DATATYPES[arr.dtype.name],
                                   "shape": list(arr.shape)}
         if as_binary:

@@ -259,8 +259,9 @@ class Client:
         are in the futures), so that a caller pacing itself on the queue's depth sees
         them there.  Numpy inputs of one shape and dtype travel packed, as multi-row
         requests of up to ``pack_rows`` rows.  ``batched``: each input is
-        itself a batch of rows along its first dimension (1 to ``MAX_ROWS``), sent
-        whole as one multi-row request; its future resolves to the rows' outputs (or
+        itself a batch of rows along its first dimension (1 to ``MAX_ROWS``; for a
+        model with named inputs, a map input name -> rows), sent whole as one
+        multi-row request; its future resolves to the rows' outputs (or
         its ``Reply``, whose ``row_errors`` name the failed rows)."""
         if not inputs:
             return []
@@ -333,7 +334,10 @@ class Client:
 
 
 def _rows(batch: Any) -> int:
-    """The rows of a batch sent whole: its first dimension, 1 to ``MAX_ROWS``."""
+    """The rows of a batch sent whole: its first dimension, 1 to ``MAX_ROWS`` (of a
+    map of named inputs, its first input's; the worker checks the others)."""
+    if isinstance(batch, dict) and batch:
+        batch = next(iter(batch.values()))
     sized = isinstance(batch, list) or (isinstance(batch, np.ndarray) and batch.ndim > 0)
     rows = len(batch) if sized else 0
     if not 1 <= rows <= protocol.MAX_ROWS:
