@@ -21,7 +21,7 @@ from redbatch.producer import Client
 from redbatch.spec import ModelInfo, Signature
 from redbatch.worker.forward import Forwarder
 from redbatch.worker.process import Worker
-from redbatch.worker.torch_helpers import torch_model
+from redbatch.worker.torch_helpers import torch_model, torch_named_fn
 from tests.conftest import wait_live
 from tests.test_gateway import error_code, gateway
 from tests.test_metrics import eventually, sample
@@ -71,11 +71,11 @@ def build_masker() -> Any:
     import torch
 
     class Masker(torch.nn.Module):
-        """Keyword inputs (torch tensors) and lengths=; a tuple in outputs order."""
+        """Keyword inputs (torch tensors) and lengths=; a dict with one key more."""
 
-        def forward(self, ids: Any, mask: Any, lengths: Any) -> tuple[Any, Any]:
+        def forward(self, ids: Any, mask: Any, lengths: Any) -> dict[str, Any]:
             assert isinstance(ids, torch.Tensor) and lengths.dtype == torch.int64
-            return ids * mask, lengths
+            return {"kept": ids * mask, "length": lengths, "hidden": ids}  # extra: dropped
 
     return Masker()
 
@@ -254,6 +254,13 @@ async def test_a_torch_model_takes_keyword_tensors(served: str) -> None:
     assert got[1]["kept"].tolist() == [9] and got[1]["length"] == 1
     with pytest.raises(ConfigError, match="'lengths'"):
         torch_model("bad", build_masker, inputs={"lengths": IDS}, outputs=["y"])
+
+
+def test_a_torch_module_may_return_a_tuple_in_outputs_order() -> None:
+    fn = torch_named_fn(lambda a, b: (a + b, a * b), "cpu", ["sum", "product"])
+    out = fn({"a": np.array([1, 2]), "b": np.array([3, 4])})
+    assert {name: value.tolist() for name, value in out.items()} == {
+        "sum": [4, 6], "product": [3, 8]}
 
 
 # --- v1 ----------------------------------------------------------------------------------------

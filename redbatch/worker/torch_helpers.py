@@ -87,8 +87,9 @@ def torch_named_fn(module: Callable[..., Any], device: str, outputs: Sequence[st
                    ) -> BatchFn:
     """Wrap a module (already on ``device``) for named inputs: it is called with each
     input as a keyword argument (a batched tensor on ``device``; with variable-length
-    inputs also ``lengths=``) and returns a dict of batched outputs (or a tuple of
-    them in ``outputs`` order); they come back as numpy arrays."""
+    inputs also ``lengths=``) and returns a dict of batched outputs (keys other than
+    ``outputs`` are dropped: a Hugging Face ``ModelOutput`` may hold more) or a tuple
+    of them in ``outputs`` order; they come back as numpy arrays."""
     import torch
 
     def run(arg: Any) -> Any:
@@ -104,7 +105,7 @@ def torch_named_fn(module: Callable[..., Any], device: str, outputs: Sequence[st
         if not isinstance(returned, Mapping):
             return returned  # the worker names what is wrong
         return {name: value.detach().cpu().numpy() if isinstance(value, torch.Tensor)
-                else value for name, value in returned.items()}
+                else value for name, value in returned.items() if name in outputs}
 
     return run
 
