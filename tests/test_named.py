@@ -25,6 +25,7 @@ from redbatch.worker.torch_helpers import torch_model, torch_named_fn
 from tests.conftest import wait_live
 from tests.test_gateway import error_code, gateway
 from tests.test_metrics import eventually, sample
+from tests.test_packing import rows_taken
 from tests.test_v2 import v2_error
 
 # a window: requests sent together share a claim (and their passes)
@@ -163,6 +164,22 @@ async def test_two_inputs_over_the_client_and_a_bad_request_fails_alone(served: 
         (whole,) = await client.submit_many("pair", [rows], batched=True)
         assert [float(out["norm"]) for out in await whole] == pytest.approx(
             [float(np.linalg.norm(x_row(0))), 0.0, 2 * float(np.linalg.norm(x_row(2)))])
+
+
+async def test_maps_of_arrays_travel_packed_and_a_bad_row_fails_alone(served: str) -> None:
+    entries = sample("redbatch_batch_entries_sum", model="pair")
+    items = sample("redbatch_batch_size_sum", model="pair")
+    inputs = [{"x": x_row(i), "scale": np.float32(i)} for i in range(8)]
+    inputs[5] = {"x": x_row(5), "scale": np.float32("nan")}
+    async with Client(served, pack_rows=32) as client:
+        await rows_taken(client, "pair")
+        got = await client.predict_many("pair", inputs, return_exceptions=True)
+    assert isinstance(got[5], InvalidPayload) and "'scale'" in str(got[5])
+    for i in (0, 1, 2, 3, 4, 6, 7):
+        np.testing.assert_allclose(got[i]["y"], x_row(i) * i)
+    assert await eventually(lambda: sample("redbatch_batch_size_sum", model="pair")
+                            == items + 7)
+    assert sample("redbatch_batch_entries_sum", model="pair") == entries + 1  # one pack
 
 
 def _sync_calls(url: str) -> None:
