@@ -12,6 +12,10 @@
   ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its bucket;
   a pass padded to 256 or more runs its rows one at a time, each at its own length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
+* ``pair``: two named inputs and two named outputs: ``x`` (float32, 4) and ``scale``
+  (float32 scalar) give ``y = x * scale`` and ``norm = |y|``; body
+  ``{"inputs": {"x": [1, 2, 3, 4], "scale": 2}}``, reply
+  ``{"outputs": {"y": [2, 4, 6, 8], "norm": 10.95...}}``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,15 @@ def adder(numbers: list[int]) -> list[int]:
     return result
 
 
+@batch(max_batch_size=32, batch_wait_timeout_s=0.0, stack=True,
+       inputs={"x": TensorSpec("float32", (4,)), "scale": TensorSpec("float32", ())},
+       outputs={"y": TensorSpec("float32", (4,)), "norm": TensorSpec("float32", ())})
+def pair(batch: dict[str, Any]) -> dict[str, Any]:
+    """Named inputs and outputs: ``y = x * scale``, ``norm = |y|`` (stacked)."""
+    y = batch["x"] * batch["scale"][:, None]
+    return {"y": y, "norm": np.linalg.norm(y, axis=1)}
+
+
 def models() -> list[Model]:
     policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.005)
     mlp = torch_model("mlp", build_mlp, TensorSpec("float32", (W2_IN,)), policy,
@@ -62,4 +75,4 @@ def models() -> list[Model]:
                  input_name="x", output_name="y", inline=True)
     textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN),
                           policy, input_name="input_ids", output_name="logits")
-    return [mlp, echo, echo_tokens(policy), textcls, adder]
+    return [mlp, echo, echo_tokens(policy), textcls, adder, pair]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import bisect
 import functools
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,13 +158,157 @@ class TensorSpec:
                    buckets=None if buckets is None else tuple(int(b) for b in buckets))
 
 
+FIELD_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}")
+
+
+def _field_names(names: Any, what: str) -> None:
+    if not names:
+        raise ConfigError(f"a model with named inputs and outputs needs at least one {what}")
+    bad = [n for n in names if not isinstance(n, str) or not FIELD_NAME_RE.fullmatch(n)]
+    if bad:
+        raise ConfigError(f"{what} name {bad[0]!r} must match {FIELD_NAME_RE.pattern}")
+
+
+def field_message(name: str, exc: Exception) -> str:
+    """``exc``'s message, naming input ``name`` ("input shape ..." -> "input 'x'
+    shape ...")."""
+    field, message = f"input {name!r}", str(exc)
+    if message.startswith(field):
+        return message
+    if message.startswith("input "):
+        return f"{field} {message.removeprefix('input ')}"
+    return f"{field}: {message}"
+
+
+def _checked_field(spec: TensorSpec, value: Any, name: str) -> np.ndarray[Any, Any]:
+    """``spec.check`` of one named input, its error naming the input."""
+    try:
+        return spec.check(value, f"input {name!r}")
+    except InvalidPayload as exc:
+        raise InvalidPayload(field_message(name, exc)) from exc
+
+
+@dataclass(frozen=True, eq=False)
+class Signature:
+    """A model's named inputs and outputs (``@batch(inputs=..., outputs=...)``, as in
+    Triton's model config): a request's payload is a map input name -> value, its
+    reply's a map output name -> value.  Variable-length inputs (``max_len``) of one
+    request share one length: it is the request's length bucket (by the boundaries of
+    the first of them).  An output spec with ``None`` as its first dimension is
+    per-token (trimmed back to each request's length); other output specs, and
+    ``None``, say nothing the worker checks."""
+
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec | None]
+
+    def __post_init__(self) -> None:
+        _field_names(list(self.inputs), "input")
+        _field_names(list(self.outputs), "output")
+        wrong = [n for n, s in self.inputs.items() if not isinstance(s, TensorSpec)]
+        if wrong:
+            raise ConfigError(f"input {wrong[0]!r} needs a TensorSpec")
+        wrong = [n for n, s in self.outputs.items() if not isinstance(s, TensorSpec | None)]
+        if wrong:
+            raise ConfigError(f"output {wrong[0]!r}: a TensorSpec or None")
+
+    @classmethod
+    def of(cls, inputs: dict[str, TensorSpec],
+           outputs: dict[str, TensorSpec | None] | Sequence[str]) -> Signature:
+        """From ``@batch``'s arguments: ``outputs`` as names, or names -> specs."""
+        if isinstance(outputs, str):
+            raise ConfigError("outputs must be a sequence of names or a dict, not a string")
+        named = dict(outputs) if isinstance(outputs, dict) else dict.fromkeys(outputs)
+        return cls(dict(inputs), named)
+
+    @functools.cached_property
+    def variable(self) -> tuple[str, ...]:
+        """The names of the variable-length inputs, in declaration order."""
+        return tuple(name for name, spec in self.inputs.items() if spec.variable)
+
+    @property
+    def length_spec(self) -> TensorSpec | None:
+        """The spec whose buckets group requests (the first variable input's)."""
+        return self.inputs[self.variable[0]] if self.variable else None
+
+    @functools.cached_property
+    def per_token(self) -> tuple[str, ...]:
+        """The outputs trimmed to each request's length (first dimension ``None``)."""
+        return tuple(name for name, spec in self.outputs.items()
+                     if spec is not None and spec.shape[:1] == (None,))
+
+    def length(self, value: dict[str, Any]) -> int:
+        """A checked request's shared variable length."""
+        return len(value[self.variable[0]])
+
+    def check(self, payload: Any) -> dict[str, np.ndarray[Any, Any]]:
+        """A request's payload as checked arrays, or ``InvalidPayload`` naming the field
+        that is missing, unknown or bad."""
+        self._check_names(payload)
+        values = {name: _checked_field(spec, payload[name], name)
+                  for name, spec in self.inputs.items()}
+        self.check_lengths({name: len(values[name]) for name in self.variable})
+        return values
+
+    def _check_names(self, payload: Any) -> None:
+        """``payload`` is a map with every input and no other key."""
+        if not isinstance(payload, dict):
+            raise InvalidPayload(f"the input must be a map of the named inputs "
+                                 f"{list(self.inputs)}, got {type(payload).__name__}")
+        unknown = [key for key in payload if key not in self.inputs]
+        if unknown:
+            raise InvalidPayload(f"unknown input {unknown[0]!r}; this model takes "
+                                 f"{list(self.inputs)}")
+        missing = [name for name in self.inputs if name not in payload]
+        if missing:
+            raise InvalidPayload(f"missing input {missing[0]!r}; this model takes "
+                                 f"{list(self.inputs)}")
+
+    def split_rows(self, payload: Any, rows: int) -> list[dict[str, Any]]:
+        """A multi-row payload (a map input name -> ``rows`` rows) as one map per row,
+        unchecked; ``InvalidPayload`` naming the input that is not ``rows`` long."""
+        self._check_names(payload)
+        for name in self.inputs:
+            value = payload[name]
+            length = len(value) if isinstance(value, list) or (
+                isinstance(value, np.ndarray) and value.ndim) else None
+            if length != rows:
+                raise InvalidPayload(f"input {name!r} of a request of {rows} rows needs "
+                                     f"{rows} rows (a tensor or a list whose first "
+                                     f"dimension is {rows}), got {length}")
+        return [{name: payload[name][row] for name in self.inputs} for row in range(rows)]
+
+    def check_lengths(self, lengths: dict[str, int]) -> None:
+        """Variable-length inputs of one request share one length."""
+        if not lengths:
+            return
+        first, want = next(iter(lengths.items()))
+        for name, got in lengths.items():
+            if got != want:
+                raise InvalidPayload(f"input {name!r} has length {got} but {first!r} has "
+                                     f"{want}: the variable-length inputs of one request "
+                                     "share one length")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"inputs": {name: spec.to_json() for name, spec in self.inputs.items()},
+                "outputs": {name: spec.to_json() if spec else None
+                            for name, spec in self.outputs.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Signature:
+        return cls({name: TensorSpec.from_json(spec) for name, spec in data["inputs"].items()},
+                   {name: TensorSpec.from_json(spec) if spec else None
+                    for name, spec in data["outputs"].items()})
+
+
 def model_meta(name: str, *, input_name: str, output_name: str, spec: TensorSpec | None,
                policy: dict[str, Any], limits: dict[str, Any],
-               defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+               defaults: dict[str, Any] | None = None,
+               signature: Signature | None = None) -> dict[str, Any]:
     """The metadata a worker publishes for a model (``ModelInfo.from_meta`` reads it):
     ``policy`` and ``limits`` are the values in effect (live overrides included),
-    ``defaults`` the model's own values of the live knobs (``redbatch.knobs``)."""
-    return {
+    ``defaults`` the model's own values of the live knobs (``redbatch.knobs``); a
+    model with named inputs and outputs adds ``inputs`` and ``outputs``."""
+    meta = {
         "name": name,
         "input_name": input_name,
         "output_name": output_name,
@@ -171,6 +317,9 @@ def model_meta(name: str, *, input_name: str, output_name: str, spec: TensorSpec
         "limits": limits,
         "defaults": defaults,
     }
+    if signature is not None:
+        meta.update(signature.to_json())
+    return meta
 
 
 @dataclass(frozen=True)
@@ -184,6 +333,7 @@ class ModelInfo:
     meta: dict[str, Any]
     max_queue_len: int | None = None  # the model's own limits (None: the gateway's)
     default_timeout_s: float | None = None
+    signature: Signature | None = None  # named inputs and outputs
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> ModelInfo:
@@ -193,4 +343,5 @@ class ModelInfo:
         return cls(name=meta["name"], input_name=meta.get("input_name", "inputs"),
                    output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta,
                    max_queue_len=int(cap) if cap else None,
-                   default_timeout_s=float(timeout) if timeout else None)
+                   default_timeout_s=float(timeout) if timeout else None,
+                   signature=Signature.from_json(meta) if meta.get("inputs") else None)

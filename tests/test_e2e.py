@@ -49,8 +49,12 @@ async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]
         np.testing.assert_allclose(resp.json()["y"], reference_w2(), atol=1e-5)
         echo = await http.post("/v1/models/echo/predict", json={"x": [0.5, 1.5]})
         assert echo.json() == {"y": [0.5, 1.5]}
+        pair = await http.post("/v1/models/pair/predict",
+                               json={"inputs": {"x": [0, 3, 0, 4], "scale": 2}})
+        assert pair.json() == {"outputs": {"y": [0.0, 6.0, 0.0, 8.0], "norm": 10.0}}
         models = (await http.get("/v1/models")).json()["models"]
-        assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "textcls", "adder"}
+        assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "textcls", "adder",
+                                               "pair"}
         assert all(m["live_workers"] == 1 for m in models)
 
 

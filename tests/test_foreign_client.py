@@ -762,3 +762,76 @@ def test_document_matches_the_code() -> None:
     assert set(meta_example) == set(published)
     assert set(meta_example["policy"]) == set(published["policy"])
     assert set(meta_example["limits"]) == set(published["limits"])
+
+
+# --- named inputs and outputs --------------------------------------------------------
+
+PAIR = "fc-pair"  # inputs x float32 (4,) and scale float32 (); outputs y = x*scale, norm
+
+
+def pair_model() -> Any:
+    def fn(batch: dict[str, Any]) -> dict[str, Any]:
+        y = batch["x"] * batch["scale"][:, None]
+        return {"y": y, "norm": np.linalg.norm(y, axis=1)}
+
+    return batch(name=PAIR, max_batch_size=8, batch_wait_timeout_s=0.01, stack=True,
+                 inputs={"x": TensorSpec("float32", (4,)), "scale": TensorSpec("float32", ())},
+                 outputs={"y": TensorSpec("float32", (4,)),
+                          "norm": TensorSpec("float32", ())})(fn)
+
+
+async def test_two_named_inputs_in_and_two_named_outputs_out(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    """The payload of a model with named inputs is a map input name -> value; its
+    reply's payload a map output name -> value (docs/protocol.md, "Payload")."""
+    start_worker([pair_model()])
+    reply_to = new_reply_to()
+    x = np.array([3.0, 0.0, 4.0, 0.0], dtype=np.float32)
+    good = envelope(PAIR, reply_to, {"x": msgpack_tensor(x),
+                                     "scale": msgpack_tensor(np.float32(2.0).reshape(()))})
+    listed = envelope(PAIR, reply_to, {"x": [1, 1, 1, 1], "scale": 0.5})
+    bad = envelope(PAIR, reply_to, {"x": [1, 2, 3], "scale": 1})  # x has 3 values
+    assert (await enqueue(rc, PAIR, mp(good), mp(listed), mp(bad)))[0] == 3
+    replies = await replies_by_id(rc, reply_to, 3)
+
+    reply = replies[good["id"]]
+    assert reply["ok"] is True and set(reply["payload"]) == {"y", "norm"}
+    np.testing.assert_array_equal(tensor_from_reply(reply["payload"]["y"]), x * 2)
+    assert reply["payload"]["norm"] == pytest.approx(10.0)
+    y = replies[listed["id"]]["payload"]["y"]
+    np.testing.assert_array_equal(tensor_from_reply(y), np.full(4, 0.5, np.float32))
+    assert_error(replies[bad["id"]], bad["id"], "invalid_payload")
+    assert "'x'" in replies[bad["id"]]["error"]["message"]
+
+    meta = json.loads(await rc.get("rb:{" + PAIR + "}:meta"))
+    assert meta["inputs"] == {"x": {"dtype": "float32", "shape": [4]},
+                              "scale": {"dtype": "float32", "shape": []}}
+    assert list(meta["outputs"]) == ["y", "norm"]
+
+
+async def test_a_multi_row_request_of_named_inputs_fails_a_bad_row_alone(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    """``rows: n`` with a map input name -> n rows: one reply, one output map per row;
+    a bad row is null in the payload and named in row_errors."""
+    start_worker([pair_model()])
+    reply_to = new_reply_to()
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    scale = np.array([1.0, np.nan, 2.0], dtype=np.float32)  # row 1: NaN
+    request = {**envelope(PAIR, reply_to, {"x": msgpack_tensor(x), "scale": [1, 2, 3]}),
+               "rows": 3}
+    request["payload"]["scale"] = msgpack_tensor(scale)
+    await enqueue(rc, PAIR, mp(request))
+    _raw, reply = await next_reply(rc, reply_to)
+    assert reply["ok"] is True and len(reply["payload"]) == 3
+    first, bad, last = reply["payload"]
+    assert bad is None
+    np.testing.assert_array_equal(tensor_from_reply(first["y"]), x[0])
+    np.testing.assert_array_equal(tensor_from_reply(last["y"]), x[2] * 2)
+    (row_error,) = reply["row_errors"]
+    assert row_error["row"] == 1 and row_error["code"] == "invalid_payload"
+    assert "'scale'" in row_error["message"]
+    short = {**envelope(PAIR, reply_to, {"x": [[1, 2, 3, 4]], "scale": [1, 2]}), "rows": 2}
+    await enqueue(rc, PAIR, mp(short))
+    _raw, reply = await next_reply(rc, reply_to)
+    assert_error(reply, short["id"], "invalid_payload")
+    assert "'x'" in reply["error"]["message"]

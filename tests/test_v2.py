@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from redbatch import BatchPolicy, GatewayConfig, Model, RedisSettings, TensorSpec, batch
 from redbatch.api import create_app
 from redbatch.api.openapi import openapi_document
+from redbatch.demo import pair
 from redbatch.embedded import free_port
 from redbatch.worker.process import Worker
 from tests.test_gateway import gateway
@@ -68,7 +69,7 @@ def _sleep_rows(xs: list[np.ndarray]) -> list[np.ndarray]:
 
 SLEEPY = Model("sleepy", fn=_sleep_rows, spec=TensorSpec("float32", (1,)), input_name="x",
                inline=False, policy=BatchPolicy(batch_wait_timeout_s=0))
-MODELS = [DOUBLE, INC, NOT, plus, picky, SLEEPY]
+MODELS = [DOUBLE, INC, NOT, plus, picky, SLEEPY, pair]
 CONFIG = GatewayConfig(max_timeout_s=5.0, default_timeout_s=5.0, max_body_bytes=64 * 1024)
 
 
@@ -172,6 +173,35 @@ async def test_tritonclient_infer_fp32_and_int64(server: str) -> None:
     flags, result = seen["bool"]
     assert result.as_numpy("y").tolist() == (~flags).tolist()
     assert seen["unknown"].status() == "404" and "nope" in seen["unknown"].message()
+
+
+def _triton_pair(url: str) -> tuple[Any, Any]:
+    """A model with two named inputs and two named outputs, from the real client:
+    both inputs as binary data (in one body), one output binary, one JSON."""
+    client = triton.InferenceServerClient(url=url)
+    try:
+        x = triton.InferInput("x", [3, 4], "FP32")
+        x.set_data_from_numpy(np.arange(12, dtype=np.float32).reshape(3, 4))
+        scale = triton.InferInput("scale", [3], "FP32")
+        scale.set_data_from_numpy(np.array([1, 2, 3], dtype=np.float32))
+        outputs = [triton.InferRequestedOutput("norm", binary_data=False),
+                   triton.InferRequestedOutput("y")]
+        return client.get_model_metadata("pair"), client.infer("pair", [scale, x],
+                                                               outputs=outputs)
+    finally:
+        client.close()
+
+
+async def test_tritonclient_two_inputs_and_two_outputs(server: str) -> None:
+    metadata, result = await asyncio.to_thread(_triton_pair, server)
+    assert [i["name"] for i in metadata["inputs"]] == ["x", "scale"]
+    assert [o["name"] for o in metadata["outputs"]] == ["y", "norm"]
+    want = np.arange(12, dtype=np.float32).reshape(3, 4) * np.array([[1], [2], [3]])
+    np.testing.assert_allclose(result.as_numpy("y"), want)
+    np.testing.assert_allclose(result.as_numpy("norm"), np.linalg.norm(want, axis=1),
+                               rtol=1e-6)
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["norm", "y"]
+    assert "data" in result.get_output("norm")
 
 
 def _triton_repository(url: str) -> dict[str, Any]:

@@ -65,13 +65,16 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
 
 def model_input(data: dict[str, Any], info: ModelInfo) -> Any:
-    """The model's input field, checked against its tensor spec when it has one."""
+    """The model's input field, checked against its tensor spec when it has one (a
+    map of every named input, for a model with named inputs)."""
     if info.input_name not in data:
         raise InvalidPayload(f"body has no {info.input_name!r} field (model {info.name!r} "
                              f"reads its input from {info.input_name!r})")
     value = data[info.input_name]
     if info.spec:
         return info.spec.check(value, info.input_name)
+    if info.signature:  # named inputs: {"inputs": {"a": ..., "b": ...}}
+        return info.signature.check(value)
     _refuse_tensor_tags(value)
     return value
 

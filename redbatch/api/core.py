@@ -121,6 +121,13 @@ class InferCore:
         to a pack's rows, never split into rows: each one's first row and the future
         of its ``Reply`` (whose ``row_errors`` name its failed rows)."""
         starts, parts = packing.slices(tensor, self.client.pack_rows)
+        return await self.submit_parts(info, starts, parts, deadline_ms, priority)
+
+    async def submit_parts(self, info: ModelInfo, starts: list[int], parts: list[Any],
+                           deadline_ms: int, priority: int | None = None
+                           ) -> list[tuple[int, asyncio.Future[Reply]]]:
+        """Multi-row requests (``parts``, each starting at row ``starts[i]``) in one
+        enqueue: each one's first row and the future of its ``Reply``."""
         futures = await self.client.submit_many(
             info.name, parts, reply=True, batched=True, deadline_ms=deadline_ms,
             max_queue_len=info.max_queue_len, priority=priority)
@@ -248,8 +255,9 @@ class PredictEndpoint:
 # --- GET: the input in the query string -------------------------------------------
 def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any]:
     """The fields of a GET's query string that a POST body would hold: the model's
-    input (JSON numbers; a repeated key or a comma list makes a list) and
-    ``timeout_ms``.  Other keys are ignored, as a body's other fields are."""
+    input (JSON numbers; a repeated key or a comma list makes a list), or each named
+    input under its own name, and ``timeout_ms``.  Other keys are ignored, as a
+    body's other fields are."""
     if raw_body:
         raise BadRequest("a GET predict takes its input from the query string, not a body")
     try:
@@ -262,7 +270,10 @@ def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any
     for key, value in pairs:
         fields.setdefault(key, []).append(value)
     data: dict[str, Any] = {}
-    if info.input_name in fields:
+    if info.signature is not None:  # named inputs: one query parameter each
+        data[info.input_name] = {name: _query_value(name, fields[name])
+                                 for name in info.signature.inputs if name in fields}
+    elif info.input_name in fields:
         data[info.input_name] = _query_value(info.input_name, fields[info.input_name])
     if body.TIMEOUT_FIELD in fields:
         data[body.TIMEOUT_FIELD] = _single(body.TIMEOUT_FIELD, fields[body.TIMEOUT_FIELD])

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from redbatch import __version__
-from redbatch.api.v2 import V2_DATATYPES
+from redbatch.api.v2_tensors import V2_DATATYPES
 
 Schema = dict[str, Any]
 
@@ -104,7 +104,8 @@ def _predict_get() -> Schema:
     number = {"type": "number"}
     value = _query("inputs", "the model's input field (this name stands for the model's "
                    "input_name, \"inputs\" unless it names another): a JSON number; a "
-                   "repeated key or a comma list (1,2,3) makes a list",
+                   "repeated key or a comma list (1,2,3) makes a list (a model with named "
+                   "inputs takes each under its own name: ?x=1,2&scale=3)",
                    {"oneOf": [number, {"type": "array", "items": number}]})
     value["style"], value["explode"] = "form", True
     return {
@@ -294,7 +295,8 @@ def _v1_schemas() -> dict[str, Schema]:
             "type": "object", "required": ["code", "message"],
             "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}},
         "V1PredictRequest": {
-            "type": "object", "description": "{\"<input_name>\": value}",
+            "type": "object", "description": "{\"<input_name>\": value}; for a model with "
+            "named inputs {\"<input_name>\": {\"<input>\": value, ...}}",
             "properties": {"timeout_ms": {"type": "number", "exclusiveMinimum": 0}},
             "additionalProperties": True},
         "V1Models": {"type": "object", "required": ["models"], "properties": {"models": {

@@ -15,7 +15,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +26,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from redbatch import __version__, protocol
-from redbatch.api import body
+from redbatch.api import body, v2_named
 from redbatch.api.directory import ModelInfo
 from redbatch.api.errors import retry_headers, status_of
 from redbatch.api.v2_repo import RepositoryApi
+from redbatch.api.v2_tensors import (
+    MAX_DIMS,
+    V2_DATATYPES,
+    dtype_of,
+    mapping,
+    shape_of,
+    tensor_data,
+)
 from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import (
     BadRequest,
@@ -49,16 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("redbatch.api")
 
-# redbatch (numpy) dtype -> v2 datatype; BYTES and BF16 are not supported.
-V2_DATATYPES: dict[str, str] = {
-    "bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32",
-    "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
-}
-DTYPES: dict[str, str] = {v2: dtype for dtype, v2 in V2_DATATYPES.items()}
 ANY_DATATYPE = "ANY"  # metadata of a model without a TensorSpec: any numeric datatype
 VERSION = "1"  # every model has this one version
-MAX_ROWS = 4096  # rows (requests) in one infer call
-MAX_DIMS = 32
 HEADER_LENGTH = b"inference-header-content-length"
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -95,10 +95,31 @@ def _row_dims(info: ModelInfo) -> list[int]:
     return [-1 if d is None else d for d in info.spec.shape] if info.spec else []
 
 
+Described = list[tuple[str, str, list[int]]]  # (name, datatype, row dims) of tensors
+
+
+def _described(specs: Mapping[str, TensorSpec | None]) -> Described:
+    """Named tensors as v2 lists them; one without a spec is ``ANY`` of unknown dims."""
+    return [(name, V2_DATATYPES[spec.dtype], [-1 if d is None else d for d in spec.shape])
+            if spec else (name, ANY_DATATYPE, [-1]) for name, spec in specs.items()]
+
+
+def _named(info: ModelInfo) -> dict[str, Described]:
+    """The ``inputs`` and ``outputs`` of a model with named ones."""
+    assert info.signature is not None
+    return {"inputs": _described(info.signature.inputs),
+            "outputs": _described(info.signature.outputs)}
+
+
 def model_metadata(info: ModelInfo) -> dict[str, Any]:
-    """v2 model metadata.  Workers publish no output spec: the output is listed with
-    the input's datatype and only its batch dimension (a response's ``datatype`` and
-    ``shape`` are the real ones)."""
+    """v2 model metadata.  Workers publish no output spec for a model with one input:
+    the output is listed with the input's datatype and only its batch dimension (a
+    response's ``datatype`` and ``shape`` are the real ones)."""
+    if info.signature is not None:
+        return {"name": info.name, "versions": [VERSION], "platform": "redbatch",
+                **{kind: [{"name": name, "datatype": datatype, "shape": [-1, *dims]}
+                          for name, datatype, dims in tensors]
+                   for kind, tensors in _named(info).items()}}
     datatype = _datatype(info)
     return {
         "name": info.name, "versions": [VERSION], "platform": "redbatch",
@@ -108,16 +129,27 @@ def model_metadata(info: ModelInfo) -> dict[str, Any]:
     }
 
 
+def _config_tensors(info: ModelInfo) -> dict[str, list[dict[str, Any]]]:
+    """The config's ``input`` and ``output`` lists."""
+    if info.signature is None:
+        data_type = f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID"
+        return {"input": [{"name": info.input_name, "data_type": data_type,
+                           "dims": _row_dims(info)}],
+                "output": [{"name": info.output_name, "data_type": data_type, "dims": [-1]}]}
+    return {kind[:-1]: [{"name": name, "dims": dims, "data_type": "TYPE_INVALID"
+                         if datatype == ANY_DATATYPE else f"TYPE_{datatype}"}
+                        for name, datatype, dims in tensors]  # "inputs" -> "input"
+            for kind, tensors in _named(info).items()}
+
+
 def model_config(info: ModelInfo) -> dict[str, Any]:
     """A Triton-style model configuration (what perf_analyzer reads)."""
     policy = info.meta.get("policy") or {}
-    data_type = f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID"
     wait_s = float(policy.get("batch_wait_timeout_s", 0.0))
     return {
         "name": info.name, "platform": "redbatch", "backend": "redbatch",
         "max_batch_size": int(policy.get("max_batch_size", 0)),
-        "input": [{"name": info.input_name, "data_type": data_type, "dims": _row_dims(info)}],
-        "output": [{"name": info.output_name, "data_type": data_type, "dims": [-1]}],
+        **_config_tensors(info),
         "dynamic_batching": {"max_queue_delay_microseconds": round(wait_s * 1e6)},
     }
 
@@ -154,14 +186,6 @@ def split_body(raw: bytes, headers: body.Headers) -> tuple[bytes, bytes]:
     return raw[:int(text)], raw[int(text):]
 
 
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadRequest(f"{where} must be a JSON object")
-    return value
-
-
 def _request_id(data: dict[str, Any]) -> str | None:
     rid = data.get("id")
     if rid is not None and not isinstance(rid, str):
@@ -186,66 +210,11 @@ def _only_input(data: dict[str, Any], info: ModelInfo) -> dict[str, Any]:
 
 
 def _dtype(datatype: Any, info: ModelInfo) -> str:
-    dtype = DTYPES.get(datatype) if isinstance(datatype, str) else None
-    if dtype is None:
-        raise BadRequest(f"datatype {datatype!r} is not supported; use one of "
-                         f"{', '.join(sorted(DTYPES))}")
+    dtype = dtype_of(datatype)
     if info.spec is not None and info.spec.dtype != dtype:
         raise BadRequest(f"input {info.input_name!r} of model {info.name!r} has datatype "
                          f"{V2_DATATYPES[info.spec.dtype]}, got {datatype}")
     return dtype
-
-
-def _shape(raw: Any) -> tuple[int, ...]:
-    ok = isinstance(raw, list) and 1 <= len(raw) <= MAX_DIMS and all(
-        type(d) is int and d >= 1 for d in raw)
-    if not ok:
-        raise BadRequest(f"'shape' must be a list of 1 to {MAX_DIMS} positive integers, "
-                         f"the first one the batch dimension; got {raw!r}")
-    if raw[0] > MAX_ROWS:  # each row is a request: bound the work one call can ask for
-        raise BadRequest(f"the batch dimension is {raw[0]}; one call may hold at most "
-                         f"{MAX_ROWS} rows")
-    return tuple(raw)
-
-
-def _json_data(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
-    if not isinstance(data, list):
-        raise BadRequest("the input needs 'data' (a list in row-major order) or "
-                         "parameters.binary_data_size")
-    try:
-        arr = np.asarray(data)
-    except (ValueError, TypeError) as exc:
-        raise BadRequest(f"'data' is not a flat or rectangular list: {exc}") from exc
-    if arr.size != math.prod(shape):
-        raise BadRequest(f"shape {list(shape)} holds {math.prod(shape)} elements but 'data' "
-                         f"has {arr.size}")
-    return arr.reshape(shape)
-
-
-def _binary_data(raw: bytes, size: Any, dtype: str, shape: tuple[int, ...]
-                 ) -> np.ndarray[Any, Any]:
-    wire = WIRE_DTYPES[dtype]
-    want = math.prod(shape) * wire.itemsize
-    if type(size) is not int or size != len(raw) or size != want:
-        raise BadRequest(f"binary_data_size {size!r}: the binary section has {len(raw)} bytes "
-                         f"and shape {list(shape)} of {V2_DATATYPES[dtype]} needs {want}")
-    if dtype == "bool":
-        flags: np.ndarray[Any, Any] = np.frombuffer(raw, dtype=np.uint8) != 0
-        return flags.reshape(shape)
-    return np.frombuffer(raw, dtype=wire).reshape(shape)
-
-
-def _tensor_data(tensor: dict[str, Any], binary: bytes, dtype: str, shape: tuple[int, ...]
-                 ) -> np.ndarray[Any, Any]:
-    params = _mapping(tensor.get("parameters"), "the input's 'parameters'")
-    if any(key.startswith("shared_memory") for key in params):
-        raise BadRequest("shared-memory inputs are not supported")
-    if "binary_data_size" in params:
-        return _binary_data(binary, params["binary_data_size"], dtype, shape)
-    if binary:
-        raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header but no "
-                         "input claims them (parameters.binary_data_size)")
-    return _json_data(tensor.get("data"), dtype, shape)
 
 
 def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo) -> np.ndarray[Any, Any]:
@@ -268,8 +237,8 @@ def input_tensor(data: dict[str, Any], info: ModelInfo, binary: bytes) -> np.nda
     checked once (kinds, ranges, NaN/inf) against the datatype."""
     tensor = _only_input(data, info)
     dtype = _dtype(tensor.get("datatype"), info)
-    shape = _shape(tensor.get("shape"))
-    arr = _tensor_data(tensor, binary, dtype, shape)
+    shape = shape_of(tensor.get("shape"))
+    arr = tensor_data(tensor, binary, dtype, shape)
     return _fit_model(TensorSpec(dtype, (None,) * len(shape)).check(arr), info)
 
 
@@ -286,7 +255,7 @@ def _binary_output(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
         if name != info.output_name:
             raise BadRequest(f"unknown output {name!r}: model {info.name!r} has one output "
                              f"{info.output_name!r}")
-        binary = bool(_mapping(output.get("parameters"), "an output's 'parameters'")
+        binary = bool(mapping(output.get("parameters"), "an output's 'parameters'")
                       .get("binary_data", binary))
     return binary
 
@@ -309,7 +278,7 @@ def parse_infer(raw: bytes, headers: body.Headers, info: ModelInfo, default_s: f
                 max_s: float) -> InferCall:
     header, binary = split_body(raw, headers)
     data = body.parse_json(header)
-    params = _mapping(data.get("parameters"), "'parameters'")
+    params = mapping(data.get("parameters"), "'parameters'")
     return InferCall(request_id=_request_id(data), tensor=input_tensor(data, info, binary),
                      timeout_s=timeout_s(headers, params, default_s, max_s),
                      binary_output=_binary_output(data, params, info),
@@ -492,13 +461,39 @@ class V2Api:
         arrived_ms, core = protocol.now_ms(), self.gateway.core
         headers = dict(request.headers.raw)
         info = await core.served(self._name(request), headers, arrived_ms)
-        call = parse_infer(await core.read(headers, request.receive), headers, info,
-                           core.model_default_s(info), core.config.max_timeout_s)
+        raw = await core.read(headers, request.receive)
+        if info.signature is not None:
+            return await self._infer_named(info, raw, headers, arrived_ms)
+        call = parse_infer(raw, headers, info, core.model_default_s(info),
+                           core.config.max_timeout_s)
         deadline_ms = core.deadline_ms(info, arrived_ms, call.timeout_s)
         sent = await core.submit_tensor(info, call.tensor, deadline_ms, call.priority)
         results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
         return infer_response(info, call, parts_of(len(call.tensor), [s for s, _ in sent],
                                                    list(results)))
+
+    async def _infer_named(self, info: ModelInfo, raw: bytes, headers: body.Headers,
+                           arrived_ms: int) -> Response:
+        """A model with named inputs and outputs (``v2_named``): multi-row requests of
+        maps input name -> rows."""
+        core = self.gateway.core
+        header, binary = split_body(raw, headers)
+        data = body.parse_json(header)
+        params = mapping(data.get("parameters"), "'parameters'")
+        doc: dict[str, Any] = {"model_name": info.name, "model_version": VERSION}
+        if (request_id := _request_id(data)) is not None:
+            doc["id"] = request_id
+        arrays = v2_named.input_arrays(data, info, binary)
+        chosen = v2_named.chosen_outputs(data, params, info)
+        deadline_ms = core.deadline_ms(info, arrived_ms, timeout_s(
+            headers, params, core.model_default_s(info), core.config.max_timeout_s))
+        priority = body.checked_priority(params.get("priority"), "parameters.priority", info)
+        starts, parts = v2_named.slices(arrays, core.client.pack_rows)
+        sent = await core.submit_parts(info, starts, parts, deadline_ms, priority)
+        results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
+        total = len(next(iter(arrays.values())))
+        replies = settle(total, parts_of(total, starts, list(results)))
+        return v2_named.respond(doc, chosen, replies, info, _timing_headers(replies))
 
 
 def v2_routes(gateway: Gateway) -> list[Route]:

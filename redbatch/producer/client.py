@@ -30,7 +30,10 @@ log = logging.getLogger("redbatch.producer")
 class Client:
     """Async client: ``predict``, ``submit`` (a future, like Ray's ``.remote()``),
     ``predict_many`` and ``submit_many`` (one pipelined round trip for many requests);
-    ``reply=True`` gives the whole ``Reply`` (timings, error code) for the output.
+    ``reply=True`` gives the whole ``Reply`` (timings, error code) for the output.  A
+    model with named inputs and outputs takes a dict input name -> value per request
+    (``predict("pair", {"x": x, "scale": 2.0})``; lists of dicts for the ``_many``
+    calls) and answers a dict output name -> value.
 
     Use ``async with Client(url) as client`` or call ``start``/``close``; the first
     request starts a client that was not started.  Numpy inputs of one shape and dtype
@@ -269,8 +272,9 @@ class Client:
         are in the futures), so that a caller pacing itself on the queue's depth sees
         them there.  Numpy inputs of one shape and dtype travel packed, as multi-row
         requests of up to ``pack_rows`` rows.  ``batched``: each input is
-        itself a batch of rows along its first dimension (1 to ``MAX_ROWS``), sent
-        whole as one multi-row request; its future resolves to the rows' outputs (or
+        itself a batch of rows along its first dimension (1 to ``MAX_ROWS``; for a
+        model with named inputs, a map input name -> rows), sent whole as one
+        multi-row request; its future resolves to the rows' outputs (or
         its ``Reply``, whose ``row_errors`` name the failed rows).  ``priority``: as
         for ``submit``, for every input."""
         if not inputs:
@@ -348,7 +352,10 @@ class Client:
 
 
 def _rows(batch: Any) -> int:
-    """The rows of a batch sent whole: its first dimension, 1 to ``MAX_ROWS``."""
+    """The rows of a batch sent whole: its first dimension, 1 to ``MAX_ROWS`` (of a
+    map of named inputs, its first input's; the worker checks the others)."""
+    if isinstance(batch, dict) and batch:
+        batch = next(iter(batch.values()))
     sized = isinstance(batch, list) or (isinstance(batch, np.ndarray) and batch.ndim > 0)
     rows = len(batch) if sized else 0
     if not 1 <= rows <= protocol.MAX_ROWS:

@@ -1,7 +1,8 @@
-"""Packing: many inputs of one shape and dtype travel as one multi-row request (the
-``rows`` field, ``docs/protocol.md`` §3.1), up to ``pack_rows`` rows and
-``PACK_BYTES`` each.  The client's requests of one flush (lone ``predict`` calls of
-one tick, and the inputs of a ``submit_many``) are packed here, so that the queue's
+"""Packing: many inputs of one shape and dtype (or maps of named inputs of the same
+names, shapes and dtypes) travel as one multi-row request (the ``rows`` field,
+``docs/protocol.md`` §3.1), up to ``pack_rows`` rows and ``PACK_BYTES`` each.  The
+client's requests of one flush (lone ``predict`` calls of one tick, and the inputs of
+a ``submit_many``) are packed here, so that the queue's
 per-entry costs (encoding, Redis, the worker's decode and encode) are paid once per
 pack instead of once per request.
 
@@ -114,15 +115,34 @@ def _keyed(requests: list[list[Request]], entries: list[list[bytes] | None], pac
 def _pack_key(request: Request) -> tuple[Any, ...] | None:
     """What a request must share with others to travel in one pack, if it may."""
     payload = request.payload
-    if type(payload) is not np.ndarray or request.rows or request.trace_id or \
-            pack_size(payload.nbytes, 2) < 2:
+    if type(payload) is not np.ndarray:
+        return _named_key(request) if type(payload) is dict else None
+    if request.rows or request.trace_id or pack_size(payload.nbytes, 2) < 2:
         return None
     return payload.shape, payload.dtype.str
 
 
+def _named_key(request: Request) -> tuple[Any, ...] | None:
+    """The pack key of a map of named inputs, all of them arrays (or numpy scalars):
+    their names, shapes and dtypes, in order."""
+    payload: dict[Any, Any] = request.payload
+    if request.rows or request.trace_id or not payload or not all(
+            type(value) is np.ndarray or isinstance(value, np.generic)
+            for value in payload.values()) or pack_size(_nbytes(payload), 2) < 2:
+        return None
+    return ("named", *((name, v.shape, v.dtype.str) for name, v in payload.items()))
+
+
+def _nbytes(payload: Any) -> int:
+    """A packable payload's bytes: an array's, or a map of named arrays' together."""
+    if isinstance(payload, dict):
+        return sum(value.nbytes for value in payload.values())
+    return int(payload.nbytes)
+
+
 def _packs(members: list[Member], fmt: Format, pack_rows: int, route_pack: RoutePack,
            failed: Failures) -> list[Unit]:
-    size = pack_size(members[0][1].payload.nbytes, pack_rows)
+    size = pack_size(_nbytes(members[0][1].payload), pack_rows)
     units: list[Unit] = []
     for chunk in _chunks(members, size):
         if len(chunk) == 1:  # a lone leftover travels as itself
@@ -160,7 +180,15 @@ def _pack_request(members: list[Request]) -> Request:
     return Request(id=protocol.new_request_id(), model=first.model,
                    enqueue_ms=min(m.enqueue_ms for m in members),
                    deadline_ms=min(m.deadline_ms for m in members), reply_to=first.reply_to,
-                   payload=np.stack([m.payload for m in members]), rows=len(members))
+                   payload=_stacked([m.payload for m in members]), rows=len(members))
+
+
+def _stacked(payloads: list[Any]) -> Any:
+    """The members' payloads as one multi-row payload: arrays stacked, or a map of
+    named arrays stacked input by input."""
+    if isinstance(payloads[0], dict):
+        return {name: np.stack([p[name] for p in payloads]) for name in payloads[0]}
+    return np.stack(payloads)
 
 
 def _add_alone(member: Member, fmt: Format, units: list[Unit], failed: Failures) -> None:

@@ -6,7 +6,9 @@ and reply_to can still be read); an expired request is answered with
 with ``invalid_payload``.  None of them reaches the model.
 
 A multi-row request (``rows``) becomes one item per row, gathered back into one
-reply by its ``Pack``; a row that does not match the spec fails alone.
+reply by its ``Pack``; a row that does not match the spec fails alone.  A model
+with named inputs (``Signature``) takes a map input name -> value per request,
+every field checked (a multi-row request: a map input name -> rows).
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
         return
     try:
         value = model.spec.check(request.payload, model.input_name) if model.spec \
+            else model.signature.check(request.payload) if model.signature \
             else request.payload
     except InvalidPayload as exc:
         out.early.append((request, fmt, exc))
@@ -141,6 +144,9 @@ def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
 def _decode_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> None:
     """One item per row of a multi-row request; rows that fail the spec fail alone."""
     rows = request.rows
+    if model.signature is not None:
+        _decode_named_rows(request, fmt, model, out)
+        return
     payload = _rows_array(request.payload)
     if payload is None or payload.ndim == 0 or payload.shape[0] != rows:
         out.early.append((request, fmt, InvalidPayload(
@@ -151,6 +157,24 @@ def _decode_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> N
     out.packs.append(pack)
     out.items.extend(Item(request, fmt, value, pack, row)
                      for row, value in _checked_rows(payload, model, pack))
+
+
+def _decode_named_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> None:
+    """A multi-row request of a model with named inputs: a map input name -> rows, one
+    item per row (each checked on its own, failing alone)."""
+    assert model.signature is not None
+    try:
+        values = model.signature.split_rows(request.payload, request.rows)
+    except InvalidPayload as exc:
+        out.early.append((request, fmt, exc))
+        return
+    pack = Pack(request, fmt, [None] * request.rows, {})
+    out.packs.append(pack)
+    for row, value in enumerate(values):
+        try:
+            out.items.append(Item(request, fmt, model.signature.check(value), pack, row))
+        except InvalidPayload as exc:
+            pack.errors[row] = exc
 
 
 def _rows_array(payload: Any) -> np.ndarray[Any, Any] | None:

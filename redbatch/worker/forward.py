@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.errors import ModelError, RedbatchError
-from redbatch.worker import cost, ragged
+from redbatch.worker import cost, named, ragged
 from redbatch.worker.autosize import AutoSizer
 from redbatch.worker.model import BatchFn, Model
 
@@ -62,10 +62,13 @@ class Forwarder:
         self._auto = model.inline is None and device == "cpu" and not model.is_async
         self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
         self._passes: list[int] = []  # items in each pass of ``run_batches`` since taken
-        spec = model.spec
+        self._sig = model.signature  # named inputs and outputs
+        spec = self._sig.length_spec if self._sig else model.spec
         self._spec = spec if spec is not None and spec.variable else None
+        self._length: Callable[[Any], int] = self._sig.length if self._sig else len
         self._pads = self._spec is not None and model.stack  # the worker pads its passes
-        self._trims = self._pads and ragged.trims(model.output_spec)
+        self._trims = self._pads and (bool(self._sig.per_token) if self._sig
+                                      else ragged.trims(model.output_spec))
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
         self._errors = ErrorLog(model.name)
         # ``auto_batch``: the learned pass sizes (shared by a runner's Forwarders), and
@@ -97,7 +100,8 @@ class Forwarder:
         if self._spec is None:
             return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
-        for length, indices in ragged.bucket_groups(inputs, self._spec).items():
+        for length, indices in ragged.bucket_groups(inputs, self._spec,
+                                                    self._length).items():
             await run_into(results, inputs, indices,
                            functools.partial(self._run_passes, length=length, limit=limit))
         return results
@@ -124,7 +128,7 @@ class Forwarder:
         self._passes.append(len(chunk))
         if self._pads and length is not None:
             self._padding[0] += length * len(chunk)
-            self._padding[1] += sum(len(item) for item in chunk)
+            self._padding[1] += sum(map(self._length, chunk))
         if not self.model.policy.auto_batch:
             return await self.run(chunk, length)
         self._timed = None
@@ -188,6 +192,8 @@ class Forwarder:
         variable-length model, ``(padded, lengths)``."""
         if not self.model.stack:
             return inputs
+        if self._sig is not None:
+            return named.stacked(inputs, self._sig, length if self._pads else None)
         if self._spec is not None and length is not None:
             return ragged.pad_batch(inputs, length, self._spec.pad_value)
         return np.stack(inputs)
@@ -203,8 +209,11 @@ class Forwarder:
             self._recent.append(pass_ms)
         if inline:  # let the heartbeat and replies run between inline passes (untimed)
             await asyncio.sleep(0)
-        rows = self._check_outputs(outputs, len(inputs))
-        rows = self._trim(rows, arg[1], length) if self._trims and length else rows
+        if self._sig is not None:
+            rows = self._named_rows(outputs, arg, len(inputs), length)
+        else:
+            rows = self._check_outputs(outputs, len(inputs))
+            rows = self._trim(rows, arg[1], length) if self._trims and length else rows
         self._timed = (len(inputs), pass_ms)
         return rows
 
@@ -215,6 +224,18 @@ class Forwarder:
                                 f"output_spec) but did not return {length} of them per "
                                 f"input for a pass padded to {length}")
         return trimmed
+
+    def _named_rows(self, outputs: Any, arg: Any, n: int, length: int | None
+                    ) -> list[Any]:
+        """One output map per input of a model with named outputs (``named``)."""
+        assert self._sig is not None
+        try:
+            rows = named.rows(outputs, self._sig, n, self.model.stack)
+            if self._trims and length:
+                rows = named.trimmed(rows, self._sig, arg[1], length)
+        except ValueError as exc:
+            raise ContractError(f"model {self.model.name!r} {exc}") from exc
+        return rows
 
     async def _pass(self, arg: Any, inline: bool) -> Any:
         if self.model.is_async:

@@ -16,7 +16,7 @@ from typing import Any
 
 from redbatch import defaults, knobs, levels, protocol
 from redbatch.errors import ConfigError
-from redbatch.spec import TensorSpec, model_meta
+from redbatch.spec import Signature, TensorSpec, model_meta
 from redbatch.worker.policy import BatchPolicy
 
 __all__ = ["BatchFn", "CostFn", "Loader", "Model", "batch"]
@@ -65,6 +65,14 @@ class Model:
     # budget, as Ray does.
     batch_size_fn: CostFn | None = None
     oversize: str = defaults.OVERSIZE
+    # Named inputs and outputs (``Signature``), instead of ``spec``: a request is a map
+    # input name -> value, a reply a map output name -> value; ``outputs`` as names,
+    # or names -> specs (``None`` first dimension: per-token, trimmed).  With
+    # ``stack=True`` the function gets a dict name -> stacked array (variable-length
+    # inputs: ``(dict, lengths)``) and returns a dict output name -> batched outputs;
+    # else a list of dicts, returning a list of dicts.
+    inputs: dict[str, TensorSpec] | None = None
+    outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None
     # Priority levels 1..priority_levels (1 most urgent; read at start): a request that
     # gives none takes ``default_priority``; ``priority_caps`` (a live knob) caps each
     # level's queue; a worker keeps ``priority_share`` of its claims for the levels
@@ -75,6 +83,7 @@ class Model:
     priority_share: float = defaults.PRIORITY_SHARE
     # The model's own values of the live knobs (``redbatch.knobs``), before overrides.
     knob_defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
+    signature: Signature | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         protocol.check_model_name(self.name)
@@ -92,6 +101,7 @@ class Model:
             raise ConfigError(f"model {self.name!r}: priority_share must be "
                               f"0..{MAX_PRIORITY_SHARE}, got {self.priority_share}")
         knobs.check_caps(knobs.check("priority_caps", self.priority_caps), self.priority_levels)
+        self.signature = self._signature()
         self.knob_defaults = self.knob_values()
 
     @property
@@ -99,6 +109,19 @@ class Model:
         """The model's priority levels, with the per-level caps in effect now."""
         caps = None if self.priority_caps is None else tuple(self.priority_caps)
         return levels.Levels(self.priority_levels, self.default_priority, caps)
+
+    def _signature(self) -> Signature | None:
+        """The named inputs and outputs, checked against the other fields."""
+        if self.inputs is None and self.outputs is None:
+            return None
+        if self.inputs is None or self.outputs is None:
+            raise ConfigError(f"model {self.name!r}: inputs and outputs go together (a "
+                              "model with one input has spec, input_name and output_name)")
+        if self.spec is not None or self.output_spec is not None:
+            raise ConfigError(f"model {self.name!r}: inputs and spec (or output_spec) are "
+                              "mutually exclusive: give each input its spec in inputs, "
+                              "each output its spec in outputs")
+        return Signature.of(self.inputs, self.outputs)
 
     def knob_values(self) -> dict[str, Any]:
         """The live knobs' values now: the policy's fields and the model's own."""
@@ -138,7 +161,7 @@ class Model:
                           policy=self.policy.to_json(),
                           limits={"max_queue_len": self.max_queue_len,
                                   "default_timeout_s": self.default_timeout_s},
-                          defaults=self.knob_defaults)
+                          defaults=self.knob_defaults, signature=self.signature)
         if self.priority_levels > 1:  # read by producers (LIVE_SUMMARY): levels, caps
             meta["priority"] = self.priorities.to_json()
             meta["limits"]["priority_caps"] = self.priority_caps
@@ -149,6 +172,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           batch_wait_timeout_s: float = defaults.BATCH_WAIT_TIMEOUT_S,
           stride_s: float = defaults.STRIDE_S,
           allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH, spec: TensorSpec | None = None,
+          inputs: dict[str, TensorSpec] | None = None,
+          outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None,
           input_name: str = defaults.INPUT_NAME, output_name: str = defaults.OUTPUT_NAME,
           stack: bool = False, timeout_s: float | None = None,
           output_spec: TensorSpec | None = None,
@@ -168,8 +193,9 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict).
     ``max_batch_cost``, ``batch_size_fn`` and ``oversize``: batches by cost (``Model``);
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
-    size per length bucket by measurement (both ``BatchPolicy``); ``priority_levels``,
-    ``default_priority``, ``priority_share``: priority levels (``Model``)."""
+    size per length bucket by measurement (both ``BatchPolicy``); ``inputs`` and
+    ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
+    ``default_priority``, ``priority_share``: priority levels (all ``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -178,7 +204,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,
-                     spec=spec, input_name=input_name, output_name=output_name, stack=stack,
+                     spec=spec, inputs=inputs, outputs=outputs, input_name=input_name,
+                     output_name=output_name, stack=stack,
                      output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize,
                      priority_levels=priority_levels, default_priority=default_priority,
                      priority_share=priority_share)

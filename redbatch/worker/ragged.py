@@ -10,6 +10,7 @@ their true lengths (int64)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,11 +18,13 @@ import numpy as np
 from redbatch.spec import TensorSpec
 
 
-def bucket_groups(inputs: list[Any], spec: TensorSpec) -> dict[int, list[int]]:
-    """Bucket length -> the indices of the inputs in it, shortest bucket first."""
+def bucket_groups(inputs: list[Any], spec: TensorSpec,
+                  length: Callable[[Any], int] = len) -> dict[int, list[int]]:
+    """Bucket length -> the indices of the inputs in it, shortest bucket first
+    (``length``: an input's length; a map of named inputs has its shared one)."""
     groups: dict[int, list[int]] = {}
     for i, value in enumerate(inputs):
-        groups.setdefault(spec.bucket_of(len(value)), []).append(i)
+        groups.setdefault(spec.bucket_of(length(value)), []).append(i)
     return dict(sorted(groups.items()))
 
 

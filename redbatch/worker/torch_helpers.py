@@ -4,12 +4,14 @@ worker serving plain Python models never loads it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from redbatch import defaults
+from redbatch.errors import ConfigError
 from redbatch.spec import TensorSpec
 from redbatch.worker.forward import ContractError
 from redbatch.worker.model import BatchFn, CostFn, Model
@@ -81,17 +83,62 @@ def torch_padded_fn(module: Callable[..., Any], device: str) -> BatchFn:
     return run
 
 
-def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec,
+def torch_named_fn(module: Callable[..., Any], device: str, outputs: Sequence[str]
+                   ) -> BatchFn:
+    """Wrap a module (already on ``device``) for named inputs: it is called with each
+    input as a keyword argument (a batched tensor on ``device``; with variable-length
+    inputs also ``lengths=``) and returns a dict of batched outputs (keys other than
+    ``outputs`` are dropped: a Hugging Face ``ModelOutput`` may hold more) or a tuple
+    of them in ``outputs`` order; they come back as numpy arrays."""
+    import torch
+
+    def run(arg: Any) -> Any:
+        batch, lengths = arg if isinstance(arg, tuple) else (arg, None)
+        kwargs = {name: to_device(torch.from_numpy(value), device)
+                  for name, value in batch.items()}
+        if lengths is not None:
+            kwargs["lengths"] = to_device(torch.from_numpy(lengths), device)
+        with torch.inference_mode():
+            returned = module(**kwargs)
+        if isinstance(returned, tuple | list):
+            returned = dict(zip(outputs, returned, strict=False))
+        if not isinstance(returned, Mapping):
+            return returned  # the worker names what is wrong
+        return {name: value.detach().cpu().numpy() if isinstance(value, torch.Tensor)
+                else value for name, value in returned.items() if name in outputs}
+
+    return run
+
+
+def _wrapper(spec: TensorSpec | None, inputs: dict[str, TensorSpec] | None,
+             outputs: dict[str, TensorSpec | None] | Sequence[str] | None
+             ) -> Callable[[Any, str], BatchFn]:
+    """How the module is called: one tensor, ``(padded, lengths)``, or keywords."""
+    if inputs is not None:
+        if "lengths" in inputs and any(s.variable for s in inputs.values()):
+            raise ConfigError("a torch model with variable-length inputs gets lengths= "
+                              "beside them: no input may be named 'lengths'")
+        return functools.partial(torch_named_fn, outputs=list(outputs or ()))
+    if spec is None:
+        raise ConfigError("torch_model needs a spec, or inputs and outputs")
+    return torch_padded_fn if spec.variable else torch_batch_fn
+
+
+def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec | None = None,
                 policy: BatchPolicy | None = None, *, input_name: str = defaults.INPUT_NAME,
                 output_name: str = defaults.OUTPUT_NAME,
                 output_spec: TensorSpec | None = None, batch_size_fn: CostFn | None = None,
-                oversize: str = defaults.OVERSIZE) -> Model:
+                oversize: str = defaults.OVERSIZE,
+                inputs: dict[str, TensorSpec] | None = None,
+                outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None) -> Model:
     """A ``Model`` whose ``build()`` returns a torch module, built inside the worker
     process, moved to its device and put in eval mode.  With a variable-length
     ``spec`` (``max_len``) the module's forward takes ``(padded, lengths)``; an
     ``output_spec`` whose first dimension is ``None`` has its outputs trimmed;
-    ``batch_size_fn`` and ``oversize``: batches by cost (``Model``)."""
-    wrap = torch_padded_fn if spec.variable else torch_batch_fn
+    ``batch_size_fn`` and ``oversize``: batches by cost (``Model``).  With named
+    ``inputs`` and ``outputs`` instead of ``spec``, the module takes its inputs as
+    keyword arguments (``torch_named_fn``)."""
+    wrap = _wrapper(spec, inputs, outputs)
 
     def load(device: str) -> BatchFn:
         resolved = resolve_device(device)
@@ -99,5 +146,6 @@ def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec,
         return wrap(module, resolved)
 
     return Model(name=name, loader=load, policy=policy or BatchPolicy(), spec=spec,
-                 input_name=input_name, output_name=output_name, stack=spec.variable,
+                 inputs=inputs, outputs=outputs, input_name=input_name,
+                 output_name=output_name, stack=spec is None or spec.variable,
                  output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize)

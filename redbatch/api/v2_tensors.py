@@ -1,0 +1,90 @@
+"""Reading v2 tensors: a datatype, a shape whose first dimension is the batch, and the
+data, as a JSON list or bytes of the binary data extension (``docs/v2.md``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from redbatch.codec import WIRE_DTYPES
+from redbatch.errors import BadRequest
+
+# redbatch (numpy) dtype -> v2 datatype; BYTES and BF16 are not supported.
+V2_DATATYPES: dict[str, str] = {
+    "bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32",
+    "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
+}
+DTYPES: dict[str, str] = {v2: dtype for dtype, v2 in V2_DATATYPES.items()}
+MAX_ROWS = 4096  # rows (requests) in one infer call
+MAX_DIMS = 32
+
+
+def mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where} must be a JSON object")
+    return value
+
+
+def shape_of(raw: Any) -> tuple[int, ...]:
+    ok = isinstance(raw, list) and 1 <= len(raw) <= MAX_DIMS and all(
+        type(d) is int and d >= 1 for d in raw)
+    if not ok:
+        raise BadRequest(f"'shape' must be a list of 1 to {MAX_DIMS} positive integers, "
+                         f"the first one the batch dimension; got {raw!r}")
+    if raw[0] > MAX_ROWS:  # each row is a request: bound the work one call can ask for
+        raise BadRequest(f"the batch dimension is {raw[0]}; one call may hold at most "
+                         f"{MAX_ROWS} rows")
+    return tuple(raw)
+
+
+def _json_data(data: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    if not isinstance(data, list):
+        raise BadRequest("the input needs 'data' (a list in row-major order) or "
+                         "parameters.binary_data_size")
+    try:
+        arr = np.asarray(data)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"'data' is not a flat or rectangular list: {exc}") from exc
+    if arr.size != math.prod(shape):
+        raise BadRequest(f"shape {list(shape)} holds {math.prod(shape)} elements but 'data' "
+                         f"has {arr.size}")
+    return arr.reshape(shape)
+
+
+def _binary_data(raw: bytes, size: Any, dtype: str, shape: tuple[int, ...]
+                 ) -> np.ndarray[Any, Any]:
+    wire = WIRE_DTYPES[dtype]
+    want = math.prod(shape) * wire.itemsize
+    if type(size) is not int or size != len(raw) or size != want:
+        raise BadRequest(f"binary_data_size {size!r}: the binary section has {len(raw)} bytes "
+                         f"and shape {list(shape)} of {V2_DATATYPES[dtype]} needs {want}")
+    if dtype == "bool":
+        flags: np.ndarray[Any, Any] = np.frombuffer(raw, dtype=np.uint8) != 0
+        return flags.reshape(shape)
+    return np.frombuffer(raw, dtype=wire).reshape(shape)
+
+
+def tensor_data(tensor: dict[str, Any], binary: bytes, dtype: str, shape: tuple[int, ...]
+                 ) -> np.ndarray[Any, Any]:
+    params = mapping(tensor.get("parameters"), "the input's 'parameters'")
+    if any(key.startswith("shared_memory") for key in params):
+        raise BadRequest("shared-memory inputs are not supported")
+    if "binary_data_size" in params:
+        return _binary_data(binary, params["binary_data_size"], dtype, shape)
+    if binary:
+        raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header but no "
+                         "input claims them (parameters.binary_data_size)")
+    return _json_data(tensor.get("data"), dtype, shape)
+
+
+def dtype_of(datatype: Any) -> str:
+    """The redbatch dtype of a v2 datatype, or ``BadRequest``."""
+    dtype = DTYPES.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise BadRequest(f"datatype {datatype!r} is not supported; use one of "
+                         f"{', '.join(sorted(DTYPES))}")
+    return dtype
