@@ -25,6 +25,7 @@ from redbatch import (
     InvalidPayload,
     Model,
     QueueFull,
+    batch,
     codec,
     lua,
     protocol,
@@ -32,7 +33,7 @@ from redbatch import (
     status_view,
 )
 from redbatch.config import WorkerConfig
-from redbatch.errors import InvalidKnob
+from redbatch.errors import ConfigError, InvalidKnob
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from tests.conftest import Proc, redbatch_cmd, test_env, wait_live
@@ -386,3 +387,11 @@ async def test_a_single_level_model_has_no_bell_and_one_queue(
     assert not any(k.endswith(":bell") or ":queue:p" in k for k in names), names
     assert "priority" not in orjson.loads(raw_redis.get(protocol.meta_key("plain")) or b"{}")
     assert np.all([b"bell" not in k for k in raw_redis.keys("*")])
+
+
+def test_batch_takes_the_per_level_caps() -> None:
+    model = batch(name="capped", priority_levels=2, priority_caps=[10, 2])(lambda xs: xs)
+    assert model.priority_caps == [10, 2]
+    assert model.meta()["limits"]["priority_caps"] == [10, 2]
+    with pytest.raises(ConfigError):  # one cap per level
+        batch(name="capped", priority_levels=2, priority_caps=[10])(lambda xs: xs)

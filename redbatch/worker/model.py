@@ -184,7 +184,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           auto_batch: bool = defaults.AUTO_BATCH,
           priority_levels: int = defaults.PRIORITY_LEVELS,
           default_priority: int = defaults.DEFAULT_PRIORITY,
-          priority_share: float = defaults.PRIORITY_SHARE
+          priority_share: float = defaults.PRIORITY_SHARE,
+          priority_caps: list[int] | None = None
           ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
@@ -195,7 +196,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
     size per length bucket by measurement (both ``BatchPolicy``); ``inputs`` and
     ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
-    ``default_priority``, ``priority_share``: priority levels (all ``Model``)."""
+    ``default_priority``, ``priority_share``, ``priority_caps``: priority levels (all
+    ``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -208,6 +210,6 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
                      output_name=output_name, stack=stack,
                      output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize,
                      priority_levels=priority_levels, default_priority=default_priority,
-                     priority_share=priority_share)
+                     priority_share=priority_share, priority_caps=priority_caps)
 
     return wrap
