@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
 
+MAX_BUCKETS = 64  # boundaries in a live ``buckets`` list
+MAX_BUCKET_LEN = 1 << 20  # the longest bucket boundary
+
+
 @dataclass(frozen=True)
 class Knob:
     """One live knob: ``kind`` (int, float or bool), the range ``low..high`` (``low``
@@ -36,6 +40,8 @@ class Knob:
     nullable: bool = False
     part: str = "policy"
     label: str = ""
+    max_items: int = protocol.MAX_PRIORITY_LEVELS  # a list knob's longest list
+    increasing: bool = False  # a list knob's items must increase strictly
 
 
 KNOBS: dict[str, Knob] = {
@@ -50,6 +56,9 @@ KNOBS: dict[str, Knob] = {
     "max_queue_len": Knob(int, 1, nullable=True, part="model"),
     # a list of one int per priority level (its length is checked against the model's)
     "priority_caps": Knob(list, 1, nullable=True, part="model"),
+    # the length buckets of a variable-length model (its spec's own by default)
+    "buckets": Knob(list, 1, MAX_BUCKET_LEN, nullable=True, part="model",
+                    max_items=MAX_BUCKETS, increasing=True),
 }
 
 
@@ -71,6 +80,8 @@ def check_range(name: str, value: Any) -> None:
     if knob.kind is list:
         for item in value:
             check_range_item(name, knob, item)
+        if knob.increasing and list(value) != sorted(set(value)):
+            raise InvalidKnob(f"{name} must increase strictly, got {value}")
         return
     check_range_item(name, knob, value)
 
@@ -82,13 +93,17 @@ def check_range_item(name: str, knob: Knob, value: Any) -> None:
         raise InvalidKnob(f"{knob.label or name} must be {_range_text(knob)}, got {value}")
 
 
-_KIND_TEXT = {int: "an integer", float: "a number", bool: "true or false",
-              list: f"a list of 1-{protocol.MAX_PRIORITY_LEVELS} integers"}
+_KIND_TEXT = {int: "an integer", float: "a number", bool: "true or false"}
 
 
-def _is_kind(value: Any, kind: type) -> bool:
+def _kind_text(knob: Knob) -> str:
+    return f"a list of 1-{knob.max_items} integers" if knob.kind is list else \
+        _KIND_TEXT[knob.kind]
+
+
+def _is_kind(value: Any, kind: type, max_items: int = 0) -> bool:
     if kind is list:
-        return isinstance(value, list) and 1 <= len(value) <= protocol.MAX_PRIORITY_LEVELS \
+        return isinstance(value, list) and 1 <= len(value) <= max_items \
             and all(_is_kind(item, int) for item in value)
     if isinstance(value, bool):
         return kind is bool
@@ -102,8 +117,8 @@ def check(name: str, value: Any) -> Any:
     knob = KNOBS[name]
     if value is None and knob.nullable:
         return None
-    if not _is_kind(value, knob.kind):
-        raise InvalidKnob(f"{name} must be {_KIND_TEXT[knob.kind]}, got {value!r}")
+    if not _is_kind(value, knob.kind, knob.max_items):
+        raise InvalidKnob(f"{name} must be {_kind_text(knob)}, got {value!r}")
     check_range(name, value)
     return float(value) if knob.kind is float else value
 
@@ -142,6 +157,14 @@ def check_caps(caps: list[int] | None, levels: int) -> None:
     if caps is not None and len(caps) != levels:
         raise InvalidKnob(f"priority_caps must be null or a list of {levels} integers >= 1 "
                           f"(one per priority level of the model), got {caps!r}")
+
+
+def check_buckets(buckets: list[int] | None, own: list[int] | None) -> None:
+    """``InvalidKnob`` when ``buckets`` is set for a model without a variable length
+    (whose own ``buckets`` is None)."""
+    if buckets is not None and own is None:
+        raise InvalidKnob("buckets is for a model with a variable-length input "
+                          "(a TensorSpec with max_len)")
 
 
 def effective(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,6 +244,7 @@ async def configure(redis: aioredis.Redis, model: str, changes: Mapping[str, Any
     overrides = {k: v for k, v in overrides.items() if v is not None}
     values = effective(base, overrides)
     check_caps(values.get("priority_caps"), base["priority_levels"])
+    check_buckets(values.get("buckets"), base.get("buckets"))
     await _store(redis, model, checked, reset)
     return {"overrides": overrides, "effective": values}
 

@@ -7,12 +7,14 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 import redis
 
-from redbatch import Client, ConfigError, Model, protocol
+from redbatch import Client, ConfigError, Model, TensorSpec, protocol
 from redbatch.cli import main
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.errors import InvalidKnob, UnknownModel
@@ -243,3 +245,32 @@ def test_a_policy_refuses_none_for_a_knob_that_is_not_nullable(name: str) -> Non
 
     with pytest.raises(InvalidKnob, match=f"{name}.* must be .*got None"):
         BatchPolicy(**{name: None})
+
+
+async def test_buckets_change_live_and_only_for_a_variable_length_model(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    groups: list[list[int]] = []
+
+    def lengths(items: list[Any]) -> list[int]:
+        groups.append(sorted(len(x) for x in items))
+        return [len(x) for x in items]
+
+    tokens = TensorSpec("int64", (None,), max_len=64)
+    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2)
+    start_worker([Model("live-buckets", fn=lengths, spec=tokens, policy=policy),
+                  recording("fixed-size", [])], config=BEATING)
+    await wait_live(redis_url, "live-buckets")
+    inputs = [np.zeros(n, np.int64) for n in (3, 60, 5, 33)]
+    async with Client(redis_url, require_workers=False) as client:
+        assert await client.predict_many("live-buckets", inputs, timeout_s=10) == [3, 60, 5, 33]
+        assert sorted(groups) == [[3], [5], [33, 60]]  # powers of two: 4, 8, 64
+        answer = await client.configure("live-buckets", buckets=[64])
+        assert answer["effective"]["buckets"] == [64]
+        await asyncio.sleep(2.0)  # applied within 2 s
+        groups.clear()
+        assert await client.predict_many("live-buckets", inputs, timeout_s=10) == [3, 60, 5, 33]
+        assert groups == [[3, 5, 33, 60]]  # one bucket: one pass
+        with pytest.raises(InvalidKnob, match="variable-length"):
+            await client.configure("fixed-size", buckets=[8])
+        with pytest.raises(InvalidKnob, match="increase strictly"):
+            await client.configure("live-buckets", buckets=[16, 8])

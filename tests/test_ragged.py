@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from redbatch import TensorSpec
+from redbatch import TensorSpec, knobs
 from redbatch.demo import TOKENS, echo_tokens, models
 from redbatch.errors import ConfigError, InvalidPayload
 from redbatch.producer import Client
@@ -241,3 +241,32 @@ async def test_a_list_model_gets_same_bucket_groups_unpadded() -> None:
     assert outputs == [3, 100, 4, 70, 1]
     assert seen == [[1], [3, 4], [100, 70]]
     assert fwd.take_padding() == (0, 0)  # the worker padded nothing
+
+
+async def test_live_buckets_regroup_the_next_batches() -> None:
+    seen: list[list[int]] = []
+
+    def lengths(items: list[Any]) -> list[int]:
+        seen.append([len(x) for x in items])
+        return [len(x) for x in items]
+
+    model = Model("lens", fn=lengths, spec=TOKENS)
+    assert model.buckets == list(TOKENS.boundaries) == model.meta()["limits"]["buckets"]
+    inputs = [np.zeros(n, np.int64) for n in (3, 100, 4, 70, 1)]
+    with ThreadPoolExecutor(1) as executor:
+        fwd = Forwarder(model, model.bind("cpu"), executor)
+        model.apply_knobs({"buckets": [8, 128]})
+        assert await fwd.run_batches(inputs) == [3, 100, 4, 70, 1]
+        assert seen == [[3, 4, 1], [100, 70]]
+        model.apply_knobs({"buckets": [512]})  # one bucket: one pass
+        await fwd.run_batches(inputs)
+        assert seen[2:] == [[3, 100, 4, 70, 1]]
+
+
+def test_buckets_are_only_for_a_variable_length_model() -> None:
+    fixed = Model("fixed", fn=list, spec=TensorSpec("float32", (4,)))
+    assert fixed.buckets is None and "buckets" not in fixed.meta()["limits"]
+    with pytest.raises(ConfigError, match="variable-length"):
+        fixed.apply_knobs({"buckets": [8]})
+    with pytest.raises(ConfigError, match="increase strictly"):
+        Model("lens", fn=list, spec=TOKENS).apply_knobs(knobs.effective({}, {"buckets": [8, 8]}))

@@ -4,6 +4,7 @@ and, when a batch raises, bisect it so that only the culprit items fail."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.errors import ModelError, RedbatchError
+from redbatch.spec import TensorSpec
 from redbatch.worker import cost, named, ragged
 from redbatch.worker.autosize import AutoSizer
 from redbatch.worker.model import BatchFn, Model
@@ -63,8 +65,9 @@ class Forwarder:
         self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
         self._passes: list[int] = []  # items in each pass of ``run_batches`` since taken
         self._sig = model.signature  # named inputs and outputs
-        spec = self._sig.length_spec if self._sig else model.spec
-        self._spec = spec if spec is not None and spec.variable else None
+        self._spec = model.length_spec
+        self._bucketed = self._spec  # with the live ``buckets`` knob applied...
+        self._bucketed_by: tuple[int, ...] = ()  # ...which held these buckets
         self._length: Callable[[Any], int] = self._sig.length if self._sig else len
         self._pads = self._spec is not None and model.stack  # the worker pads its passes
         self._trims = self._pads and (bool(self._sig.per_token) if self._sig
@@ -100,11 +103,21 @@ class Forwarder:
         if self._spec is None:
             return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
-        for length, indices in ragged.bucket_groups(inputs, self._spec,
+        for length, indices in ragged.bucket_groups(inputs, self._bucketing(),
                                                     self._length).items():
             await run_into(results, inputs, indices,
                            functools.partial(self._run_passes, length=length, limit=limit))
         return results
+
+    def _bucketing(self) -> TensorSpec:
+        """The variable-length spec with the buckets in effect (``Model.buckets``, a
+        live knob), rebuilt only when they change."""
+        assert self._spec is not None and self._bucketed is not None
+        wanted = tuple(self.model.buckets or self._spec.boundaries)
+        if wanted != self._bucketed_by:
+            self._bucketed = dataclasses.replace(self._spec, buckets=wanted)
+            self._bucketed_by = wanted
+        return self._bucketed
 
     async def _run_passes(self, inputs: list[Any], length: int | None, limit: float | None
                           ) -> list[Any]:

@@ -81,6 +81,9 @@ class Model:
     default_priority: int = defaults.DEFAULT_PRIORITY
     priority_caps: list[int] | None = None
     priority_share: float = defaults.PRIORITY_SHARE
+    # The length buckets in effect (a live knob): the variable-length spec's boundaries
+    # to start with (None: no variable-length input).
+    buckets: list[int] | None = field(init=False, default=None)
     # The model's own values of the live knobs (``redbatch.knobs``), before overrides.
     knob_defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
     signature: Signature | None = field(init=False, repr=False, compare=False)
@@ -102,7 +105,15 @@ class Model:
                               f"0..{MAX_PRIORITY_SHARE}, got {self.priority_share}")
         knobs.check_caps(knobs.check("priority_caps", self.priority_caps), self.priority_levels)
         self.signature = self._signature()
+        length_spec = self.length_spec
+        self.buckets = list(length_spec.boundaries) if length_spec is not None else None
         self.knob_defaults = self.knob_values()
+
+    @property
+    def length_spec(self) -> TensorSpec | None:
+        """The variable-length spec whose buckets group requests, if any."""
+        spec = self.signature.length_spec if self.signature else self.spec
+        return spec if spec is not None and spec.variable else None
 
     @property
     def priorities(self) -> levels.Levels:
@@ -134,6 +145,7 @@ class Model:
         that does not hold together raises ``ConfigError`` and changes nothing."""
         split = knobs.parts(values)
         knobs.check_caps(split["model"].get("priority_caps"), self.priority_levels)
+        knobs.check_buckets(split["model"].get("buckets"), self.knob_defaults["buckets"])
         policy = dataclasses.replace(self.policy, **split["policy"])
         self.policy = policy
         for name, value in split["model"].items():
@@ -165,6 +177,8 @@ class Model:
         if self.priority_levels > 1:  # read by producers (LIVE_SUMMARY): levels, caps
             meta["priority"] = self.priorities.to_json()
             meta["limits"]["priority_caps"] = self.priority_caps
+        if self.buckets is not None:  # a variable-length model: the buckets in effect
+            meta["limits"]["buckets"] = self.buckets
         return meta
 
 
