@@ -90,6 +90,14 @@ class LiveCache:
             flight.add_done_callback(lambda done: self._landed(model, done))
         return await asyncio.shield(flight)  # a caller's cancellation spares the others'
 
+    async def aclose(self) -> None:
+        """Cancel the reads in flight (their callers may have gone: a shielded read
+        outlives them) and wait for them, before the connection pool closes."""
+        flights = list(self._flights.values())
+        for flight in flights:
+            flight.cancel()
+        await asyncio.gather(*flights, return_exceptions=True)
+
     def _landed(self, model: str, flight: asyncio.Task[LiveSummary]) -> None:
         if self._flights.get(model) is flight:
             del self._flights[model]

@@ -42,6 +42,10 @@ class Admission:
         self.max_queue_len = max_queue_len
         self._live = LiveCache(redis, REFRESH_S)  # one read per model per REFRESH_S
 
+    async def aclose(self) -> None:
+        """Stop the live-worker reads in flight (``LiveCache.aclose``)."""
+        await self._live.aclose()
+
     def limit(self, own: int | None = None) -> int:
         """The cap of a queue: the model's ``own`` (a caller's) if lower than this
         process's ``max_queue_len``."""

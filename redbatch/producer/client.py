@@ -108,7 +108,8 @@ class Client:
         if self._listener is not None:
             await self._listener.stop()
             self._listener = None
-        if self._redis is not None:
+        if self._redis is not None:  # started: the admission's reads end first
+            await self._admission.aclose()
             await self._redis.aclose()
             self._redis = None
 
