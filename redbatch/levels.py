@@ -85,10 +85,11 @@ def from_section(data: Any) -> Levels:
     one level when there is none or it cannot be read."""
     try:
         count, default = int(data["levels"]), int(data["default"])
+        check_levels("", count, default)  # a corrupt or foreign meta: one level
         caps = data.get("caps")
         return Levels(count, default, tuple(int(c) for c in caps)
                       if isinstance(caps, list) and len(caps) == count else None)
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError):
         return ONE
 
 

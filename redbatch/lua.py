@@ -234,8 +234,8 @@ for i = 5 + nq, 6, -1 do
 end
 if nq > 0 then
   redis.call('PEXPIRE', KEYS[2], {protocol.QUEUE_TTL_S * 1000})
-  if KEYS[7] ~= KEYS[2] and redis.call('EXISTS', KEYS[7]) == 0 then
-    redis.call('RPUSH', KEYS[7], 1)
+  if KEYS[7] ~= KEYS[2] then  -- ring the bell, and keep it as long as the queue
+    if redis.call('EXISTS', KEYS[7]) == 0 then redis.call('RPUSH', KEYS[7], 1) end
     redis.call('PEXPIRE', KEYS[7], {protocol.QUEUE_TTL_S * 1000})
   end
 end

@@ -395,3 +395,22 @@ def test_batch_takes_the_per_level_caps() -> None:
     assert model.meta()["limits"]["priority_caps"] == [10, 2]
     with pytest.raises(ConfigError):  # one cap per level
         batch(name="capped", priority_levels=2, priority_caps=[10])(lambda xs: xs)
+
+
+async def test_one_level_failing_fails_only_its_own_requests(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """A flush spans levels: Redis refusing level 2's push (its queue key is a string)
+    fails level 2's requests, not those it queued at level 1 in the same flush."""
+    raw_redis.set(protocol.meta_key("split"), orjson.dumps(
+        {"name": "split", "priority": {"levels": 2, "default": 2, "caps": None}}))
+    raw_redis.set(protocol.queue_key("split"), b"not a list")  # level 2, the default
+    async with Client(redis_url, require_workers=False) as client:
+        await client.submit("split", 0, timeout_s=5, priority=1)  # levels now cached
+        urgent, backfill = await asyncio.gather(
+            client.submit("split", 1, timeout_s=5, priority=1),
+            client.submit("split", 2, timeout_s=5, priority=2))
+        await asyncio.wait([backfill], timeout=5)
+        assert backfill.done() and "WRONGTYPE" in str(backfill.exception())
+        await until(lambda: raw_redis.llen(protocol.queue_key("split", 1)) == 2)
+        assert not urgent.done()  # queued, waiting for a worker
+        urgent.cancel()

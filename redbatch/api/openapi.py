@@ -278,7 +278,8 @@ def _v2_schemas() -> dict[str, Schema]:
                                  "description": "priority level, 1 most urgent; 0: the "
                                                 "model's default"},
                     "binary_data_output": {"type": "boolean"}}},
-                "inputs": {"type": "array", "minItems": 1, "maxItems": 1,
+                "inputs": {"type": "array", "minItems": 1,
+                           "description": "one per input of the model",
                            "items": _ref("InferInputTensor")},
                 "outputs": {"type": "array", "items": _ref("RequestedOutput")}}},
         "InferResponse": {

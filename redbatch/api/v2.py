@@ -493,7 +493,7 @@ class V2Api:
         results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
         total = len(next(iter(arrays.values())))
         replies = settle(total, parts_of(total, starts, list(results)))
-        return v2_named.respond(doc, chosen, replies, info, _timing_headers(replies))
+        return v2_named.respond(doc, chosen, replies, info, _timing_headers(replies), total)
 
 
 def v2_routes(gateway: Gateway) -> list[Route]:

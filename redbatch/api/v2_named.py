@@ -164,13 +164,21 @@ def _rows_of(reply: Reply) -> list[Any]:
     return reply.payload
 
 
+def _all_rows(replies: list[Reply], total: int) -> list[Any]:
+    """Every row's output map, in order; ``ModelError`` unless there are ``total``."""
+    rows = [row for reply in replies for row in _rows_of(reply)]
+    if len(rows) != total:
+        raise ModelError(f"the replies to {total} rows held {len(rows)} outputs")
+    return rows
+
+
 def respond(doc: dict[str, Any], chosen: dict[str, bool], replies: list[Reply],
-            info: ModelInfo, headers: dict[str, str]) -> Response:
-    """The v2 answer: ``doc`` with one output per chosen name; binary ones after the
-    JSON header, in that order."""
+            info: ModelInfo, headers: dict[str, str], total: int) -> Response:
+    """The v2 answer to ``total`` rows: ``doc`` with one output per chosen name; binary
+    ones after the JSON header, in that order."""
     outputs: list[dict[str, Any]] = []
     binary: list[bytes] = []
-    rows = [row for reply in replies for row in _rows_of(reply)]
+    rows = _all_rows(replies, total)
     for name, as_binary in chosen.items():
         arr = _stacked(name, rows, _signature(info))
         output: dict[str, Any] = {"name": name, "datatype": V2_DATATYPES[arr.dtype.name],

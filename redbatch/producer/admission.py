@@ -107,13 +107,14 @@ class Admission:
                          f"drain rate {rate:.0f}/s)", retry_s)
 
     async def level_full(self, model: str, level: int, depths: tuple[int, int], cap: int,
-                         level_cap: int | None) -> QueueFull:
+                         level_cap: int | None, own: int | None = None) -> QueueFull:
         """The error for a request refused at priority ``level``: ``depths`` are the
         entries queued at that level and above, and at that level alone; Retry-After
-        from the drain rate of the former (all that is served before it)."""
-        ahead, own = depths
-        full = await self.queue_full(model, ahead, cap)
-        if level_cap is not None and own >= level_cap:
-            return QueueFull(f"queue of model {model!r} at priority {level} is full ({own} "
+        from the drain rate of the former (all that is served before it).  ``own``: the
+        caller's queue cap, as for ``queue_full``."""
+        ahead, at_level = depths
+        full = await self.queue_full(model, ahead, cap, own)
+        if level_cap is not None and at_level >= level_cap:
+            return QueueFull(f"queue of model {model!r} at priority {level} is full ({at_level} "
                              f"queued at that level, its cap {level_cap})", full.retry_after_s)
         return QueueFull(f"{full} at priority {level}", full.retry_after_s)

@@ -69,7 +69,8 @@ class Enqueuer:
         self._fmt: Format = fmt
         self._pack_rows = pack_rows
         self._route_pack = route_pack
-        self._script = redis.register_script(lua.ENQUEUE)
+        self._scripts = {source: redis.register_script(source)
+                         for source in (lua.ENQUEUE, lua.ENQUEUE_LEVEL)}
         self._link = LeanLink(redis)
         self._pending: dict[str, list[Push]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -130,12 +131,22 @@ class Enqueuer:
             level = push.level if 0 < push.level <= levels.count else levels.default
             groups.setdefault(level, []).append(index)  # (levels may change under a push)
         results = await asyncio.gather(*(
-            self._send_level(model, [pushes[i] for i in indices], level, levels)
+            self._send_group(model, [pushes[i] for i in indices], level, levels)
             for level, indices in groups.items()))
         failed: Failures = {}
         for indices, part in zip(groups.values(), results, strict=True):
             failed.update({indices[i]: errors for i, errors in part.items()})
         return failed
+
+    async def _send_group(self, model: str, pushes: list[Push], level: int, levels: Levels
+                          ) -> Failures:
+        """One level's pushes of a multi-level flush: an error fails those alone (the
+        other levels' requests may be queued already)."""
+        try:
+            async with translated(self._settings):
+                return await self._send_level(model, pushes, level, levels)
+        except Exception as exc:
+            return {i: [(r.id, exc) for r in push.requests] for i, push in enumerate(pushes)}
 
     async def _plan(self, model: str, pushes: list[Push]) -> tuple[list[Unit], Failures]:
         """The flush's entries (same-shape requests packed, while the model's workers
@@ -160,7 +171,7 @@ class Enqueuer:
             return units[accepted:], await self._admission.queue_full(model, depths[0], cap,
                                                                       own)
         return units[accepted:], await self._admission.level_full(
-            model, level, (depths[0], depths[1]), cap, levels.cap(level))
+            model, level, (depths[0], depths[1]), cap, levels.cap(level), own)
 
     async def _run(self, model: str, target: Target, requests: list[Request],
                    entries: list[bytes]) -> tuple[int, list[int]]:
@@ -184,8 +195,7 @@ class Enqueuer:
         if len(calls) == 1:
             accepted, *depths = await self._link.script(target.source, *calls[0])
             return int(accepted), [int(d) for d in depths]
-        script = self._script if target.source == lua.ENQUEUE else \
-            self._redis.register_script(target.source)
+        script = self._scripts[target.source]
         async with self._redis.pipeline(transaction=True) as pipe:
             for keys, args in calls:
                 await script(keys=keys, args=args, client=pipe)

@@ -175,12 +175,14 @@ def _chunks(members: list[Member], size: int) -> list[list[Member]]:
 
 
 def _pack_request(members: list[Request]) -> Request:
-    """One request for ``members``: the earliest enqueue time and deadline among them."""
+    """One request for ``members`` (of one priority level: a flush packs each level's
+    apart): the earliest enqueue time and deadline among them."""
     first = members[0]
     return Request(id=protocol.new_request_id(), model=first.model,
                    enqueue_ms=min(m.enqueue_ms for m in members),
                    deadline_ms=min(m.deadline_ms for m in members), reply_to=first.reply_to,
-                   payload=_stacked([m.payload for m in members]), rows=len(members))
+                   payload=_stacked([m.payload for m in members]), rows=len(members),
+                   priority=first.priority)
 
 
 def _stacked(payloads: list[Any]) -> Any:

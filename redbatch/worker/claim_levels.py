@@ -19,6 +19,7 @@ anyway pay the credit back.  Under saturating urgent load the lower levels still
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -43,7 +44,6 @@ class LevelClaimer(Claimer):
         self.share = share
         self.credit = 0.0  # slots owed to the lower levels
         self._turn = 0  # which lower level the next reserved slot goes to first
-        self.served: dict[int, int] = {}  # entries claimed per level, since start
 
     def _claim(self, count: int) -> tuple[Any, ...]:
         return ("EVALSHA", _SHA, 2 + len(self.queues), self.bell, self.inflight,
@@ -60,23 +60,37 @@ class LevelClaimer(Claimer):
         return list(items)
 
     async def _take(self, count: int) -> list[bytes]:
-        try:
-            reply, exists = await self._link.pipeline(self._claim(count),
-                                                      ("EXISTS", self.cancelled))
-        except NoScriptError:  # Redis lost its scripts (a restart): the claim did not run
-            await self._link.execute("SCRIPT", "LOAD", self.script)
-            return await self._take(count)
+        reply, exists = await self._reloading(self._claim(count), ("EXISTS", self.cancelled))
         return self._claimed(reply, exists)
 
     async def _block(self, timeout_s: float, count: int, wake_at_ms: int | None = None
                      ) -> list[bytes]:
-        """Wait on the bell, then claim from the level queues (one write)."""
-        timeout: Any = max(timeout_s, MIN_BLOCK_S)
+        """Wait on the bell, then claim from the level queues (one write).  A bell that
+        rang for entries another worker claimed first waits again for the time left
+        (an empty answer would read as a quiet gap and close the batch window)."""
+        until = time.monotonic() + timeout_s
+        while True:
+            timeout: Any = max(until - time.monotonic(), MIN_BLOCK_S)
+            try:
+                rang, reply, exists = await self._blocking(
+                    wake_at_ms, ("BLMOVE", self.bell, self.bell, "LEFT", "RIGHT", timeout),
+                    self._claim(count), ("EXISTS", self.cancelled))
+            except NoScriptError:  # the wait ran, the claim did not: claim now
+                await self._link.execute("SCRIPT", "LOAD", self.script)
+                return await self._take(count)
+            items = self._claimed(reply, exists)
+            if items or rang is None or time.monotonic() >= until or self._woken(wake_at_ms):
+                return items
+
+    @staticmethod
+    def _woken(wake_at_ms: int | None) -> bool:
+        return wake_at_ms is not None and protocol.now_ms() >= wake_at_ms
+
+    async def _reloading(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """``commands`` in one write; once more after loading the script if Redis lost
+        it (a restart: the claim did not run)."""
         try:
-            _rang, reply, exists = await self._blocking(
-                wake_at_ms, ("BLMOVE", self.bell, self.bell, "LEFT", "RIGHT", timeout),
-                self._claim(count), ("EXISTS", self.cancelled))
+            return await self._link.pipeline(*commands)
         except NoScriptError:
             await self._link.execute("SCRIPT", "LOAD", self.script)
-            return await self._take(count)
-        return self._claimed(reply, exists)
+            return await self._link.pipeline(*commands)
