@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from redbatch import protocol
+from redbatch import levels, protocol
 from redbatch.errors import InvalidKnob, UnknownModel
 
 if TYPE_CHECKING:
@@ -216,14 +216,9 @@ async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict
     if not meta:
         raise UnknownModel(f"unknown model {model!r}: no worker serves it")
     data = orjson.loads(meta)
-    base = {**model_defaults(data), "priority_levels": _levels(data)}
+    base = {**model_defaults(data),
+            "priority_levels": levels.from_section(data.get("priority")).count}
     return base, decode_stored(raw)[0]
-
-
-def _levels(meta: Mapping[str, Any]) -> int:
-    """A model's priority levels, from its meta (1: none published)."""
-    section = meta.get("priority")
-    return int(section.get("levels", 1)) if isinstance(section, dict) else 1
 
 
 async def show(redis: aioredis.Redis, model: str) -> dict[str, Any]:

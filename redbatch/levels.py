@@ -43,10 +43,6 @@ class Levels:
         """Level ``level``'s own queue cap, if it has one."""
         return None if self.caps is None else self.caps[level - 1]
 
-    def queue(self, model: str, level: int) -> str:
-        """Level ``level``'s queue: the default level keeps the plain queue."""
-        return protocol.queue_key(model, 0 if level == self.default else level)
-
     def queues(self, model: str) -> list[str]:
         """Every level's queue, most urgent first."""
         return protocol.level_queues(model, self.count, self.default)

@@ -29,7 +29,7 @@ async def queue_of(redis: aioredis.Redis, model: str, priority: int | None) -> s
     """The queue that ``model``'s requests of ``priority`` go to (a model of several
     priority levels has one per level; ``InvalidPayload`` for a level it lacks)."""
     levels = of_meta(await redis.get(protocol.meta_key(model)))
-    return levels.queue(model, levels.resolve(model, priority))
+    return levels.queues(model)[levels.resolve(model, priority) - 1]
 
 
 async def wait_for_room(redis: aioredis.Redis, key: str, low_water: int,
