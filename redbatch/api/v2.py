@@ -26,19 +26,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from redbatch import __version__, protocol
-from redbatch.api import body, v2_named
+from redbatch.api import body, v2_named, v2_tensors
 from redbatch.api.directory import ModelInfo
 from redbatch.api.errors import retry_headers, status_of
 from redbatch.api.v2_repo import RepositoryApi
 from redbatch.api.v2_tensors import (
-    MAX_DIMS,
     V2_DATATYPES,
     dtype_of,
     mapping,
     shape_of,
     tensor_data,
 )
-from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import (
     BadRequest,
     ModelError,
@@ -348,10 +346,7 @@ def stack_outputs(parts: list[Part]) -> np.ndarray[Any, Any]:
         arr = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
     except (ValueError, TypeError) as exc:
         raise ModelError(f"the rows' outputs do not stack into one tensor: {exc}") from exc
-    if arr.dtype.name not in V2_DATATYPES or arr.ndim > MAX_DIMS:
-        raise ModelError(f"the model's output ({arr.dtype.name}, {arr.ndim} dims) cannot be "
-                         "a v2 tensor")
-    return np.ascontiguousarray(arr, dtype=WIRE_DTYPES[arr.dtype.name])
+    return v2_tensors.as_output(arr, "the model's output")
 
 
 def _timing_headers(replies: list[Reply]) -> dict[str, str]:

@@ -19,7 +19,6 @@ from starlette.responses import Response
 from redbatch.api import v2_tensors
 from redbatch.api.directory import ModelInfo
 from redbatch.api.v2_tensors import V2_DATATYPES, mapping
-from redbatch.codec import WIRE_DTYPES
 from redbatch.errors import BadRequest, InvalidPayload, ModelError
 from redbatch.producer import packing
 from redbatch.protocol import Reply
@@ -150,10 +149,7 @@ def _stacked(name: str, rows: list[Any], signature: Signature) -> np.ndarray[Any
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise ModelError(f"the rows' outputs {name!r} do not stack into one tensor: "
                          f"{exc!r}") from exc
-    if arr.dtype.name not in V2_DATATYPES or arr.ndim > v2_tensors.MAX_DIMS:
-        raise ModelError(f"output {name!r} ({arr.dtype.name}, {arr.ndim} dims) cannot be a "
-                         "v2 tensor")
-    return np.ascontiguousarray(arr, dtype=WIRE_DTYPES[arr.dtype.name])
+    return v2_tensors.as_output(arr, f"output {name!r}")
 
 
 def _rows_of(reply: Reply) -> list[Any]:

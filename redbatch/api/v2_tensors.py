@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.codec import WIRE_DTYPES
-from redbatch.errors import BadRequest
+from redbatch.errors import BadRequest, ModelError
 
 # redbatch (numpy) dtype -> v2 datatype; BYTES and BF16 are not supported.
 V2_DATATYPES: dict[str, str] = {
@@ -19,6 +19,14 @@ V2_DATATYPES: dict[str, str] = {
 DTYPES: dict[str, str] = {v2: dtype for dtype, v2 in V2_DATATYPES.items()}
 MAX_ROWS = 4096  # rows (requests) in one infer call
 MAX_DIMS = 32
+
+
+def as_output(arr: np.ndarray[Any, Any], what: str) -> np.ndarray[Any, Any]:
+    """An output in its wire dtype, contiguous; ``ModelError`` when no v2 tensor can
+    hold it (``what`` names it)."""
+    if arr.dtype.name not in V2_DATATYPES or arr.ndim > MAX_DIMS:
+        raise ModelError(f"{what} ({arr.dtype.name}, {arr.ndim} dims) cannot be a v2 tensor")
+    return np.ascontiguousarray(arr, dtype=WIRE_DTYPES[arr.dtype.name])
 
 
 def mapping(value: Any, where: str) -> dict[str, Any]:
