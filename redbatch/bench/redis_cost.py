@@ -58,12 +58,14 @@ def total(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 def per_request(totals: dict[str, float], requests: float, unit: str = "request"
                 ) -> dict[str, Any]:
-    """Totals as microseconds per request (or per ``unit``); commands costliest first."""
+    """Totals as microseconds per request (or per ``unit``); commands costliest first,
+    those under 0.01 µs left out."""
     count = max(requests, 1.0)
     commands = sorted(((k.removeprefix(CMD_US), v / count) for k, v in totals.items()
                        if k.startswith(CMD_US)), key=lambda kv: -kv[1])
     return {f"redis_cpu_us_per_{unit}": totals.get(CPU_S, 0.0) * 1e6 / count,
-            f"redis_cmd_us_per_{unit}": {name: round(us, 2) for name, us in commands}}
+            f"redis_cmd_us_per_{unit}": {name: round(us, 2) for name, us in commands
+                                         if round(us, 2)}}
 
 
 def shown(figures: dict[str, Any], unit: str = "request") -> str:
