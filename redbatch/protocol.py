@@ -40,6 +40,7 @@ MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
 MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS
 MAX_PRIORITY_LEVELS: Final = 16  # a model's priority levels are 1..L, L at most this
 CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worker this long
+REAPING_TTL_MS: Final = 5000  # a reaper's election; past it, a reaper that died is replaced
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")
@@ -157,6 +158,12 @@ def marker_ttl_ms(deadline_ms: int, now: int) -> int:
 def crashing_key(model: str, worker_id: str) -> str:
     """String: the id of the suspect entry ``worker_id`` is running alone right now."""
     return f"{PREFIX}:{{{model}}}:crashing:{worker_id}"
+
+
+def reaping_key(model: str, worker_id: str) -> str:
+    """String: the id of the live worker elected to reap ``worker_id`` (``SET NX PX
+    REAPING_TTL_MS``); only it reads the dead worker's in-flight list."""
+    return f"{PREFIX}:{{{model}}}:reaping:{worker_id}"
 
 
 def cancelled_key(model: str) -> str:

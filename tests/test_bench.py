@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from redbatch.bench import run, w3
+from redbatch.bench import redis_cost, run, w3
 from redbatch.bench.servers import cpu_seconds
 
 
@@ -39,8 +39,14 @@ def test_report_compares_with_each_baseline_of_the_run(capsys: pytest.CaptureFix
            "bare_model": {"batch32_items_per_s": 28000.0, "batch1_items_per_s": 8000.0},
            "producer": {"1 replica": {"predict": 14000.0, "predict_many": 16800.0},
                         "2 replicas": {"predict": 11200.0, "predict_many": 21000.0}}}
+    res["redbatch_w2"]["c64"] = {**res["redbatch_w2"]["c64"], "redis_cpu_us_per_request": 37.04}
+    res["producer_redis"] = {"1 replica": {"predict": {"redis_cpu_us_per_item": 23.0},
+                                           "predict_many": {"redis_cpu_us_per_item": 2.5}}}
     run.report(res)
     out = capsys.readouterr().out
+    assert "   0.250      37.0      0" in out  # redbatch_w2: Redis µs per request
+    assert "   0.250         -      0" in out  # the naive server: no Redis
+    assert "1 replica   Redis CPU per item: predict x64 23.0 µs; predict_many 8x128 2.5 µs" in out
     assert "w1: throughput x1.20 of naive; p50@1 +0.50 ms" in out
     assert "w2: throughput x10.00 of ray; p50@1 -10.50 ms" in out
     assert "ray_w1" not in out  # not measured in this run: no row, no ratio
@@ -98,13 +104,22 @@ def test_batching_counters_cover_the_64_connection_rounds_only(
     def counters(redis_url: str, model: str) -> dict[str, float]:
         return {**dict.fromkeys(("entries", "forward_ms", "queue_wait_ms"), 0.0), **served}
 
+    spent = {redis_cost.CPU_S: 0.0}
+
+    def snapshot(redis_url: str) -> dict[str, float]:
+        spent[redis_cost.CPU_S] += 0.001  # 1 ms of Redis CPU between two snapshots
+        return dict(spent)
+
     monkeypatch.setattr(run, "wrk", fake_wrk)
     monkeypatch.setattr(run, "cpu_seconds", lambda pids: 0.0)
     monkeypatch.setattr(run, "batch_counters", counters)
+    monkeypatch.setattr(redis_cost, "snapshot", snapshot)
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
     args = argparse.Namespace(rounds=2, duration_s=1.0, warmup_s=1.0)
     cases = run.interleaved([run.Target("r", "R", "w2.lua", [], "redis://x", "mlp")], args)
     assert cases["r"]["batching"]["mean_batch"] == 20.0
+    # two runs of 200 requests, 1 ms of Redis CPU each: 5 µs per request
+    assert cases["r"]["c64"]["redis_cpu_us_per_request"] == pytest.approx(5.0)
 
 
 def test_the_bare_model_counts_at_its_faster_measurement() -> None:
@@ -170,3 +185,48 @@ def test_batching_counts_real_tokens_per_forward_second() -> None:
     b = run.batching(zero, after)
     assert b["real_per_forward_s"] == pytest.approx(8000.0)
     assert b["pad_ratio"] == pytest.approx(1.5)
+
+
+INFO = {"used_cpu_user": 9.0, "used_cpu_sys": 9.0, "used_cpu_user_main_thread": 1.5,
+        "used_cpu_sys_main_thread": 0.5,
+        "cmdstat_evalsha": {"calls": 10, "usec": 300, "usec_per_call": 30.0},
+        "cmdstat_lrange": {"calls": 10, "usec": 40, "usec_per_call": 4.0}}
+
+
+def test_redis_cost_per_request_from_two_info_snapshots() -> None:
+    before = redis_cost.parse(INFO)
+    assert before == {redis_cost.CPU_S: 2.0, "redis_cmd_us:evalsha": 300.0,
+                      "redis_cmd_us:lrange": 40.0}  # the main thread's CPU
+    later = {**INFO, "used_cpu_user_main_thread": 1.6,
+             "cmdstat_evalsha": {"usec": 1300}, "cmdstat_lrange": {"usec": 40},
+             "cmdstat_blmove": {"usec": 100}}
+    spent = redis_cost.spent(before, redis_cost.parse(later))
+    assert spent[redis_cost.CPU_S] == pytest.approx(0.1)
+    assert "redis_cmd_us:lrange" not in spent  # unchanged
+    rounds = [{"requests": 500, **spent}, {"requests": 500, **spent}]
+    cost = redis_cost.per_request(redis_cost.total(rounds), 1000)
+    assert cost["redis_cpu_us_per_request"] == pytest.approx(200.0)
+    assert cost["redis_cmd_us_per_request"] == {"evalsha": 2.0, "blmove": 0.2}
+    assert redis_cost.shown(cost) == "200.0" and redis_cost.shown({}) == "-"
+    process_only = {k: v for k, v in INFO.items() if "main_thread" not in k}
+    assert redis_cost.parse(process_only)[redis_cost.CPU_S] == 18.0  # an older Redis
+
+
+def test_redis_cost_snapshot_reads_a_real_server(raw_redis: Any, redis_url: str) -> None:
+    before = redis_cost.snapshot(redis_url)
+    for i in range(2000):
+        raw_redis.set("bench-cost", i)
+    spent = redis_cost.spent(before, redis_cost.snapshot(redis_url))
+    assert spent["redis_cmd_us:set"] > 0
+    assert spent[redis_cost.CPU_S] > 0  # 2000 round trips cost the server CPU
+
+
+def test_merge_gives_redis_cpu_per_request_for_redis_targets_only() -> None:
+    plain = run.merge([_wrk_result(1000, 900)])
+    assert "redis_cpu_us_per_request" not in plain
+    merged = run.merge([{**_wrk_result(1000, 900), redis_cost.CPU_S: 0.05},
+                        {**_wrk_result(1000, 900), redis_cost.CPU_S: 0.03,
+                         "redis_cmd_us:evalsha": 800.0}])
+    assert merged["redis_cpu_us_per_request"] == pytest.approx(20.0)  # 80 ms / 4000
+    assert merged["redis_cmd_us_per_request"] == {"evalsha": 0.2}
+    assert redis_cost.CPU_S not in merged

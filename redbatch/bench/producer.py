@@ -21,7 +21,7 @@ import numpy as np
 import redis
 
 from redbatch import Client
-from redbatch.bench import servers
+from redbatch.bench import redis_cost, servers
 from redbatch.bench.servers import W2_X, Procs
 from redbatch.registry import live_workers_sync
 from redbatch.worker.process import run_loop
@@ -32,11 +32,13 @@ MANY_TASKS, MANY_PER_CALL = 8, 128
 
 async def _closed_loop(redis_url: str, duration_s: float, tasks: int, per_call: int,
                        call: Callable[[Client, np.ndarray[Any, Any], int], Awaitable[Any]]
-                       ) -> float:
-    """Items/s of ``tasks`` callers, each sending ``per_call`` items per call."""
+                       ) -> tuple[float, dict[str, Any]]:
+    """Items/s of ``tasks`` callers, each sending ``per_call`` items per call, and what
+    Redis spent per item meanwhile (``redis_cost``)."""
     x = np.asarray(W2_X, dtype=np.float32)
     async with Client(redis_url) as client:
         await client.predict_many("mlp", [x] * 64)  # warm: connections, auto-inline
+        cost_before = redis_cost.snapshot(redis_url)  # (blocks the idle loop briefly)
         done = 0
         stop_at = time.monotonic() + duration_s
 
@@ -48,7 +50,9 @@ async def _closed_loop(redis_url: str, duration_s: float, tasks: int, per_call: 
 
         started = time.monotonic()
         await asyncio.gather(*(loop() for _ in range(tasks)))
-        return done / (time.monotonic() - started)
+        rate = done / (time.monotonic() - started)
+        spent = redis_cost.spent(cost_before, redis_cost.snapshot(redis_url))
+        return rate, redis_cost.per_request(spent, done, "item")
 
 
 async def _one(client: Client, x: np.ndarray[Any, Any], _n: int) -> Any:
@@ -59,7 +63,10 @@ async def _many(client: Client, x: np.ndarray[Any, Any], n: int) -> Any:
     return await client.predict_many("mlp", [x] * n)
 
 
-def both(redis_url: str, duration_s: float) -> dict[str, float]:
+Ways = dict[str, tuple[float, dict[str, Any]]]  # way in -> items/s, Redis cost per item
+
+
+def both(redis_url: str, duration_s: float) -> Ways:
     """Items/s through ``predict`` and through ``predict_many`` (on uvloop)."""
     return {
         "predict": run_loop(_closed_loop(redis_url, duration_s, PREDICT_TASKS, 1, _one)),
@@ -68,16 +75,19 @@ def both(redis_url: str, duration_s: float) -> dict[str, float]:
     }
 
 
-def measure(procs: Procs, redis_url: str, duration_s: float) -> dict[str, dict[str, float]]:
-    """``both`` with the run's worker, then with a second replica beside it."""
-    out = {"1 replica": both(redis_url, duration_s)}
+def measure(procs: Procs, redis_url: str, duration_s: float
+            ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+    """``both`` with the run's worker, then with a second replica beside it: the items/s
+    and, apart, the Redis cost per item, each by layout and way in."""
+    ways = {"1 replica": both(redis_url, duration_s)}
     servers.start_worker(procs, redis_url, "worker-extra")
     try:
         wait_live_workers(redis_url, "mlp", 2)
-        out["2 replicas"] = both(redis_url, duration_s)
+        ways["2 replicas"] = both(redis_url, duration_s)
     finally:
         procs.stop_one("worker-extra")
-    return out
+    return ({layout: {way: rate for way, (rate, _) in got.items()} for layout, got in ways.items()},
+            {layout: {way: cost for way, (_, cost) in got.items()} for layout, got in ways.items()})
 
 
 def wait_live_workers(redis_url: str, model: str, count: int, timeout_s: float = 60) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from redbatch import defaults, protocol
-from redbatch.bench import priority, producer, servers, w3
+from redbatch.bench import priority, producer, redis_cost, servers, w3
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds
 
@@ -107,11 +107,20 @@ def _rounds(targets: list[Target], args: argparse.Namespace, connections: int
     runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
     for _ in range(args.rounds):
         for target in targets:
-            cpu_before = cpu_seconds(target.pids)
-            result = wrk(target.url, target.lua, connections, args.duration_s)
-            result["cpu_s"] = cpu_seconds(target.pids) - cpu_before
-            runs[target.name].append(result)
+            runs[target.name].append(measured(target, connections, args.duration_s))
     return {name: merge(results) for name, results in runs.items()}
+
+
+def measured(target: Target, connections: int, duration_s: float) -> dict[str, Any]:
+    """One wrk run, with the CPU its servers used and, for a target served through
+    Redis, what Redis spent (``redis_cost``: one INFO before, one after)."""
+    cost_before = redis_cost.snapshot(target.redis_url) if target.redis_url else {}
+    cpu_before = cpu_seconds(target.pids)
+    result = wrk(target.url, target.lua, connections, duration_s)
+    result["cpu_s"] = cpu_seconds(target.pids) - cpu_before
+    if target.redis_url:
+        result.update(redis_cost.spent(cost_before, redis_cost.snapshot(target.redis_url)))
+    return result
 
 
 def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -128,6 +137,9 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         elif key.startswith("err") or key == "cpu_s":
             out[key] = sum(r[key] for r in runs)
     out["server_cpu_ms_per_request"] = out.pop("cpu_s") * 1000 / max(requests, 1)
+    redis_spent = redis_cost.total(runs)
+    if redis_spent:
+        out.update(redis_cost.per_request(redis_spent, requests))
     return out
 
 
@@ -202,7 +214,7 @@ def fmt(case: dict[str, Any]) -> str:
     c64, c1 = case["c64"], case["c1"]
     return (f"{c64['rps']:>8.0f} {c64['lat_p50_us'] / 1000:>8.2f} {c64['lat_p99_us'] / 1000:>8.2f}"
             f" {c1['lat_p50_us'] / 1000:>8.2f} {c64['server_cpu_ms_per_request']:>8.3f}"
-            f" {c64['errors'] + c1['errors']:>6}")
+            f" {redis_cost.shown(c64):>9} {c64['errors'] + c1['errors']:>6}")
 
 
 def report(res: dict[str, Any]) -> None:
@@ -213,7 +225,8 @@ def report(res: dict[str, Any]) -> None:
 
 
 def report_w1_w2(res: dict[str, Any]) -> None:
-    print("\nsystem / workload          rps@64   p50@64   p99@64    p50@1  cpu/req errors  (ms)")
+    print("\nsystem / workload          rps@64   p50@64   p99@64    p50@1  cpu/req redis/req"
+          " errors  (ms; redis/req: µs of Redis CPU)")
     for key in ("redbatch_w1", "naive_w1", "ray_w1", "redbatch_w2", "naive_w2", "ray_w2"):
         if key in res:
             print(f"  {key:<24} {fmt(res[key])}")
@@ -229,11 +242,21 @@ def report_w1_w2(res: dict[str, Any]) -> None:
     bare = res["bare_model"]["batch32_items_per_s"]
     print(f"  bare model: {bare:.0f} items/s at batch 32, "
           f"{res['bare_model']['batch1_items_per_s']:.0f} at batch 1")
+    _report_producer(res, bare)
+
+
+def _report_producer(res: dict[str, Any], bare: float) -> None:
+    """The producer path's items/s (and share of the bare model), and Redis's CPU per
+    item, by layout and way in."""
     print("  producer path, no HTTP (items/s, and % of the bare model at batch 32):")
     for layout, figures in res["producer"].items():
         print(f"    {layout:<10}  " + "; ".join(
             f"{PRODUCER_LABELS[way]} {rate:.0f} ({rate / bare:.0%})"
             for way, rate in figures.items()))
+    for layout, costs in res.get("producer_redis", {}).items():
+        print(f"    {layout:<10}  Redis CPU per item: " + "; ".join(
+            f"{PRODUCER_LABELS[way]} {redis_cost.shown(cost, 'item')} µs"
+            for way, cost in costs.items()))
 
 
 def ratios(ours: dict[str, Any], other: dict[str, Any], name: str) -> str:
@@ -270,7 +293,8 @@ def run_w1_w2(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis
                        mine, redis_url, model),
                 Target(f"naive_{wl}", f"{naive}/{wl}", f"{wl}.lua", theirs)], args))
         before = bare_model(min(args.duration_s, 3.0))
-        res["producer"] = producer.measure(procs, redis_url, args.duration_s * args.rounds)
+        res["producer"], res["producer_redis"] = producer.measure(
+            procs, redis_url, args.duration_s * args.rounds)
         res["bare_model"] = faster_of(before, bare_model(min(args.duration_s, 3.0)))
         res["sweep_w2"] = sweep({"redbatch": f"{ours}/v1/models/mlp/predict",
                                  "naive": f"{naive}/w2"}, sweep_levels(args), args.sweep_s)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from redbatch.bench import textcls
+from redbatch.bench import redis_cost, textcls
 from redbatch.spec import power_buckets
 from redbatch.worker.ragged import pad_batch
 
@@ -144,13 +144,15 @@ def tokens(case: dict[str, Any]) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> None:
     print(f"\nW3 (text, 64 bodies of 8-458 tokens, mean {mean_len():.2f})"
-          "   tokens/s@64  p50@64  p99@64  p50@1  p99@1  errors  (ms)")
+          "   tokens/s@64  p50@64  p99@64  p50@1  p99@1 redis/req errors  (ms; redis/req:"
+          " µs of Redis CPU)")
     for key in ("redbatch_w3", "naive2_w3", "ray_w3"):
         if key in res:
             c64, c1 = res[key]["c64"], res[key]["c1"]
             print(f"  {key:<52} {c64['tokens_per_s']:>9.0f} {c64['lat_p50_us'] / 1000:>7.2f}"
                   f" {c64['lat_p99_us'] / 1000:>7.2f} {c1['lat_p50_us'] / 1000:>6.2f}"
-                  f" {c1['lat_p99_us'] / 1000:>6.2f} {c64['errors'] + c1['errors']:>6}")
+                  f" {c1['lat_p99_us'] / 1000:>6.2f} {redis_cost.shown(c64):>9}"
+                  f" {c64['errors'] + c1['errors']:>6}")
     ours = res["redbatch_w3"]["c64"]["tokens_per_s"]
     for other, target in (("naive2_w3", 1.1), ("ray_w3", 10.0)):
         if other in res:

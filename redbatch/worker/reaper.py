@@ -9,6 +9,12 @@ reached ``max_attempts`` (their callers get ``worker_crashed``) and forgets the 
 The script re-checks the lease and the list's digest, so a worker that woke up, or a
 second reaper, makes it a no-op.
 
+Every live worker of the model sees the same expired lease, so the reapers first hold
+an election per dead worker (``SET reaping_key NX PX REAPING_TTL_MS``): only the winner
+reads the dead worker's list; the others skip it.  A winner that dies mid-reap holds
+the election no longer than its TTL, after which the next live worker's beat wins it.
+The REAP script's re-checks stay the safety net.
+
 A crash may be the fault of one input: the requeued entries are marked ``suspect``,
 and a worker runs suspects each in passes of its own, naming the one it runs in its
 crashing key.  When that worker dies too, the named entry alone takes the blame
@@ -22,7 +28,7 @@ import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import redis.asyncio as aioredis
 
@@ -43,6 +49,8 @@ from redbatch.worker.stats import WorkerStats
 
 log = logging.getLogger("redbatch.reaper")
 
+NOT_ELECTED: Final = -3  # reap's answer when another live worker is reaping the worker
+
 
 @dataclass
 class Plan:
@@ -55,8 +63,9 @@ class Reaper:
     def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int,
                  stats: WorkerStats | None = None,
                  dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS,
-                 levels: Levels = ONE) -> None:
+                 levels: Levels = ONE, reaper_id: str | None = None) -> None:
         self._redis = redis
+        self.reaper_id = reaper_id or protocol.new_id()[:12]  # its name in elections
         self.model = model
         # where requeued entries go: the queue's front; with priority levels, the most
         # urgent level's front, and the bell rings (one level: no bell, the queue again)
@@ -117,10 +126,21 @@ class Reaper:
         crashing: Any = await self._redis.get(protocol.crashing_key(self.model, worker_id))
         return raws, crashing.decode(errors="replace") if crashing else None
 
+    async def _elected(self, worker_id: str) -> bool:
+        """Win (or already hold) the election to reap ``worker_id``: one ``SET NX PX
+        GET``, whose old value is nil when this call won it."""
+        holder: Any = await self._redis.set(protocol.reaping_key(self.model, worker_id),
+                                            self.reaper_id, nx=True, get=True,
+                                            px=protocol.REAPING_TTL_MS)
+        return holder is None or holder.decode(errors="replace") == self.reaper_id
+
     async def reap(self, worker_id: str, *, force: bool = False) -> int:
         """Requeue ``worker_id``'s in-flight requests.  ``force`` (a stopping worker
-        returning its own batch) skips the lease check and the attempt bump.
-        Returns how many were requeued, or a negative number if nothing was done."""
+        returning its own batch) skips the election, the lease check and the attempt
+        bump.  Returns how many were requeued, or a negative number if nothing was done
+        (``NOT_ELECTED``: another live worker is reaping it)."""
+        if not force and not await self._elected(worker_id):
+            return NOT_ELECTED
         raws, crashing = await self._read(worker_id, force)
         plan = self.plan(raws, bump=not force, crashing=crashing)
         pair_keys, tail = publish_args(plan.replies, plan.dead, self.dead_letters)
@@ -133,14 +153,24 @@ class Reaper:
         args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),
                 *plan.requeue, *tail]
         result = int(await self._script(keys=keys, args=args))
-        if result >= 0 and not force:  # REAP removed its lease and info: its capacity too
-            await self._redis.hdel(protocol.worker_capacity_key(self.model), worker_id)
-        if result >= 0 and self.stats is not None:
+        if result >= 0:
+            await self._done(worker_id, force, plan, len(raws), crashing)
+        return result
+
+    async def _done(self, worker_id: str, force: bool, plan: Plan, read: int,
+                    crashing: str | None) -> None:
+        """After a REAP that acted: a reaped worker's capacity field and election go
+        (REAP removed its lease and info), in one round trip; count and log."""
+        if not force:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hdel(protocol.worker_capacity_key(self.model), worker_id)
+                pipe.delete(protocol.reaping_key(self.model, worker_id))
+                await pipe.execute()
+        if self.stats is not None:
             self.stats.dead_lettered(len(plan.dead))
             self.stats.retried(0 if force else len(plan.requeue))
-        if result >= 0 and raws:
+        if read:
             log.warning("model=%s %s worker %s: requeued %d, dead-lettered %d%s",
                         self.model, "returned the batch of" if force else "reaped", worker_id,
                         len(plan.requeue), len(plan.dead),
                         f" (it crashed running request {crashing} alone)" if crashing else "")
-        return result

@@ -143,7 +143,7 @@ class BatchRunner:
         self.claimer = claimer_for(redis, model, worker_id, block_timeout_s, blocking)
         self.claimer.pass_ms = self.stats.pass_times.estimate_ms  # the window's slack
         self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters,
-                             model.priorities)
+                             model.priorities, reaper_id=worker_id)
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
