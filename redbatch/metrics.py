@@ -73,13 +73,14 @@ ARRIVAL_RATE: Final = Gauge(
     "redbatch_arrival_items_per_second", "Queue entries arriving per second, fleet-wide: "
     "served by every live worker plus the queue's growth (at scrape time)",
     ["model"], multiprocess_mode="livemostrecent")
+WORKERS_NEEDED_NAME: Final = "redbatch_workers_needed"  # deploy/k8s: the HPA's metric
 WORKERS_NEEDED: Final = Gauge(
-    "redbatch_workers_needed", "Workers that serve the arrival rate and drain the queue "
+    WORKERS_NEEDED_NAME, "Workers that serve the arrival rate and drain the queue "
     "within SCALE_DRAIN_S: ceil((arrival + queue / drain_s) / per-worker capacity)",
     ["model"], multiprocess_mode="livemostrecent")
 SCALING_METRICS: Final = ("redbatch_capacity_items_per_second",
                           "redbatch_worker_capacity_items_per_second",
-                          "redbatch_arrival_items_per_second", "redbatch_workers_needed")
+                          "redbatch_arrival_items_per_second", WORKERS_NEEDED_NAME)
 
 # --- worker -------------------------------------------------------------------------
 QUEUE_WAIT: Final = Histogram(
