@@ -45,6 +45,7 @@ LIVE_REFRESH_S: Final = 1.0  # a process reads who is live at most this often pe
 MISS_REFRESH_S: Final = 0.25  # ...and a model unknown or with no live worker, this often
 RETRY_AFTER_S: Final = 1.0  # what a 503 advises when nothing better is known (Retry-After)
 ENQUEUE_DRAIN_S: Final = 5.0  # a closing Client waits this long for pushes in flight
+SCALE_DRAIN_S: Final = 60.0  # redbatch_workers_needed plans to drain a backlog within this
 
 # --- workers (WorkerConfig, Pool) ---------------------------------------------------------
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker heartbeat (lease renewal) period
@@ -61,6 +62,7 @@ METRICS_PORT: Final = 0  # Prometheus /metrics of replica i on METRICS_PORT + i;
 DEAD_LETTER_TTL_S: Final = 24 * 3600  # a model's dead letters expire this long after the last
 DEAD_LETTER_MAX_BYTES: Final = 4096  # a dead letter keeps this many first bytes of its entry
 MAX_FAILED_STARTS: Final = 5  # failed starts of a replica that never served stop the pool
+SERVED_WINDOW_S: Final = 10.0  # a worker's served_per_s is measured over about this long
 
 # --- batching (BatchPolicy, @batch, Model) ------------------------------------------------
 MAX_BATCH_SIZE: Final = 32  # most requests in one forward pass

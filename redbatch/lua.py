@@ -281,4 +281,25 @@ end
 return {{#ids, tostring(total), rows and 1 or 0, known and 1 or 0, levels}}
 """
 
+# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.
+# What the autoscaling gauges need of a model's live workers (read at scrape time, never
+# on the request path), read-only: how many hold a live lease, the sum of their
+# published items_per_s and how many published one above 0 (the workers that measured
+# their capacity), and the sum of their served_per_s.  A missing or unreadable field
+# counts as 0.  Returns {live, measured, items/s summed, served/s summed} (sums as
+# strings: Lua numbers reply as integers).
+SCALING_SUMMARY: Final = f"""
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
+local capacity, measured, served = 0, 0, 0
+for i = 1, #ids do
+  local ok, cap = pcall(cjson.decode, redis.call('HMGET', KEYS[2], ids[i])[1] or '')
+  if not ok or type(cap) ~= 'table' then cap = {{}} end
+  local rate = tonumber(cap['{protocol.F_ITEMS_PER_S}'])
+  if rate and rate > 0 then capacity, measured = capacity + rate, measured + 1 end
+  local done = tonumber(cap['{protocol.F_SERVED_PER_S}'])
+  if done and done > 0 then served = served + done end
+end
+return {{#ids, measured, tostring(capacity), tostring(served)}}
+"""
+
 PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, LIVE_SUMMARY)  # loaded when a Client starts

@@ -60,6 +60,27 @@ QUEUE_DEPTH_LEVEL: Final = Gauge(
 LIVE_WORKERS: Final = Gauge(
     "redbatch_live_workers", "Workers of the model holding a live lease (at scrape time)",
     ["model"], multiprocess_mode="livemostrecent")
+# Autoscaling signals (redbatch.scaling: the formulas), read from Redis at scrape time.
+CAPACITY: Final = Gauge(
+    "redbatch_capacity_items_per_second", "Measured capacity of the model's live workers "
+    "summed: queue entries per busy second (at scrape time)",
+    ["model"], multiprocess_mode="livemostrecent")
+WORKER_CAPACITY: Final = Gauge(
+    "redbatch_worker_capacity_items_per_second", "Measured capacity of one live worker: "
+    "the mean over those that measured one (0: none did; at scrape time)",
+    ["model"], multiprocess_mode="livemostrecent")
+ARRIVAL_RATE: Final = Gauge(
+    "redbatch_arrival_items_per_second", "Queue entries arriving per second, fleet-wide: "
+    "served by every live worker plus the queue's growth (at scrape time)",
+    ["model"], multiprocess_mode="livemostrecent")
+WORKERS_NEEDED_NAME: Final = "redbatch_workers_needed"  # deploy/k8s: the HPA's metric
+WORKERS_NEEDED: Final = Gauge(
+    WORKERS_NEEDED_NAME, "Workers that serve the arrival rate and drain the queue "
+    "within SCALE_DRAIN_S: ceil((arrival + queue / drain_s) / per-worker capacity)",
+    ["model"], multiprocess_mode="livemostrecent")
+SCALING_METRICS: Final = ("redbatch_capacity_items_per_second",
+                          "redbatch_worker_capacity_items_per_second",
+                          "redbatch_arrival_items_per_second", WORKERS_NEEDED_NAME)
 
 # --- worker -------------------------------------------------------------------------
 QUEUE_WAIT: Final = Histogram(
@@ -98,7 +119,8 @@ DEAD_LETTERS: Final = Counter(
 
 GATEWAY_METRICS: Final = ("redbatch_requests_total", "redbatch_request_duration_seconds",
                           "redbatch_inflight_requests", "redbatch_queue_depth",
-                          "redbatch_queue_depth_level", "redbatch_live_workers")
+                          "redbatch_queue_depth_level", "redbatch_live_workers",
+                          *SCALING_METRICS)
 WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_seconds",
                          "redbatch_batch_size", "redbatch_batch_entries",
                          "redbatch_batch_fill_ratio", "redbatch_worker_items_total",

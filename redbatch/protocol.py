@@ -71,6 +71,7 @@ F_BATCH_SIZE: Final = "batch_size"
 F_FORWARD_MS: Final = "forward_ms"
 F_WORKER_ID: Final = "worker_id"
 F_ITEMS_PER_S: Final = "items_per_s"  # worker_info / worker_capacity: measured capacity
+F_SERVED_PER_S: Final = "served_per_s"  # worker_capacity: entries served per second lately
 TENSOR_TAG: Final = "__tensor__"
 
 

@@ -6,7 +6,8 @@ counters over the sampling interval), the batch-size distribution (items per for
 pass) and the queue entries per claimed batch, p50/p99 queue wait
 and forward time (from the bucket counts each worker publishes with its heartbeat,
 since the worker started), the pass size chosen per length bucket under
-``auto_batch``, and the dead letters waiting.
+``auto_batch``, the dead letters waiting, and the workers needed (``redbatch.scaling``:
+the arrival rate is the entries served plus the queue's growth over the interval).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import orjson
 import redis
 
-from redbatch import knobs, metrics, protocol
+from redbatch import knobs, metrics, protocol, scaling
 from redbatch.levels import by_level, of_meta
 from redbatch.registry import live_workers_sync
 
@@ -53,6 +54,7 @@ class ModelStatus:
     overrides: dict[str, Any] = field(default_factory=dict)  # stored live changes
     auto_sizes: dict[str, str] = field(default_factory=dict)  # bucket -> size ("4-8")
     queue_depths: dict[str, int] = field(default_factory=dict)  # per priority level
+    workers_needed: int | None = None  # redbatch.scaling, over the sampling interval
 
 
 def quantile(q: float, bounds: tuple[float, ...], counts: list[int], *,
@@ -157,14 +159,27 @@ def sample(client: redis.Redis, interval_s: float) -> dict[str, ModelStatus]:
     for name, status in now.items():
         if name in before:
             status.items_per_s = _served(before[name].workers, status.workers) / elapsed
+            status.workers_needed = _needed(before[name], status, elapsed)
     return now
 
 
-def _served(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> int:
-    """Items served between two samples, by workers present in both (a worker that
-    joined, left or restarted in between would skew a plain difference of sums)."""
-    then = {w.get("worker_id"): int(w.get("items", 0)) for w in before}
-    return sum(max(0, int(w.get("items", 0)) - then[w.get("worker_id")])
+def _needed(before: ModelStatus, now: ModelStatus, elapsed: float) -> int:
+    """``scaling.workers_needed`` from the entries served and the queue's growth
+    between the two samples, and the capacities the workers publish."""
+    served = _served(before.workers, now.workers, "entries") / elapsed
+    arrival = scaling.arrival_rate(served, (now.queue_depth - before.queue_depth) / elapsed)
+    per_worker = scaling.mean_capacity(
+        [float(w.get(protocol.F_ITEMS_PER_S) or 0) for w in now.workers])
+    return scaling.workers_needed(arrival, now.queue_depth, per_worker, len(now.workers))
+
+
+def _served(before: list[dict[str, Any]], after: list[dict[str, Any]],
+            counter: str = "items") -> int:
+    """Items (or another counter) served between two samples, by workers present in
+    both (a worker that joined, left or restarted in between would skew a plain
+    difference of sums)."""
+    then = {w.get("worker_id"): int(w.get(counter, 0)) for w in before}
+    return sum(max(0, int(w.get(counter, 0)) - then[w.get("worker_id")])
                for w in after if w.get("worker_id") in then)
 
 

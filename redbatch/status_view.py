@@ -18,7 +18,7 @@ from redbatch.redis_conn import sync_client
 COLUMNS = ("model", "queue", "workers (devices)", "items/s", "max batch / window",
            "items/pass mean / p50 / p99",
            "entries/batch mean / p50 / p99", "queue wait p50 / p99", "forward p50 / p99",
-           "dead letters")
+           "dead letters", "workers needed")
 AUTO_COLUMN = "auto size per bucket"  # shown when a model has auto_batch on
 
 
@@ -61,6 +61,15 @@ def _queue(s: status.ModelStatus) -> str:
     return f"{s.queue_depth} ({levels}){capped}"
 
 
+def _needed(s: status.ModelStatus) -> str:
+    """Workers needed (``redbatch.scaling``), with the difference from the live ones:
+    ``3 (+1)``."""
+    if s.workers_needed is None:
+        return "-"
+    change = s.workers_needed - len(s.workers)
+    return f"{s.workers_needed}" + (f" ({change:+d})" if change else "")
+
+
 def _auto(s: status.ModelStatus) -> str:
     """``bucket:size`` per length bucket under ``auto_batch``, else ``-``."""
     return " ".join(f"{b}:{n}" for b, n in s.auto_sizes.items()) or "-"
@@ -78,7 +87,8 @@ def table(statuses: dict[str, status.ModelStatus]) -> Table:
                     f"{s.mean_batch:.1f} / {_num(s.batch_size_p50)} / {_num(s.batch_size_p99)}",
                     f"{s.mean_entries:.1f} / {_num(s.entries_p50)} / {_num(s.entries_p99)}",
                     f"{_ms(s.queue_wait_ms_p50)} / {_ms(s.queue_wait_ms_p99)}",
-                    f"{_ms(s.forward_ms_p50)} / {_ms(s.forward_ms_p99)}", str(s.dead_letters))
+                    f"{_ms(s.forward_ms_p50)} / {_ms(s.forward_ms_p99)}", str(s.dead_letters),
+                    _needed(s))
     return out
 
 

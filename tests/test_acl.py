@@ -7,8 +7,9 @@ import logging
 from collections.abc import Callable
 
 import pytest
+import redis.asyncio as aioredis
 
-from redbatch import Client, batch, protocol
+from redbatch import Client, batch, protocol, scaling
 from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, RedisServer, wait_live
@@ -64,4 +65,9 @@ async def test_the_documented_user_gets_no_warning(
             # a caller went away: the cancelled set exists, and workers consult it
             await client.mark_cancelled("acl_double", "gone", protocol.now_ms() + 10_000)
             assert await client.predict("acl_double", 6, timeout_s=10) == 12
+        gauges = aioredis.Redis.from_url(url)  # the gateway's scrape-time read
+        try:
+            assert (await scaling.FleetReader(gauges).rates("acl_double")).live == 1
+        finally:
+            await gauges.aclose()
     assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text

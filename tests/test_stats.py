@@ -89,7 +89,8 @@ async def test_heartbeat_publishes_full_info_and_compact_capacity_and_leave_drop
                          protocol.worker_capacity_key(served.name))
     capacity = orjson.loads(raw_redis.hget(cap_key, "w1") or b"")
     info = orjson.loads(raw_redis.hget(info_key, "w1") or b"")
-    assert capacity == {protocol.F_ITEMS_PER_S: 16.0, protocol.F_ROWS: True}
+    assert capacity == {protocol.F_ITEMS_PER_S: 16.0, protocol.F_ROWS: True,
+                        protocol.F_SERVED_PER_S: 0.0}  # the first sample measures no rate
     assert info[protocol.F_ITEMS_PER_S] == 16.0 and info[protocol.F_ROWS] is True
     assert (info["entries"], info["items"], info["worker_id"]) == (4, 4, "w1")
     assert 0 < raw_redis.ttl(cap_key) <= protocol.WORKERS_TTL_S

@@ -15,6 +15,7 @@ from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import RedbatchError
 from redbatch.producer.client import Client
 from redbatch.redis_conn import async_client
+from redbatch.scaling import FleetReader
 
 log = logging.getLogger("redbatch.api")
 
@@ -34,6 +35,7 @@ class Gateway:
         self._redis = async_client(redis)
         self.directory = ModelDirectory(self._redis, redis, config.meta_refresh_s)
         self.core = InferCore(self.client, self.directory, config)
+        self.fleet = FleetReader(self._redis)  # the autoscaling gauges' reads (/metrics)
 
     @property
     def redis(self) -> aioredis.Redis:

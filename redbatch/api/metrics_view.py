@@ -1,12 +1,13 @@
-"""``GET /metrics``: the gateway's Prometheus metrics, with each model's queue depth
-and live workers read from Redis at scrape time."""
+"""``GET /metrics``: the gateway's Prometheus metrics, with each model's queue depth,
+live workers and autoscaling signals (``redbatch.scaling``) read from Redis at scrape
+time: per model, a GET, an LLEN per priority level and one read-only script call."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
-from redbatch import metrics, protocol
+from redbatch import metrics, protocol, scaling
 from redbatch.errors import RedbatchError
 from redbatch.levels import by_level, of_meta
 from redbatch.redis_conn import translated
@@ -18,18 +19,30 @@ log = logging.getLogger("redbatch.api")
 
 
 async def refresh_gauges(gateway: Gateway) -> None:
-    """Queue depth and live workers of every registered model."""
+    """Queue depth, live workers and the scaling signals of every registered model."""
     redis = gateway.redis
-    now = protocol.now_ms()
     for name in await gateway.directory.model_names():
         async with translated(gateway.redis_settings):
             keys = of_meta(await redis.get(protocol.meta_key(name))).queues(name)
             depths = [int(await redis.llen(key)) for key in keys]
-            live = await redis.zcount(protocol.workers_key(name), now, "+inf")
+            rates = await gateway.fleet.rates(name)
         metrics.QUEUE_DEPTH.labels(name).set(sum(depths))  # every level
         for level, depth in by_level(depths).items() if len(depths) > 1 else ():
             metrics.QUEUE_DEPTH_LEVEL.labels(name, level).set(depth)
-        metrics.LIVE_WORKERS.labels(name).set(int(live))
+        metrics.LIVE_WORKERS.labels(name).set(rates.live)
+        set_scaling(name, sum(depths), rates, gateway.fleet.growth)
+
+
+def set_scaling(name: str, backlog: int, rates: scaling.FleetRates,
+                growth: scaling.QueueGrowth) -> None:
+    """The four autoscaling gauges of one model."""
+    arrival = scaling.arrival_rate(rates.served_per_s, growth.rate(name, backlog))
+    per_worker = rates.per_worker_per_s
+    metrics.CAPACITY.labels(name).set(rates.capacity_per_s)
+    metrics.WORKER_CAPACITY.labels(name).set(per_worker or 0.0)
+    metrics.ARRIVAL_RATE.labels(name).set(arrival)
+    metrics.WORKERS_NEEDED.labels(name).set(
+        scaling.workers_needed(arrival, backlog, per_worker, rates.live))
 
 
 async def exposition(gateway: Gateway) -> bytes:

@@ -28,10 +28,12 @@ def static_info(worker_id: str, device: str) -> dict[str, Any]:
 def published(info: dict[str, Any], stats: WorkerStats) -> tuple[bytes, bytes]:
     """A model's two heartbeat fields: its full info (``static_info``, the counters and
     histograms: ``redbatch status``, the v2 statistics, the benchmark) and its compact
-    capacity (``items_per_s``, ``rows``: all that admission reads).  Samples the
-    capacity: call once per heartbeat."""
+    capacity (``items_per_s``, ``rows``: all that admission reads; ``served_per_s``: what
+    the gateways' autoscaling gauges read).  Samples the rates: call once per
+    heartbeat."""
     capacity = {protocol.F_ITEMS_PER_S: stats.sample_capacity(),
-                protocol.F_ROWS: info[protocol.F_ROWS]}
+                protocol.F_ROWS: info[protocol.F_ROWS],
+                protocol.F_SERVED_PER_S: round(stats.sample_served(), 3)}
     return orjson.dumps({**info, **stats.counters()}), orjson.dumps(capacity)
 
 

@@ -8,9 +8,11 @@ benchmark) and the measured capacity, ``items_per_s``, that admission reads."""
 from __future__ import annotations
 
 import bisect
+import time
+from collections import deque
 from typing import Any
 
-from redbatch import metrics, protocol
+from redbatch import defaults, metrics, protocol
 from redbatch.errors import DeadlineExceeded
 from redbatch.worker.autosize import AutoSizer
 from redbatch.worker.decode import Decoded
@@ -52,6 +54,25 @@ class Capacity:
             self.items_per_s = rate if not self.items_per_s else (
                 self.items_per_s + CAPACITY_SMOOTHING * (rate - self.items_per_s))
         return self.items_per_s
+
+
+class ServedRate:
+    """Queue entries served per second of wall time over the last ``window_s`` or so
+    (idle time included, unlike ``Capacity``): what the fleet takes off the queue, for
+    the autoscaling signals (``redbatch.scaling``); exactly 0 after a quiet window."""
+
+    def __init__(self, window_s: float = defaults.SERVED_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic s, entries total)
+
+    def sample(self, entries: int, now: float | None = None) -> float:
+        """The rate now (``entries``: the total so far); call once per heartbeat."""
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, entries))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        then, before = self._samples[0]
+        return (entries - before) / (now - then) if now > then else 0.0
 
 
 class PassTimes:
@@ -101,6 +122,7 @@ class WorkerStats:
         self.padded = 0  # padded passes of a variable-length model: lengths padded to,
         self.real = 0  # and the items' own lengths (``padding_waste``: their ratio)
         self.capacity = Capacity()
+        self.served = ServedRate()
         self.pass_times = PassTimes()  # read by the batch window and the deadline check
         self.sizer = AutoSizer()  # ``auto_batch``: pass sizes learned per length bucket
         self._model = model
@@ -191,6 +213,10 @@ class WorkerStats:
     def sample_capacity(self) -> float:
         """``items_per_s`` now: call once per heartbeat (it measures since the last)."""
         return self.capacity.sample(self.entries, self.busy_s)
+
+    def sample_served(self) -> float:
+        """``served_per_s`` now: call once per heartbeat."""
+        return self.served.sample(self.entries)
 
     def counters(self) -> dict[str, Any]:
         """Totals since start and the bucket counts, as ``worker_info`` publishes them
