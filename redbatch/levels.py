@@ -7,12 +7,15 @@ its single queue is ``protocol.queue_key(model)`` and nothing else changes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from redbatch import defaults, protocol
 from redbatch.errors import ConfigError, InvalidPayload
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +106,13 @@ def of_meta(raw: bytes | str | None) -> Levels:
 def by_level(depths: list[int]) -> dict[str, int]:
     """Queue depths per level (``{"1": n, ...}``), for listings."""
     return {str(level): depth for level, depth in enumerate(depths, 1)}
+
+
+async def queue_depths(redis: aioredis.Redis, model: str, meta: bytes | str | None
+                       ) -> list[int]:
+    """Each level's queue length, most urgent first (``meta``: the model's raw meta),
+    in one round trip."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in of_meta(meta).queues(model):
+            pipe.llen(key)
+        return [int(depth) for depth in await pipe.execute()]

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from redbatch import defaults, protocol
 from redbatch.config import RedisSettings
-from redbatch.levels import by_level, of_meta
+from redbatch.levels import by_level, queue_depths
 from redbatch.producer.admission import unknown_model
 from redbatch.redis_conn import deadline_bound, idempotent, translated
 from redbatch.registry import live_workers
@@ -66,11 +66,10 @@ class ModelDirectory:
 
     async def _describe(self, name: str) -> dict[str, Any]:
         raw = await self._redis.get(protocol.meta_key(name))
-        levels = of_meta(raw)
-        depths = [int(await self._redis.llen(key)) for key in levels.queues(name)]
+        depths = await queue_depths(self._redis, name, raw)
         workers = await live_workers(self._redis, name)
         meta = orjson.loads(raw) if raw else {"name": name}
-        if levels.many:  # a multi-level model: its depth counts every level
+        if len(depths) > 1:  # a multi-level model: its depth counts every level
             meta["queue_depths"] = by_level(depths)
         return {**meta, "queue_depth": sum(depths), "live_workers": len(workers),
                 "workers": workers}

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from redbatch import metrics, protocol, scaling
 from redbatch.errors import RedbatchError
-from redbatch.levels import by_level, of_meta
+from redbatch.levels import by_level, queue_depths
 from redbatch.redis_conn import translated
 
 if TYPE_CHECKING:
@@ -23,8 +23,7 @@ async def refresh_gauges(gateway: Gateway) -> None:
     redis = gateway.redis
     for name in await gateway.directory.model_names():
         async with translated(gateway.redis_settings):
-            keys = of_meta(await redis.get(protocol.meta_key(name))).queues(name)
-            depths = [int(await redis.llen(key)) for key in keys]
+            depths = await queue_depths(redis, name, await redis.get(protocol.meta_key(name)))
             rates = await gateway.fleet.rates(name)
         metrics.QUEUE_DEPTH.labels(name).set(sum(depths))  # every level
         for level, depth in by_level(depths).items() if len(depths) > 1 else ():
