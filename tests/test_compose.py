@@ -73,6 +73,10 @@ REQUIRED_DASHBOARD_SERIES = {
     "redbatch_live_workers": "live workers",
     "redbatch_queue_wait_seconds_bucket": "queue wait p99",
     "redbatch_forward_seconds_bucket": "forward time p99",
+    "redbatch_workers_needed": "workers needed against live",
+    "redbatch_arrival_items_per_second": "arrival against capacity",
+    "redbatch_capacity_items_per_second": "arrival against capacity",
+    "redbatch_queue_depth_level": "queue depth per priority level",
 }
 METRIC_TOKEN = re.compile(r"redbatch_[a-z_]+")
 INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}")
