@@ -20,6 +20,8 @@ max_batch_size = 16               # batching knobs override the models' own poli
 batch_wait_timeout_s = 0.002
 max_queue_len = 1000              # this model's queue cap (the lower of it and the gateway's)
 default_timeout_s = 5             # deadline of its requests that set none
+priority_levels = 2               # priority levels of every model of the target
+default_priority = 2              # the level of requests that name none
 priority_caps = [1000, 100]       # each priority level's queue cap (models of 2 levels)
 ```
 
@@ -37,13 +39,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from redbatch import knobs
+from redbatch import knobs, protocol
 from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
 
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
-LIMIT_KEYS = ("max_queue_len", "default_timeout_s", "priority_caps")  # -> models' own
+LIMIT_KEYS = ("max_queue_len", "default_timeout_s", "priority_caps",  # -> models' own
+              "priority_levels", "default_priority")
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}
 
@@ -134,6 +137,11 @@ def _check_limits(limits: dict[str, Any], where: str) -> None:
         knobs.check("priority_caps", limits.get("priority_caps"))
     except ConfigError as exc:
         raise ConfigError(f"{where}.{exc}") from exc
+    for key in ("priority_levels", "default_priority"):
+        value = limits.get(key, 1)
+        if type(value) is not int or not 1 <= value <= protocol.MAX_PRIORITY_LEVELS:
+            raise ConfigError(f"{where}.{key}: must be an int "
+                              f"1..{protocol.MAX_PRIORITY_LEVELS}, got {value!r}")
 
 
 def build(cls: type[T], values: dict[str, Any], where: str) -> T:
@@ -178,6 +186,6 @@ def with_overrides(models: list[Any], overrides: dict[str, Any]) -> list[Any]:
 def _limits_for(model: Any, limits: dict[str, Any]) -> dict[str, Any]:
     """The limits for ``model``: ``priority_caps`` only for a model of several levels
     (one target may hold models of one level beside it)."""
-    if model.priority_levels > 1:
+    if limits.get("priority_levels", model.priority_levels) > 1:
         return limits
     return {k: v for k, v in limits.items() if k != "priority_caps"}

@@ -76,6 +76,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     ("[gateway\n", r"redbatch\.toml: "),
     ("[[models]]\ntarget='a:b'\npriority_caps=[5, 0]", r"models\[0\]\.priority_caps must"),
     ("[[models]]\ntarget='a:b'\npriority_caps=5", r"models\[0\]\.priority_caps must"),
+    ("[[models]]\ntarget='a:b'\npriority_levels=0", r"models\[0\]\.priority_levels: must"),
+    ("[[models]]\ntarget='a:b'\ndefault_priority='1'", r"models\[0\]\.default_priority: "),
 ])
 def test_a_bad_file_names_the_field(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -137,3 +139,16 @@ def test_priority_caps_reach_only_the_models_of_several_levels() -> None:
     assert (got[0].priority_caps, got[1].priority_caps) == (None, [100, 5])
     with pytest.raises(ConfigError, match="2 integers"):
         configfile.with_overrides([two], {"priority_caps": [100]})
+
+
+def test_the_file_sets_priority_levels() -> None:
+    from redbatch import Model
+
+    one = Model("one", fn=lambda xs: xs)
+    got = configfile.with_overrides([one], {"priority_levels": 3, "default_priority": 3,
+                                            "priority_caps": [100, 50, 5]})[0]
+    assert (got.priority_levels, got.default_priority, got.priority_caps) == (3, 3,
+                                                                              [100, 50, 5])
+    assert got.meta()["priority"] == {"levels": 3, "default": 3, "caps": [100, 50, 5]}
+    with pytest.raises(ConfigError, match=r"default_priority must be 1\.\.2"):
+        configfile.with_overrides([one], {"priority_levels": 2, "default_priority": 3})
