@@ -249,6 +249,24 @@ end
 return nq
 """
 
+# Shared by the summaries: the decoded compact capacity field of every worker whose
+# lease is live (KEYS[1]=workers zset, KEYS[2]=capacity hash, ARGV[1]=now ms), read
+# with one HMGET per 1000 workers; a missing or unreadable field is an empty table.
+_LIVE_CAPACITIES: Final = """
+local function live_capacities()
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
+  local caps = {}
+  for s = 1, #ids, 1000 do  -- in slices: Lua's unpack has a stack limit
+    local raws = redis.call('HMGET', KEYS[2], unpack(ids, s, math.min(s + 999, #ids)))
+    for j = 1, #raws do
+      local ok, cap = pcall(cjson.decode, raws[j] or '')
+      caps[s + j - 1] = (ok and type(cap) == 'table') and cap or {}
+    end
+  end
+  return caps
+end
+"""
+
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta  ARGV[1]=now ms.
 # A model's live workers as admission needs them, in one read-only round trip that
 # never touches the (large) worker_info hash: the workers whose lease is live, the sum
@@ -259,18 +277,16 @@ return nq
 # re-encoded, or "" when it has none (one level: its meta is not decoded).
 # Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
 # known 1|0, priority JSON or ""}.
-LIVE_SUMMARY: Final = f"""
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
-local total, rows = 0, #ids > 0
-for i = 1, #ids do
-  local ok, cap = pcall(cjson.decode, redis.call('HMGET', KEYS[2], ids[i])[1] or '')
-  if not ok or type(cap) ~= 'table' then cap = {{}} end
-  local rate = tonumber(cap['{protocol.F_ITEMS_PER_S}'])
+LIVE_SUMMARY: Final = _LIVE_CAPACITIES + f"""
+local caps = live_capacities()
+local total, rows = 0, #caps > 0
+for i = 1, #caps do
+  local rate = tonumber(caps[i]['{protocol.F_ITEMS_PER_S}'])
   if rate and rate > 0 then total = total + rate end
-  rows = rows and cap['{protocol.F_ROWS}'] == true
+  rows = rows and caps[i]['{protocol.F_ROWS}'] == true
 end
 local raw = redis.call('GET', KEYS[3])
-local known = #ids > 0 or raw ~= false
+local known = #caps > 0 or raw ~= false
 local levels = ''
 if raw and string.find(raw, '"priority"', 1, true) then
   local ok, meta = pcall(cjson.decode, raw)
@@ -278,7 +294,7 @@ if raw and string.find(raw, '"priority"', 1, true) then
     levels = cjson.encode(meta['priority'])
   end
 end
-return {{#ids, tostring(total), rows and 1 or 0, known and 1 or 0, levels}}
+return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels}}
 """
 
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.
@@ -288,18 +304,16 @@ return {{#ids, tostring(total), rows and 1 or 0, known and 1 or 0, levels}}
 # their capacity), and the sum of their served_per_s.  A missing or unreadable field
 # counts as 0.  Returns {live, measured, items/s summed, served/s summed} (sums as
 # strings: Lua numbers reply as integers).
-SCALING_SUMMARY: Final = f"""
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')
+SCALING_SUMMARY: Final = _LIVE_CAPACITIES + f"""
+local caps = live_capacities()
 local capacity, measured, served = 0, 0, 0
-for i = 1, #ids do
-  local ok, cap = pcall(cjson.decode, redis.call('HMGET', KEYS[2], ids[i])[1] or '')
-  if not ok or type(cap) ~= 'table' then cap = {{}} end
-  local rate = tonumber(cap['{protocol.F_ITEMS_PER_S}'])
+for i = 1, #caps do
+  local rate = tonumber(caps[i]['{protocol.F_ITEMS_PER_S}'])
   if rate and rate > 0 then capacity, measured = capacity + rate, measured + 1 end
-  local done = tonumber(cap['{protocol.F_SERVED_PER_S}'])
+  local done = tonumber(caps[i]['{protocol.F_SERVED_PER_S}'])
   if done and done > 0 then served = served + done end
 end
-return {{#ids, measured, tostring(capacity), tostring(served)}}
+return {{#caps, measured, tostring(capacity), tostring(served)}}
 """
 
 PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, LIVE_SUMMARY)  # loaded when a Client starts
