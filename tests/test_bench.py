@@ -160,8 +160,10 @@ def test_w3_bare_sweep_takes_each_buckets_best_batch(monkeypatch: pytest.MonkeyP
 def test_w3_report_gives_tokens_per_second_and_the_targets(
         capsys: pytest.CaptureFixture[str]) -> None:
     ours, naive = _case(1200, 2000), _case(1000, 1000)
-    ours["batching"].update(real_per_forward_s=45000.0, pad_ratio=1.3)
+    ours["batching"].update(real_per_forward_s=40000.0, real_per_forward_cpu_s=45000.0,
+                            pad_ratio=1.3)
     res = {"redbatch_w3": w3.tokens(ours), "naive2_w3": w3.tokens(naive),
+           "naive2_w3_served": w3.tokens(_case(1500, 1000)),
            "bare_w3": {"plain": {"buckets": {"8": {"best_batch": 32,
                                                    "tokens_per_s": {32: 90000.0}}},
                                  "best_tokens_per_s": 60000.0},
@@ -173,17 +175,19 @@ def test_w3_report_gives_tokens_per_second_and_the_targets(
     assert "x1.20 the tokens/s of naive2_w3 (target x1.1: met)" in out
     assert "ray_w3" not in out
     assert "8:32 (90000)" in out
-    assert ("45000 real tokens per forward-second, 90% of the served forward's best "
-            "strategy (target 90%), 75% of the anchors' forward's") in out
+    assert "x0.80 the naive server running the forward textcls serves" in out
+    assert ("45000 real tokens per forward CPU-second, 90% of the served forward's best "
+            "strategy (target 90%: met); 40000 per forward wall-second (80%") in out
 
 
 def test_batching_counts_real_tokens_per_forward_second() -> None:
-    zero = dict.fromkeys(("batches", "items", "entries", "forward_ms", "queue_wait_ms",
-                          "padded", "real"), 0.0)
+    zero = dict.fromkeys(("batches", "items", "entries", "forward_ms", "forward_cpu_ms",
+                          "queue_wait_ms", "padded", "real"), 0.0)
     after = {**zero, "batches": 10.0, "items": 40.0, "entries": 40.0, "forward_ms": 500.0,
-             "padded": 6000.0, "real": 4000.0}
+             "forward_cpu_ms": 400.0, "padded": 6000.0, "real": 4000.0}
     b = run.batching(zero, after)
     assert b["real_per_forward_s"] == pytest.approx(8000.0)
+    assert b["real_per_forward_cpu_s"] == pytest.approx(10000.0)
     assert b["pad_ratio"] == pytest.approx(1.5)
 
 

@@ -3,6 +3,7 @@ counters and histograms, and the capacity admission reads all come from it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import orjson
@@ -110,3 +111,42 @@ async def test_reaping_an_expired_worker_drops_its_capacity_field(
     assert await Reaper(client, name, 3, stats).reap("dead") == 0
     assert raw_redis.hkeys(cap_key) == [b"alive"]
     assert raw_redis.zscore(protocol.workers_key(name), "dead") is None
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("inline", [False, True])
+async def test_a_pass_counts_the_cpu_time_of_its_thread_not_its_sleep(inline: bool) -> None:
+    """Forward CPU time is the CPU of the thread that ran the pass: a pass that sleeps
+    costs wall time and next to no CPU time, one that computes costs both."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    from redbatch.worker.forward import Forwarder
+
+    def work_fn(xs: list[int]) -> list[int]:
+        if xs[0] == 0:
+            time.sleep(0.2)
+        else:
+            spin_until = time.thread_time() + 0.2
+            while time.thread_time() < spin_until:
+                pass
+        return xs
+
+    work = replace(batch(name="cpu-timed", max_batch_size=4)(work_fn), inline=inline)
+    with ThreadPoolExecutor(1) as executor:
+        fwd = Forwarder(work, work.bind("cpu"), executor)
+        await fwd.run_batches([0])
+        slept_ms = fwd.take_cpu_ms()
+        await fwd.run_batches([1])
+        spun_ms = fwd.take_cpu_ms()
+    assert slept_ms < 50 and spun_ms >= 190
+    assert fwd.take_cpu_ms() == 0.0  # taken
+
+
+def test_the_published_counters_carry_the_forward_cpu_time() -> None:
+    stats = WorkerStats("stats-cpu", max_batch_size=4)
+    stats.batch(Decoded(), entries=1, size=1, passes=[1], waits_ms=[1], fwd_ms=9.0,
+                busy_s=0.01, failed=0, fwd_cpu_ms=6.5)
+    stats.batch(Decoded(), entries=1, size=1, passes=[1], waits_ms=[1], fwd_ms=9.0,
+                busy_s=0.01, failed=0, fwd_cpu_ms=1.0)
+    assert stats.counters()["forward_cpu_ms"] == 7.5

@@ -47,7 +47,8 @@ def test_logits_equal_the_anchors_reference() -> None:
                                    atol=1e-4)
 
 
-@pytest.mark.parametrize("length", [128, 512])  # served: batched / row by row
+# served: fast path batched / attention written out, batched / row by row
+@pytest.mark.parametrize("length", [64, 256, 512])
 @pytest.mark.parametrize("build", [textcls.build_textcls, textcls.build_served])
 def test_a_padded_pass_gives_each_body_its_batch1_logits(build: Callable[[], Any],
                                                          length: int) -> None:

@@ -54,7 +54,7 @@ def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, An
 def batch_counters(redis_url: str, model: str) -> dict[str, float]:
     raw = redis.Redis.from_url(redis_url)
     totals = {"batches": 0.0, "items": 0.0, "entries": 0.0, "forward_ms": 0.0,
-              "queue_wait_ms": 0.0, "padded": 0.0, "real": 0.0}
+              "forward_cpu_ms": 0.0, "queue_wait_ms": 0.0, "padded": 0.0, "real": 0.0}
     for value in raw.hvals(protocol.worker_info_key(model)):
         info = json.loads(value)
         for key in totals:
@@ -152,6 +152,8 @@ def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
             "items_per_entry": d["items"] / max(d["entries"], 1.0),
             # variable lengths: real tokens per second of forward, padded over real
             "real_per_forward_s": d.get("real", 0.0) * 1000 / max(d["forward_ms"], 1e-9),
+            "real_per_forward_cpu_s": d.get("real", 0.0) * 1000 / max(d.get("forward_cpu_ms", 0.0),
+                                                                      1e-9),
             "pad_ratio": d.get("padded", 0.0) / max(d.get("real", 0.0), 1.0)}
 
 
@@ -308,7 +310,9 @@ def sweep_levels(args: argparse.Namespace) -> list[int]:
 
 def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_url: str,
            ours: str) -> None:
-    """W3 against the naive server with 2 processes, then the bare model's sweep."""
+    """W3 against the naive server with 2 processes (the anchors' forward at ``/w3``,
+    and the forward that ``textcls`` serves at ``/w3served``), then the bare model's
+    sweep."""
     w3.write_bodies(procs.logdir)
     naive = servers.start_naive(procs, "naive2", workers=2)
     extra = [f"worker-w3-{i}" for i in range(1, args.w3_replicas)]  # beside the run's one
@@ -316,11 +320,14 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
         servers.start_worker(procs, redis_url, name)
     try:
         producer.wait_live_workers(redis_url, "textcls", args.w3_replicas)
-        w3.check_replies([f"{ours}/v1/models/textcls/predict", f"{naive}/w3"])
+        w3.check_replies([f"{ours}/v1/models/textcls/predict", f"{naive}/w3",
+                          f"{naive}/w3served"])
         cases = interleaved([
             Target("redbatch_w3", f"{ours}/v1/models/textcls/predict", "w3.lua",
                    procs.pids("redis", "worker", *extra, "gateway"), redis_url, "textcls"),
-            Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2"))], args)
+            Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2")),
+            Target("naive2_w3_served", f"{naive}/w3served", "w3.lua", procs.pids("naive2"))],
+            args)
     finally:
         for name in ("naive2", *extra):
             procs.stop_one(name)

@@ -73,6 +73,7 @@ class Forwarder:
         self._trims = self._pads and (bool(self._sig.per_token) if self._sig
                                       else ragged.trims(model.output_spec))
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
+        self._cpu_s = 0.0  # CPU time of the threads that ran sync passes, since taken
         self._errors = ErrorLog(model.name)
         # ``auto_batch``: the learned pass sizes (shared by a runner's Forwarders), and
         # the items and time of the last pass that ran whole
@@ -174,6 +175,11 @@ class Forwarder:
         self._padding = [0, 0]
         return padded, real
 
+    def take_cpu_ms(self) -> float:
+        """CPU ms of the sync passes since the last call (0 for an async model)."""
+        cpu_s, self._cpu_s = self._cpu_s, 0.0
+        return cpu_s * 1000
+
     async def run(self, inputs: list[Any], length: int | None = None) -> list[Any]:
         """One result per input: the model's output, or a ``RedbatchError``.  ``length``:
         the bucket length a variable-length model's pass is padded to."""
@@ -255,8 +261,18 @@ class Forwarder:
             return await self._fn(arg)
         if not inline:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._fn, arg)
-        return self._fn(arg)
+            return await loop.run_in_executor(self._executor, self._cpu_timed, arg)
+        return self._cpu_timed(arg)
+
+    def _cpu_timed(self, arg: Any) -> Any:
+        """A sync pass, adding the CPU time of the thread that runs it to ``_cpu_s``
+        (with one torch thread, all of a CPU pass's compute; a pass descheduled by
+        other processes costs wall time, not CPU time)."""
+        started = time.thread_time()
+        try:
+            return self._fn(arg)
+        finally:
+            self._cpu_s += time.thread_time() - started
 
     def _check_outputs(self, outputs: Any, n: int) -> list[Any]:
         name = self.model.name

@@ -73,6 +73,7 @@ class Computed:
     failed: int  # items the model failed on
     passes: list[int]  # items in each forward pass
     padding: tuple[int, int] = (0, 0)  # padded and real lengths (variable-length models)
+    fwd_cpu_ms: float = 0.0  # CPU time of the threads that ran the sync passes
 
 
 class BusyClock:
@@ -346,7 +347,7 @@ class BatchRunner:
         outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
         return Computed(outs, fwd_ms, time.perf_counter() - started,
                         sum(isinstance(r, RedbatchError) for r in results),
-                        fwd.take_passes(), fwd.take_padding())
+                        fwd.take_passes(), fwd.take_padding(), fwd.take_cpu_ms())
 
     async def _forward(self, items: list[Item], fwd: Forwarder) -> list[Any]:
         if not any(item.request.suspect for item in items):
@@ -441,7 +442,8 @@ class BatchRunner:
                   for pack in decoded.packs]
         self.stats.batch(decoded, entries=batch.claimed, size=batch.size, passes=passes,
                          waits_ms=waits, fwd_ms=fwd_ms, busy_s=computed.busy_s,
-                         failed=computed.failed, padding=computed.padding)
+                         failed=computed.failed, padding=computed.padding,
+                         fwd_cpu_ms=computed.fwd_cpu_ms)
         padded, real = computed.padding
         log.info("model=%s n=%d items=%d entries=%d passes=%d computed=%d failed=%d "
                  "rejected=%d late=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f%s", self.model.name,

@@ -118,6 +118,7 @@ class WorkerStats:
         self.items = 0  # requests answered, each row of a multi-row request counting
         self.busy_s = 0.0  # time spent serving claimed batches (not waiting for them)
         self.forward_ms = 0.0  # total forward time
+        self.forward_cpu_ms = 0.0  # CPU time of the threads that ran the sync passes
         self.queue_wait_ms = 0.0  # total queue wait of answered entries (one per pack)
         self.padded = 0  # padded passes of a variable-length model: lengths padded to,
         self.real = 0  # and the items' own lengths (``padding_waste``: their ratio)
@@ -147,11 +148,11 @@ class WorkerStats:
 
     def batch(self, decoded: Decoded, *, entries: int, size: int, passes: list[int],
               waits_ms: list[int], fwd_ms: float, busy_s: float, failed: int,
-              padding: tuple[int, int] = (0, 0)) -> None:
+              padding: tuple[int, int] = (0, 0), fwd_cpu_ms: float = 0.0) -> None:
         """One served batch: ``entries`` queue entries of ``size`` items in all, the
         items of each forward pass, the entries' queue waits (clamped by
         ``protocol.queue_wait_ms``), the forward and busy time, the items that failed,
-        and the (padded, real) lengths of its padded passes."""
+        the (padded, real) lengths of its padded passes and the passes' CPU time."""
         self.batches += 1
         self.entries += entries
         self.items += size
@@ -164,6 +165,7 @@ class WorkerStats:
             self.forward.observe(fwd_ms / 1000)
             self.hist["forward_s"].add(fwd_ms / 1000)
         self.forward_ms += fwd_ms
+        self.forward_cpu_ms += fwd_cpu_ms
         self._outcomes(decoded, failed)
         if not failed:  # a failed pass is bisected: its time is no pass's
             self.pass_times.add(passes, fwd_ms)
@@ -225,6 +227,7 @@ class WorkerStats:
                 "batches": self.batches, "items": self.items, "entries": self.entries,
                 "passes": self.passes, "pass_items": self.pass_items,
                 "forward_ms": round(self.forward_ms, 3),
+                "forward_cpu_ms": round(self.forward_cpu_ms, 3),
                 "queue_wait_ms": round(self.queue_wait_ms, 3),
                 "padded": self.padded, "real": self.real,
                 "hist": {name: list(b.counts) for name, b in self.hist.items()},
