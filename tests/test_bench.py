@@ -234,3 +234,22 @@ def test_merge_gives_redis_cpu_per_request_for_redis_targets_only() -> None:
     assert merged["redis_cpu_us_per_request"] == pytest.approx(20.0)  # 80 ms / 4000
     assert merged["redis_cmd_us_per_request"] == {"evalsha": 0.2}
     assert redis_cost.CPU_S not in merged
+
+
+def test_w3_size_check_rates_each_workers_chosen_size_against_batch1_and_32() -> None:
+    served = {"buckets": {"8": {"tokens_per_s": {1: 10.0, 2: 20.0, 4: 40.0, 8: 60.0,
+                                                  16: 80.0, 32: 100.0}},
+                          "512": {"tokens_per_s": {1: 100.0, 2: 90.0, 4: 80.0, 8: 70.0,
+                                                    16: 60.0, 32: 50.0}}}}
+    ratios = w3.size_check(served, [{"8": 32, "512": 1}, {"8": 12, "512": 4}])
+    assert ratios == {"8/w0": 1.0, "512/w0": 1.0, "8/w1": 0.6, "512/w1": 0.8}
+
+
+def test_w3_report_says_when_a_bucket_falls_below_the_floor(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    served = {"buckets": {"8": {"tokens_per_s": {1: 10.0, 2: 20.0, 4: 40.0, 8: 60.0,
+                                                  16: 80.0, 32: 100.0}}}}
+    w3._report_sizes(served, [{"8": 16}])
+    out = capsys.readouterr().out
+    assert "8:16; worst bucket 80% of the better of batch 1 and 32" in out
+    assert "(target 95%: NOT met)" in out

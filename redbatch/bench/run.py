@@ -51,6 +51,16 @@ def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, An
     return result
 
 
+def worker_sizes(redis_url: str, model: str) -> list[dict[str, int]]:
+    """Each live worker's ``auto_sizes``: length bucket -> the pass size it chose."""
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        infos = [json.loads(v) for v in raw.hvals(protocol.worker_info_key(model))]
+    finally:
+        raw.close()
+    return [{str(b): int(n) for b, n in (i.get("auto_sizes") or {}).items()} for i in infos]
+
+
 def batch_counters(redis_url: str, model: str) -> dict[str, float]:
     raw = redis.Redis.from_url(redis_url)
     totals = {"batches": 0.0, "items": 0.0, "entries": 0.0, "forward_ms": 0.0,
@@ -328,6 +338,7 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
             Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2")),
             Target("naive2_w3_served", f"{naive}/w3served", "w3.lua", procs.pids("naive2"))],
             args)
+        cases["redbatch_w3"]["auto_sizes"] = worker_sizes(redis_url, "textcls")
     finally:
         for name in ("naive2", *extra):
             procs.stop_one(name)

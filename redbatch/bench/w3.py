@@ -164,6 +164,7 @@ def report(res: dict[str, Any]) -> None:
         print(f"  w3: x{same:.2f} the naive server running the forward textcls serves "
               "(batching alone; no target)")
     _report_bare(res["bare_w3"], res["redbatch_w3"]["batching"])
+    _report_sizes(res["bare_w3"]["served"], res["redbatch_w3"].get("auto_sizes", []))
 
 
 def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:
@@ -184,3 +185,32 @@ def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:
           f"wall-second ({wall / best:.0%}: passes share the cores with the gateway, Redis "
           f"and wrk); mean batch {batching['mean_batch']:.1f}, padding "
           f"{batching.get('pad_ratio', 0.0):.2f}x")
+
+
+BUCKET_FLOOR = 0.95  # target: each bucket's chosen size within this of max(batch 1, 32)
+
+
+def size_check(served: dict[str, Any], sizes: list[dict[str, int]]) -> dict[str, float]:
+    """Per bucket and worker (``"<bucket>/w<i>"``): the bare served forward's tokens/s at
+    the pass size that worker chose for the bucket, over the better of batch 1 and
+    batch 32 in the same sweep (a size between sweep points takes the next one below)."""
+    out: dict[str, float] = {}
+    for i, chosen in enumerate(sizes):
+        for bucket, size in chosen.items():
+            rates = served["buckets"].get(bucket, {}).get("tokens_per_s")
+            if rates:
+                at = rates[max(b for b in BATCH_SIZES if b <= max(size, 1))]
+                out[f"{bucket}/w{i}"] = at / max(rates[1], rates[BATCH_SIZES[-1]])
+    return out
+
+
+def _report_sizes(served: dict[str, Any], sizes: list[dict[str, int]]) -> None:
+    ratios = size_check(served, sizes)
+    if not ratios:
+        print("  worker's pass sizes: none chosen (auto_batch off, or too few passes)")
+        return
+    worst = min(ratios.values())
+    print("  worker's pass size per bucket: " + ", ".join(
+        f"{b}:{n}" for i, chosen in enumerate(sizes) for b, n in chosen.items()
+        if i == 0) + f"; worst bucket {worst:.0%} of the better of batch 1 and 32 in the "
+        f"bare sweep (target {BUCKET_FLOOR:.0%}: {'met' if worst >= BUCKET_FLOOR else 'NOT met'})")
