@@ -31,6 +31,7 @@ class Gateway:
                              max_queue_len=config.max_queue_len,
                              max_waiters=config.max_waiters,
                              block_timeout_s=config.block_timeout_s,
+                             replica_wait=config.replica_wait,
                              require_workers=False)  # the core checks, with a deadline
         self._redis = async_client(redis)
         self.directory = ModelDirectory(self._redis, redis, config.meta_refresh_s)
