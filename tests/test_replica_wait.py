@@ -208,3 +208,31 @@ async def test_the_gateway_passes_its_settings_to_its_client() -> None:
         assert gateway.client.replica_wait == ReplicaWait(1, 150)
     finally:
         await gateway.close()
+
+
+async def test_a_user_that_may_not_wait_is_refused_at_start(
+        pair: tuple[RedisServer, RedisServer], primary: redis.Redis) -> None:
+    primary.execute_command("ACL", "SETUSER", "nowait", "on", ">pw", "~*", "&*", "+@all",
+                            "-wait")
+    url = f"redis://nowait:pw@127.0.0.1:{pair[0].port}/0"
+    try:
+        with pytest.raises(ConfigError, match=r"\+wait"):
+            await Client(url, require_workers=False, replica_wait=ReplicaWait(1, 100)).start()
+        async with Client(url, require_workers=False, replica_wait=ReplicaWait()):
+            pass  # off: WAIT is never needed
+        gateway = Gateway(GatewayConfig(wait_replicas=1), RedisSettings(url))
+        with pytest.raises(ConfigError):
+            await gateway.start()
+        await gateway.close()
+    finally:
+        primary.execute_command("ACL", "DELUSER", "nowait")
+
+
+async def test_fewer_connected_replicas_than_asked_is_a_warning_at_start(
+        pair: tuple[RedisServer, RedisServer], primary: redis.Redis,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="redbatch.producer")
+    async with client_for(pair[0], ReplicaWait(1, 100)):
+        assert "connected replicas" not in caplog.text
+    async with client_for(pair[0], ReplicaWait(2, 100)):
+        assert "wait_replicas=2 but the primary has 1 connected replicas" in caplog.text

@@ -20,6 +20,7 @@ from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchErro
 from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer, Outcome
 from redbatch.producer.listener import ReplyListener, RequestFuture
+from redbatch.producer.replication import check_replicas
 from redbatch.protocol import Request
 from redbatch.redis_conn import async_client, deadline_bound, translated
 
@@ -98,6 +99,7 @@ class Client:
                 async with translated(self.settings):
                     await redis.ping()
                     await check_eviction(redis)
+                    await check_replicas(redis, self.replica_wait)
                     for script in lua.PRODUCER_SCRIPTS:  # EVALSHA finds them loaded
                         await redis.script_load(script)
             except BaseException:  # an error, or a deadline that passed meanwhile

@@ -20,15 +20,45 @@ import logging
 import time
 from typing import Any
 
+import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from redbatch import defaults, protocol
 from redbatch.config import ReplicaWait
+from redbatch.errors import ConfigError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.protocol import Request
 
 log = logging.getLogger("redbatch.producer")
 Calls = list[tuple[list[str], list[Any]]]  # one script call's keys and arguments each
+
+
+async def check_replicas(redis: aioredis.Redis, setting: ReplicaWait) -> None:
+    """At start, with the WAIT on: ``ConfigError`` if the Redis user may not send WAIT
+    (every push would fail after its write), and a warning while fewer replicas are
+    connected than asked for (every enqueue would wait its whole timeout)."""
+    if not setting.wait_replicas:
+        return
+    try:
+        await redis.wait(0, 0)  # 0 replicas: answers at once
+    except ResponseError as exc:
+        raise ConfigError(f"wait_replicas={setting.wait_replicas} needs the WAIT command, "
+                          f"which Redis refused ({exc}); allow +wait for the redis user, or "
+                          "set REDBATCH_WAIT_REPLICAS=0") from exc
+    connected = await _connected_replicas(redis)
+    if connected is not None and connected < setting.wait_replicas:
+        log.warning("wait_replicas=%d but the primary has %d connected replicas: every "
+                    "enqueue waits its whole timeout (%d ms) until more connect",
+                    setting.wait_replicas, connected, setting.wait_timeout_ms)
+
+
+async def _connected_replicas(redis: aioredis.Redis) -> int | None:
+    """The primary's connected replicas (None where INFO is refused)."""
+    try:
+        info: Any = await redis.info("replication")
+    except ResponseError:
+        return None
+    return int(info.get("connected_slaves", 0))
 
 
 class ReplicaWaiter:
