@@ -199,7 +199,9 @@ class Client:
             await pipe.execute()
 
     def stats(self) -> dict[str, int]:
-        """Replies received by this process, and the duplicates and late ones among them."""
+        """Replies received by this process, and the duplicates and late ones among them;
+        with ``replica_wait`` on, the WAITs sent and the requests whose WAIT ended short
+        (``enqueue_waits``, ``enqueue_unreplicated``)."""
         base = self._listener.stats.as_dict() if self._listener else {}
         waiter = self._enqueuer.waiter if self._enqueuer else None
         return {"waiting": self.waiting, **base, **(waiter.stats() if waiter else {})}
