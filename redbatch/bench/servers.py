@@ -71,10 +71,11 @@ def wait_ok(url: str, body: Any, timeout_s: float = 60) -> None:
 
 
 def start_redis(procs: Procs, name: str, *args: str) -> int:
-    """A redis-server without persistence on a free port (``args``: more options)."""
+    """A redis-server without persistence on a free port (``args``: more options); its
+    files (a replica's copy of its primary's data) go to the run's log folder."""
     port = free_port()
     procs.start(name, ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                       "--save", "", "--appendonly", "no", *args])
+                       "--save", "", "--appendonly", "no", "--dir", str(procs.logdir), *args])
     return port
 
 
