@@ -175,6 +175,8 @@ class GatewayConfig:
     body_timeout_s: float = defaults.BODY_TIMEOUT_S
     max_connections: int = defaults.GATEWAY_MAX_CONNECTIONS
     gateway_processes: int = defaults.GATEWAY_PROCESSES  # sharing the port (gateway_procs)
+    wait_replicas: int = defaults.WAIT_REPLICAS  # replicas that acknowledge an enqueue
+    wait_timeout_ms: int = defaults.WAIT_TIMEOUT_MS  # how long that WAIT may block
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -193,6 +195,12 @@ class GatewayConfig:
             raise ConfigError(f"max_timeout_s may be at most {MAX_TIMEOUT_S}")
         if self.default_timeout_s > self.max_timeout_s:
             raise ConfigError("default_timeout_s must not exceed max_timeout_s")
+        self.replica_wait.check_budget(self.default_timeout_s)
+
+    @property
+    def replica_wait(self) -> ReplicaWait:
+        """The WAIT after each enqueue (``ReplicaWait``), checked."""
+        return ReplicaWait(self.wait_replicas, self.wait_timeout_ms)
 
 
 @dataclass(frozen=True)
@@ -233,3 +241,44 @@ def check_socket_timeout(redis: RedisSettings, block_timeout_s: float) -> None:
     if redis.socket_timeout_s <= block_timeout_s + 1.0:
         raise ConfigError(f"socket_timeout_s ({redis.socket_timeout_s}) must exceed "
                           f"block_timeout_s ({block_timeout_s}) by more than 1 s")
+
+
+@dataclass(frozen=True)
+class ReplicaWait:
+    """Redis ``WAIT`` after each enqueue: ``wait_replicas`` replicas must acknowledge the
+    enqueue's writes within ``wait_timeout_ms`` (0 replicas: off, no WAIT is sent).
+    ``REDBATCH_WAIT_REPLICAS`` and ``REDBATCH_WAIT_TIMEOUT_MS`` in the environment."""
+
+    wait_replicas: int = defaults.WAIT_REPLICAS
+    wait_timeout_ms: int = defaults.WAIT_TIMEOUT_MS
+
+    def __post_init__(self) -> None:
+        for name in ("wait_replicas", "wait_timeout_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
+        if self.wait_replicas < 0:
+            raise ConfigError(f"wait_replicas must be >= 0 (0: off), got {self.wait_replicas}")
+        low = 1 if self.wait_replicas else 0  # WAIT n 0 would block without end
+        if not low <= self.wait_timeout_ms <= defaults.WAIT_TIMEOUT_MAX_MS:
+            raise ConfigError(f"wait_timeout_ms must be {low}..{defaults.WAIT_TIMEOUT_MAX_MS}"
+                              f" with wait_replicas={self.wait_replicas}, got "
+                              f"{self.wait_timeout_ms}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaWait:
+        return from_env(cls, env=env)
+
+    def check_budget(self, default_timeout_s: float, socket_timeout_s: float | None = None
+                     ) -> None:
+        """The WAIT must fit well inside a default request's deadline and end before the
+        socket gives up on it."""
+        if not self.wait_replicas:
+            return
+        wait_s = self.wait_timeout_ms / 1000
+        if wait_s >= default_timeout_s:
+            raise ConfigError(f"wait_timeout_ms ({self.wait_timeout_ms}) must be below "
+                              f"default_timeout_s ({default_timeout_s}) in ms")
+        if socket_timeout_s is not None and socket_timeout_s <= wait_s + 1.0:
+            raise ConfigError(f"socket_timeout_s ({socket_timeout_s}) must exceed "
+                              f"wait_timeout_ms ({self.wait_timeout_ms}) by more than 1 s")

@@ -45,6 +45,10 @@ LIVE_REFRESH_S: Final = 1.0  # a process reads who is live at most this often pe
 MISS_REFRESH_S: Final = 0.25  # ...and a model unknown or with no live worker, this often
 RETRY_AFTER_S: Final = 1.0  # what a 503 advises when nothing better is known (Retry-After)
 ENQUEUE_DRAIN_S: Final = 5.0  # a closing Client waits this long for pushes in flight
+WAIT_REPLICAS: Final = 0  # replicas that must acknowledge an enqueue (Redis WAIT); 0: off
+WAIT_TIMEOUT_MS: Final = 100  # how long that WAIT may block (cut to the request's deadline)
+WAIT_TIMEOUT_MAX_MS: Final = 10_000  # the longest wait_timeout_ms accepted
+WAIT_WARN_EVERY_S: Final = 10.0  # an unacknowledged enqueue is logged at most this often
 SCALE_DRAIN_S: Final = 60.0  # redbatch_workers_needed plans to drain a backlog within this
 
 # --- workers (WorkerConfig, Pool) ---------------------------------------------------------

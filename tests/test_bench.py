@@ -253,3 +253,21 @@ def test_w3_report_says_when_a_bucket_falls_below_the_floor(
     out = capsys.readouterr().out
     assert "8:16; worst bucket 80% of the better of batch 1 and 32" in out
     assert "(target 95%: NOT met)" in out
+
+
+def test_replica_wait_report_shows_each_setting_and_the_ratios(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from redbatch.bench import replication
+
+    def fig(rate: float, p50: float) -> dict[str, float]:
+        return {"items_per_s": rate, "enqueue_p50_ms": p50, "enqueue_p99_ms": 4 * p50}
+
+    median = {"off x64": fig(10000, 1.0), "on x64": fig(9000, 1.25),
+              "off x1": fig(800, 0.3), "on x1": fig(700, 0.5),
+              "on x64, replica paused": fig(320, 200.0), "on x1, replica paused": fig(5, 200.0)}
+    replication.report({"median": median})
+    out = capsys.readouterr().out
+    assert "x64 on/off: throughput x0.90, enqueue p50 +0.25 ms" in out
+    assert "x1 on/off: throughput x0.88, enqueue p50 +0.20 ms" in out
+    assert "on x64, replica paused" in out and "200.00" in out
+    assert replication._median([fig(1, 1.0), fig(3, 3.0), fig(2, 2.0)]) == fig(2, 2.0)

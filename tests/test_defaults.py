@@ -35,7 +35,8 @@ GATEWAY = {"host": "HOST", "port": "PORT", "default_timeout_s": "DEFAULT_TIMEOUT
            "api_key": "API_KEY", "max_header_bytes": "MAX_HEADER_BYTES",
            "header_timeout_s": "HEADER_TIMEOUT_S", "body_timeout_s": "BODY_TIMEOUT_S",
            "max_connections": "GATEWAY_MAX_CONNECTIONS",
-           "gateway_processes": "GATEWAY_PROCESSES"}
+           "gateway_processes": "GATEWAY_PROCESSES", "wait_replicas": "WAIT_REPLICAS",
+           "wait_timeout_ms": "WAIT_TIMEOUT_MS"}
 WORKER = {"block_timeout_s": "BLOCK_TIMEOUT_S", "heartbeat_interval_s": "HEARTBEAT_INTERVAL_S",
           "lease_ttl_s": "LEASE_TTL_S", "replicas": "REPLICAS", "device": "DEVICE",
           "threads": "THREADS", "max_attempts": "MAX_ATTEMPTS", "grace_s": "GRACE_S",

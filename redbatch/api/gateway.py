@@ -12,7 +12,7 @@ from redbatch.api.core import InferCore
 from redbatch.api.directory import ModelDirectory
 from redbatch.api.errors import error_response
 from redbatch.config import GatewayConfig, RedisSettings
-from redbatch.errors import RedbatchError
+from redbatch.errors import ConfigError, RedbatchError
 from redbatch.producer.client import Client
 from redbatch.redis_conn import async_client
 from redbatch.scaling import FleetReader
@@ -31,6 +31,7 @@ class Gateway:
                              max_queue_len=config.max_queue_len,
                              max_waiters=config.max_waiters,
                              block_timeout_s=config.block_timeout_s,
+                             replica_wait=config.replica_wait,
                              require_workers=False)  # the core checks, with a deadline
         self._redis = async_client(redis)
         self.directory = ModelDirectory(self._redis, redis, config.meta_refresh_s)
@@ -45,6 +46,8 @@ class Gateway:
     async def start(self) -> None:
         try:
             await self.client.start()
+        except ConfigError:  # a setting Redis cannot honour (WAIT refused): stop
+            raise
         except RedbatchError as exc:  # serve 503s until Redis is back
             log.warning("gateway started without redis: %s", exc)
         log.info("gateway using redis at %s", self.redis_settings.safe_url)

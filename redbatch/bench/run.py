@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from redbatch import defaults, protocol
-from redbatch.bench import priority, producer, redis_cost, servers, w3
+from redbatch.bench import priority, producer, redis_cost, replication, servers, w3
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds
 
@@ -387,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priority", action="store_true",
                         help="only the priority overload scenario (about a minute: "
                              "bench/priority.py)")
+    parser.add_argument("--replica-wait", action="store_true",
+                        help="only the cost of REDBATCH_WAIT_REPLICAS: W2's producer path "
+                             "against a primary and a replica, WAIT off and on "
+                             "(bench/replication.py)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
@@ -404,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="redbatch-bench-"))
     if args.priority:
         return run_priority(out, logdir)
+    if args.replica_wait:
+        return run_replica_wait(out, logdir, args)
     res = run(args, logdir)
     report(res)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -415,10 +421,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_replica_wait(out: Path, logdir: Path, args: argparse.Namespace) -> int:
+    res = replication.run(logdir, args.duration_s, args.rounds)
+    replication.report(res)
+    return _saved(out, "replica-wait", res, logdir)
+
+
 def run_priority(out: Path, logdir: Path) -> int:
     res = priority.run(logdir)
     priority.report(res)
-    path = out / f"priority-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return _saved(out, "priority", res, logdir)
+
+
+def _saved(out: Path, name: str, res: dict[str, Any], logdir: Path) -> int:
+    """Write a single scenario's results as JSON in ``out``; say where they are."""
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(res, indent=2))
     print(f"\nresults: {path}; logs: {logdir}")
     return 0

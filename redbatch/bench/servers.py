@@ -70,11 +70,18 @@ def wait_ok(url: str, body: Any, timeout_s: float = 60) -> None:
     raise SystemExit(f"bench: {url} never answered 200")
 
 
+def start_redis(procs: Procs, name: str, *args: str) -> int:
+    """A redis-server without persistence on a free port (``args``: more options); its
+    files (a replica's copy of its primary's data) go to the run's log folder."""
+    port = free_port()
+    procs.start(name, ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                       "--save", "", "--appendonly", "no", "--dir", str(procs.logdir), *args])
+    return port
+
+
 def start_redbatch(procs: Procs, gateways: int) -> tuple[str, str]:
-    redis_port, http_port = free_port(), free_port()
+    redis_port, http_port = start_redis(procs, "redis"), free_port()
     url = f"redis://127.0.0.1:{redis_port}/0"
-    procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                          "--save", "", "--appendonly", "no"])
     env = {"REDBATCH_LOG_LEVEL": "WARNING"}
     start_worker(procs, url, "worker")
     procs.start("gateway", [sys.executable, "-m", "redbatch", "gateway", "--host", "127.0.0.1",

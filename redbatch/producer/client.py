@@ -15,11 +15,12 @@ import redis.asyncio as aioredis
 from redbatch import codec, defaults, knobs, lua, protocol
 from redbatch.checks import check_eviction
 from redbatch.codec import Format
-from redbatch.config import RedisSettings, check_socket_timeout
+from redbatch.config import RedisSettings, ReplicaWait, check_socket_timeout
 from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchError
 from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer, Outcome
 from redbatch.producer.listener import ReplyListener, RequestFuture
+from redbatch.producer.replication import check_replicas
 from redbatch.protocol import Request
 from redbatch.redis_conn import async_client, deadline_bound, translated
 
@@ -46,6 +47,12 @@ class Client:
     ``NoLiveWorkers`` (both looked up once a second at most), as over HTTP: nothing
     is queued.  ``require_workers=False`` queues them anyway, for a worker that starts
     later (a batch job filled ahead of its workers).
+
+    ``replica_wait`` (default: ``REDBATCH_WAIT_REPLICAS`` and
+    ``REDBATCH_WAIT_TIMEOUT_MS``, off) follows each enqueue with a Redis ``WAIT``
+    for that many replicas, bounded by the request's deadline; a WAIT that ends short
+    is counted in ``stats()`` and logged, and the requests keep waiting for their
+    replies (``docs/reliability.md``).
     """
 
     def __init__(self, url: str | None = None, *, settings: RedisSettings | None = None,
@@ -54,12 +61,16 @@ class Client:
                  max_queue_len: int = defaults.MAX_QUEUE_LEN,
                  max_waiters: int = defaults.MAX_WAITERS,
                  block_timeout_s: float = defaults.BLOCK_TIMEOUT_S, fmt: Format = "msgpack",
-                 pack_rows: int = defaults.PACK_ROWS, require_workers: bool = True) -> None:
+                 pack_rows: int = defaults.PACK_ROWS, require_workers: bool = True,
+                 replica_wait: ReplicaWait | None = None) -> None:
         self.settings = settings or RedisSettings.from_env(url)
         check_socket_timeout(self.settings, block_timeout_s)
         if not 0 < default_timeout_s <= max_timeout_s <= protocol.MAX_TIMEOUT_S:
             raise ConfigError("need 0 < default_timeout_s <= max_timeout_s <= "
                               f"{protocol.MAX_TIMEOUT_S}")
+        # WAIT for replicas after each enqueue (docs/reliability.md); None: from the env
+        self.replica_wait = ReplicaWait.from_env() if replica_wait is None else replica_wait
+        self.replica_wait.check_budget(default_timeout_s, self.settings.socket_timeout_s)
         self.default_timeout_s = default_timeout_s
         self.max_timeout_s = max_timeout_s
         self.max_queue_len = max_queue_len
@@ -88,6 +99,7 @@ class Client:
                 async with translated(self.settings):
                     await redis.ping()
                     await check_eviction(redis)
+                    await check_replicas(redis, self.replica_wait)
                     for script in lua.PRODUCER_SCRIPTS:  # EVALSHA finds them loaded
                         await redis.script_load(script)
             except BaseException:  # an error, or a deadline that passed meanwhile
@@ -97,7 +109,7 @@ class Client:
             self._admission = Admission(redis, self.max_queue_len)
             listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
-                                      self.pack_rows, listener.route_pack)
+                                      self.pack_rows, listener.route_pack, self.replica_wait)
             self._listener = listener
             listener.start()
 
@@ -187,9 +199,12 @@ class Client:
             await pipe.execute()
 
     def stats(self) -> dict[str, int]:
-        """Replies received by this process, and the duplicates and late ones among them."""
+        """Replies received by this process, and the duplicates and late ones among them;
+        with ``replica_wait`` on, the WAITs sent and the requests whose WAIT ended short
+        (``enqueue_waits``, ``enqueue_unreplicated``)."""
         base = self._listener.stats.as_dict() if self._listener else {}
-        return {"waiting": self.waiting, **base}
+        waiter = self._enqueuer.waiter if self._enqueuer else None
+        return {"waiting": self.waiting, **base, **(waiter.stats() if waiter else {})}
 
     @property
     def waiting(self) -> int:

@@ -15,13 +15,14 @@ import redis.asyncio as aioredis
 
 from redbatch import defaults, lua, protocol
 from redbatch.codec import Format
-from redbatch.config import RedisSettings
+from redbatch.config import RedisSettings, ReplicaWait
 from redbatch.errors import QueueFull
 from redbatch.lean import LeanLink
 from redbatch.levels import Levels
 from redbatch.producer import packing
 from redbatch.producer.admission import Admission
 from redbatch.producer.packing import Failures, RoutePack, Unit
+from redbatch.producer.replication import ReplicaWaiter
 from redbatch.protocol import Request
 from redbatch.redis_conn import drop_idle, is_stale, translated
 
@@ -62,7 +63,8 @@ def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
 class Enqueuer:
     def __init__(self, redis: aioredis.Redis, settings: RedisSettings, admission: Admission,
                  fmt: Format = "msgpack", pack_rows: int = 1,
-                 route_pack: RoutePack | None = None) -> None:
+                 route_pack: RoutePack | None = None,
+                 replica_wait: ReplicaWait | None = None) -> None:
         self._redis = redis
         self._settings = settings
         self._admission = admission
@@ -72,6 +74,9 @@ class Enqueuer:
         self._scripts = {source: redis.register_script(source)
                          for source in (lua.ENQUEUE, lua.ENQUEUE_LEVEL)}
         self._link = LeanLink(redis)
+        # opt-in: WAIT for replicas after each enqueue (None: off, nothing more is sent)
+        self.waiter = ReplicaWaiter(self._link, replica_wait) \
+            if replica_wait is not None and replica_wait.wait_replicas else None
         self._pending: dict[str, list[Push]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -180,18 +185,22 @@ class Enqueuer:
         pool's idle connections are dropped then, stale as well."""
         calls = _calls(model, target, requests, entries)
         try:
-            return await self._call(target, calls)
+            return await self._call(target, calls, requests)
         except redis.ConnectionError as exc:
             if not is_stale(exc):
                 raise
             await drop_idle(self._redis)
-            return await self._call(target, calls)
+            return await self._call(target, calls, requests)
 
-    async def _call(self, target: Target, calls: list[tuple[list[str], list[Any]]]
-                    ) -> tuple[int, list[int]]:
+    async def _call(self, target: Target, calls: list[tuple[list[str], list[Any]]],
+                    requests: list[Request]) -> tuple[int, list[int]]:
         """One call of the script; over ``ENQUEUE_CHUNK`` entries, chunks in one MULTI
-        (no worker drains the queue between them, so the cap holds for all).  Returns
-        the entries accepted and the script's depths after."""
+        (no worker drains the queue between them, so the cap holds for all); then the
+        WAIT for replicas, when it is on.  Returns the entries accepted and the
+        script's depths after."""
+        if self.waiter is not None:
+            return _tally(target, calls, await self.waiter.call(target.source, calls,
+                                                                requests))
         if len(calls) == 1:
             accepted, *depths = await self._link.script(target.source, *calls[0])
             return int(accepted), [int(d) for d in depths]
@@ -200,9 +209,16 @@ class Enqueuer:
             for keys, args in calls:
                 await script(keys=keys, args=args, client=pipe)
             results = await pipe.execute()
-        sizes = [len(keys) - len(target.keys) for keys, _args in calls]
-        return accepted_prefix([int(r[0]) for r in results], sizes), \
-            [int(d) for d in results[-1][1:]]
+        return _tally(target, calls, results)
+
+
+def _tally(target: Target, calls: list[tuple[list[str], list[Any]]], results: list[Any]
+           ) -> tuple[int, list[int]]:
+    """The entries accepted by the script's calls (in order, up to the first refusal),
+    and the depths after the last."""
+    sizes = [len(keys) - len(target.keys) for keys, _args in calls]
+    return accepted_prefix([int(r[0]) for r in results], sizes), \
+        [int(d) for d in results[-1][1:]]
 
 
 def _target(model: str, cap: int, level: int, levels: Levels) -> Target:
