@@ -16,7 +16,7 @@ from redis.commands.core import AsyncScript
 from redis.crc import key_slot
 
 from redbatch import Client, batch, codec, lua, protocol
-from redbatch.errors import WorkerCrashed
+from redbatch.errors import DeadlineExceeded, WorkerCrashed
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply
 from redbatch.worker.process import Worker
@@ -166,7 +166,7 @@ async def test_a_reply_pushed_while_no_listener_runs_is_not_lost(
     async with Client(redis_url, require_workers=False, listener_idle_s=0.2,
                       block_timeout_s=0.1) as client:
         first = await client.submit("slot-none", 1, timeout_s=0.2)
-        with pytest.raises(Exception):
+        with pytest.raises(DeadlineExceeded):
             await first
         await until(lambda: client.stats()["listeners"] == 0, "the idle listener stopped")
         early = Reply("r-early", True, payload=42).to_wire()
