@@ -16,7 +16,7 @@ from redis.commands.core import AsyncScript
 from redis.crc import key_slot
 
 from redbatch import Client, batch, codec, lua, protocol
-from redbatch.errors import DeadlineExceeded, WorkerCrashed
+from redbatch.errors import DeadlineExceeded, RedbatchError, WorkerCrashed
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply
 from redbatch.worker.process import Worker
@@ -191,3 +191,15 @@ async def test_a_legacy_reply_to_is_answered_on_a_plain_redis(
     reply = protocol.reply_from_wire(codec.decode(got[1]))
     assert (reply.id, reply.ok, reply.payload) == (request.id, True, 42)
     assert raw_redis.get(protocol.request_key("slot-a", request.id)) == b"d"
+
+
+async def test_no_listener_starts_for_a_closed_client(redis_url: str) -> None:
+    client = Client(redis_url, require_workers=False)
+    await client.start()
+    listeners = client._listeners
+    assert listeners is not None
+    listeners.of("slot-a")
+    await client.close()
+    assert listeners.running == 0
+    with pytest.raises(RedbatchError, match="closed"):
+        listeners.of("slot-a")
