@@ -71,6 +71,12 @@ class LeanLink:
             await self.execute("SCRIPT", "LOAD", source)
             return await self.execute(*command)
 
+    async def release(self) -> None:
+        """Give the held connection back to the pool (the next call takes one again)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await self._client.connection_pool.release(conn)
+
     async def _send_many(self, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
         conn = await self._connection()
         replies: list[Any] = []

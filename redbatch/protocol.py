@@ -1,9 +1,9 @@
 """The wire protocol: every Redis key, TTL and message field, in one place.
 
 See ``docs/protocol.md`` for the language-neutral description.  All keys of one
-model share the Redis Cluster hash tag ``{<model>}``; a reply list is tagged by
-its client id.  Times are absolute epoch milliseconds (``*_ms``) or durations
-with their unit in the name (``*_s``).
+model share the Redis Cluster hash tag ``{<model>}``, a client's reply list for the
+model's requests included (``reply_key``).  Times are absolute epoch milliseconds
+(``*_ms``) or durations with their unit in the name (``*_s``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worke
 REAPING_TTL_MS: Final = 5000  # a reaper's election; past it, a reaper that died is replaced
 
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Takes ``reply_key``'s ``rb:reply:{<model>}:<id>`` and the legacy ``rb:reply:{<id>}``
+# alike; unchanged since 1.0, so that workers of 1.0 answer producers of 1.1.
 REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")
 
 # --- message fields -----------------------------------------------------------
@@ -179,8 +181,32 @@ CANCELLED_MAX: Final = 10_000  # members kept in a model's cancelled set (latest
 MODELS_KEY: Final = f"{PREFIX}:models"  # sorted set: model -> last heartbeat (epoch ms)
 
 
-def reply_key(client_id: str) -> str:
+def reply_key(model: str, client_id: str) -> str:
+    """List: a client's replies to its requests for ``model``, in the model's slot (a
+    worker's reply-and-ack script touches it with the model's keys)."""
+    return f"{PREFIX}:reply:{{{model}}}:{client_id}"
+
+
+def legacy_reply_key(client_id: str) -> str:
+    """The reply list of producers before protocol 1.1, tagged by the client: still
+    answered on a plain Redis, never on Redis Cluster (``reply_in_model_slot``)."""
     return f"{PREFIX}:reply:{{{client_id}}}"
+
+
+def hash_tag(key: str) -> str | None:
+    """The Redis Cluster hash tag of ``key`` (between its first ``{`` and the next
+    ``}``, if not empty), or None when the whole key is hashed."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else None
+
+
+def reply_in_model_slot(model: str, reply_to: str) -> bool:
+    """Whether a reply list shares ``model``'s hash tag, so that a worker of ``model``
+    can answer into it atomically on Redis Cluster too.  A ``reply_to`` tagged
+    otherwise (``legacy_reply_key``, a foreign client's own name) is answered in the
+    same script on a plain Redis only."""
+    return hash_tag(reply_to) == model
 
 
 # --- time and ids ---------------------------------------------------------------
@@ -323,7 +349,7 @@ def request_from_wire(wire: Any) -> Request:
     wire = _check_version(wire)
     reply_to = _field(wire, F_REPLY_TO, str)
     if not REPLY_TO_RE.fullmatch(reply_to):
-        raise InvalidPayload("reply_to must match rb:reply:<id>")
+        raise InvalidPayload("reply_to must match rb:reply:{<model>}:<id> (REPLY_TO_RE)")
     if F_PAYLOAD not in wire:
         raise InvalidPayload("field 'payload' is missing")
     now = now_ms()

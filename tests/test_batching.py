@@ -26,7 +26,8 @@ async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 def entry(n: int, enqueue_ms: int | None = None, timeout_ms: int = 60_000) -> bytes:
     enq = protocol.now_ms() if enqueue_ms is None else enqueue_ms
-    req = protocol.Request(f"id{n}", MODEL, enq, enq + timeout_ms, protocol.reply_key("c"), n)
+    req = protocol.Request(f"id{n}", MODEL, enq, enq + timeout_ms, protocol.reply_key(MODEL, "c"),
+                           n)
     return codec.encode(req.to_wire())
 
 

@@ -101,7 +101,7 @@ async def test_a_suspect_batch_runs_alone(redis_url: str, raw_redis: redis.Redis
     await wait_live(redis_url, "suspects")
     replies, entries = [], []
     for value in range(16):
-        reply_to = protocol.reply_key(f"suspect-test-{value}")
+        reply_to = protocol.reply_key("suspects", f"suspect-test-{value}")
         req, _ = raw_request("suspects", value, reply_to)
         req.suspect = value == 12  # the fourth batch: three are in flight when it comes
         entries.append(codec.encode(req.to_wire()))
@@ -123,7 +123,7 @@ async def test_kill_9_with_three_batches_in_flight_loses_nothing(
                               redis_url), env=test_env(**FAST_LEASE), name="sleepy-worker")
     replies = []
     for value in range(12):
-        reply_to = protocol.reply_key(f"sleepy-test-{value}")
+        reply_to = protocol.reply_key("sleepy", f"sleepy-test-{value}")
         _req, entry = raw_request("sleepy", value, reply_to)
         raw_redis.rpush(protocol.queue_key("sleepy"), entry)
         replies.append(reply_to)
@@ -187,7 +187,7 @@ async def test_a_graceful_stop_finishes_every_batch_in_flight(
         await wait_live(redis_url, "stopping")
         replies, entries = [], []
         for value in range(12):
-            reply_to = protocol.reply_key(f"stopping-test-{value}")
+            reply_to = protocol.reply_key("stopping", f"stopping-test-{value}")
             entries.append(raw_request("stopping", value, reply_to)[1])
             replies.append(reply_to)
         raw_redis.rpush(protocol.queue_key("stopping"), *entries)

@@ -169,7 +169,7 @@ def test_pass_times_need_a_warmup_and_bucket_by_size() -> None:
 
 
 def _request(rid: str, deadline_ms: int, rows: int = 0) -> protocol.Request:
-    return protocol.Request(rid, "m", 0, deadline_ms, protocol.reply_key("c"), None,
+    return protocol.Request(rid, "m", 0, deadline_ms, protocol.reply_key("m", "c"), None,
                             rows=rows)
 
 

@@ -13,7 +13,8 @@ from redbatch import codec, protocol
 from redbatch.errors import InvalidPayload
 from redbatch.worker.decode import loose_reply_target
 
-REPLY_TO = "rb:reply:{c1}"
+REPLY_TO = "rb:reply:{m}:c1"  # protocol.reply_key("m", "c1")
+LEGACY_REPLY_TO = "rb:reply:{c1}"  # a producer of protocol 1.0
 
 
 def _wire(payload: Any, **changes: Any) -> dict[str, Any]:
@@ -41,6 +42,13 @@ def test_undecodable_payload_still_names_its_sender(raw: bytes) -> None:
     with pytest.raises(InvalidPayload):
         codec.decode(raw)
     assert loose_reply_target(raw) == ("r1", REPLY_TO, codec.sniff_format(raw))
+
+
+@pytest.mark.parametrize("reply_to", [REPLY_TO, LEGACY_REPLY_TO])
+def test_both_reply_forms_name_the_sender(reply_to: str) -> None:
+    raw = msgpack.packb(_wire(JSON_TENSOR, reply_to=reply_to))
+    assert loose_reply_target(raw) == ("r1", reply_to, "msgpack")
+    assert protocol.request_from_wire(_wire(1, reply_to=reply_to)).reply_to == reply_to
 
 
 @pytest.mark.parametrize("raw", [

@@ -97,7 +97,8 @@ async def test_gateway_answers_503_or_504_during_an_outage(
 
 async def test_a_retried_push_is_not_queued_twice(redis_url: str) -> None:
     async with Client(redis_url) as client:
-        request = client._request("m", 1, protocol.now_ms() + 5000, "fixed-id")
+        request = client._request("m", 1, protocol.now_ms() + 5000, "fixed-id",
+                                  client.reply_to("m"))
         entry = b"entry"
         for _ in range(3):  # e.g. the connection reset after the first push
             assert client._enqueuer is not None

@@ -90,8 +90,9 @@ def marker_ttl_ms(request: dict[str, Any], now: int) -> int:
     return max(request["deadline_ms"] - now, 0) + MARKER_GRACE_MS
 
 
-def new_reply_to() -> str:
-    return "rb:reply:{fc-" + uuid.uuid4().hex + "}"
+def new_reply_to(model: str) -> str:
+    """A reply list in the model's slot: ``rb:reply:{<model>}:<id>``."""
+    return "rb:reply:{" + model + "}:fc-" + uuid.uuid4().hex
 
 
 def envelope(model: str, reply_to: str, payload: Any, *, timeout_ms: int = 10_000,
@@ -252,7 +253,7 @@ async def wait_for_key(rc: aioredis.Redis, key: str) -> None:
 async def test_msgpack_tensor_via_enqueue_script(rc: aioredis.Redis,
                                                  start_worker: Callable[..., Any]) -> None:
     worker = start_worker([double_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     x = np.array([1.5, -2.0, 0.25, 1e6], dtype=np.float32)
     request = envelope(MODEL, reply_to, msgpack_tensor(x))
     accepted, depth = await enqueue(rc, MODEL, mp(request))
@@ -297,7 +298,7 @@ async def test_msgpack_tensor_via_enqueue_script(rc: aioredis.Redis,
 
 async def test_enqueue_many_in_one_call_replies_matched_by_id(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     inputs = [np.full(4, i, dtype=np.float32) for i in range(5)]
     requests = [envelope(MODEL, reply_to, msgpack_tensor(x)) for x in inputs]
     # Queued before any worker runs: the queue, its TTL and the markers exist on their own.
@@ -319,7 +320,7 @@ async def test_enqueue_many_in_one_call_replies_matched_by_id(
 
 async def test_enqueue_returns_accepted_and_depth_and_enforces_the_cap(
         rc: aioredis.Redis) -> None:
-    a, b, c = (mp(envelope(MODEL, new_reply_to(), [0, 0, 0, i])) for i in range(3))
+    a, b, c = (mp(envelope(MODEL, new_reply_to(MODEL), [0, 0, 0, i])) for i in range(3))
     assert await enqueue(rc, MODEL, a, b, c, cap=2) == (2, 2)  # a prefix fits, in order
     assert await rc.lrange(QUEUE, 0, -1) == [a[1], b[1]]
     assert 0 < await rc.pttl(QUEUE) <= QUEUE_TTL_MS
@@ -345,7 +346,7 @@ async def test_enqueue_returns_accepted_and_depth_and_enforces_the_cap(
 async def test_retried_enqueue_of_one_id_is_queued_and_answered_once(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     calls: list[list[Any]] = []
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(LOOSE)
     request = envelope(LOOSE, reply_to, "once")
     # The push is retried after a (pretend) connection error: the same call again.
     assert await enqueue(rc, LOOSE, js(request)) == (1, 1)
@@ -375,7 +376,7 @@ async def test_plain_rpush_twice_is_answered_once(rc: aioredis.Redis,
                                                   start_worker: Callable[..., Any],
                                                   queued_before_worker: bool) -> None:
     calls: list[list[Any]] = []
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(LOOSE)
     request = envelope(LOOSE, reply_to, "twice")
     entry = json.dumps(request).encode()
     sentinel = envelope(LOOSE, reply_to, "sentinel")
@@ -405,7 +406,7 @@ async def test_json_request_with_plain_rpush(rc: aioredis.Redis,
                                              start_worker: Callable[..., Any],
                                              tensor: bool) -> None:
     worker = start_worker([double_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     x = np.array([1, 2, 3, 4.5], dtype=np.float32)
     payload = json_tensor(x) if tensor else x.tolist()
     request = envelope(MODEL, reply_to, payload)
@@ -425,7 +426,7 @@ async def test_json_request_with_plain_rpush(rc: aioredis.Redis,
 async def test_json_reply_without_tensors_is_plain_json(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     start_worker([echo_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(LOOSE)
     payload = {"text": "héllo", "n": [1, 2.5, None, True]}
     request = envelope(LOOSE, reply_to, payload)
     await push_plain(rc, queue_key(LOOSE), json.dumps(request).encode())
@@ -438,7 +439,7 @@ async def test_expired_deadline_is_answered_without_computing(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     calls: list[int] = []
     start_worker([double_model(calls)])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     late = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=-1)
     assert late["deadline_ms"] < epoch_ms()
     json_late = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=-50)
@@ -456,7 +457,7 @@ async def test_expired_deadline_is_answered_without_computing(
 async def test_malformed_entries_are_dead_lettered_and_answered_when_readable(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     worker = start_worker([double_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     garbage = b"\xc1\xff\x00 not msgpack"
     broken_json = b"{not json at all"
     wrong_type = envelope(MODEL, reply_to, [1, 2, 3, 4])
@@ -506,7 +507,7 @@ async def test_pickled_entries_are_never_unpickled(rc: aioredis.Redis,
     marker = tmp_path / "pwned-marker"
     hostile = [pickle.dumps(_Mkdir(marker), protocol=p) for p in (0, 2, 5)]
     start_worker([double_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     wrapped = envelope(MODEL, reply_to, hostile[-1])  # pickle bytes as a msgpack bin payload
     good = envelope(MODEL, reply_to, [0, 0, 0, 1])
     await push_plain(rc, QUEUE, *hostile, pack(wrapped), pack(good))
@@ -530,7 +531,7 @@ async def test_out_of_range_deadlines_and_attempts_are_refused_at_once(
     deadline past the 600 s maximum (+60 s of clock skew), and an attempt outside
     0..1000 are answered invalid_payload and dead-lettered; the model goes on serving."""
     start_worker([double_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     bad = []
     for name, value in (("deadline_ms", 2**64 - 1), ("deadline_ms", 2**63 - 1),
                         ("deadline_ms", epoch_ms() + 700_000), ("deadline_ms", -1),
@@ -559,7 +560,7 @@ async def test_undecodable_payload_is_answered_when_id_and_reply_to_are_readable
     """The envelope is read without its payload, so a payload the worker cannot decode
     still gets its caller an invalid_payload reply, in the caller's format."""
     start_worker([echo_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(LOOSE)
     base64_in_msgpack = envelope(LOOSE, reply_to, {"__tensor__": {  # JSON's spelling
         "dtype": "float32", "shape": [1], "data": "AACAPw=="}})
     bad_base64_json = envelope(LOOSE, reply_to, {"__tensor__": {
@@ -588,7 +589,7 @@ async def test_undecodable_payload_is_answered_when_id_and_reply_to_are_readable
 async def test_a_bad_trace_id_is_dropped_not_held_against_the_request(
         rc: aioredis.Redis, start_worker: Callable[..., Any], trace_id: Any) -> None:
     start_worker([echo_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(LOOSE)
     request = envelope(LOOSE, reply_to, "traced")
     request["trace_id"] = trace_id
     await push_plain(rc, queue_key(LOOSE), as_json(request))
@@ -603,7 +604,7 @@ async def test_multi_row_request_takes_a_nested_list(
         rc: aioredis.Redis, start_worker: Callable[..., Any],
         encode: Callable[[dict[str, Any]], bytes]) -> None:
     start_worker([double_model(), echo_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     rows = [[1, 2, 3, 4], [5, 6, 7, 8.5], [0, 0, 0, 0]]
     spec_rows = {**envelope(MODEL, reply_to, rows), "rows": 3}
     loose_rows = {**envelope(LOOSE, reply_to, [[1, 2], [3, 4]]), "rows": 2}
@@ -625,7 +626,7 @@ async def test_multi_row_request_takes_a_nested_list(
 
 async def test_tensor_tagged_top_level_entry_is_dead_lettered(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     hostile = pack({"__tensor__": {"dtype": "uint8", "shape": [1], "data": b"\x00"}})
     good = envelope(MODEL, reply_to, [1, 1, 1, 1])
     await push_plain(rc, QUEUE, hostile, pack(good))  # one batch: queued before the worker
@@ -639,7 +640,7 @@ async def test_unstackable_batch_is_answered(rc: aioredis.Redis,
                                              start_worker: Callable[..., Any]) -> None:
     model = batch(name="fc-ragged", max_batch_size=8, batch_wait_timeout_s=0.0, stack=True,
                   spec=TensorSpec("float32", (None,)))(lambda x: x * 2)
-    reply_to = new_reply_to()
+    reply_to = new_reply_to("fc-ragged")
     short = envelope("fc-ragged", reply_to, [1, 2])
     long = envelope("fc-ragged", reply_to, [1, 2, 3])
     assert await enqueue(rc, "fc-ragged", mp(short), mp(long)) == (2, 2)  # one batch
@@ -651,7 +652,7 @@ async def test_unstackable_batch_is_answered(rc: aioredis.Redis,
 async def test_future_enqueue_ms_does_not_hold_the_batch(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     start_worker([double_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     skewed = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=20_000)
     skewed["enqueue_ms"] += 5_000  # the producer's clock runs 5 s ahead
     await enqueue(rc, MODEL, mp(skewed))
@@ -662,7 +663,7 @@ async def test_future_enqueue_ms_does_not_hold_the_batch(
 
 async def test_queue_waits_are_clamped_to_the_longest_deadline(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(MODEL)
     slow_clock = envelope(MODEL, reply_to, [1, 2, 3, 4], timeout_ms=20_000)
     slow_clock["enqueue_ms"] -= 3_600_000  # the producer's clock runs an hour behind
     await enqueue(rc, MODEL, mp(slow_clock))
@@ -675,7 +676,7 @@ async def test_dead_workers_entries_are_requeued_in_front_or_dead_lettered(
         rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
     """A worker ("ghost") died holding three claimed requests; a live worker reaps it."""
     calls: list[list[Any]] = []
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(LOOSE)
     first = envelope(LOOSE, reply_to, "first")  # never crashed a worker before
     crashed = envelope(LOOSE, reply_to, "crashed")
     crashed["attempt"] = 2  # this is its third crash: max_attempts (3) reached
@@ -723,7 +724,8 @@ def test_document_matches_the_code() -> None:
     assert protocol.queue_key(LOOSE) == queue_key(LOOSE)
     assert protocol.request_key(MODEL, "r1") == marker_key(MODEL, "r1") == "rb:{fc-double}:req:r1"
     assert protocol.inflight_key(MODEL, "w1") == "rb:{fc-double}:inflight:w1"
-    assert protocol.reply_key("c1") == "rb:reply:{c1}"
+    assert protocol.reply_key(MODEL, "c1") == "rb:reply:{fc-double}:c1"
+    assert protocol.legacy_reply_key("c1") == "rb:reply:{c1}"
     assert protocol.QUEUE_TTL_S * 1000 == QUEUE_TTL_MS
     assert protocol.REPLY_TTL_S == REPLY_TTL_S
     assert protocol.MARKER_GRACE_MS == MARKER_GRACE_MS
@@ -785,7 +787,7 @@ async def test_two_named_inputs_in_and_two_named_outputs_out(
     """The payload of a model with named inputs is a map input name -> value; its
     reply's payload a map output name -> value (docs/protocol.md, "Payload")."""
     start_worker([pair_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(PAIR)
     x = np.array([3.0, 0.0, 4.0, 0.0], dtype=np.float32)
     good = envelope(PAIR, reply_to, {"x": msgpack_tensor(x),
                                      "scale": msgpack_tensor(np.float32(2.0).reshape(()))})
@@ -814,7 +816,7 @@ async def test_a_multi_row_request_of_named_inputs_fails_a_bad_row_alone(
     """``rows: n`` with a map input name -> n rows: one reply, one output map per row;
     a bad row is null in the payload and named in row_errors."""
     start_worker([pair_model()])
-    reply_to = new_reply_to()
+    reply_to = new_reply_to(PAIR)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     scale = np.array([1.0, np.nan, 2.0], dtype=np.float32)  # row 1: NaN
     request = {**envelope(PAIR, reply_to, {"x": msgpack_tensor(x), "scale": [1, 2, 3]}),

@@ -61,7 +61,7 @@ async def still_serves(redis_url: str, value: int = 4242) -> None:
 async def test_a_huge_deadline_does_not_stop_the_model(
         raw_redis: redis.Redis, redis_url: str, start_worker: Callable[..., Worker],
         deadline_ms: int) -> None:
-    reply_to = protocol.reply_key("huge")
+    reply_to = protocol.reply_key("echo", "huge")
     request_id, raw = entry(7, reply_to, deadline_ms=deadline_ms)
     raw_redis.rpush(protocol.queue_key("echo"), raw)
     start_worker([echo], config=TAKEOVER)
@@ -76,7 +76,7 @@ async def test_a_reply_key_of_another_type_fails_that_request_alone(
         raw_redis: redis.Redis, redis_url: str, start_worker: Callable[..., Worker]) -> None:
     """Someone SET a caller's reply key as a string: Redis refuses to push the reply
     (WRONGTYPE).  That request is dead-lettered; its batch-mate is answered."""
-    spoiled, good = protocol.reply_key("spoiled"), protocol.reply_key("good")
+    spoiled, good = protocol.reply_key("echo", "spoiled"), protocol.reply_key("echo", "good")
     raw_redis.set(spoiled, "not a list")
     bad_id, bad = entry(1, spoiled)
     _good_id, fine = entry(2, good)
@@ -95,7 +95,7 @@ async def test_the_reaper_is_not_stopped_by_one_entry(
         hostility: str) -> None:
     """A dead worker held a request at its last attempt (its caller is owed
     ``worker_crashed``) whose reply cannot be sent as is, and an innocent one."""
-    reply_to, good = protocol.reply_key("reaped"), protocol.reply_key("innocent")
+    reply_to, good = protocol.reply_key("echo", "reaped"), protocol.reply_key("echo", "innocent")
     last = defaults.MAX_ATTEMPTS - 1
     if hostility == "huge_deadline":
         bad_id, bad = entry(1, reply_to, deadline_ms=2**63 - 1, attempt=last)
@@ -117,7 +117,7 @@ async def test_the_reaper_is_not_stopped_by_one_entry(
 # --- the reaper answers what a live worker would ----------------------------------------
 async def test_the_reaper_answers_a_malformed_entry_it_can_address(
         raw_redis: redis.Redis, start_worker: Callable[..., Worker]) -> None:
-    reply_to = protocol.reply_key("malformed")
+    reply_to = protocol.reply_key("echo", "malformed")
     wire = {"v": 1, "id": "m-1", "reply_to": reply_to, "model": "echo"}  # no payload...
     bad = msgpack.packb(wire)
     ghost_holds(raw_redis, "echo", bad)

@@ -147,9 +147,9 @@ async def test_request_id_in_and_out(http: httpx.AsyncClient,
 
 
 def test_trace_id_on_the_wire() -> None:
-    req = protocol.Request("r1", "m", 1, 2, "rb:reply:{c}", 3, trace_id="t-1")
+    req = protocol.Request("r1", "m", 1, 2, "rb:reply:{m}:c", 3, trace_id="t-1")
     assert protocol.request_from_wire(req.to_wire()).trace_id == "t-1"
-    assert "trace_id" not in protocol.Request("r1", "m", 1, 2, "rb:reply:{c}", 3).to_wire()
+    assert "trace_id" not in protocol.Request("r1", "m", 1, 2, "rb:reply:{m}:c", 3).to_wire()
     wire = {**req.to_wire(), "trace_id": "x" * 129}  # dropped: it never costs the request
     assert protocol.request_from_wire(wire).trace_id == ""
 

@@ -147,7 +147,7 @@ def test_only_arrays_of_one_shape_and_dtype_share_a_pack() -> None:
     one_push = [[_lone(x, now + 5000)[0] for x in [
         np.zeros(4, np.float32), np.zeros(4, np.float64), np.zeros(4, np.float32),
         np.zeros(5, np.float32)]] + [Request("l1", "double", now, now + 5000,
-                                              protocol.reply_key("c1"), [0.0] * 4)]]
+                                              protocol.reply_key("double", "c1"), [0.0] * 4)]]
     units, failed = packing.plan(one_push, [None], "msgpack", 32, lambda *route: None)
     assert not failed
     assert [u.request.rows for u in units] == [2, 0, 0, 0]
@@ -171,7 +171,7 @@ def test_a_reply_over_the_entry_limit_is_sent_as_an_error() -> None:
 
 async def test_a_pack_reply_that_cannot_be_split_still_settles_every_member() -> None:
     client = redis.asyncio.Redis()  # never connects: only the routing is tested
-    listener = ReplyListener(client, protocol.reply_key("c1"), 1.0)
+    listener = ReplyListener(client, protocol.reply_key("double", "c1"), 1.0)
     deadline_ms = protocol.now_ms() + 10_000
     futures = [listener.expect(rid, deadline_ms, False) for rid in ("m1", "m2")]
     listener.route_pack("p1", ["m1", "m2"], deadline_ms)
@@ -184,7 +184,7 @@ async def test_a_pack_reply_that_cannot_be_split_still_settles_every_member() ->
 
 def _entry(payload: Any, count: Any) -> bytes:
     wire = protocol.Request("r1", "double", protocol.now_ms(), protocol.now_ms() + 10_000,
-                            protocol.reply_key("c1"), payload).to_wire()
+                            protocol.reply_key("double", "c1"), payload).to_wire()
     wire[protocol.F_ROWS] = count
     return codec.encode(wire)
 
@@ -235,7 +235,7 @@ async def test_claims_shrink_to_about_max_batch_size_rows() -> None:
     counts = [runner._next_claim_count(packs) for _ in range(6)]
     assert counts[0] < 32 and counts[-1] == 2  # 2 packs of 16 rows: 32 rows a claim
     singles = claimed([codec.encode(protocol.Request(
-        "s1", "double", now, now + 10_000, protocol.reply_key("c1"),
+        "s1", "double", now, now + 10_000, protocol.reply_key("double", "c1"),
         np.zeros(4, np.float32)).to_wire())] * 3)
     assert singles.size == 3
     counts = [runner._next_claim_count(singles) for _ in range(12)]
@@ -248,12 +248,12 @@ def owners(unit: packing.Unit) -> list[int]:
 
 def _lone(x: np.ndarray[Any, Any], deadline_ms: int, trace_id: str = "") -> list[Request]:
     return [Request(protocol.new_request_id(), "double", protocol.now_ms(), deadline_ms,
-                    protocol.reply_key("c1"), x, trace_id=trace_id)]
+                    protocol.reply_key("double", "c1"), x, trace_id=trace_id)]
 
 
 def test_a_flush_packs_lone_requests_of_one_shape_and_close_deadlines() -> None:
     now = protocol.now_ms()
-    routes: list[tuple[str, list[str], int]] = []
+    routes: list[tuple[str, str, list[str], int]] = []
     requests = [_lone(x, now + 5000) for x in inputs(5)]
     requests += [_lone(x, now + 9000) for x in inputs(2)]  # a later deadline: a pack apart
     requests += [_lone(np.zeros(3, np.float32), now + 5000)]  # another shape: alone
@@ -263,8 +263,10 @@ def test_a_flush_packs_lone_requests_of_one_shape_and_close_deadlines() -> None:
     assert not failed
     assert [u.request.rows for u in units] == [5, 2, 0, 0]
     assert [owners(u) for u in units] == [[0, 1, 2, 3, 4], [5, 6], [7], [8]]
-    assert [len(members) for _id, members, _ms in routes] == [5, 2]
-    assert units[0].request.deadline_ms == now + 5000 and routes[1][2] == now + 9000
+    assert [(model, len(members)) for model, _id, members, _ms in routes] == [
+        ("double", 5), ("double", 2)]  # routed to the model's listener
+    assert units[0].request.deadline_ms == now + 5000 and routes[1][3] == now + 9000
+    assert {u.request.reply_to for u in units} == {protocol.reply_key("double", "c1")}
     again, _ = packing.plan(requests, [None] * len(requests), "msgpack", 1, None)
     assert all(u.request.rows == 0 for u in again)  # pack_rows=1, or no route: no packs
 

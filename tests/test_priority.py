@@ -323,7 +323,7 @@ async def test_the_reaper_requeues_to_the_most_urgent_level_and_rings(
     from redbatch.levels import Levels
     from redbatch.worker.reaper import Reaper
 
-    reply_to = protocol.reply_key("reap-test")
+    reply_to = protocol.reply_key("reaped", "reap-test")
     entries = [foreign_entry("reaped", v, reply_to) for v in (1, 2)]
     raw_redis.rpush(protocol.inflight_key("reaped", "dead"), *entries)
     raw_redis.zadd(protocol.workers_key("reaped"), {"dead": protocol.now_ms() - 1})
@@ -356,7 +356,7 @@ async def test_a_foreign_producer_rings_the_bell(start_worker: Callable[..., Wor
     start_worker([model], config=SLOW_BLOCK)  # a 5 s block: only the bell wakes it sooner
     await wait_live(redis_url, "foreign")
     await asyncio.sleep(0.5)  # the worker is blocked on the bell by now
-    reply_to = protocol.reply_key("foreign-test")
+    reply_to = protocol.reply_key("foreign", "foreign-test")
     listen = redis.Redis.from_url(redis_url, socket_timeout=20)
     started = time.monotonic()
     raw_redis.rpush(protocol.queue_key("foreign", 3), foreign_entry("foreign", 9, reply_to))

@@ -6,6 +6,7 @@ import itertools
 import re
 
 import pytest
+from redis.crc import key_slot
 
 from redbatch import codec, protocol
 from redbatch.errors import InvalidPayload
@@ -21,13 +22,24 @@ def test_all_keys_of_a_model_share_one_hash_tag() -> None:
     keys = [protocol.queue_key("m"), protocol.inflight_key("m", "w1"),
             protocol.workers_key("m"), protocol.worker_info_key("m"),
             protocol.worker_capacity_key("m"), protocol.meta_key("m"),
-            protocol.dead_letter_key("m")]
+            protocol.dead_letter_key("m"), protocol.reply_key("m", "c1")]
     assert {_tag(k) for k in keys} == {"m"}
-    assert protocol.REPLY_TO_RE.match(protocol.reply_key("abc"))
+    assert protocol.REPLY_TO_RE.match(protocol.reply_key("m", "abc"))
+
+
+@pytest.mark.parametrize(("reply_to", "in_slot"), [
+    (protocol.reply_key("m", "c1"), True), (protocol.legacy_reply_key("c1"), False),
+    (protocol.reply_key("m2", "c1"), False), ("rb:reply:{m}", True),
+    ("rb:reply:{}:m", False), ("rb:reply:c1", False), ("rb:reply:{m:c1", False),
+])
+def test_reply_in_model_slot(reply_to: str, in_slot: bool) -> None:
+    assert protocol.REPLY_TO_RE.fullmatch(reply_to)  # the worker takes every one of them
+    assert protocol.reply_in_model_slot("m", reply_to) is in_slot
+    assert (key_slot(reply_to.encode()) == key_slot(b"{m}")) is in_slot
 
 
 def _request(**changes: object) -> dict[str, object]:
-    wire = protocol.Request("id1", "m", 1, 2, protocol.reply_key("c"), [1, 2]).to_wire()
+    wire = protocol.Request("id1", "m", 1, 2, protocol.reply_key("m", "c"), [1, 2]).to_wire()
     wire.update(changes)
     return wire
 

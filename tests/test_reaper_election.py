@@ -70,7 +70,7 @@ async def test_one_live_worker_reads_a_dead_workers_list(
     workers = [start_worker([fast_slow], config=TAKEOVER) for _ in range(3)]
     await wait_until(lambda: raw_redis.zcard(protocol.workers_key("slow")) == 3, 10,
                      "three live workers")
-    reply_to = protocol.reply_key("election")
+    reply_to = protocol.reply_key("slow", "election")
     ghost_entries(raw_redis, reply_to, 5)
     await replies_exactly_once(raw_redis, reply_to, 5)
     assert [w for _r, w in reads] == [GHOST], reads
@@ -86,7 +86,7 @@ async def test_a_dead_reapers_election_is_taken_over_after_its_ttl(
     reads = count_reads(monkeypatch, slow_s=0.0)
     # the elected reaper died right after it won: its election stands until the TTL
     raw_redis.set(protocol.reaping_key("slow", GHOST), "gone", px=protocol.REAPING_TTL_MS)
-    reply_to = protocol.reply_key("takeover")
+    reply_to = protocol.reply_key("slow", "takeover")
     entries = ghost_entries(raw_redis, reply_to, 3)
     start_worker([fast_slow], config=TAKEOVER)
     await asyncio.sleep(0.8)  # four beats: the live worker lost every election
@@ -101,7 +101,7 @@ async def test_the_holder_may_retry_others_may_not(redis_url: str,
     """Direct: the loser returns NOT_ELECTED without reading; the holder re-enters (its
     REAP said no, say); the election carries a bounded TTL."""
     client = aioredis.Redis.from_url(redis_url)
-    entries = ghost_entries(raw_redis, protocol.reply_key("direct"), 2)
+    entries = ghost_entries(raw_redis, protocol.reply_key("slow", "direct"), 2)
     key = protocol.reaping_key("slow", GHOST)
     raw_redis.set(key, "a", px=protocol.REAPING_TTL_MS)
     assert await Reaper(client, "slow", 3, reaper_id="b").reap(GHOST) == NOT_ELECTED

@@ -81,7 +81,7 @@ async def test_paused_worker_cannot_answer_twice(spawn: Callable[..., Proc], red
                                                  raw_redis: redis.Redis,
                                                  start_worker: Callable[..., Worker]) -> None:
     proc = spawn_slow(spawn, redis_url, SLOW_FORWARD_S="1.5")
-    reply_to = protocol.reply_key("paused-test")
+    reply_to = protocol.reply_key("slow", "paused-test")
     req, entry = raw_request("slow", 7, reply_to)
     raw_redis.rpush(protocol.queue_key("slow"), entry)
     await asyncio.to_thread(wait_for, lambda: inflight_total(raw_redis, "slow") > 0, 30,
@@ -107,7 +107,7 @@ async def test_reaper_requeues_at_the_front_in_order(raw_redis: redis.Redis,
         order.extend(xs)
         return xs
 
-    reply_to = protocol.reply_key("order-test")
+    reply_to = protocol.reply_key("ordered", "order-test")
     ghost = [raw_request("ordered", v, reply_to)[1] for v in (1, 2)]
     raw_redis.rpush(protocol.inflight_key("ordered", "ghost"), *ghost)
     raw_redis.zadd(protocol.workers_key("ordered"), {"ghost": protocol.now_ms() - 1})
@@ -121,7 +121,7 @@ async def test_reaper_requeues_at_the_front_in_order(raw_redis: redis.Redis,
 
 async def test_too_many_crashes_dead_letter_with_worker_crashed(
         raw_redis: redis.Redis, start_worker: Callable[..., Worker]) -> None:
-    reply_to = protocol.reply_key("crash-test")
+    reply_to = protocol.reply_key("slow", "crash-test")
     req, entry = raw_request("slow", 1, reply_to, attempt=defaults.MAX_ATTEMPTS - 1)
     raw_redis.rpush(protocol.inflight_key("slow", "ghost"), entry)
     raw_redis.zadd(protocol.workers_key("slow"), {"ghost": protocol.now_ms() - 1})
@@ -133,7 +133,7 @@ async def test_too_many_crashes_dead_letter_with_worker_crashed(
 
 async def test_live_lease_is_not_reaped(raw_redis: redis.Redis,
                                         start_worker: Callable[..., Worker]) -> None:
-    _req, entry = raw_request("slow", 1, protocol.reply_key("x"))
+    _req, entry = raw_request("slow", 1, protocol.reply_key("slow", "x"))
     raw_redis.rpush(protocol.inflight_key("slow", "busy"), entry)
     raw_redis.zadd(protocol.workers_key("slow"), {"busy": protocol.now_ms() + 60_000})
     start_worker([fast_slow], config=TAKEOVER)
@@ -144,7 +144,7 @@ async def test_live_lease_is_not_reaped(raw_redis: redis.Redis,
 def test_sigterm_finishes_the_batch_then_exits(spawn: Callable[..., Proc], redis_url: str,
                                                raw_redis: redis.Redis) -> None:
     proc = spawn_slow(spawn, redis_url, SLOW_FORWARD_S="1")
-    reply_to = protocol.reply_key("term-test")
+    reply_to = protocol.reply_key("slow", "term-test")
     raw_redis.rpush(protocol.queue_key("slow"), raw_request("slow", 5, reply_to)[1])
     wait_for(lambda: inflight_total(raw_redis, "slow") > 0, 30, "the worker to claim")
     os.killpg(proc.popen.pid, signal.SIGTERM)
@@ -157,7 +157,7 @@ async def test_sigterm_past_the_grace_returns_the_batch(
         spawn: Callable[..., Proc], redis_url: str, raw_redis: redis.Redis,
         start_worker: Callable[..., Worker]) -> None:
     proc = spawn_slow(spawn, redis_url, SLOW_FORWARD_S="3", REDBATCH_GRACE_S="0.3")
-    reply_to = protocol.reply_key("grace-test")
+    reply_to = protocol.reply_key("slow", "grace-test")
     raw_redis.rpush(protocol.queue_key("slow"), raw_request("slow", 9, reply_to)[1])
     await asyncio.to_thread(wait_for, lambda: inflight_total(raw_redis, "slow") > 0, 30,
                             "the worker to claim")
@@ -246,8 +246,8 @@ async def test_reaper_leaves_a_list_that_changed_under_it(redis_url: str,
     from redbatch.worker.reaper import Plan, Reaper
 
     inflight = protocol.inflight_key("slow", "zombie")
-    old = raw_request("slow", 1, protocol.reply_key("z"))[1]
-    new = raw_request("slow", 2, protocol.reply_key("z"))[1]
+    old = raw_request("slow", 1, protocol.reply_key("slow", "z"))[1]
+    new = raw_request("slow", 2, protocol.reply_key("slow", "z"))[1]
     raw_redis.rpush(inflight, old)
     raw_redis.zadd(protocol.workers_key("slow"), {"zombie": protocol.now_ms() - 1})
 

@@ -54,7 +54,7 @@ def test_one_batch_feeds_prometheus_and_the_published_counters() -> None:
     name = "stats-feed"
     stats = WorkerStats(name, max_batch_size=4)
     now = protocol.now_ms()
-    expired = Request("r1", name, now - 10, now - 1, "rb:reply:{c}", None)
+    expired = Request("r1", name, now - 10, now - 1, protocol.reply_key(name, "c"), None)
     decoded = Decoded(early=[(expired, "json", DeadlineExceeded("late"))], dead=[b"junk"])
     before = {o: sample(name, "redbatch_worker_items_total", outcome=o)
               for o in ("computed", "expired", "error")}

@@ -1,4 +1,5 @@
-"""The HTTP gateway: a Starlette app with one reply listener per process."""
+"""The HTTP gateway: a Starlette app whose process has one reply listener per model
+with requests in flight."""
 
 from __future__ import annotations
 

@@ -227,7 +227,8 @@ class InferCore:
         if message["type"] != "http.disconnect" or pending.future.done():
             return
         self.client.abandon(pending.request_id,
-                            BadRequest("the client disconnected before the reply"))
+                            BadRequest("the client disconnected before the reply"),
+                            pending.model)
         task = asyncio.create_task(self._mark_cancelled(pending))  # this one ends now
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)

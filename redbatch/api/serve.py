@@ -1,6 +1,7 @@
 """An app factory for running the gateway under uvicorn directly, e.g. with several
 worker processes: ``uvicorn --factory redbatch.api.serve:app_from_env --workers 2``.
-Each process gets its own reply listener.  Config comes from ``REDBATCH_*`` env vars."""
+Each process gets its own reply listeners (one per model in use).  Config comes from
+``REDBATCH_*`` env vars."""
 
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from redbatch.config import RedisSettings, ReplicaWait, check_socket_timeout
 from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchError
 from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer, Outcome
-from redbatch.producer.listener import ReplyListener, RequestFuture
+from redbatch.producer.listener import RequestFuture
+from redbatch.producer.listeners import Listeners
 from redbatch.producer.replication import check_replicas
 from redbatch.protocol import Request
 from redbatch.redis_conn import async_client, deadline_bound, translated
@@ -62,6 +63,7 @@ class Client:
                  max_waiters: int = defaults.MAX_WAITERS,
                  block_timeout_s: float = defaults.BLOCK_TIMEOUT_S, fmt: Format = "msgpack",
                  pack_rows: int = defaults.PACK_ROWS, require_workers: bool = True,
+                 listener_idle_s: float = defaults.LISTENER_IDLE_S,
                  replica_wait: ReplicaWait | None = None) -> None:
         self.settings = settings or RedisSettings.from_env(url)
         check_socket_timeout(self.settings, block_timeout_s)
@@ -81,18 +83,19 @@ class Client:
         self.pack_rows = pack_rows
         self.require_workers = require_workers
         self.client_id = protocol.new_id()
-        self.reply_to = protocol.reply_key(self.client_id)
         self._block_timeout_s = block_timeout_s
+        self._listener_idle_s = listener_idle_s
         self._redis: aioredis.Redis | None = None
-        self._listener: ReplyListener | None = None
+        self._listeners: Listeners | None = None
         self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
 
     # --- life cycle ---------------------------------------------------------
     async def start(self) -> None:
-        """Connect (failing fast with ``RedisUnavailable``) and start the listener."""
+        """Connect (failing fast with ``RedisUnavailable``); each model's reply listener
+        starts with its first request."""
         async with self._start_lock:
-            if self._listener is not None:
+            if self._listeners is not None:
                 return
             redis = async_client(self.settings)
             try:
@@ -107,19 +110,19 @@ class Client:
                 raise
             self._redis = redis
             self._admission = Admission(redis, self.max_queue_len)
-            listener = ReplyListener(redis, self.reply_to, self._block_timeout_s)
+            listeners = Listeners(redis, self.client_id, self._block_timeout_s,
+                                  self._listener_idle_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
-                                      self.pack_rows, listener.route_pack, self.replica_wait)
-            self._listener = listener
-            listener.start()
+                                      self.pack_rows, listeners.route_pack, self.replica_wait)
+            self._listeners = listeners
 
     async def close(self) -> None:
         if self._enqueuer is not None:
             await self._enqueuer.drain()
             self._enqueuer = None
-        if self._listener is not None:
-            await self._listener.stop()
-            self._listener = None
+        if self._listeners is not None:
+            await self._listeners.stop()
+            self._listeners = None
         if self._redis is not None:  # started: the admission's reads end first
             await self._admission.aclose()
             await self._redis.aclose()
@@ -142,7 +145,7 @@ class Client:
     async def live_workers(self, model: str, deadline_ms: int | None = None) -> int:
         """Live workers of ``model`` (cached for a second); a look-up in Redis (and a
         start) ends by ``deadline_ms`` (``DeadlineExceeded``)."""
-        if self._listener is not None and (live := self._admission.live_cached(model)) \
+        if self._listeners is not None and (live := self._admission.live_cached(model)) \
                 is not None:
             return live
         return await self._look_up(model, deadline_ms, self._admission.live)
@@ -150,7 +153,7 @@ class Client:
     async def check_served(self, model: str, deadline_ms: int | None = None) -> None:
         """``UnknownModel`` or ``NoLiveWorkers`` (the gateway's errors) unless a live
         worker serves ``model``; cached for a second."""
-        if self._listener is not None and self._admission.served_cached(model):
+        if self._listeners is not None and self._admission.served_cached(model):
             return
         await self._look_up(model, deadline_ms, self._admission.check_served)
 
@@ -177,11 +180,12 @@ class Client:
                 return await knobs.show(self.redis, model)
             return await knobs.configure(self.redis, model, values, reset=reset)
 
-    def abandon(self, request_id: str, why: RedbatchError) -> None:
-        """Give up waiting for a request: its waiter fails with ``why`` now, freeing
-        its slot under ``max_waiters``.  (``mark_cancelled`` spares the worker too.)"""
-        if self._listener is not None:
-            self._listener.fail(request_id, why)
+    def abandon(self, request_id: str, why: RedbatchError, model: str | None = None) -> None:
+        """Give up waiting for a request (of ``model``, if given): its waiter fails with
+        ``why`` now, freeing its slot under ``max_waiters``.  (``mark_cancelled``
+        spares the worker too.)"""
+        if self._listeners is not None:
+            self._listeners.fail(request_id, why, model)
 
     async def mark_cancelled(self, model: str, request_id: str, deadline_ms: int) -> None:
         """Mark a queued request cancelled in Redis (one MULTI), so that a worker that
@@ -199,16 +203,26 @@ class Client:
             await pipe.execute()
 
     def stats(self) -> dict[str, int]:
-        """Replies received by this process, and the duplicates and late ones among them;
-        with ``replica_wait`` on, the WAITs sent and the requests whose WAIT ended short
+        """Replies received by this process (over its listeners, stopped ones included),
+        the duplicates and late ones among them, and the reply listeners running now
+        (one per model with requests in flight lately) and started so far; with
+        ``replica_wait`` on, the WAITs sent and the requests whose WAIT ended short
         (``enqueue_waits``, ``enqueue_unreplicated``)."""
-        base = self._listener.stats.as_dict() if self._listener else {}
+        listeners = self._listeners
+        if listeners is None:
+            return {"waiting": 0}
         waiter = self._enqueuer.waiter if self._enqueuer else None
-        return {"waiting": self.waiting, **base, **(waiter.stats() if waiter else {})}
+        return {"waiting": self.waiting, **listeners.stats.as_dict(),
+                "listeners": listeners.running, "listeners_started": listeners.started,
+                **(waiter.stats() if waiter else {})}
 
     @property
     def waiting(self) -> int:
-        return self._listener.waiting if self._listener else 0
+        return self._listeners.waiting if self._listeners else 0
+
+    def reply_to(self, model: str) -> str:
+        """The reply list of this client's requests for ``model``."""
+        return protocol.reply_key(model, self.client_id)
 
     # --- requests -----------------------------------------------------------
     def deadline_ms(self, timeout_s: float | None) -> int:
@@ -218,10 +232,11 @@ class Client:
         return protocol.now_ms() + round(chosen * 1000)
 
     def _request(self, model: str, inputs: Any, deadline_ms: int, request_id: str | None,
-                 trace_id: str = "", rows: int = 0, priority: int = 0) -> Request:
+                 reply_to: str, trace_id: str = "", rows: int = 0, priority: int = 0
+                 ) -> Request:
         return Request(id=request_id or protocol.new_request_id(), model=model,
                        enqueue_ms=protocol.now_ms(), deadline_ms=deadline_ms,
-                       reply_to=self.reply_to, payload=inputs, trace_id=trace_id, rows=rows,
+                       reply_to=reply_to, payload=inputs, trace_id=trace_id, rows=rows,
                        priority=priority)
 
     async def _level(self, model: str, priority: int) -> int:
@@ -233,22 +248,24 @@ class Client:
         level = levels.resolve(model, priority)
         return level if levels.many else 0  # one level: the plain path, no field
 
-    async def _ready(self, model: str, count: int, deadline_ms: int) -> ReplyListener:
-        """The listener (starting the client if needed), once ``model`` is a valid name
-        and ``count`` more waiters fit under ``max_waiters``: checked before any work.
-        The start and the worker check end by ``deadline_ms``."""
-        if self._listener is None:
+    async def _ready(self, model: str, count: int, deadline_ms: int) -> Listeners:
+        """The listeners (starting the client if needed), once ``model`` is a valid
+        name and ``count`` more waiters fit under ``max_waiters``: checked before any
+        work.  The start and the worker check end by ``deadline_ms``.  (A waiter goes
+        to its model's listener in the step that makes it: ``Listeners.expect``.)"""
+        if self._listeners is None:
             async with deadline_bound(deadline_ms, "connecting to Redis"):
                 await self.start()
-        assert self._listener is not None
+        listeners = self._listeners
+        assert listeners is not None
         protocol.check_model_name(model)
-        if self._listener.waiting + count > self.max_waiters:
+        if (waiting := listeners.waiting) + count > self.max_waiters:
             raise QueueFull(f"{count} more requests would pass this process's "
-                            f"max_waiters={self.max_waiters} ({self._listener.waiting} "
-                            "already wait)", defaults.RETRY_AFTER_S)
+                            f"max_waiters={self.max_waiters} ({waiting} already wait)",
+                            defaults.RETRY_AFTER_S)
         if self.require_workers:
             await self.check_served(model, deadline_ms)
-        return self._listener
+        return listeners
 
     def _deadline(self, timeout_s: float | None, deadline_ms: int | None) -> int:
         return self.deadline_ms(timeout_s) if deadline_ms is None else deadline_ms
@@ -268,13 +285,14 @@ class Client:
         the request's priority level, 1 the most urgent (None or 0: the model's default;
         out of its range: ``InvalidPayload``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
-        listener = await self._ready(model, 1, deadline)
+        listeners = await self._ready(model, 1, deadline)
         level = 0 if priority is None else await self._level(model, priority)
-        request = self._request(model, inputs, deadline, request_id, trace_id, priority=level)
+        request = self._request(model, inputs, deadline, request_id, listeners.reply_to(model),
+                                trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
-        future = listener.expect(request.id, deadline, reply)
+        future = listeners.expect(model, request.id, deadline, reply)
         self._push(model, [request], entries, max_queue_len, level)
         return future
 
@@ -296,15 +314,19 @@ class Client:
         if not inputs:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
-        listener = await self._ready(model, len(inputs), deadline)
+        listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
-        requests = [self._request(model, x, deadline, rid, rows=_rows(x) if batched else 0,
-                                  priority=level)
+        reply_to = listeners.reply_to(model)
+        requests = [self._request(model, x, deadline, rid, reply_to,
+                                  rows=_rows(x) if batched else 0, priority=level)
                     for x, rid in zip(inputs, ids, strict=True)]
         entries = None
         if request_ids:  # as in ``submit``: the caller's ids travel alone, encoded now
             entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
+        # the checks and the waiters in one step, on the model's running listener
+        listener = listeners.of(model)
+        if request_ids:
             listener.check_new([r.id for r in requests])
         futures = [listener.expect(r.id, deadline, reply) for r in requests]
         await self._enqueued(self._push(model, requests, entries, max_queue_len, level),
@@ -330,9 +352,9 @@ class Client:
             await asyncio.wait([pushed], timeout=max(0.0, (deadline_ms - protocol.now_ms())
                                                      / 1000))
         except BaseException:
-            if self._listener is not None:
+            if self._listeners is not None:
                 for request in requests:
-                    self._listener.fail(request.id, asyncio.CancelledError())
+                    self._listeners.fail(request.id, asyncio.CancelledError(), request.model)
             raise
 
     def _pushed(self, requests: list[Request], pushed: asyncio.Future[Outcome]) -> None:
@@ -340,11 +362,12 @@ class Client:
         first, so that it is consumed even after ``close``)."""
         outcome = [(r.id, asyncio.CancelledError()) for r in requests] \
             if pushed.cancelled() else pushed.result()
-        listener = self._listener
-        if listener is None:  # closed meanwhile: close() already failed every waiter
+        listeners = self._listeners
+        if listeners is None or not requests:  # closed: close() failed every waiter
             return
+        model = requests[0].model  # a push is of one model
         for request_id, exc in outcome:
-            listener.fail(request_id, exc)
+            listeners.fail(request_id, exc, model)
 
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                       reply: bool = False, request_id: str | None = None,

@@ -1,11 +1,14 @@
-"""ONE reply listener per process: blocks on the process's own reply list, drains
-it in bulk, and routes each reply to its waiting future by request id."""
+"""A reply listener: blocks on one reply list (a client's, for one model), drains it
+in bulk, and routes each reply to its waiting future by request id.  Given an idle
+time, it stops once nothing has waited on it for that long (``listeners``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -86,7 +89,12 @@ def resolve(future: asyncio.Future[Any], reply: protocol.Reply, want_reply: bool
 
 
 class ReplyListener:
-    def __init__(self, redis: aioredis.Redis, reply_to: str, block_timeout_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, reply_to: str, block_timeout_s: float,
+                 stats: ListenerStats | None = None, idle_s: float | None = None,
+                 on_idle: Callable[[ReplyListener], None] | None = None) -> None:
+        """``stats``: shared with other listeners, if given; ``idle_s``: stop once no
+        request has waited for that long (checked between pops), after calling
+        ``on_idle(self)`` in the same step (None: run until ``stop``)."""
         self._link = LeanLink(redis)  # the blocking pops: one held connection
         self.reply_to = reply_to
         self._block_timeout_s = block_timeout_s
@@ -95,7 +103,11 @@ class ReplyListener:
         self._packs: dict[str, tuple[list[str], asyncio.TimerHandle]] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self.stats = ListenerStats()
+        self.stats = stats if stats is not None else ListenerStats()
+        self._idle_s = idle_s
+        self._on_idle = on_idle
+        self._busy = False  # a request waited since the last idle check
+        self._busy_at_s = 0.0  # (monotonic) when the last idle check saw one
 
     @property
     def waiting(self) -> int:
@@ -104,6 +116,7 @@ class ReplyListener:
     def start(self) -> None:
         if self._task is None:
             self._stopping = False
+            self._busy_at_s = time.monotonic()
             self._task = asyncio.create_task(self._run(), name="redbatch-reply-listener")
 
     async def stop(self) -> None:
@@ -114,9 +127,32 @@ class ReplyListener:
             self._task = None
         for request_id in list(self._waiters):
             self.fail(request_id, RedbatchError("client closed before the reply arrived"))
+        self._forget_packs()
+
+    def _forget_packs(self) -> None:
         for _members, timer in self._packs.values():
             timer.cancel()
         self._packs.clear()
+
+    def idle_over(self) -> bool:
+        """Whether no request has waited for ``idle_s`` (checked between pops: a
+        request that came and went since the last check counts as waiting)."""
+        if self._idle_s is None:
+            return False
+        now_s = time.monotonic()
+        if self._waiters or self._busy:
+            self._busy = False
+            self._busy_at_s = now_s
+            return False
+        return now_s - self._busy_at_s >= self._idle_s
+
+    def _retire(self) -> None:
+        """Stop for idleness, in one step with the idle check: ``on_idle`` forgets this
+        listener before any new request can reach it (a new one starts for the next)."""
+        self._stopping = True
+        self._forget_packs()
+        if self._on_idle is not None:
+            self._on_idle(self)
 
     def route_pack(self, pack_id: str, member_ids: list[str], deadline_ms: int) -> None:
         """Split the reply to ``pack_id`` (a multi-row request of lone requests) into
@@ -139,6 +175,7 @@ class ReplyListener:
             raise InvalidPayload(f"request id {request_id!r} is already waiting for a reply")
         loop = asyncio.get_running_loop()
         future: RequestFuture[Any] = RequestFuture(request_id, loop)
+        self._busy = True
         delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         timer = loop.call_later(delay_s, self._expire, request_id)
         self._waiters[request_id] = Waiter(future, timer, want_reply, deadline_ms)
@@ -208,6 +245,10 @@ class ReplyListener:
     async def _run(self) -> None:
         backoff_s = 0.05
         while not self._stopping:
+            if self.idle_over():
+                self._retire()
+                await self._link.release()  # no pop in flight: the connection is free
+                return
             try:
                 for raw in await self._pop():
                     self.dispatch(raw)

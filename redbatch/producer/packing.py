@@ -7,7 +7,8 @@ per-entry costs (encoding, Redis, the worker's decode and encode) are paid once 
 pack instead of once per request.
 
 Each member keeps its own id and waiter: the listener splits the pack's reply back
-row by row (``ReplyListener.route_pack``, with ``split_reply`` and ``row_reply``).
+row by row (``Listeners.route_pack``, with ``split_reply`` and ``row_reply``): a pack
+is of one model, and so is its ``reply_to``, its members' (``protocol.reply_key``).
 Only requests whose ids the client made up are packed (a caller's own id names a
 marker that dedupes its retries), and only while every live worker of the model
 takes multi-row requests.  Requests that carry a caller's ``trace_id`` travel alone,
@@ -30,8 +31,9 @@ from redbatch.protocol import Reply, Request
 
 PACK_BYTES = 1 << 20  # input bytes per multi-row request: far below the entry limit
 DEADLINE_SPAN_MS = 100  # members of one pack have deadlines within this of each other
-# route_pack(pack id, member ids, deadline_ms): tell the listener how to split a reply
-RoutePack = Callable[[str, list[str], int], None]
+# route_pack(model, pack id, member ids, deadline_ms): tell the model's reply listener
+# how to split a reply
+RoutePack = Callable[[str, str, list[str], int], None]
 Member = tuple[int, Request]  # a request, and the index of the push that holds it
 Failures = dict[int, list[tuple[str, Exception]]]  # push index -> (request id, error)
 
@@ -155,7 +157,8 @@ def _packs(members: list[Member], fmt: Format, pack_rows: int, route_pack: Route
             for member in chunk:
                 _add_alone(member, fmt, units, failed)
             continue
-        route_pack(pack.id, [r.id for _i, r in chunk], max(r.deadline_ms for _i, r in chunk))
+        route_pack(pack.model, pack.id, [r.id for _i, r in chunk],
+                   max(r.deadline_ms for _i, r in chunk))
         units.append(Unit(pack, entry, chunk))
     return units
 
