@@ -4,6 +4,7 @@
 * ``redis_url`` is a clean database on the session's server, flushed after each test.
 * ``start_worker(models)`` runs an in-process ``Worker`` (asyncio task) for a test.
 * ``spawn(cmd)`` runs a real subprocess and kills it (and logs it) at teardown.
+* ``redis_cluster`` / ``redis_sentinel``: a real Redis Cluster / Sentinel set-up.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.embedded import free_port
 from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
+from tests import engines
+from tests.engines import ClusterEngine, SentinelEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_BIN = shutil.which("redis-server")
@@ -215,3 +218,25 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: Proc | None = None) -> No
         time.sleep(0.1)
     pytest.fail(f"{url} not ready in {timeout_s} s (last: {last})\n"
                 f"{proc.log() if proc else ''}")
+
+
+@pytest.fixture
+def redis_cluster() -> Iterator[ClusterEngine]:
+    """A fresh real Redis Cluster (3 primaries, 3 replicas; ``tests/engines.py``)."""
+    assert engines.have_binaries(), "redis-server and redis-cli are needed"
+    engine = ClusterEngine()
+    try:
+        yield engine.start()
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def redis_sentinel() -> Iterator[SentinelEngine]:
+    """A fresh real Sentinel set-up (primary, replica, 3 sentinels; ``tests/engines.py``)."""
+    assert engines.have_binaries(), "redis-server and redis-cli are needed"
+    engine = SentinelEngine()
+    try:
+        yield engine.start()
+    finally:
+        engine.stop()
