@@ -19,6 +19,11 @@ TLS, db, socket timeout) and its reply parser and errors are still redis-py's.
   connection (a blocking pop that ``CLIENT UNBLOCK`` ends) are sequential.
 * The connection goes back with the client: ``aclose`` disconnects the pool's
   connections, in use or not.
+
+A Redis Cluster client has no single pool: ``LeanLink(cluster_client)`` is a
+``ClusterLink``, which sends every command through the cluster client (routed to the
+slot's primary, ``MOVED``/``ASK`` followed; a pipeline's commands on one node go in one
+write on one connection).  The choice is made once, when the link is made.
 """
 
 from __future__ import annotations
@@ -29,12 +34,18 @@ import hashlib
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoScriptError, ResponseError
 
 
 class LeanLink:
     """Commands on one held connection of ``client``'s pool (see the module doc)."""
+
+    def __new__(cls, client: aioredis.Redis) -> LeanLink:
+        if cls is LeanLink and isinstance(client, RedisCluster):
+            cls = ClusterLink
+        return super().__new__(cls)
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._client: Any = client  # (its stubs leave these calls untyped)
@@ -93,6 +104,22 @@ class LeanLink:
         if not conn.is_connected:
             await conn.connect()
         return conn
+
+
+class ClusterLink(LeanLink):
+    """``LeanLink``'s calls through a ``RedisCluster`` client (see the module doc)."""
+
+    async def execute(self, *args: Any) -> Any:
+        if args[:2] == ("SCRIPT", "LOAD"):
+            return await self._client.script_load(args[2])  # on every primary
+        return await self._client.execute_command(*args)
+
+    async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
+        pipe: Any = self._client.pipeline(transaction=False)
+        async with pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute())
 
 
 @functools.cache

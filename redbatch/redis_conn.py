@@ -24,6 +24,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.sentinel import Sentinel as SyncSentinel
@@ -35,8 +36,10 @@ from redbatch.errors import DeadlineExceeded, RedisUnavailable
 T = TypeVar("T")
 
 # ResponseError too: OOM, READONLY (a replica after failover), MISCONF... are Redis
-# refusing work, which callers must see as a typed, retryable error.
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
+# refusing work, which callers must see as a typed, retryable error.  A cluster client
+# raises RedisClusterException when no node it knows answers (or a slot has no owner).
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError,
+                RedisClusterException)
 
 
 def _no_retry() -> AsyncRetry:
