@@ -3,10 +3,14 @@ never shown; plain URLs keep their single-node client."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from redbatch.config import RedisSettings, Topology, redact_url
-from redbatch.errors import ConfigError
+from redbatch.embedded import free_port
+from redbatch.errors import ConfigError, RedisUnavailable
+from redbatch.redis_conn import async_client, translated
 
 SECRET = "Qx7Kp9zz"
 
@@ -70,3 +74,16 @@ def test_a_password_never_shows(url: str, safe: str) -> None:
     settings = RedisSettings(url)
     assert settings.safe_url == safe == redact_url(url)
     assert SECRET not in repr(settings) and SECRET not in repr(settings.topology)
+
+
+@pytest.mark.parametrize("template", ["redis+cluster://127.0.0.1:{port}",
+                                      "redis+sentinel://127.0.0.1:{port}/svc"])
+async def test_no_node_answering_is_redis_unavailable(template: str) -> None:
+    settings = RedisSettings(template.format(port=free_port()), connect_timeout_s=0.5)
+    client = async_client(settings)
+    try:
+        with pytest.raises(RedisUnavailable):
+            async with asyncio.timeout(5), translated(settings):
+                await client.llen("rb:{m}:queue")
+    finally:
+        await client.aclose()
