@@ -43,9 +43,8 @@ class LeanLink:
     """Commands on one held connection of ``client``'s pool (see the module doc)."""
 
     def __new__(cls, client: aioredis.Redis) -> LeanLink:
-        if cls is LeanLink and isinstance(client, RedisCluster):
-            cls = ClusterLink
-        return super().__new__(cls)
+        kind = ClusterLink if cls is LeanLink and isinstance(client, RedisCluster) else cls
+        return super().__new__(kind)
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._client: Any = client  # (its stubs leave these calls untyped)

@@ -24,9 +24,9 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel as SyncSentinel
 
 from redbatch import defaults, protocol
