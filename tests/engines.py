@@ -35,6 +35,15 @@ def have_binaries() -> bool:
     return REDIS_BIN is not None and REDIS_CLI is not None
 
 
+def spawn_redis(port: int, workdir: str | Path, args: list[str]) -> subprocess.Popen[bytes]:
+    """A ``redis-server`` on 127.0.0.1:``port`` in ``workdir`` (``args`` first: a
+    config file's path must lead)."""
+    assert REDIS_BIN, "redis-server is not installed"
+    return subprocess.Popen([REDIS_BIN, *args, "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(workdir), "--loglevel", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def poll(what: str, probe: Callable[[], T | None], timeout_s: float = START_TIMEOUT_S) -> T:
     """``probe()`` until it returns something other than None (or False); connection
     errors count as not yet.  ``TimeoutError`` naming ``what`` past ``timeout_s``."""
@@ -66,11 +75,7 @@ class Node:
 
     def launch(self) -> None:
         """Start the process (``wait_up`` waits for it to answer)."""
-        assert REDIS_BIN, "redis-server is not installed"
-        self.proc = subprocess.Popen(
-            [REDIS_BIN, *self.args, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.workdir), "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = spawn_redis(self.port, self.workdir, self.args)
 
     def client(self, timeout_s: float = 2.0) -> redis.Redis:
         return redis.Redis(port=self.port, socket_timeout=timeout_s,

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from redbatch import batch, codec, protocol
+from redbatch import codec, protocol
 from redbatch.config import RedisSettings
 from redbatch.errors import DeadlineExceeded, RedisUnavailable
 from redbatch.lean import ClusterLink, LeanLink
@@ -20,19 +20,15 @@ from redbatch.producer.client import Client
 from redbatch.redis_conn import async_client, translated
 from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
-from tests.conftest import FAST_WORKER
+from tests.conftest import FAST_WORKER, wait_live
 from tests.engines import ClusterEngine
+from tests.models_for_tests import adder
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(90)]
 MODEL = "m"
 QUEUE = protocol.queue_key(MODEL)
 INFLIGHT = protocol.inflight_key(MODEL, "w1")
 RECOVER_S = 20.0  # a failover (node timeout 1 s) must be over well within this
-
-
-@batch(name="adder", max_batch_size=8, batch_wait_timeout_s=0.002)
-def adder(xs: list[int]) -> list[int]:
-    return [x + 1 for x in xs]
 
 
 @pytest.fixture
@@ -157,7 +153,7 @@ async def test_worker_and_client_end_to_end(settings: RedisSettings, start_worke
     caplog.set_level(logging.WARNING)
     start_worker([adder], url=settings.url, config=FAST_WORKER)  # type: ignore[operator]
     async with Client(settings=settings) as producer:
-        await _wait_live(producer, "adder")
+        await wait_live(settings.url, "adder")
         try:
             assert await producer.predict_many("adder", list(range(20)), timeout_s=3) == \
                 list(range(1, 21))
@@ -165,10 +161,3 @@ async def test_worker_and_client_end_to_end(settings: RedisSettings, start_worke
             if "same key slot" in caplog.text or "CROSSSLOT" in caplog.text:
                 raise CrossSlot("PUBLISH's keys span two slots") from exc
             raise
-
-
-async def _wait_live(producer: Client, model: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await producer.live_workers(model):
-        assert time.monotonic() < deadline, f"no live worker of {model!r}"
-        await asyncio.sleep(0.05)

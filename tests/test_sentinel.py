@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from redbatch import batch
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.errors import DeadlineExceeded, NoLiveWorkers, RedisUnavailable
 from redbatch.producer.client import Client
 from redbatch.worker.process import Worker
+from tests.conftest import wait_live
 from tests.engines import SentinelEngine
+from tests.models_for_tests import adder
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(90)]
 RECOVER_S = 20.0  # a failover (down after 1 s) must be over well within this
@@ -25,45 +26,36 @@ TRANSIENT = (RedisUnavailable, DeadlineExceeded, NoLiveWorkers)
 WORKER = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=2.0)
 
 
-@batch(name="adder", max_batch_size=8, batch_wait_timeout_s=0.002)
-def adder(xs: list[int]) -> list[int]:
-    return [x + 1 for x in xs]
-
-
 @pytest.fixture
 def settings(redis_sentinel: SentinelEngine) -> RedisSettings:
     return RedisSettings(redis_sentinel.url, socket_timeout_s=3.0, connect_timeout_s=0.5)
 
 
-async def _wait_live(producer: Client, model: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await producer.live_workers(model):
-        assert time.monotonic() < deadline, f"no live worker of {model!r}"
-        await asyncio.sleep(0.05)
+@pytest.fixture
+async def producer(settings: RedisSettings, start_worker: Callable[..., Worker]
+                   ) -> AsyncIterator[Client]:
+    """A client, once an in-process worker of ``adder`` is live (both through the
+    sentinels)."""
+    start_worker([adder], url=settings.url, config=WORKER)
+    async with Client(settings=settings) as client:
+        await wait_live(settings.url, "adder")
+        yield client
 
 
 async def test_worker_and_client_through_the_sentinels(
-        settings: RedisSettings, redis_sentinel: SentinelEngine,
-        start_worker: Callable[..., Worker]) -> None:
-    start_worker([adder], url=settings.url, config=WORKER)
-    async with Client(settings=settings) as producer:
-        await _wait_live(producer, "adder")
-        assert await producer.predict_many("adder", list(range(20)), timeout_s=5) == \
-            list(range(1, 21))
+        redis_sentinel: SentinelEngine, producer: Client) -> None:
+    assert await producer.predict_many("adder", list(range(20)), timeout_s=5) == \
+        list(range(1, 21))
     assert redis_sentinel.primary.ask("EXISTS", "rb:{adder}:workers") == 1
 
 
 async def test_after_the_primary_dies_both_carry_on_with_the_replica(
-        settings: RedisSettings, redis_sentinel: SentinelEngine,
-        start_worker: Callable[..., Worker]) -> None:
-    start_worker([adder], url=settings.url, config=WORKER)
-    async with Client(settings=settings) as producer:
-        await _wait_live(producer, "adder")
-        assert await producer.predict("adder", 1, timeout_s=5) == 2
-        promoted = await asyncio.to_thread(redis_sentinel.fail_over)
-        started = time.monotonic()
-        errors = await _until_served(producer)
-        assert time.monotonic() - started < RECOVER_S
+        redis_sentinel: SentinelEngine, producer: Client) -> None:
+    assert await producer.predict("adder", 1, timeout_s=5) == 2
+    promoted = await asyncio.to_thread(redis_sentinel.fail_over)
+    started = time.monotonic()
+    errors = await _until_served(producer)
+    assert time.monotonic() - started < RECOVER_S
     assert all(isinstance(e, TRANSIENT) for e in errors)
     assert promoted.ask("EXISTS", "rb:{adder}:workers") == 1  # the worker beats there
 
