@@ -58,6 +58,23 @@ async def test_a_cluster_url_gives_a_cluster_link(client: aioredis.Redis) -> Non
     assert isinstance(LeanLink(client), ClusterLink)
 
 
+async def test_a_cluster_link_holds_a_connection_to_the_owner(
+        redis_cluster: ClusterEngine, client: aioredis.Redis) -> None:
+    """Replies on the held connection are raw (b"OK"); through the cluster client they
+    pass redis-py's callbacks (True): the first call, and a redirected one, go through
+    the client; the others go on the connection to the slot's primary."""
+    key = protocol.meta_key(MODEL)
+    link = LeanLink(client)
+    assert await link.execute("SET", key, "a") is True  # through the client
+    assert await link.execute("SET", key, "b") == b"OK"
+    source = redis_cluster.owner(key)
+    target = next(n for n in redis_cluster.primaries() if n is not source)
+    redis_cluster.migrate(key, target)
+    assert await link.execute("SET", key, "c") is True  # MOVED: through the client
+    assert await link.pipeline(("SET", key, "d"), ("GET", key)) == [b"OK", b"d"]
+    assert target.ask("GET", key) == b"d"
+
+
 async def test_enqueue_and_claim_scripts_run_on_the_owning_node(
         redis_cluster: ClusterEngine, settings: RedisSettings, client: aioredis.Redis
 ) -> None:
