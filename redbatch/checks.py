@@ -36,7 +36,9 @@ async def eviction_warning(redis: aioredis.Redis) -> str | None:
         return CONFIG_REFUSED
     except Exception as exc:  # CONFIG is often disabled (managed Redis, fakeredis)
         log.debug("cannot read maxmemory settings (%s): eviction not checked", exc)
-        await redis.connection_pool.disconnect()  # some servers drop the link on an error
+        pool = getattr(redis, "connection_pool", None)  # (a cluster client has none)
+        if pool is not None:
+            await pool.disconnect()  # some servers drop the link on an error
         return None
     limit = int(config.get("maxmemory") or config.get(b"maxmemory") or 0)
     policy = config.get("maxmemory-policy") or config.get(b"maxmemory-policy") or b""

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
-from urllib.parse import SplitResult, parse_qsl, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 from redbatch import defaults
 from redbatch.errors import ConfigError
@@ -20,7 +20,12 @@ from redbatch.protocol import MAX_ATTEMPT, MAX_TIMEOUT_S
 
 T = TypeVar("T")
 ENV_PREFIX = "REDBATCH_"
-REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+CLUSTER_SCHEME = "redis+cluster"
+SENTINEL_SCHEME = "redis+sentinel"
+DEFAULT_PORTS = {CLUSTER_SCHEME: 6379, SENTINEL_SCHEME: 26379}  # of a seed that names none
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", *DEFAULT_PORTS})
+SERVICE_PATH = re.compile(r"/([A-Za-z0-9_.-]+)(?:/(\d+))?/?")
+CLUSTER_PATH = re.compile(r"/?0?")
 QUERY_NAME = re.compile(r"[a-z_]+")
 DB_PATH = re.compile(r"/?\d*")
 ENCODE_HINT = ("percent-encode special characters in the password (/ as %2F, # as %23, "
@@ -44,7 +49,8 @@ def check_redis_url(url: str) -> None:
     a bad port in its error).  The message never quotes any part of the URL."""
     parts = urlsplit(url)
     if parts.scheme not in REDIS_SCHEMES:
-        raise ConfigError("the Redis URL must start with redis://, rediss:// or unix://")
+        raise ConfigError("the Redis URL must start with redis://, rediss://, unix://, "
+                          "redis+cluster:// or redis+sentinel://")
     problem = "it has a '#'" if "#" in url else _url_problem(parts)
     if problem:
         raise ConfigError(f"the Redis URL does not parse: {problem}; {ENCODE_HINT}")
@@ -57,6 +63,8 @@ def _url_problem(parts: SplitResult) -> str | None:
         return "its query (after '?') is not a list of name=value options"
     if parts.scheme == "unix":
         return None if parts.path else "it has no socket path"
+    if parts.scheme in DEFAULT_PORTS:
+        return _nodes_problem(parts)
     return _host_problem(parts)
 
 
@@ -70,6 +78,73 @@ def _host_problem(parts: SplitResult) -> str | None:
     if not DB_PATH.fullmatch(parts.path):
         return "its database (the path after the port) is not a number"
     return None
+
+
+def _nodes_problem(parts: SplitResult) -> str | None:
+    """What is wrong with a ``redis+cluster://`` or ``redis+sentinel://`` URL, if
+    anything: its seed nodes, its path (a cluster's database, a sentinel's service)."""
+    if parts.query:
+        return "options (after '?') are not supported with several nodes"
+    try:
+        _seeds(parts)
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme == CLUSTER_SCHEME:
+        return None if CLUSTER_PATH.fullmatch(parts.path) else "a cluster has database 0 only"
+    if not SERVICE_PATH.fullmatch(parts.path):
+        return ("it has no service name (redis+sentinel://host:port[,host:port]/"
+                "service_name[/db])")
+    return None
+
+
+def _seeds(parts: SplitResult) -> tuple[tuple[str, int], ...]:
+    """The URL's ``host:port`` list; ``ValueError`` (quoting nothing) when one is bad."""
+    hosts = parts.netloc.rpartition("@")[2]
+    if not hosts:
+        raise ValueError("it has no seed node (host:port)")
+    return tuple(_seed(text, DEFAULT_PORTS[parts.scheme]) for text in hosts.split(","))
+
+
+def _seed(text: str, default_port: int) -> tuple[str, int]:
+    seed = urlsplit(f"//{text}")
+    try:
+        port = seed.port
+    except ValueError:
+        port = 0
+    if port == 0 or not 0 < (port or default_port) < 65536:
+        raise ValueError("a seed node's port is not a number from 1 to 65535")
+    if not seed.hostname:
+        raise ValueError("a seed node has no host (give host:port, separated by commas)")
+    return seed.hostname, port or default_port
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a ``redis+cluster://`` or ``redis+sentinel://`` URL points: its seed nodes
+    (cluster nodes or sentinels), the credentials of the data nodes, and for Sentinel
+    the monitored service and the database."""
+
+    mode: str  # "cluster" or "sentinel"
+    seeds: tuple[tuple[str, int], ...]
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+    service: str = ""
+    db: int = 0
+
+
+def topology(url: str) -> Topology | None:
+    """The nodes of a checked several-node URL; None for a plain one (``redis://``,
+    ``rediss://``, ``unix://``)."""
+    parts = urlsplit(url)
+    if parts.scheme not in DEFAULT_PORTS:
+        return None
+    user = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password is not None else None
+    if parts.scheme == CLUSTER_SCHEME:
+        return Topology("cluster", _seeds(parts), user, password)
+    found = SERVICE_PATH.fullmatch(parts.path)
+    assert found is not None  # (checked by check_redis_url)
+    return Topology("sentinel", _seeds(parts), user, password, found[1], int(found[2] or 0))
 
 
 def tls_unverified(url: str) -> bool:
@@ -143,6 +218,11 @@ class RedisSettings:
     @property
     def safe_url(self) -> str:
         return redact_url(self.url)
+
+    @property
+    def topology(self) -> Topology | None:
+        """Cluster or Sentinel nodes (None: one plain Redis)."""
+        return topology(self.url)
 
     def __repr__(self) -> str:
         return (f"RedisSettings(url={self.safe_url!r}, socket_timeout_s={self.socket_timeout_s},"

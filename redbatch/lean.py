@@ -19,6 +19,11 @@ TLS, db, socket timeout) and its reply parser and errors are still redis-py's.
   connection (a blocking pop that ``CLIENT UNBLOCK`` ends) are sequential.
 * The connection goes back with the client: ``aclose`` disconnects the pool's
   connections, in use or not.
+
+A Redis Cluster client has no single pool: ``LeanLink(cluster_client)`` is a
+``ClusterLink``, which holds one connection to the primary owning the slot of the
+call's keys (a model's keys share one slot) and leaves redirections and broken
+connections to the cluster client.  The choice is made once, when the link is made.
 """
 
 from __future__ import annotations
@@ -29,12 +34,17 @@ import hashlib
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError, TryAgainError
 
 
 class LeanLink:
     """Commands on one held connection of ``client``'s pool (see the module doc)."""
+
+    def __new__(cls, client: aioredis.Redis) -> LeanLink:
+        kind = ClusterLink if cls is LeanLink and isinstance(client, RedisCluster) else cls
+        return super().__new__(kind)
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._client: Any = client  # (its stubs leave these calls untyped)
@@ -87,9 +97,14 @@ class LeanLink:
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
+        return self._checked(replies)
+
+    def _checked(self, replies: list[Any]) -> list[Any]:
+        """``replies``, unless one is an error reply: the first is raised (a reply: the
+        connection is in step)."""
         for reply in replies:
             if isinstance(reply, ResponseError):
-                raise reply  # a reply: the connection is in step
+                raise reply
         return replies
 
     async def _connection(self) -> AbstractConnection:
@@ -99,6 +114,109 @@ class LeanLink:
         if not conn.is_connected:
             await conn.connect()
         return conn
+
+
+class ClusterLink(LeanLink):
+    """``LeanLink`` on a cluster: one held connection to the primary that owns the
+    keys' slot (all of one call's keys share a hash tag), taken again when the slot map
+    names another node.  A call goes through the cluster client instead while another
+    is in flight, for a command without a key, before the client has read the slot map,
+    and after a broken connection (the client then reads the map again); commands
+    redirected (``MOVED``, ``ASK``, ``TRYAGAIN``: none of them ran) are sent again
+    through the client, which follows the redirection."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        super().__init__(client)
+        self._node: Any = None  # the ClusterNode that ``_conn`` belongs to
+        self._mapped = False  # a call through the client succeeded since the last break
+
+    async def execute(self, *args: Any) -> Any:
+        if args[:2] == ("SCRIPT", "LOAD"):
+            return await self._client.script_load(args[2])  # on every primary
+        return (await self.pipeline(args))[0]
+
+    async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
+        key = _first_key(commands[0])
+        if self._busy or not self._mapped or key is None:
+            return await self._through_client(commands)
+        self._busy = True
+        try:
+            await self._pin(self._client.get_node_from_key(key))
+            return await self._send_many(commands)
+        except _Redirected as redirected:
+            return await self._redirect(commands, redirected.replies)
+        except ResponseError:
+            raise
+        except BaseException:
+            self._mapped = False  # the next call lets the client notice and remap
+            raise
+        finally:
+            self._busy = False
+
+    async def _through_client(self, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
+        if len(commands) == 1:
+            replies = [await self._client.execute_command(*commands[0])]
+        else:
+            pipe: Any = self._client.pipeline(transaction=False)
+            async with pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                replies = list(await pipe.execute())
+        self._mapped = True
+        return replies
+
+    async def _pin(self, node: Any) -> None:
+        """Hold a connection to ``node`` (dropping the one to another node)."""
+        if node is self._node and self._conn is not None:
+            return
+        if self._conn is not None:
+            await self._conn.disconnect()  # its node may have left the client's map
+            self._node.release(self._conn)
+        self._node, self._conn = node, None
+        self._conn = node.acquire_connection()
+
+    async def _connection(self) -> AbstractConnection:
+        conn = self._conn
+        assert conn is not None  # (pinned)
+        if not conn.is_connected:
+            await conn.connect()  # type: ignore[no-untyped-call]
+        return conn
+
+    def _checked(self, replies: list[Any]) -> list[Any]:
+        if any(isinstance(reply, REDIRECTS) for reply in replies):
+            raise _Redirected(replies)
+        return super()._checked(replies)
+
+    async def _redirect(self, commands: tuple[tuple[Any, ...], ...], replies: list[Any]
+                        ) -> list[Any]:
+        """Send the redirected commands again through the client, in order."""
+        for index, reply in enumerate(replies):
+            if isinstance(reply, REDIRECTS):
+                replies[index] = await self._client.execute_command(*commands[index])
+        return super()._checked(replies)
+
+
+REDIRECTS = (MovedError, AskError, TryAgainError)
+KEYLESS = frozenset({"CLIENT", "SCRIPT", "PING", "CONFIG", "INFO"})
+KEYS_AFTER_COUNT = frozenset({"EVALSHA", "EVAL", "BLMPOP", "LMPOP"})  # cmd x numkeys key...
+
+
+class _Redirected(Exception):
+    """Inside ``ClusterLink``: a call's replies, some of them redirections."""
+
+    def __init__(self, replies: list[Any]) -> None:
+        super().__init__("redirected")
+        self.replies = replies
+
+
+def _first_key(command: tuple[Any, ...]) -> Any:
+    """The first key of one of the hot loops' commands (None: it has none)."""
+    name = str(command[0]).upper()
+    if name in KEYLESS or len(command) < 2:
+        return None
+    if name in KEYS_AFTER_COUNT:
+        return command[3] if int(command[2]) > 0 else None
+    return command[1]
 
 
 @functools.cache

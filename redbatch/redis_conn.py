@@ -3,6 +3,11 @@
 Every socket timeout is longer than any blocking command we issue (checked by
 ``config.check_socket_timeout``), so a dead connection is noticed and a
 blocking pop is never cut short by its own socket.
+
+A ``redis+cluster://`` URL gives redis-py's ``RedisCluster`` (it routes each command
+to the primary owning its key's slot and follows ``MOVED``/``ASK``), a
+``redis+sentinel://`` URL a client of the service's current primary (``master_for``).
+Which one is decided here, once per client: the plain-Redis client is unchanged.
 """
 
 from __future__ import annotations
@@ -11,22 +16,30 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode as SyncClusterNode
+from redis.cluster import RedisCluster as SyncRedisCluster
+from redis.exceptions import RedisClusterException
+from redis.sentinel import Sentinel as SyncSentinel
 
 from redbatch import defaults, protocol
-from redbatch.config import RedisSettings
+from redbatch.config import RedisSettings, Topology
 from redbatch.errors import DeadlineExceeded, RedisUnavailable
 
 T = TypeVar("T")
 
 # ResponseError too: OOM, READONLY (a replica after failover), MISCONF... are Redis
-# refusing work, which callers must see as a typed, retryable error.
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
+# refusing work, which callers must see as a typed, retryable error.  A cluster client
+# raises RedisClusterException when no node it knows answers (or a slot has no owner).
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError,
+                RedisClusterException)
 
 
 def _no_retry() -> AsyncRetry:
@@ -40,7 +53,11 @@ def async_client(settings: RedisSettings,
     """An asyncio client (bytes replies) with connect and socket timeouts.
 
     Its pool blocks (up to the socket timeout) for a free connection instead of
-    failing when all ``max_connections`` are busy."""
+    failing when all ``max_connections`` are busy.  (On a cluster, each node has a
+    pool of ``max_connections`` that fails at once when all are busy: redis-py's.)"""
+    nodes = settings.topology
+    if nodes is not None:
+        return _async_nodes(settings, nodes, max_connections)
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.url,
         max_connections=max_connections,
@@ -53,10 +70,68 @@ def async_client(settings: RedisSettings,
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
+class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The service's primary, found through the sentinels at each (re)connect; a caller
+    waits for a free connection, as with a plain Redis."""
+
+
+class SentinelRedis(aioredis.Redis):
+    """A client of a Sentinel service's primary that closes its sentinel links too."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        manager: Any = getattr(self.connection_pool, "sentinel_manager", None)
+        if manager is not None:
+            await manager.aclose()
+
+
+def is_cluster(client: object) -> bool:
+    """Whether ``client`` is a Redis Cluster client (no single connection pool)."""
+    return isinstance(client, RedisCluster)
+
+
+def _timeouts(settings: RedisSettings) -> dict[str, Any]:
+    return {"socket_timeout": settings.socket_timeout_s,
+            "socket_connect_timeout": settings.connect_timeout_s}
+
+
+def _options(settings: RedisSettings, nodes: Topology) -> dict[str, Any]:
+    """The data nodes' credentials and timeouts (the sentinels get the timeouts only)."""
+    return {"username": nodes.username, "password": nodes.password, **_timeouts(settings)}
+
+
+# (redis-py leaves these untyped)
+_ASYNC_SEED: Any = ClusterNode
+_ASYNC_SENTINEL: Any = Sentinel
+_SYNC_SEED: Any = SyncClusterNode
+_SYNC_SENTINEL: Any = SyncSentinel
+
+
+def _async_nodes(settings: RedisSettings, nodes: Topology,
+                 max_connections: int) -> aioredis.Redis:
+    options = {**_options(settings, nodes), "retry": _no_retry(),
+               "health_check_interval": 30, "max_connections": max_connections}
+    if nodes.mode == "cluster":
+        seeds = [_ASYNC_SEED(host, port) for host, port in nodes.seeds]
+        return cast(aioredis.Redis, RedisCluster(startup_nodes=seeds, **options))
+    sentinel = _ASYNC_SENTINEL(list(nodes.seeds), sentinel_kwargs=_timeouts(settings))
+    return cast(aioredis.Redis, sentinel.master_for(
+        nodes.service, redis_class=SentinelRedis, connection_pool_class=BlockingSentinelPool,
+        timeout=settings.socket_timeout_s, db=nodes.db, **options))
+
+
 def sync_client(settings: RedisSettings) -> redis.Redis:
     """A blocking client with the same timeouts (``redbatch status``, ``redbatch jobs``)."""
-    return redis.Redis.from_url(settings.url, socket_timeout=settings.socket_timeout_s,
-                                socket_connect_timeout=settings.connect_timeout_s)
+    nodes = settings.topology
+    if nodes is None:
+        return redis.Redis.from_url(settings.url, **_timeouts(settings))
+    if nodes.mode == "cluster":
+        seeds = [_SYNC_SEED(host, port) for host, port in nodes.seeds]
+        return cast(redis.Redis, SyncRedisCluster(startup_nodes=seeds,
+                                                  **_options(settings, nodes)))
+    sentinel = _SYNC_SENTINEL(list(nodes.seeds), sentinel_kwargs=_timeouts(settings))
+    return cast(redis.Redis, sentinel.master_for(nodes.service, db=nodes.db,
+                                                 **_options(settings, nodes)))
 
 
 def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable:

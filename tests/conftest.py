@@ -4,6 +4,7 @@
 * ``redis_url`` is a clean database on the session's server, flushed after each test.
 * ``start_worker(models)`` runs an in-process ``Worker`` (asyncio task) for a test.
 * ``spawn(cmd)`` runs a real subprocess and kills it (and logs it) at teardown.
+* ``redis_cluster`` / ``redis_sentinel``: a real Redis Cluster / Sentinel set-up.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ import redis
 from redbatch import protocol
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.embedded import free_port
+from redbatch.redis_conn import sync_client
 from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
+from tests import engines
+from tests.engines import ClusterEngine, SentinelEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_BIN = shutil.which("redis-server")
@@ -51,10 +55,8 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         assert REDIS_BIN, "redis-server is not installed (scripts/test installs it)"
-        self.proc = subprocess.Popen(
-            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.workdir, "--loglevel", "warning", *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = engines.spawn_redis(self.port, self.workdir,
+                                        ["--save", "", "--appendonly", "no", *self.args])
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + 10
         while True:
@@ -140,7 +142,7 @@ async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Worker]]:
 async def wait_live(url: str, model: str, timeout_s: float = 30.0) -> None:
     """Wait until a worker of ``model`` holds a live lease (clients refuse a model that
     has none, so a test that starts its worker and its client together waits first)."""
-    client = redis.Redis.from_url(url, socket_timeout=5)
+    client = sync_client(RedisSettings(url, socket_timeout_s=5.0))  # any URL form
     deadline = time.monotonic() + timeout_s
     try:
         while not client.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf"):
@@ -215,3 +217,23 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: Proc | None = None) -> No
         time.sleep(0.1)
     pytest.fail(f"{url} not ready in {timeout_s} s (last: {last})\n"
                 f"{proc.log() if proc else ''}")
+
+
+def _engine(engine: Any) -> Iterator[Any]:
+    assert engines.have_binaries(), "redis-server and redis-cli are needed"
+    try:
+        yield engine.start()
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def redis_cluster() -> Iterator[ClusterEngine]:
+    """A fresh real Redis Cluster (3 primaries, 3 replicas; ``tests/engines.py``)."""
+    yield from _engine(ClusterEngine())
+
+
+@pytest.fixture
+def redis_sentinel() -> Iterator[SentinelEngine]:
+    """A fresh real Sentinel set-up (primary, replica, 3 sentinels; ``tests/engines.py``)."""
+    yield from _engine(SentinelEngine())

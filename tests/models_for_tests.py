@@ -21,3 +21,9 @@ def slow_levels(xs: list[int]) -> list[int]:
     """``slow`` with three priority levels."""
     time.sleep(float(os.environ.get("SLOW_FORWARD_S", "2")))
     return xs
+
+
+@batch(name="adder", max_batch_size=8, batch_wait_timeout_s=0.002)
+def adder(xs: list[int]) -> list[int]:
+    """Adds one."""
+    return [x + 1 for x in xs]

@@ -30,10 +30,10 @@ from rich.progress import (
 )
 
 from redbatch import defaults
-from redbatch.config import RedisSettings
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.jobs.submit import TERMINAL, job_status, submit_bulk
 from redbatch.jobs.tasks import BulkOptions
+from redbatch.jobs.urls import JOBS_URL_ENV, queues_url, rq_settings
 from redbatch.redis_conn import sync_client
 
 DONE_STATES = frozenset(status.value for status in TERMINAL)
@@ -73,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     status.add_argument("--watch", action="store_true", help="follow the job to its end")
     status.add_argument("--json", action="store_true", help="print the whole status as JSON")
     for parser in (submit, status):
-        parser.add_argument("--redis-url", help="Redis of the RQ queue (default: $REDIS_URL)")
+        parser.add_argument("--redis-url", help=f"Redis of the RQ queue (default: "
+                            f"${JOBS_URL_ENV}, else $REDIS_URL): a plain Redis")
         parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
         parser.add_argument("--poll-s", type=float, default=defaults.JOB_POLL_S,
                             help=f"how often --wait/--watch read the job ({defaults.JOB_POLL_S})")
@@ -100,13 +101,13 @@ def _add_pacing(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job-timeout", type=int, default=defaults.JOB_TIMEOUT_S,
                         help=f"seconds before RQ kills the job ({defaults.JOB_TIMEOUT_S})")
     parser.add_argument("--bulk-redis-url", help="Redis of redbatch's queues, when not the "
-                        "RQ Redis")
+                        f"RQ Redis (default: $REDIS_URL when ${JOBS_URL_ENV} is set)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``redbatch jobs ...``; return the exit status."""
     try:
-        conn = sync_client(RedisSettings.from_env(args.redis_url))
+        conn = sync_client(rq_settings(args.redis_url))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -138,7 +139,7 @@ def _submit(args: argparse.Namespace, conn: redis.Redis) -> int:
     job = submit_bulk(conn, args.model, _source(args.source), queue=args.queue,
                       output=args.output, result_ttl=args.result_ttl, retry=args.retries,
                       job_timeout=args.job_timeout, options=_options(args),
-                      redis_url=args.bulk_redis_url)
+                      redis_url=queues_url(args.bulk_redis_url, args.redis_url))
     print(job.id, flush=True)
     if not args.wait:
         return 0

@@ -20,7 +20,7 @@ from redbatch import defaults, lua, metrics, protocol
 from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
-from redbatch.redis_conn import REDIS_ERRORS, async_client
+from redbatch.redis_conn import REDIS_ERRORS, async_client, is_cluster
 from redbatch.worker import heartbeat
 from redbatch.worker.live import LiveKnobs
 from redbatch.worker.loader import load_models
@@ -76,7 +76,9 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         redis = async_client(self.redis_settings, max_connections=2 * len(self.models) + 4)
         # one connection per model for its blocking pops, so CLIENT UNBLOCK can end them
-        blocking = [async_client(self.redis_settings, max_connections=1) for _ in self.models]
+        # (a cluster routes each command to a node: no connection of our own to unblock)
+        blocking = [None if is_cluster(redis) else
+                    async_client(self.redis_settings, max_connections=1) for _ in self.models]
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redbatch-forward")
         clean = False
         try:
@@ -89,9 +91,10 @@ class Worker:
         finally:
             executor.shutdown(wait=clean, cancel_futures=True)
             for client in (redis, *blocking):
-                await client.aclose()
+                if client is not None:
+                    await client.aclose()
 
-    def _runner(self, redis: aioredis.Redis, model: Model, blocking: aioredis.Redis,
+    def _runner(self, redis: aioredis.Redis, model: Model, blocking: aioredis.Redis | None,
                 executor: ThreadPoolExecutor) -> BatchRunner:
         """One model's runner, on a copy of the model: live knob changes apply to the
         copy, never to the caller's ``Model``."""

@@ -1,0 +1,46 @@
+"""Bulk jobs with redbatch's queues on a Redis Cluster or behind Sentinel: RQ's queue
+needs a plain Redis (``REDBATCH_JOBS_REDIS_URL``), the items go to ``REDIS_URL``."""
+
+from __future__ import annotations
+
+import pytest
+
+from redbatch.cli import build_parser
+from redbatch.errors import ConfigError
+from redbatch.jobs.cli import main as jobs_main
+from redbatch.jobs.urls import JOBS_URL_ENV, queues_url, rq_settings
+
+CLUSTER = "redis+cluster://:s3cr3t@10.0.0.1:7000,10.0.0.2:7000"
+PLAIN = "redis://10.0.0.9:6379/0"
+
+
+def test_rq_takes_the_jobs_url_before_redis_url() -> None:
+    assert rq_settings(None, {JOBS_URL_ENV: PLAIN, "REDIS_URL": CLUSTER}).url == PLAIN
+    assert rq_settings(None, {"REDIS_URL": PLAIN}).url == PLAIN  # as before
+    assert rq_settings("redis://other:6379/1", {JOBS_URL_ENV: PLAIN}).url == \
+        "redis://other:6379/1"
+
+
+def test_rq_refuses_a_cluster_or_sentinel_url() -> None:
+    with pytest.raises(ConfigError, match=JOBS_URL_ENV) as caught:
+        rq_settings(None, {"REDIS_URL": CLUSTER})
+    assert "s3cr3t" not in str(caught.value)
+    with pytest.raises(ConfigError, match="plain Redis"):
+        rq_settings("redis+sentinel://s:26379/svc", {})
+
+
+def test_items_go_to_redis_url_when_rq_has_its_own() -> None:
+    env = {JOBS_URL_ENV: PLAIN, "REDIS_URL": CLUSTER}
+    assert queues_url(None, None, env) == CLUSTER
+    assert queues_url("redis://q:6379/0", None, env) == "redis://q:6379/0"
+    assert queues_url(None, None, {"REDIS_URL": PLAIN}) is None  # RQ's own, as before
+    assert queues_url(None, PLAIN, env) is None  # --redis-url: RQ's own, as before
+
+
+def test_jobs_on_a_cluster_url_alone_exit_2_naming_the_setting(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("REDIS_URL", CLUSTER)
+    monkeypatch.delenv(JOBS_URL_ENV, raising=False)
+    assert jobs_main(build_parser().parse_args(["jobs", "status", "some-job"])) == 2
+    err = capsys.readouterr().err
+    assert JOBS_URL_ENV in err and "s3cr3t" not in err

@@ -1,0 +1,89 @@
+"""redis+cluster:// and redis+sentinel:// URLs: parsed and checked at start, passwords
+never shown; plain URLs keep their single-node client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from redbatch.config import RedisSettings, Topology, redact_url
+from redbatch.embedded import free_port
+from redbatch.errors import ConfigError, RedisUnavailable
+from redbatch.redis_conn import async_client, translated
+
+SECRET = "Qx7Kp9zz"
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("redis+cluster://10.0.0.1:7000", Topology("cluster", (("10.0.0.1", 7000),))),
+    ("redis+cluster://a:7000,b:7001,c", Topology(
+        "cluster", (("a", 7000), ("b", 7001), ("c", 6379)))),
+    ("redis+cluster://[::1]:7000/0", Topology("cluster", (("::1", 7000),))),
+    ("redis+sentinel://s1:26379,s2:26380/mymaster/2", Topology(
+        "sentinel", (("s1", 26379), ("s2", 26380)), service="mymaster", db=2)),
+    ("redis+sentinel://s1/mymaster", Topology("sentinel", (("s1", 26379),),
+                                              service="mymaster")),
+])
+def test_several_node_urls_name_their_seeds(url: str, expected: Topology) -> None:
+    assert RedisSettings(url).topology == expected
+
+
+def test_credentials_are_percent_decoded_for_the_data_nodes() -> None:
+    nodes = RedisSettings("redis+cluster://rb:p%40ss%2F1@h:7000").topology
+    assert nodes is not None and (nodes.username, nodes.password) == ("rb", "p@ss/1")
+    nodes = RedisSettings(f"redis+sentinel://:{SECRET}@h:26379/svc").topology
+    assert nodes is not None and (nodes.username, nodes.password) == (None, SECRET)
+
+
+@pytest.mark.parametrize("url", ["redis://h:6379/0", "rediss://h:6380/0",
+                                 "unix:///tmp/r.sock?db=1"])
+def test_plain_urls_have_no_topology(url: str) -> None:
+    assert RedisSettings(url).topology is None
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("redis+cluster://", "no seed node"),
+    (f"redis+cluster://u:{SECRET}@", "no seed node"),
+    ("redis+cluster://h:7000,,h:7001", "has no host"),
+    (f"redis+cluster://:{SECRET}@:7000", "has no host"),
+    ("redis+cluster://h:70x0", "port is not a number"),
+    ("redis+cluster://h:0", "port is not a number"),
+    ("redis+cluster://h:7000,h:99999", "port is not a number"),
+    ("redis+cluster://h:7000/3", "database 0 only"),
+    ("redis+cluster://h:7000?ssl=true", "options"),
+    ("redis+sentinel://h:26379", "no service name"),
+    ("redis+sentinel://h:26379/", "no service name"),
+    ("redis+sentinel://h:26379/svc/zero", "no service name"),
+    (f"redis+sentinel://:{SECRET[:3]}/{SECRET[3:]}@h:26379/svc", "'@' after its host"),
+    ("redis+sentinels://h:26379/svc", "must start with"),
+])
+def test_bad_several_node_urls_fail_loudly_quoting_nothing(url: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem) as caught:
+        RedisSettings(url)
+    assert SECRET[3:] not in str(caught.value) and "h:" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("url", "safe"), [
+    (f"redis+cluster://rb:{SECRET}@a:7000,b:7001",
+     "redis+cluster://rb:***@a:7000,b:7001"),
+    (f"redis+sentinel://:{SECRET}@s1:26379,s2:26379/svc/1",
+     "redis+sentinel://:***@s1:26379,s2:26379/svc/1"),
+])
+def test_a_password_never_shows(url: str, safe: str) -> None:
+    settings = RedisSettings(url)
+    assert settings.safe_url == safe == redact_url(url)
+    assert SECRET not in repr(settings) and SECRET not in repr(settings.topology)
+
+
+@pytest.mark.parametrize("template", ["redis+cluster://127.0.0.1:{port}",
+                                      "redis+sentinel://127.0.0.1:{port}/svc"])
+async def test_no_node_answering_is_redis_unavailable(template: str) -> None:
+    settings = RedisSettings(template.format(port=free_port()), connect_timeout_s=0.5)
+    client = async_client(settings)
+    try:
+        with pytest.raises(RedisUnavailable):
+            async with asyncio.timeout(5), translated(settings):
+                await client.llen("rb:{m}:queue")
+    finally:
+        await client.aclose()
