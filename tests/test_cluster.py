@@ -51,7 +51,7 @@ def claimer(client: aioredis.Redis) -> Claimer:
 def entry(n: int) -> bytes:
     now = protocol.now_ms()
     return codec.encode(protocol.Request(f"id{n}", MODEL, now, now + 60_000,
-                                         protocol.reply_key("c"), n).to_wire())
+                                         protocol.reply_key(MODEL, "c"), n).to_wire())
 
 
 async def test_a_cluster_url_gives_a_cluster_link(client: aioredis.Redis) -> None:
@@ -93,9 +93,6 @@ class PipelinedScript(AssertionError):
     """redis-py's cluster pipeline refused a ``Script`` object in a MULTI."""
 
 
-@pytest.mark.xfail(strict=True, raises=PipelinedScript,
-                   reason="over ENQUEUE_CHUNK entries, the enqueuer runs Script objects in a "
-                          "MULTI, which redis-py's cluster pipeline refuses")
 async def test_a_push_over_one_chunk_is_one_multi(settings: RedisSettings,
                                                   client: aioredis.Redis) -> None:
     async with Client(settings=settings, require_workers=False) as producer:
@@ -163,8 +160,6 @@ class CrossSlot(AssertionError):
     """The worker's replies crossed slots: a reply list is not in the model's slot."""
 
 
-@pytest.mark.xfail(strict=True, raises=CrossSlot,
-                   reason="reply lists cross slots until reply keys carry the model tag")
 async def test_worker_and_client_end_to_end(settings: RedisSettings, start_worker: object,
                                             caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)

@@ -71,8 +71,6 @@ class Enqueuer:
         self._fmt: Format = fmt
         self._pack_rows = pack_rows
         self._route_pack = route_pack
-        self._scripts = {source: redis.register_script(source)
-                         for source in (lua.ENQUEUE, lua.ENQUEUE_LEVEL)}
         self._link = LeanLink(redis)
         # opt-in: WAIT for replicas after each enqueue (None: off, nothing more is sent)
         self.waiter = ReplicaWaiter(self._link, replica_wait) \
@@ -204,10 +202,10 @@ class Enqueuer:
         if len(calls) == 1:
             accepted, *depths = await self._link.script(target.source, *calls[0])
             return int(accepted), [int(d) for d in depths]
-        script = self._scripts[target.source]
         async with self._redis.pipeline(transaction=True) as pipe:
-            for keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
+            for keys, args in calls:  # EVAL: no NOSCRIPT inside the MULTI (a promoted
+                # replica has an empty script cache), and a cluster pipeline takes it
+                pipe.execute_command("EVAL", target.source, len(keys), *keys, *args)
             results = await pipe.execute()
         return _tally(target, calls, results)
 
