@@ -85,6 +85,27 @@ async def test_predict_many_is_one_enqueue_call(redis_url: str, raw_redis: redis
     assert "cmdstat_rpush" not in stats or stats["cmdstat_rpush"]["calls"] == 50
 
 
+async def test_a_push_over_one_chunk_is_one_multi_of_evalsha_even_after_a_script_flush(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Over ``ENQUEUE_CHUNK`` entries the chunks go in one MULTI as EVALSHA (no
+    ``+eval`` in the ACL); a Redis that lost its scripts gets them loaded, once."""
+    from redbatch.producer.enqueuer import ENQUEUE_CHUNK
+
+    async with Client(redis_url, require_workers=False) as client:
+        await client._admission.live("inc")
+        raw_redis.script_flush()
+        raw_redis.config_resetstat()
+        futures = await client.submit_many("inc", list(range(ENQUEUE_CHUNK + 500)),
+                                           timeout_s=5)
+        stats = raw_redis.info("commandstats")
+        assert raw_redis.llen(protocol.queue_key("inc")) == ENQUEUE_CHUNK + 500
+        for future in futures:
+            future.cancel()
+    assert "cmdstat_eval" not in stats
+    assert stats["cmdstat_exec"]["calls"] == 2  # refused for NOSCRIPT, then again
+    assert stats["cmdstat_script|load"]["calls"] == 1
+
+
 async def test_no_worker_means_deadline_exceeded(redis_url: str) -> None:
     async with Client(redis_url, require_workers=False) as client:
         started = time.monotonic()

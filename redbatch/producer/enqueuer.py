@@ -12,12 +12,13 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from redbatch import defaults, lua, protocol
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, ReplicaWait
 from redbatch.errors import QueueFull
-from redbatch.lean import LeanLink
+from redbatch.lean import LeanLink, script_sha
 from redbatch.levels import Levels
 from redbatch.producer import packing
 from redbatch.producer.admission import Admission
@@ -202,12 +203,22 @@ class Enqueuer:
         if len(calls) == 1:
             accepted, *depths = await self._link.script(target.source, *calls[0])
             return int(accepted), [int(d) for d in depths]
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for keys, args in calls:  # EVAL: no NOSCRIPT inside the MULTI (a promoted
-                # replica has an empty script cache), and a cluster pipeline takes it
-                pipe.execute_command("EVAL", target.source, len(keys), *keys, *args)
-            results = await pipe.execute()
+        try:
+            results = await self._multi(target.source, calls)
+        except NoScriptError:  # Redis lost its scripts (a restart, a promoted replica)
+            await self._redis.script_load(target.source)
+            results = await self._multi(target.source, calls)
         return _tally(target, calls, results)
+
+    async def _multi(self, source: str, calls: list[tuple[list[str], list[Any]]]
+                     ) -> list[Any]:
+        """The script's calls in one MULTI, as plain EVALSHA commands (a cluster
+        pipeline refuses redis-py's ``Script`` objects)."""
+        sha = script_sha(source)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for keys, args in calls:
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            return list(await pipe.execute())
 
 
 def _tally(target: Target, calls: list[tuple[list[str], list[Any]]], results: list[Any]
