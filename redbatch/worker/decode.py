@@ -101,27 +101,35 @@ def _loose_msgpack(raw: bytes) -> dict[Any, Any]:
     return found
 
 
-def parse_entry(raw: bytes, model: str) -> Request:
-    """Decode and validate one queue entry of ``model``'s queue."""
+def parse_entry(raw: bytes, model: str, same_slot: bool = False) -> Request:
+    """Decode and validate one queue entry of ``model``'s queue.  ``same_slot`` (on
+    Redis Cluster): a reply list outside the model's slot cannot be answered in the
+    reply script, so such an entry is invalid."""
     request = protocol.request_from_wire(codec.decode(raw))
     if request.model != model:
         raise InvalidPayload(f"entry for model {request.model!r} in the queue of {model!r}")
+    if same_slot and not protocol.reply_in_model_slot(model, request.reply_to):
+        raise InvalidPayload(f"reply_to {request.reply_to!r} is not in the slot of model "
+                             f"{model!r}: on Redis Cluster it must be "
+                             f"rb:reply:{{{model}}}:<client_id>")
     return request
 
 
-def decode_batch(raws: list[bytes], model: Model, now_ms: int) -> Decoded:
+def decode_batch(raws: list[bytes], model: Model, now_ms: int, same_slot: bool = False
+                 ) -> Decoded:
     out = Decoded()
     for raw in raws:
-        _decode_one(raw, model, now_ms, out)
+        _decode_one(raw, model, now_ms, out, same_slot)
     return out
 
 
-def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded) -> None:
+def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded, same_slot: bool
+                ) -> None:
     fmt = codec.sniff_format(raw)
     try:
-        request = parse_entry(raw, model.name)
+        request = parse_entry(raw, model.name, same_slot)
     except InvalidPayload as exc:
-        _reject(raw, exc, model.name, out)
+        _reject(raw, exc, model.name, out, same_slot)
         return
     if request.deadline_ms <= now_ms:
         late_ms = now_ms - request.deadline_ms
@@ -220,20 +228,25 @@ def drop_requests(decoded: Decoded, ids: set[str]) -> int:
     return before - len(decoded.packs) - sum(item.pack is None for item in decoded.items)
 
 
-def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded) -> None:
+def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded, same_slot: bool
+            ) -> None:
     log.warning("model=%s dead-lettered a malformed entry (%d bytes): %s", model, len(raw), exc)
     out.dead.append(raw)
-    addressed = addressable(raw, model)
+    addressed = addressable(raw, model, same_slot)
     if addressed is not None:
         out.early.append((*addressed, exc))
 
 
-def addressable(raw: bytes, model: str) -> tuple[Request, Format] | None:
+def addressable(raw: bytes, model: str, same_slot: bool = False
+                ) -> tuple[Request, Format] | None:
     """A malformed entry's sender, as a request to answer (no payload), if its id and
-    reply_to can be read (``loose_reply_target``)."""
+    reply_to can be read (``loose_reply_target``), and with ``same_slot`` (Redis
+    Cluster) if its reply list is in the model's slot."""
     target = loose_reply_target(raw)
     if target is None:
         return None
     request_id, reply_to, fmt = target
+    if same_slot and not protocol.reply_in_model_slot(model, reply_to):
+        return None
     deadline = protocol.now_ms() + protocol.MARKER_GRACE_MS
     return Request(request_id, model, 0, deadline, reply_to, None), fmt

@@ -36,6 +36,7 @@ from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.levels import ONE, Levels
 from redbatch.protocol import Request, Timings
+from redbatch.redis_conn import is_cluster
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
@@ -65,6 +66,7 @@ class Reaper:
                  dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS,
                  levels: Levels = ONE, reaper_id: str | None = None) -> None:
         self._redis = redis
+        self._same_slot = is_cluster(redis)  # reply lists must be in the model's slot
         self.reaper_id = reaper_id or protocol.new_id()[:12]  # its name in elections
         self.model = model
         # where requeued entries go: the queue's front; with priority levels, the most
@@ -94,10 +96,10 @@ class Reaper:
         """The entry's request; a malformed one is dead-lettered, and answered
         ``invalid_payload`` when its id and reply_to can be read (as a live worker would)."""
         try:
-            return parse_entry(raw, self.model)
+            return parse_entry(raw, self.model, self._same_slot)
         except InvalidPayload as exc:
             plan.dead.append(raw)
-            addressed = addressable(raw, self.model)
+            addressed = addressable(raw, self.model, self._same_slot)
             if addressed is not None:
                 stub, fmt = addressed
                 plan.replies.append(outgoing(self.model, stub,

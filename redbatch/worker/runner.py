@@ -18,6 +18,7 @@ from redbatch import defaults, lua, protocol
 from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
+from redbatch.redis_conn import is_cluster
 from redbatch.worker.claim import Claimer
 from redbatch.worker.claim_levels import LevelClaimer
 from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
@@ -121,6 +122,7 @@ class BatchRunner:
                  blocking: aioredis.Redis | None = None, device: str = "cpu",
                  dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS) -> None:
         self._redis = redis
+        self._same_slot = is_cluster(redis)  # reply lists must be in the model's slot
         self._dead_letters = dead_letters
         self._crashing = protocol.crashing_key(model.name, worker_id)
         self.model = model
@@ -282,8 +284,8 @@ class BatchRunner:
             return None
         claimed_ms = protocol.now_ms()
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
-        batch = Claimed(len(raws), decode_batch(raws, self.model, claimed_ms), claimed_ms,
-                        digest)
+        decoded = decode_batch(raws, self.model, claimed_ms, self._same_slot)
+        batch = Claimed(len(raws), decoded, claimed_ms, digest)
         if self.claimer.cancels:  # callers went away: skip their requests
             await self.claimer.drop_cancelled(batch.decoded)
         self._claim_count = self._next_claim_count(batch)
