@@ -332,6 +332,8 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
         producer.wait_live_workers(redis_url, "textcls", args.w3_replicas)
         w3.check_replies([f"{ours}/v1/models/textcls/predict", f"{naive}/w3",
                           f"{naive}/w3served"])
+        if args.auto_batch:
+            w3.learn_sizes(redis_url, f"{ours}/v1/models/textcls/predict")
         cases = interleaved([
             Target("redbatch_w3", f"{ours}/v1/models/textcls/predict", "w3.lua",
                    procs.pids("redis", "worker", *extra, "gateway"), redis_url, "textcls"),
@@ -384,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only W3 (the text classifier; with Ray Serve under --ray)")
     parser.add_argument("--w3-replicas", type=int, default=2,
                         help="worker replicas for W3 (2, as the naive server's 2 processes)")
+    parser.add_argument("--auto-batch", action="store_true",
+                        help="W3 with the live knob auto_batch on (pass sizes per length "
+                             "bucket by measurement), after a warm-up that lets it learn")
     parser.add_argument("--priority", action="store_true",
                         help="only the priority overload scenario (about a minute: "
                              "bench/priority.py)")

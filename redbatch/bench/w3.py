@@ -59,6 +59,32 @@ def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[list[float]]:
     return [r.raise_for_status().json()["logits"] for r in replies]
 
 
+WARMUP_S = 6.0  # W3 load before the rounds, with auto_batch on: the sizes are learned
+
+
+def learn_sizes(redis_url: str, url: str) -> None:
+    """Turn the live knob ``auto_batch`` on for ``textcls`` and send W3 at 64
+    connections for ``WARMUP_S``, so that the workers have chosen their pass sizes
+    before the measured rounds (they keep learning during them)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from redbatch import knobs
+    from redbatch.bench.run import wrk
+
+    async def turn_on() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await knobs.configure(client, "textcls", {"auto_batch": True})
+        finally:
+            await client.aclose()
+
+    asyncio.run(turn_on())
+    time.sleep(2.5)  # workers read the knobs with their heartbeat (1 s)
+    wrk(url, "w3.lua", 64, WARMUP_S)
+
+
 def mean_len() -> float:
     lengths = textcls.lengths()
     return sum(lengths) / len(lengths)
