@@ -25,6 +25,7 @@ import json
 import math
 import re
 import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -42,7 +43,10 @@ from tests.conftest import ROOT, RedisServer, Spawner, redbatch_cmd, wait_http
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]  # the first test starts it all
 
 PROMETHEUS_BIN = shutil.which("prometheus")
+PROMTOOL_BIN = shutil.which("promtool")  # the same package's
 DASHBOARD_FILE = ROOT / "compose/grafana/dashboards/redbatch.json"
+COMPOSE_PROMETHEUS = ROOT / "compose/prometheus.yml"
+PER_JOB_DISCOVERY = {"static_configs", "dns_sd_configs", "scrape_interval", "scrape_timeout"}
 K8S_DIR = ROOT / "deploy/k8s"
 MODEL = "mlp"  # the model of deploy/k8s's HPA and KEDA examples
 WORKER_TARGET = "tests.models_for_tests:mlp_with_levels"
@@ -75,7 +79,11 @@ class Prometheus:
     """The HTTP API of the test's Prometheus; queries are evaluated at ``at``."""
 
     base: str
-    at: float = 0.0
+    at: float = 0.0  # 0: now
+
+    @property
+    def when(self) -> float:
+        return self.at or time.time()
 
     def _get(self, path: str, **params: Any) -> dict[str, Any]:
         body: dict[str, Any] = httpx.get(f"{self.base}{path}", params=params, timeout=10).json()
@@ -83,8 +91,15 @@ class Prometheus:
 
     def query(self, expr: str) -> tuple[list[dict[str, Any]], str]:
         """(the instant vector, the error or "") of ``expr`` at ``at``."""
-        body = self._get("/api/v1/query", query=expr, time=self.at or time.time())
+        body = self._get("/api/v1/query", query=expr, time=self.when)
         return body.get("data", {}).get("result", []), body.get("error", "")
+
+    def series_names(self, match: str) -> set[str]:
+        """The names of the series ``match`` selects over the minute before ``at``
+        (what prometheus-adapter asks with a rule's seriesQuery)."""
+        found = self._get("/api/v1/series", start=self.when - 60, end=self.when,
+                          **{"match[]": match}).get("data", [])
+        return {series["__name__"] for series in found}
 
     def label_values(self, label: str, match: str) -> list[str]:
         values: list[str] = self._get(f"/api/v1/label/{label}/values",
@@ -220,8 +235,8 @@ def adapter_query(prom: Prometheus, rule: dict[str, Any], hpa: str,
                   metric: dict[str, Any]) -> Query | None:
     """The PromQL the adapter runs for an HPA's External ``metric`` (None: not this
     rule's metric)."""
-    scraped = {r["metric"]["__name__"] for r in prom.query(rule["seriesQuery"])[0]}
-    series = [s for s in sorted(scraped) if served_name(rule, s) == metric["name"]]
+    series = [s for s in sorted(prom.series_names(rule["seriesQuery"]))
+              if served_name(rule, s) == metric["name"]]
     if not series:
         return None
     selector = metric.get("selector", {}).get("matchLabels", {})
@@ -254,12 +269,17 @@ def keda_queries(docs: list[dict[str, Any]]) -> list[Query]:
 
 
 def prometheus_config(targets: dict[str, int]) -> str:
-    jobs = [{"job_name": job, "metrics_path": "/metrics",
-             "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
-            for job, port in targets.items()]
+    """compose/prometheus.yml's jobs of the gateway and the workers, each scraping its
+    local port (``targets``: job -> port) every ``SCRAPE_S``."""
+    compose = yaml.safe_load(COMPOSE_PROMETHEUS.read_text())
+    jobs = [{**{k: v for k, v in job.items() if k not in PER_JOB_DISCOVERY},
+             "static_configs": [{"targets": [f"127.0.0.1:{targets[job['job_name']]}"]}]}
+            for job in compose["scrape_configs"] if job["job_name"] in targets]
+    assert sorted(job["job_name"] for job in jobs) == sorted(targets), jobs
     interval = f"{SCRAPE_S}s"
-    return yaml.safe_dump({"global": {"scrape_interval": interval, "scrape_timeout": interval,
-                                      "evaluation_interval": interval},
+    timing = {"scrape_interval": interval, "scrape_timeout": interval,
+              "evaluation_interval": interval}
+    return yaml.safe_dump({"global": {**compose["global"], **timing},
                            "scrape_configs": jobs})
 
 
@@ -384,3 +404,12 @@ def test_an_hpa_metric_no_rule_serves_is_caught(scraped: Prometheus) -> None:
             doc["spec"]["metrics"][0]["external"]["metric"]["name"] = "redbatch_worker_needed"
     assert "no adapter rule serves redbatch_worker_needed" in "\n".join(
         autoscaling_problems(scraped, docs))
+
+
+@pytest.mark.skipif(PROMTOOL_BIN is None, reason="promtool (Debian's prometheus package, "
+                    "which scripts/test installs as root) is not installed")
+def test_compose_prometheus_config_passes_promtool() -> None:
+    assert PROMTOOL_BIN
+    checked = subprocess.run([PROMTOOL_BIN, "check", "config", str(COMPOSE_PROMETHEUS)],
+                             capture_output=True, text=True, timeout=30, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
