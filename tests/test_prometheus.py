@@ -127,7 +127,7 @@ def named_labels(expr: str) -> set[str]:
 
 
 def missing_labels(prom: Prometheus, query: Query) -> list[str]:
-    names = "|".join(sorted(set(METRIC.findall(query.expr))))
+    names = "|".join(sorted(set(METRIC.findall(query.expr)))) or ".+"  # any metric
     return [f"{query.name}: no series of {names} has the label {label!r}"
             for label in sorted(named_labels(query.expr))
             if not prom.query(f'count({{__name__=~"{names}", {label}!=""}})')[0]]
