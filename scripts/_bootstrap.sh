@@ -1,5 +1,7 @@
 # Sourced by scripts/up and scripts/test: make the machine ready, idempotently.
 #  - redis-server (Debian package) when missing and we may use apt-get;
+#  - for scripts/test, prometheus too (Debian package, without the node exporter it
+#    recommends; its service is stopped and disabled);
 #  - .venv with torch==2.13.0 first (the local CPU build: never the CUDA one), then
 #    redbatch and its dev tools, reinstalled only when pyproject.toml changed.
 set -euo pipefail
@@ -18,6 +20,23 @@ ensure_redis() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
   else
     log "redis-server not found and apt-get unavailable: tests need it; 'up' falls back to fakeredis"
+  fi
+}
+
+ensure_prometheus() {  # for tests/test_prometheus.py (skipped without it)
+  command -v prometheus >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing prometheus (apt-get)"
+    if ! { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; then
+      log "could not install prometheus: tests/test_prometheus.py is skipped"
+      return 0
+    fi
+    # The package enables a service on :9090; the test runs its own on a free port.
+    systemctl disable --now prometheus >/dev/null 2>&1 \
+      || service prometheus stop >/dev/null 2>&1 || true
+  else
+    log "prometheus not found and apt-get unavailable: tests/test_prometheus.py is skipped"
   fi
 }
 

@@ -170,31 +170,43 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
 
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
-    """Start a subprocess (output to a log file); SIGTERM, then SIGKILL at teardown."""
-    procs: list[Proc] = []
+class Spawner:
+    """Subprocesses with their output in log files under ``log_dir``; ``stop()``
+    SIGTERMs each one's process group, then SIGKILLs what is left after 15 s."""
 
-    def run(args: list[str], env: dict[str, str] | None = None, name: str = "proc") -> Proc:
-        log_path = tmp_path / f"{name}-{len(procs)}.log"
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+
+    def __call__(self, args: list[str], env: dict[str, str] | None = None,
+                 name: str = "proc") -> Proc:
+        log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
         out = log_path.open("w")
         popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True,
                                  env=env or test_env(), cwd=ROOT, start_new_session=True)
         proc = Proc(popen, log_path, out)
-        procs.append(proc)
+        self.procs.append(proc)
         return proc
 
-    yield run
-    for proc in procs:
-        if proc.popen.poll() is None:
-            os.killpg(proc.popen.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.popen.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.popen.pid, signal.SIGKILL)
-            proc.popen.wait(5)
-        proc.out.close()
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait(5)
+            proc.out.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawner]:
+    """Start a subprocess (output to a log file); SIGTERM, then SIGKILL at teardown."""
+    spawner = Spawner(tmp_path)
+    yield spawner
+    spawner.stop()
 
 
 def redbatch_cmd(*args: str) -> list[str]:

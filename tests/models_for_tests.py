@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 from redbatch import batch
+from redbatch.worker.model import Model
 
 
 @batch(name="slow", max_batch_size=8, batch_wait_timeout_s=0.0)
@@ -27,3 +29,11 @@ def slow_levels(xs: list[int]) -> list[int]:
 def adder(xs: list[int]) -> list[int]:
     """Adds one."""
     return [x + 1 for x in xs]
+
+
+def mlp_with_levels() -> list[Model]:
+    """The demo's ``mlp`` (the model of deploy/k8s's autoscaling examples) with two
+    priority levels, so that it has per-level series too (tests/test_prometheus.py)."""
+    from redbatch.demo import models
+
+    return [dataclasses.replace(m, priority_levels=2) for m in models() if m.name == "mlp"]
