@@ -165,6 +165,12 @@ class ClusterLink(LeanLink):
         self._mapped = True
         return replies
 
+    async def release(self) -> None:
+        """Give the held connection back to its node's pool."""
+        conn, node, self._conn, self._node = self._conn, self._node, None, None
+        if conn is not None:
+            node.release(conn)
+
     async def _pin(self, node: Any) -> None:
         """Hold a connection to ``node`` (dropping the one to another node)."""
         if node is self._node and self._conn is not None:

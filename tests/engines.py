@@ -60,6 +60,10 @@ def poll(what: str, probe: Callable[[], T | None], timeout_s: float = START_TIME
     raise TimeoutError(f"{what}: not within {timeout_s} s (last error: {last})")
 
 
+class PortTaken(Exception):
+    """A node's process exited before it answered (its port was taken)."""
+
+
 @dataclass
 class Node:
     """One ``redis-server`` (or sentinel) process."""
@@ -87,7 +91,21 @@ class Node:
             return client.execute_command(*command)
 
     def wait_up(self) -> None:
-        poll(f"node {self.address} answering", lambda: self.ask("PING"))
+        """Wait until it answers; a process that exited at once (another process took
+        its free port meanwhile) is started again on another port."""
+        for _attempt in range(3):
+            try:
+                poll(f"node {self.address} answering", self._ping)
+                return
+            except PortTaken:
+                self.port = free_port()
+                self.launch()
+        poll(f"node {self.address} answering", self._ping)
+
+    def _ping(self) -> Any:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise PortTaken(f"redis-server on port {self.port} exited: {self.proc.returncode}")
+        return self.ask("PING")
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
 from redbatch.config import RedisSettings
-from redbatch.errors import RedisUnavailable
+from redbatch.errors import DeadlineExceeded, RedisUnavailable
 from redbatch.lean import ClusterLink, LeanLink
 from redbatch.producer.client import Client
 from redbatch.redis_conn import async_client, translated
@@ -187,3 +187,23 @@ async def test_an_entry_replying_outside_the_slot_is_dead_lettered_alone(
         replies.append(protocol.reply_from_wire(codec.decode(popped[1])))
     assert sorted((r.id, r.payload) for r in replies) == [(f"r{i}", i + 1) for i in range(1, 6)]
     assert await client.lrange(protocol.dead_letter_key("adder"), 0, -1) == [hostile]
+
+
+async def test_an_idle_listener_gives_its_node_connection_back(settings: RedisSettings) -> None:
+    """A model's reply listener that stops once idle returns its held connection to
+    its node's pool: restarts do not pile connections up, nor raise."""
+    errors: list[object] = []
+    asyncio.get_running_loop().set_exception_handler(
+        lambda _loop, ctx: errors.append(ctx.get("exception") or ctx.get("message")))
+    async with Client(settings=settings, require_workers=False, listener_idle_s=0.4,
+                      block_timeout_s=0.1) as producer:
+        for _cycle in range(5):
+            with pytest.raises(DeadlineExceeded):
+                await producer.predict(MODEL, 1, timeout_s=0.1)
+            await asyncio.sleep(0.9)  # a few pops, then idle: the listener stops
+            assert producer.stats()["listeners"] == 0
+        node = producer._listen_redis.get_node_from_key(  # type: ignore[union-attr]
+            producer.reply_to(MODEL))
+        assert len(node._connections) <= 2
+        assert producer.stats()["listeners_started"] == 5
+    assert not errors

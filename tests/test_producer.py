@@ -70,6 +70,23 @@ async def test_one_listener_serves_many_waiters(start_worker: Callable[..., Work
     assert len(listeners) == 1  # one blocking pop for all 64 waiters, no polling
 
 
+async def test_more_models_in_use_than_pool_connections_starve_nothing(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Each model's reply listener holds a connection while it runs: more models in use
+    than the client's pool has connections still enqueue, and every reply arrives."""
+    from redbatch import codec, defaults
+
+    models = [f"many-{i}" for i in range(defaults.REDIS_MAX_CONNECTIONS + 8)]
+    async with Client(redis_url, require_workers=False) as client:
+        futures = [(await client.submit_many(m, [1], timeout_s=8))[0] for m in models]
+        assert [raw_redis.llen(protocol.queue_key(m)) for m in models] == [1] * len(models)
+        for model, future in zip(models, futures, strict=True):  # a worker's replies
+            reply = Reply(future.request_id, True, model)  # type: ignore[attr-defined]
+            raw_redis.rpush(client.reply_to(model), codec.encode(reply.to_wire()))
+        assert await asyncio.wait_for(asyncio.gather(*futures), 8) == models
+        assert client.stats()["listeners"] == len(models)
+
+
 async def test_predict_many_is_one_enqueue_call(redis_url: str, raw_redis: redis.Redis
                                                 ) -> None:
     async with Client(redis_url, require_workers=False) as client:
