@@ -38,6 +38,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError, TryAgainError
 
+from redbatch.errors import RedbatchError
+
 
 class LeanLink:
     """Commands on one held connection of ``client``'s pool (see the module doc)."""
@@ -59,16 +61,26 @@ class LeanLink:
 
     async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
         """Several commands in one write, their replies in order (no transaction):
-        a blocking pop followed by a read runs the read once the pop is served."""
-        if self._busy:
+        a blocking pop followed by a read runs the read once the pop is served.  The
+        first error reply is raised."""
+        return await self._pipeline(commands, checked=True)
+
+    async def pipeline_replies(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """As ``pipeline``, with error replies in place (``ResponseError`` values)
+        instead of raised: the caller tells which command's error matters."""
+        return await self._pipeline(commands, checked=False)
+
+    async def _pipeline(self, commands: tuple[tuple[Any, ...], ...], checked: bool
+                        ) -> list[Any]:
+        if self._busy:  # on one connection of the pool, all in one write as well
             pipe: Any = self._client.pipeline(transaction=False)
             async with pipe:
                 for command in commands:
                     pipe.execute_command(*command)
-                return list(await pipe.execute())
+                return list(await pipe.execute(raise_on_error=checked))
         self._busy = True
         try:
-            return await self._send_many(commands)
+            return await self._send_many(commands, checked)
         finally:
             self._busy = False
 
@@ -87,7 +99,8 @@ class LeanLink:
         if conn is not None:
             await self._client.connection_pool.release(conn)
 
-    async def _send_many(self, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
+    async def _send_many(self, commands: tuple[tuple[Any, ...], ...], checked: bool = True
+                         ) -> list[Any]:
         conn = await self._connection()
         replies: list[Any] = []
         try:
@@ -97,7 +110,7 @@ class LeanLink:
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
-        return self._checked(replies)
+        return self._checked(replies) if checked else replies
 
     def _checked(self, replies: list[Any]) -> list[Any]:
         """``replies``, unless one is an error reply: the first is raised (a reply: the
@@ -164,6 +177,10 @@ class ClusterLink(LeanLink):
                 replies = list(await pipe.execute())
         self._mapped = True
         return replies
+
+    async def pipeline_replies(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """Not on a cluster (only the opt-in WAIT uses it, which a cluster refuses)."""
+        raise RedbatchError("error replies in place are not supported on Redis Cluster")
 
     async def release(self) -> None:
         """Give the held connection back to its node's pool."""

@@ -207,3 +207,15 @@ async def test_an_idle_listener_gives_its_node_connection_back(settings: RedisSe
         assert len(node._connections) <= 2
         assert producer.stats()["listeners_started"] == 5
     assert not errors
+
+
+async def test_the_opt_in_wait_is_refused_on_a_cluster(settings: RedisSettings) -> None:
+    """WAIT counts the writes of one connection to one primary: on a cluster the
+    enqueue and its WAIT are not held to one node yet, so the option is refused at
+    start rather than reporting replication that did not happen."""
+    from redbatch.config import ReplicaWait
+    from redbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not supported on Redis Cluster"):
+        await Client(settings=settings, require_workers=False,
+                     replica_wait=ReplicaWait(1, 100)).start()

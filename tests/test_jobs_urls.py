@@ -34,7 +34,11 @@ def test_items_go_to_redis_url_when_rq_has_its_own() -> None:
     assert queues_url(None, None, env) == CLUSTER
     assert queues_url("redis://q:6379/0", None, env) == "redis://q:6379/0"
     assert queues_url(None, None, {"REDIS_URL": PLAIN}) is None  # RQ's own, as before
-    assert queues_url(None, PLAIN, env) is None  # --redis-url: RQ's own, as before
+    # --redis-url names RQ's Redis: the items go to a cluster or sentinel REDIS_URL
+    # (RQ cannot use it), else to RQ's own Redis, as before
+    assert queues_url(None, PLAIN, {"REDIS_URL": CLUSTER}) == CLUSTER
+    assert queues_url(None, PLAIN, {"REDIS_URL": "redis://other:6379/0"}) is None
+    assert queues_url(None, PLAIN, {}) is None
 
 
 def test_jobs_on_a_cluster_url_alone_exit_2_naming_the_setting(

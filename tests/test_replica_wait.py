@@ -236,3 +236,25 @@ async def test_fewer_connected_replicas_than_asked_is_a_warning_at_start(
         assert "connected replicas" not in caplog.text
     async with client_for(pair[0], ReplicaWait(2, 100)):
         assert "wait_replicas=2 but the primary has 1 connected replicas" in caplog.text
+
+
+async def test_a_wait_refused_after_the_enqueue_leaves_the_push_standing(
+        pair: tuple[RedisServer, RedisServer], primary: redis.Redis,
+        start_worker: Callable[..., Worker], caplog: pytest.LogCaptureFixture) -> None:
+    """WAIT refused once the push went in (an ACL changed, a primary demoted under the
+    connection): its requests are queued, so the call does not fail; they count as
+    unreplicated, the log says why, and they are still served."""
+    caplog.set_level(logging.WARNING, logger="redbatch.producer")
+    primary.execute_command("ACL", "SETUSER", "waiter", "on", ">pw", "~*", "&*", "+@all")
+    url = f"redis://waiter:pw@127.0.0.1:{pair[0].port}/0"
+    try:
+        async with Client(url, require_workers=False, replica_wait=ReplicaWait(1, 100),
+                          pack_rows=1) as client:
+            primary.execute_command("ACL", "SETUSER", "waiter", "-wait")
+            futures = await client.submit_many("twice", [1, 2, 3], timeout_s=5)
+            assert primary.llen(protocol.queue_key("twice")) == 3
+            assert client.stats()["enqueue_unreplicated"] == 3
+            assert "WAIT failed" in caplog.text
+            assert await served(start_worker, pair[0], futures) == [2, 4, 6]
+    finally:
+        primary.execute_command("ACL", "DELUSER", "waiter")

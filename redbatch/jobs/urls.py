@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from redbatch.config import RedisSettings
+from redbatch.config import RedisSettings, topology
 from redbatch.errors import ConfigError
 
 JOBS_URL_ENV = "REDBATCH_JOBS_REDIS_URL"
@@ -32,9 +32,13 @@ def rq_settings(given: str | None, env: Mapping[str, str] | None = None) -> Redi
 
 def queues_url(given: str | None, rq_given: str | None,
                env: Mapping[str, str] | None = None) -> str | None:
-    """Where a job's items go: ``--bulk-redis-url``, else ``$REDIS_URL`` when RQ's Redis
-    came from ``$REDBATCH_JOBS_REDIS_URL``, else None (RQ's own Redis)."""
+    """Where a job's items go: ``--bulk-redis-url``; else ``$REDIS_URL`` when RQ's Redis
+    came from ``$REDBATCH_JOBS_REDIS_URL``, or from ``--redis-url`` while ``$REDIS_URL``
+    names a cluster or a sentinel set-up (which RQ cannot use); else None (RQ's own)."""
     env = os.environ if env is None else env
-    if given or rq_given or not env.get(JOBS_URL_ENV):
+    redis_url = env.get("REDIS_URL")
+    if given or not redis_url:
         return given
-    return env.get("REDIS_URL")
+    if rq_given:
+        return redis_url if topology(redis_url) is not None else None
+    return redis_url if env.get(JOBS_URL_ENV) else None

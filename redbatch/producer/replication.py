@@ -28,6 +28,7 @@ from redbatch.config import ReplicaWait
 from redbatch.errors import ConfigError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.protocol import Request
+from redbatch.redis_conn import is_cluster
 
 log = logging.getLogger("redbatch.producer")
 Calls = list[tuple[list[str], list[Any]]]  # one script call's keys and arguments each
@@ -39,6 +40,10 @@ async def check_replicas(redis: aioredis.Redis, setting: ReplicaWait) -> None:
     connected than asked for (every enqueue would wait its whole timeout)."""
     if not setting.wait_replicas:
         return
+    if is_cluster(redis):
+        raise ConfigError("wait_replicas (REDBATCH_WAIT_REPLICAS) is not supported on Redis "
+                          "Cluster yet: set it to 0, or use a primary with replicas (a plain "
+                          "redis:// or redis+sentinel:// URL)")
     try:
         await redis.wait(0, 0)  # 0 replicas: answers at once
     except ResponseError as exc:
@@ -84,12 +89,14 @@ class ReplicaWaiter:
         NOSCRIPT (Redis restarted or flushed its scripts)."""
         commands = _commands(source, calls)
         wait = ("WAIT", self.setting.wait_replicas, self.timeout_ms(requests))
-        try:
-            replies = await self._link.pipeline(*commands, wait)
-        except NoScriptError:
+        replies = await self._link.pipeline_replies(*commands, wait)
+        if isinstance(replies[0], NoScriptError):
             await self._link.execute("SCRIPT", "LOAD", source)
-            replies = await self._link.pipeline(*commands, wait)
-        self._count(int(replies[-1]), len(requests))
+            replies = await self._link.pipeline_replies(*commands, wait)
+        for reply in replies[:-1]:  # the enqueue's own: an error fails the push
+            if isinstance(reply, ResponseError):
+                raise reply
+        self._count(replies[-1], len(requests))
         results: list[Any] = replies[-2] if len(calls) > 1 else replies[:1]
         for result in results:
             if isinstance(result, ResponseError):
@@ -99,18 +106,23 @@ class ReplicaWaiter:
     def stats(self) -> dict[str, int]:
         return {"enqueue_waits": self.waits, "enqueue_unreplicated": self.unreplicated}
 
-    def _count(self, acked: int, requests: int) -> None:
+    def _count(self, wait_reply: Any, requests: int) -> None:
+        """The WAIT's reply: replicas that acknowledged, or an error (a primary demoted
+        under the connection, WAIT refused): then none did, but the push stands."""
         self.waits += 1
+        failed = isinstance(wait_reply, ResponseError)
+        acked = 0 if failed else int(wait_reply)
         if acked >= self.setting.wait_replicas:
             return
         self.unreplicated += requests
         now = time.monotonic()
         if now - self._warned_at >= defaults.WAIT_WARN_EVERY_S:
             self._warned_at = now
-            log.warning("enqueue acknowledged by %d of %d replicas within %d ms; its requests "
-                        "are queued and still wait for replies (%d such requests so far)",
-                        acked, self.setting.wait_replicas, self.setting.wait_timeout_ms,
-                        self.unreplicated)
+            log.warning("enqueue acknowledged by %d of %d replicas within %d ms%s; its "
+                        "requests are queued and still wait for replies (%d such requests "
+                        "so far)", acked, self.setting.wait_replicas,
+                        self.setting.wait_timeout_ms,
+                        f" (WAIT failed: {wait_reply})" if failed else "", self.unreplicated)
 
 
 def _commands(source: str, calls: Calls) -> list[tuple[Any, ...]]:
