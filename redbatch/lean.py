@@ -130,9 +130,9 @@ class LeanLink:
 
 
 class ClusterLink(LeanLink):
-    """``LeanLink`` on a cluster: one held connection to the primary that owns the
-    keys' slot (all of one call's keys share a hash tag), taken again when the slot map
-    names another node.  A call goes through the cluster client instead while another
+    """``LeanLink`` on a cluster: a call goes on a held connection to the primary that
+    owns its keys' slot (all of one call's keys share a hash tag); one connection is
+    held per primary called, and taken again when the slot map names a new node.  A call goes through the cluster client instead while another
     is in flight, for a command without a key, before the client has read the slot map,
     and after a broken connection (the client then reads the map again); commands
     redirected (``MOVED``, ``ASK``, ``TRYAGAIN``: none of them ran) are sent again
@@ -141,6 +141,7 @@ class ClusterLink(LeanLink):
     def __init__(self, client: aioredis.Redis) -> None:
         super().__init__(client)
         self._node: Any = None  # the ClusterNode that ``_conn`` belongs to
+        self._held: dict[str, tuple[Any, AbstractConnection]] = {}  # name -> node, conn
         self._mapped = False  # a call through the client succeeded since the last break
 
     async def execute(self, *args: Any) -> Any:
@@ -184,19 +185,22 @@ class ClusterLink(LeanLink):
 
     async def release(self) -> None:
         """Give the held connection back to its node's pool."""
-        conn, node, self._conn, self._node = self._conn, self._node, None, None
-        if conn is not None:
+        held, self._held, self._conn, self._node = self._held, {}, None, None
+        for node, conn in held.values():
             node.release(conn)
 
     async def _pin(self, node: Any) -> None:
-        """Hold a connection to ``node`` (dropping the one to another node)."""
+        """Use the connection held to ``node`` (taken at the first call to it; one per
+        node, so that calls for models on several nodes do not reconnect)."""
         if node is self._node and self._conn is not None:
             return
-        if self._conn is not None:
-            await self._conn.disconnect()  # its node may have left the client's map
-            self._node.release(self._conn)
-        self._node, self._conn = node, None
-        self._conn = node.acquire_connection()
+        held = self._held.get(node.name)
+        if held is None or held[0] is not node:  # new, or a node object of a new map
+            if held is not None:
+                await held[1].disconnect()
+                held[0].release(held[1])
+            held = self._held[node.name] = (node, node.acquire_connection())
+        self._node, self._conn = held
 
     async def _connection(self) -> AbstractConnection:
         conn = self._conn

@@ -219,3 +219,24 @@ async def test_the_opt_in_wait_is_refused_on_a_cluster(settings: RedisSettings) 
     with pytest.raises(ConfigError, match="not supported on Redis Cluster"):
         await Client(settings=settings, require_workers=False,
                      replica_wait=ReplicaWait(1, 100)).start()
+
+
+async def test_a_cluster_link_keeps_one_connection_per_node(
+        redis_cluster: ClusterEngine, client: aioredis.Redis) -> None:
+    """Calls that alternate between models on two nodes reuse one held connection
+    each instead of reconnecting at every switch."""
+    keys = [protocol.meta_key(m) for m in ("a", "b", "c", "d", "e", "f")]
+    first = redis_cluster.owner(keys[0])
+    other = next(k for k in keys if redis_cluster.owner(k) is not first)
+    link = LeanLink(client)
+    await link.execute("SET", keys[0], "x")  # through the client: the slot map is read
+    before = sum(int(n.ask("INFO", "stats")["total_connections_received"])
+                 for n in redis_cluster.primaries())
+    for _ in range(10):
+        await link.execute("SET", keys[0], "x")
+        await link.execute("SET", other, "y")
+    after = sum(int(n.ask("INFO", "stats")["total_connections_received"])
+                for n in redis_cluster.primaries())
+    # the INFO probes' own connections (3 primaries, twice) plus one held per node
+    assert after - before <= 3 + 2
+    await link.release()
