@@ -1,0 +1,93 @@
+"""A Redis Cluster of primaries only, formed from ``redis-server`` processes that the
+caller starts (on 127.0.0.1 for the shard bench, on veth addresses in network
+namespaces for ``tests/netns.py``): the nodes' arguments, ``redis-cli --cluster
+create``, and a wait until every node agrees.
+
+Each node binds only to its own address and announces it (``cluster-announce-ip``),
+so clients and the other nodes reach it there and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+START_TIMEOUT_S = 20.0
+POLL_S = 0.05
+NODE_TIMEOUT_MS = 2000
+
+
+def node_args(host: str, port: int, workdir: Path) -> list[str]:
+    """``redis-server`` arguments of one cluster node bound to ``host:port`` only,
+    without persistence, its files in ``workdir``."""
+    return ["redis-server", "--bind", host, "--port", str(port),
+            "--cluster-enabled", "yes", "--cluster-announce-ip", host,
+            "--cluster-config-file", str(workdir / f"nodes-{host}-{port}.conf"),
+            "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--protected-mode", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(workdir),
+            "--loglevel", "warning"]
+
+
+def ask(address: str, *command: str | int, timeout_s: float = 2.0) -> object:
+    """One command to ``host:port`` on a fresh connection."""
+    host, port = address.rsplit(":", 1)
+    with redis.Redis(host=host, port=int(port), socket_timeout=timeout_s,
+                     socket_connect_timeout=timeout_s) as client:
+        return client.execute_command(*command)
+
+
+def wait_answering(addresses: list[str], timeout_s: float = START_TIMEOUT_S) -> None:
+    for address in addresses:
+        _poll(f"{address} answering", functools.partial(ask, address, "PING"), timeout_s)
+
+
+def create(addresses: list[str], timeout_s: float = START_TIMEOUT_S) -> None:
+    """Form a cluster of these nodes, all primaries (the slots split evenly), and wait
+    until every node says ``cluster_state:ok`` and they agree on the slots."""
+    wait_answering(addresses, timeout_s)
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise RuntimeError("redis-cli is not installed")
+    if len(addresses) == 1:  # redis-cli --cluster create wants 3 nodes at least
+        ask(addresses[0], "CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+    else:
+        subprocess.run([cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=timeout_s)
+    wait_ok(addresses, timeout_s)
+
+
+def wait_ok(addresses: list[str], timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until every node says ``cluster_state:ok`` and all give the same slot map."""
+    def agreed() -> bool:
+        views = {str(ask(a, "CLUSTER", "SLOTS")) for a in addresses}
+        return len(views) == 1 and all(b"cluster_state:ok" in _bytes(ask(a, "CLUSTER", "INFO"))
+                                       for a in addresses)
+    _poll("cluster_state:ok on every node", agreed, timeout_s)
+
+
+def url(addresses: list[str]) -> str:
+    """The ``redis+cluster://`` URL with every node as a seed."""
+    return "redis+cluster://" + ",".join(addresses)
+
+
+def _bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else b""
+
+
+def _poll(what: str, probe: Callable[[], object], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            if probe():
+                return
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+            last = exc
+        time.sleep(POLL_S)
+    raise TimeoutError(f"{what}: not within {timeout_s} s (last error: {last})")
