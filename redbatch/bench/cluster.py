@@ -16,10 +16,13 @@ from pathlib import Path
 
 import redis
 
+from redbatch.embedded import free_port
+
 START_TIMEOUT_S = 20.0
 POLL_S = 0.05
 NODE_TIMEOUT_MS = 2000
 SLOTS = 16384
+MAX_NODE_PORT = 65535 - 10000  # its cluster bus listens 10000 higher
 
 
 def node_args(host: str, port: int, workdir: Path) -> list[str]:
@@ -31,6 +34,13 @@ def node_args(host: str, port: int, workdir: Path) -> list[str]:
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--protected-mode", "no",
             "--save", "", "--appendonly", "no", "--dir", str(workdir),
             "--loglevel", "warning"]
+
+
+def node_port() -> int:
+    """A free port for a node on 127.0.0.1 whose bus port (+10000) is a port too."""
+    while (port := free_port()) > MAX_NODE_PORT:
+        continue
+    return port
 
 
 def ask(address: str, *command: str | int, timeout_s: float = 2.0) -> object:

@@ -72,7 +72,7 @@ class Shards:
 
 def start(procs: Procs, count: int) -> Shards:
     """``count`` primaries, the models' slots spread over them (no worker yet)."""
-    ports = tuple(free_port() for _ in range(count))
+    ports = tuple(cluster.node_port() for _ in range(count))
     for index, port in enumerate(ports):
         procs.start(f"redis-{count}-{index}", cluster.node_args(HOST, port, procs.logdir))
     addresses = [f"{HOST}:{port}" for port in ports]
@@ -200,7 +200,7 @@ def gateway_cost(procs: Procs, shards: Shards, duration_s: float) -> dict[str, A
     used = spent(before, snapshots(shards)).values()
     requests = max(result["requests"], 1)
     return {"idle_with_gateway": idle, "rps": result["rps"], "errors": result["errors"],
-            "lat_p99_ms": result["lat_p99_us"] / 1000,
+            "wrk": result, "lat_p99_ms": result["lat_p99_us"] / 1000,
             "gateway_cpu_us_per_request": cpu_s * 1e6 / requests,
             "redis_cpu_us_per_request": sum(s.get(redis_cost.CPU_S, 0.0) for s in used)
             * 1e6 / requests,
@@ -226,7 +226,10 @@ def run(logdir: Path, duration_s: float, rounds: int) -> dict[str, Any]:
         res["curve"] = [summary(s, runs[s.count]) for s in clusters]
         res["gateway"] = gateway_cost(procs, clusters[-1], duration_s)
         return res
-    finally:
+    finally:  # the clients of Redis first
+        for name in ("gateway", *(f"worker-{count}" for count in SHARDS)):
+            if procs.pids(name):
+                procs.stop_one(name)
         procs.stop()
 
 
