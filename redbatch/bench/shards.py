@@ -176,7 +176,21 @@ def idle_cost(shards: Shards, idle_s: float = IDLE_S) -> dict[str, float]:
     time.sleep(idle_s)
     used = spent(before, snapshots(shards)).values()
     return {"cpu_us_per_s": sum(s.get(redis_cost.CPU_S, 0.0) for s in used) * 1e6 / idle_s,
-            "commands_per_s": sum(s.get(CALLS, 0.0) for s in used) / idle_s}
+            "commands_per_s": sum(s.get(CALLS, 0.0) for s in used) / idle_s,
+            **held(shards)}
+
+
+def held(shards: Shards) -> dict[str, float]:
+    """What the primaries hold now, all together: client connections (this one's
+    own left out), keys and memory."""
+    totals = {"clients": 0.0, "keys": 0.0, "used_memory": 0.0}
+    for port in shards.ports:
+        with redis.Redis.from_url(shards.node_url(port)) as client:
+            info: dict[str, Any] = client.info("clients", "memory")
+            totals["keys"] += float(client.dbsize())
+        totals["clients"] += float(info["connected_clients"]) - 1
+        totals["used_memory"] += float(info["used_memory"])
+    return totals
 
 
 def gateway_cost(procs: Procs, shards: Shards, duration_s: float) -> dict[str, Any]:
@@ -223,7 +237,7 @@ def run(logdir: Path, duration_s: float, rounds: int) -> dict[str, Any]:
         for _ in range(rounds):
             for shards in clusters:
                 runs[shards.count].append(measure(shards, duration_s))
-        res["curve"] = [summary(s, runs[s.count]) for s in clusters]
+        res["curve"] = [{**summary(s, runs[s.count]), "after": held(s)} for s in clusters]
         res["gateway"] = gateway_cost(procs, clusters[-1], duration_s)
         return res
     finally:  # the clients of Redis first
@@ -247,6 +261,14 @@ def report(res: dict[str, Any]) -> None:
     print(f"  idle {len(SHARDS)}-primary cluster, no client: "
           f"{res['idle_cluster']['cpu_us_per_s']:.0f} µs of Redis CPU per s, "
           f"{res['idle_cluster']['commands_per_s']:.1f} commands/s")
+    for name in ("idle_cluster", "idle_worker"):
+        print(f"  {name}: {res[name]['clients']:.0f} client connections, "
+              f"{res[name]['keys']:.0f} keys, {res[name]['used_memory'] / 2**20:.1f} MiB")
+    print(f"  with the gateway: {gw['idle_with_gateway']['clients']:.0f} client connections")
+    for fig in res["curve"]:
+        after = fig["after"]
+        print(f"  after the rounds, {fig['shards']} primaries: {after['keys']:.0f} keys, "
+              f"{after['used_memory'] / 2**20:.1f} MiB")
     print(f"  idle, one worker of {len(MODELS)} models: {idle['cpu_us_per_s']:.0f} µs of Redis "
           f"CPU per s, {idle['commands_per_s']:.1f} commands/s")
     print(f"  idle, plus one gateway: {gw['idle_with_gateway']['cpu_us_per_s']:.0f} µs/s, "
@@ -278,7 +300,7 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     left.set_ylim(bottom=0)
     right.set_ylim(bottom=0)
     _labels(left, "items/s (6 no-op models, Python client)", counts)
-    _labels(right, "Redis main-thread CPU per item (µs), each primary", counts)
+    _labels(right, "Redis CPU per item (µs), each primary", counts)
     fig.suptitle("Redis Cluster primaries (shards), one 2-core machine shared by all")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
