@@ -119,11 +119,8 @@ async def _load(url: str, duration_s: float) -> tuple[dict[str, int], float]:
 
 def node_snapshot(url: str) -> dict[str, float]:
     """``redis_cost.snapshot`` of one node, with the commands it served so far."""
-    client = redis.Redis.from_url(url)
-    try:
+    with redis.Redis.from_url(url) as client:
         info: dict[str, Any] = client.info("cpu", "commandstats")
-    finally:
-        client.close()
     calls = sum(v["calls"] for k, v in info.items() if k.startswith("cmdstat_"))
     return {**redis_cost.parse(info), CALLS: float(calls)}
 
