@@ -16,31 +16,22 @@ from pathlib import Path
 
 import redis
 
-from redbatch.embedded import free_port
-
 START_TIMEOUT_S = 20.0
 POLL_S = 0.05
 NODE_TIMEOUT_MS = 2000
 SLOTS = 16384
-MAX_NODE_PORT = 65535 - 10000  # its cluster bus listens 10000 higher
 
 
-def node_args(host: str, port: int, workdir: Path) -> list[str]:
+def node_args(host: str, port: int, workdir: Path, bus_port: int = 0) -> list[str]:
     """``redis-server`` arguments of one cluster node bound to ``host:port`` only,
-    without persistence, its files in ``workdir``."""
-    return ["redis-server", "--bind", host, "--port", str(port),
+    without persistence, its files in ``workdir``; its cluster bus on ``bus_port``
+    (0: ``port`` + 10000)."""
+    return ["redis-server", "--bind", host, "--port", str(port), "--cluster-port", str(bus_port),
             "--cluster-enabled", "yes", "--cluster-announce-ip", host,
             "--cluster-config-file", str(workdir / f"nodes-{host}-{port}.conf"),
             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--protected-mode", "no",
             "--save", "", "--appendonly", "no", "--dir", str(workdir),
             "--loglevel", "warning"]
-
-
-def node_port() -> int:
-    """A free port for a node on 127.0.0.1 whose bus port (+10000) is a port too."""
-    while (port := free_port()) > MAX_NODE_PORT:
-        continue
-    return port
 
 
 def ask(address: str, *command: str | int, timeout_s: float = 2.0) -> object:
@@ -65,9 +56,17 @@ def create(addresses: list[str], timeout_s: float = START_TIMEOUT_S) -> None:
     for (first, last), address in zip(slot_ranges(len(addresses)), addresses, strict=True):
         ask(address, "CLUSTER", "ADDSLOTSRANGE", first, last)
     host, port = addresses[0].rsplit(":", 1)
+    bus_port = int(_config(addresses[0], "cluster-port")) or int(port) + 10000
     for address in addresses[1:]:
-        ask(address, "CLUSTER", "MEET", host, port)
+        ask(address, "CLUSTER", "MEET", host, port, bus_port)
     wait_ok(addresses, timeout_s)
+
+
+def _config(address: str, name: str) -> str:
+    """One setting's value (``CONFIG GET``)."""
+    found = ask(address, "CONFIG", "GET", name)  # redis-py makes it a dict
+    value = found.get(name.encode(), b"0") if isinstance(found, dict) else b"0"
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def slot_ranges(count: int) -> list[tuple[int, int]]:

@@ -5,7 +5,9 @@ replicas), each with one worker process serving ``MODELS``: six no-op models, th
 slots spread evenly over the primaries with ``redbatch.placement`` (one model lives in
 one slot, so several models are what spreads the load).  The Python client (no HTTP)
 drives them: ``TASKS_PER_MODEL`` tasks per model, each awaiting one ``predict`` after
-another, in rounds that take the clusters in turn.
+another, in rounds that take the clusters in turn; then once, on the 3-primary
+cluster, one caller per model sending 128 items per ``predict_many`` (multi-row
+requests).
 
 Reported per cluster: items/s, and per primary the items its models served, its
 main-thread CPU per item, commands per item and how busy it was (``INFO`` before and
@@ -42,6 +44,7 @@ from redbatch.worker.process import run_loop
 MODELS = [f"noop{n}" for n in range(6)]
 SHARDS = (1, 2, 3)
 TASKS_PER_MODEL = 8
+MANY_PER_CALL = 128  # then: multi-row requests of up to 32 rows
 X = [i / 16 for i in range(16)]
 IDLE_S = 4.0
 CALLS = "redis_calls"
@@ -72,9 +75,10 @@ class Shards:
 
 def start(procs: Procs, count: int) -> Shards:
     """``count`` primaries, the models' slots spread over them (no worker yet)."""
-    ports = tuple(cluster.node_port() for _ in range(count))
+    ports = tuple(free_port() for _ in range(count))
     for index, port in enumerate(ports):
-        procs.start(f"redis-{count}-{index}", cluster.node_args(HOST, port, procs.logdir))
+        procs.start(f"redis-{count}-{index}",
+                    cluster.node_args(HOST, port, procs.logdir, bus_port=free_port()))
     addresses = [f"{HOST}:{port}" for port in ports]
     cluster.create(addresses)
     url = cluster.url(addresses)
@@ -100,20 +104,27 @@ async def _warm(url: str) -> None:
             await client.predict(model, X, timeout_s=max(deadline - time.monotonic(), 0.1))
 
 
-async def _load(url: str, duration_s: float) -> tuple[dict[str, int], float]:
-    """Items served per model by ``TASKS_PER_MODEL`` callers per model, and the time."""
+async def _load(url: str, duration_s: float, per_call: int = 1
+                ) -> tuple[dict[str, int], float]:
+    """Items served per model by ``TASKS_PER_MODEL`` callers per model, and the time;
+    with ``per_call`` over 1, one caller per model sending that many items per
+    ``predict_many`` (multi-row requests)."""
     counts = dict.fromkeys(MODELS, 0)
+    callers = TASKS_PER_MODEL if per_call == 1 else 1
     async with Client(url) as client:
         await client.predict_many(MODELS[0], [X] * 8)  # connections up
         stop_at = time.monotonic() + duration_s
 
         async def caller(model: str) -> None:
             while time.monotonic() < stop_at:
-                await client.predict(model, X)
-                counts[model] += 1
+                if per_call == 1:
+                    await client.predict(model, X)
+                else:
+                    await client.predict_many(model, [X] * per_call)
+                counts[model] += per_call
 
         started = time.monotonic()
-        await asyncio.gather(*(caller(m) for m in MODELS for _ in range(TASKS_PER_MODEL)))
+        await asyncio.gather(*(caller(m) for m in MODELS for _ in range(callers)))
         return counts, time.monotonic() - started
 
 
@@ -134,10 +145,10 @@ def spent(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]
     return {port: redis_cost.spent(before[port], after[port]) for port in before}
 
 
-def measure(shards: Shards, duration_s: float) -> dict[str, Any]:
+def measure(shards: Shards, duration_s: float, per_call: int = 1) -> dict[str, Any]:
     """One round: items per model, elapsed seconds and what each primary spent."""
     before = snapshots(shards)
-    counts, elapsed_s = run_loop(_load(shards.url, duration_s))
+    counts, elapsed_s = run_loop(_load(shards.url, duration_s, per_call))
     return {"counts": counts, "elapsed_s": elapsed_s, "spent": spent(before, snapshots(shards))}
 
 
@@ -235,6 +246,7 @@ def run(logdir: Path, duration_s: float, rounds: int) -> dict[str, Any]:
             for shards in clusters:
                 runs[shards.count].append(measure(shards, duration_s))
         res["curve"] = [{**summary(s, runs[s.count]), "after": held(s)} for s in clusters]
+        res["many"] = summary(clusters[-1], [measure(clusters[-1], duration_s, MANY_PER_CALL)])
         res["gateway"] = gateway_cost(procs, clusters[-1], duration_s)
         return res
     finally:  # the clients of Redis first
@@ -270,6 +282,10 @@ def report(res: dict[str, Any]) -> None:
           f"CPU per s, {idle['commands_per_s']:.1f} commands/s")
     print(f"  idle, plus one gateway: {gw['idle_with_gateway']['cpu_us_per_s']:.0f} µs/s, "
           f"{gw['idle_with_gateway']['commands_per_s']:.1f} commands/s")
+    many = res["many"]
+    print(f"  predict_many x{MANY_PER_CALL}, one caller per model, {many['shards']} primaries: "
+          f"{many['items_per_s']:.0f} items/s, Redis {many['redis_cpu_us_per_item']:.1f} µs "
+          f"per item")
     print(f"  one gateway process under wrk -c64: {gw['rps']:.0f} req/s, its CPU "
           f"{gw['gateway_cpu_us_per_request']:.0f} µs/request, Redis "
           f"{gw['redis_cpu_us_per_request']:.1f} µs and {gw['redis_commands_per_request']:.2f} "
