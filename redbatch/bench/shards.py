@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import redis
 
 from redbatch import Client
@@ -37,6 +38,7 @@ from redbatch.bench.servers import Procs, cpu_seconds, wait_ok
 from redbatch.config import RedisSettings
 from redbatch.embedded import free_port
 from redbatch.placement import place
+from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import run_loop
@@ -45,7 +47,8 @@ MODELS = [f"noop{n}" for n in range(6)]
 SHARDS = (1, 2, 3)
 TASKS_PER_MODEL = 8
 MANY_PER_CALL = 128  # then: multi-row requests of up to 32 rows
-X = [i / 16 for i in range(16)]
+X_LIST = [i / 16 for i in range(16)]  # W1's body
+X = np.asarray(X_LIST, dtype=np.float32)  # same-shape arrays: multi-row requests
 IDLE_S = 4.0
 CALLS = "redis_calls"
 WARM_TIMEOUT_S = 60.0
@@ -57,7 +60,8 @@ def _noop(items: list[Any]) -> list[Any]:
 
 
 models = [Model(name, fn=_noop, policy=BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.0),
-                input_name="x", output_name="y", inline=True) for name in MODELS]
+                spec=TensorSpec("float32", (len(X_LIST),)), input_name="x", output_name="y",
+                inline=True) for name in MODELS]
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ def gateway_cost(procs: Procs, shards: Shards, duration_s: float) -> dict[str, A
                             "--port", str(port), "--workers", "1"],
                 {"REDBATCH_LOG_LEVEL": "WARNING", "REDIS_URL": shards.url})
     url = f"http://{HOST}:{port}/v1/models/{MODELS[0]}/predict"
-    wait_ok(url, {"x": X})
+    wait_ok(url, {"x": X_LIST})
     idle = idle_cost(shards)
     wrk(url, "w1.lua", 64, 1.0)  # warm-up
     pids, before = procs.pids("gateway"), snapshots(shards)
