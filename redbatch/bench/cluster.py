@@ -19,6 +19,7 @@ import redis
 START_TIMEOUT_S = 20.0
 POLL_S = 0.05
 NODE_TIMEOUT_MS = 2000
+ASK_TIMEOUT_S = 2.0
 SLOTS = 16384
 
 
@@ -34,7 +35,7 @@ def node_args(host: str, port: int, workdir: Path, bus_port: int = 0) -> list[st
             "--loglevel", "warning"]
 
 
-def ask(address: str, *command: str | int, timeout_s: float = 2.0) -> object:
+def ask(address: str, *command: str | int, timeout_s: float = ASK_TIMEOUT_S) -> object:
     """One command to ``host:port`` on a fresh connection."""
     host, port = address.rsplit(":", 1)
     with redis.Redis(host=host, port=int(port), socket_timeout=timeout_s,
