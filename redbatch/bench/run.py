@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from redbatch import defaults, protocol
-from redbatch.bench import priority, producer, redis_cost, replication, servers, w3
+from redbatch.bench import priority, producer, redis_cost, replication, servers, shards, w3
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds
 
@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the cost of REDBATCH_WAIT_REPLICAS: W2's producer path "
                              "against a primary and a replica, WAIT off and on "
                              "(bench/replication.py)")
+    parser.add_argument("--shards", action="store_true",
+                        help="only the shard curve: items/s and Redis CPU per item on "
+                             "Redis Clusters of 1, 2 and 3 primaries (bench/shards.py)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
@@ -415,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_priority(out, logdir)
     if args.replica_wait:
         return run_replica_wait(out, logdir, args)
+    if args.shards:
+        return run_shards(out, logdir, args)
     res = run(args, logdir)
     report(res)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -430,6 +435,15 @@ def run_replica_wait(out: Path, logdir: Path, args: argparse.Namespace) -> int:
     res = replication.run(logdir, args.duration_s, args.rounds)
     replication.report(res)
     return _saved(out, "replica-wait", res, logdir)
+
+
+def run_shards(out: Path, logdir: Path, args: argparse.Namespace) -> int:
+    res = shards.run(logdir, args.duration_s, args.rounds)
+    shards.report(res)
+    png = out / f"shards-{time.strftime('%Y%m%d-%H%M%S')}.png"
+    if shards.plot(res, png):
+        print(f"plot: {png}")
+    return _saved(out, "shards", res, logdir)
 
 
 def run_priority(out: Path, logdir: Path) -> int:
