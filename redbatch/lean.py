@@ -132,11 +132,12 @@ class LeanLink:
 class ClusterLink(LeanLink):
     """``LeanLink`` on a cluster: a call goes on a held connection to the primary that
     owns its keys' slot (all of one call's keys share a hash tag); one connection is
-    held per primary called, and taken again when the slot map names a new node.  A call goes through the cluster client instead while another
-    is in flight, for a command without a key, before the client has read the slot map,
-    and after a broken connection (the client then reads the map again); commands
-    redirected (``MOVED``, ``ASK``, ``TRYAGAIN``: none of them ran) are sent again
-    through the client, which follows the redirection."""
+    held per primary called, and taken again when the slot map names a new node.  A
+    call goes through the cluster client instead while another is in flight, for a
+    command without a key, before the client has read the slot map, and after a broken
+    connection (the client then reads the map again); commands redirected (``MOVED``,
+    ``ASK``, ``TRYAGAIN``: none of them ran) are sent again through the client, which
+    follows the redirection."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         super().__init__(client)
