@@ -121,7 +121,8 @@ class ClusterLink(LeanLink):
     keys' slot (all of one call's keys share a hash tag), taken again when the slot map
     names another node.  A call goes through the cluster client instead while another
     is in flight, for a command without a key, before the client has read the slot map,
-    and after a broken connection (the client then reads the map again); commands
+    and after a broken connection (the client then reads the map again): a call's
+    keyless commands (``WAIT``, ``MULTI``) then go with its keyed ones; commands
     redirected (``MOVED``, ``ASK``, ``TRYAGAIN``: none of them ran) are sent again
     through the client, which follows the redirection."""
 
@@ -136,9 +137,9 @@ class ClusterLink(LeanLink):
         return (await self.pipeline(args))[0]
 
     async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
-        key = _first_key(commands[0])
+        key = _routing_key(commands)
         if self._busy or not self._mapped or key is None:
-            return await self._through_client(commands)
+            return await self._through_client(commands, key)
         self._busy = True
         try:
             await self._pin(self._client.get_node_from_key(key))
@@ -153,17 +154,32 @@ class ClusterLink(LeanLink):
         finally:
             self._busy = False
 
-    async def _through_client(self, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
+    async def _through_client(self, commands: tuple[tuple[Any, ...], ...], key: Any
+                              ) -> list[Any]:
         if len(commands) == 1:
             replies = [await self._client.execute_command(*commands[0])]
         else:
-            pipe: Any = self._client.pipeline(transaction=False)
-            async with pipe:
-                for command in commands:
-                    pipe.execute_command(*command)
-                replies = list(await pipe.execute())
+            replies = await self._client_pipeline(commands, key)
         self._mapped = True
         return replies
+
+    async def _client_pipeline(self, commands: tuple[tuple[Any, ...], ...], key: Any
+                               ) -> list[Any]:
+        """The commands in one pipeline of the cluster client; those without a key
+        (``WAIT``, ``MULTI``, ``EXEC``, ``SCRIPT LOAD``) go to the node of ``key``, on
+        the same connection as the others (a ``WAIT`` counts its connection's writes:
+        sent to the client's default node, it would vouch for nothing)."""
+        if key is not None:
+            await self._client.initialize()  # (a no-op once the slot map is read)
+        node = None if key is None else self._client.get_node_from_key(key)
+        pipe: Any = self._client.pipeline(transaction=False)
+        async with pipe:
+            for command in commands:
+                if node is not None and _first_key(command) is None:
+                    pipe.execute_command(*command, target_nodes=node)
+                else:
+                    pipe.execute_command(*command)
+            return list(await pipe.execute())
 
     async def _pin(self, node: Any) -> None:
         """Hold a connection to ``node`` (dropping the one to another node)."""
@@ -197,7 +213,7 @@ class ClusterLink(LeanLink):
 
 
 REDIRECTS = (MovedError, AskError, TryAgainError)
-KEYLESS = frozenset({"CLIENT", "SCRIPT", "PING", "CONFIG", "INFO"})
+KEYLESS = frozenset({"CLIENT", "SCRIPT", "PING", "CONFIG", "INFO", "WAIT"})
 KEYS_AFTER_COUNT = frozenset({"EVALSHA", "EVAL", "BLMPOP", "LMPOP"})  # cmd x numkeys key...
 
 
@@ -207,6 +223,15 @@ class _Redirected(Exception):
     def __init__(self, replies: list[Any]) -> None:
         super().__init__("redirected")
         self.replies = replies
+
+
+def _routing_key(commands: tuple[tuple[Any, ...], ...]) -> Any:
+    """The first key of a call's commands (None: none has one)."""
+    for command in commands:
+        key = _first_key(command)
+        if key is not None:
+            return key
+    return None
 
 
 def _first_key(command: tuple[Any, ...]) -> Any:
