@@ -2,7 +2,7 @@
 a Sentinel set-up while the primary that serves the model dies, every request
 accounted for.
 
-An in-process worker serves ``adder``; a ``Client`` sends ``PER_TICK`` requests every
+An in-process worker serves ``gated`` (x + 1); a ``Client`` sends ``PER_TICK`` requests every
 ``TICK_S`` (open loop), each with a deadline of ``TIMEOUT_S`` and a known answer
 (x + 1).  The primary is killed (SIGKILL) after ``BEFORE_S``; the load goes on for
 ``AFTER_S`` once a replica is promoted.  The ledger must show: no call that hangs, no
@@ -11,33 +11,40 @@ answer or a typed error by its deadline), no duplicate reply, and the model serv
 again (every request of the last second answered) once the failover is over.
 
 Asynchronous replication may drop an acknowledged enqueue: its caller then gets
-``DeadlineExceeded`` by its deadline.  ``pytest -s`` prints each ledger (with the WAIT
-variant's, for comparison); only the promises are asserted, not counts that depend on
-timing.
+``DeadlineExceeded`` by its deadline.  The ``lagging`` scenario makes that happen for
+sure: the replica is paused and cut off from the primary, and the worker's passes held,
+for ``LAG_S`` before the kill, so the requests the primary accepts meanwhile never
+reach the replica; each of them must end with ``DeadlineExceeded``.  ``pytest -s``
+prints each ledger (with and without ``WAIT``); only the promises are asserted, not
+counts that depend on timing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
+import signal
+import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from redbatch import protocol
+from redbatch import batch, protocol
 from redbatch.config import RedisSettings, ReplicaWait
 from redbatch.errors import RedbatchError
 from redbatch.producer.client import Client
 from redbatch.worker.process import Worker
 from tests.conftest import FAST_WORKER, wait_live
-from tests.engines import ClusterEngine, SentinelEngine
-from tests.models_for_tests import adder
+from tests.engines import ClusterEngine, Node, SentinelEngine
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(40)]
-MODEL = "adder"
+MODEL = "gated"
 TIMEOUT_S = 2.0  # each request's deadline
 GRACE_S = 0.5  # a request with neither answer nor error by deadline + this is lost
 TICK_S = 0.01
@@ -45,7 +52,20 @@ PER_TICK = 3  # about 300 requests/s
 BEFORE_S = 1.5  # load before the kill
 AFTER_S = 5.0  # load after the promotion
 TAIL_S = 1.0  # at least the requests sent in this last stretch must all be answered
-RECOVER_S = 10.0  # the first answer after the kill comes within this
+RECOVER_S = 10.0  # every request sent this long after the kill is answered
+LAG_S = 0.5  # the lagging scenario: the replica cut off this long before the kill
+GATE = threading.Event()  # cleared: the model's passes wait (the lagging scenario)
+GATE.set()
+
+
+@batch(name=MODEL, max_batch_size=8, batch_wait_timeout_s=0.002)
+def _gated(xs: list[int]) -> list[int]:
+    """Adds one, once the gate is open (it waits 5 s at most)."""
+    GATE.wait(5.0)
+    return [x + 1 for x in xs]
+
+
+gated = dataclasses.replace(_gated, inline=False)  # waits in the forward thread
 
 
 @dataclass
@@ -63,6 +83,8 @@ class Ledger:
     hung: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    errors_before_kill: Counter[str] = field(default_factory=Counter)  # sent before it
+    killed_s: float = math.inf  # (monotonic) when the primary was killed
     untyped: list[BaseException] = field(default_factory=list)
     fates: list[tuple[float, bool]] = field(default_factory=list)  # (sent, monotonic), ok
 
@@ -82,6 +104,7 @@ class Ledger:
         lines = [f"{title}", f"  sent {self.sent}", f"  refused {dict(self.refused)}",
                  f"  accepted {self.accepted}", f"  ok {self.ok} (wrong answers: "
                  f"{self.wrong})", f"  typed errors {dict(self.errors)}",
+                 f"  of which sent before the kill {dict(self.errors_before_kill)}",
                  f"  untyped errors {len(self.untyped)}", f"  lost {self.lost}",
                  f"  hung {self.hung}", f"  duplicated {stats.get('duplicates')}",
                  f"  client stats {stats}"]
@@ -124,6 +147,7 @@ async def outcome(ledger: Ledger, future: asyncio.Future[Any], x: int, sent_s: f
         return ledger.settle(sent_s, right)
     if isinstance(exc, RedbatchError):
         ledger.errors[type(exc).__name__] += 1
+        ledger.errors_before_kill[type(exc).__name__] += sent_s < ledger.killed_s
     else:
         ledger.untyped.append(exc)
     ledger.settle(sent_s, False)
@@ -142,24 +166,25 @@ async def generate(client: Client, ledger: Ledger, stop: asyncio.Event) -> None:
     await asyncio.gather(*calls)
 
 
-async def run_ledger(client: Client, fail_over: Callable[[], Awaitable[object]]
-                     ) -> tuple[Ledger, float, float]:
-    """Load, the failover in the middle, load after it: the ledger, when the primary
-    was killed and when a replica was promoted (monotonic)."""
+Kill = Callable[["Ledger"], None]  # kills the primary (noting when), waits for promotion
+
+
+async def run_ledger(client: Client, kill: Kill) -> tuple[Ledger, float]:
+    """Load, the failover in the middle, load after it: the ledger, and when the
+    replica was promoted (monotonic)."""
     ledger, stop = Ledger(), asyncio.Event()
     load = asyncio.create_task(generate(client, ledger, stop))
     await asyncio.sleep(BEFORE_S)
     assert ledger.ok > 0, f"nothing served before the failover: {ledger}"
-    killed_s = time.monotonic()
-    await fail_over()
+    await asyncio.to_thread(kill, ledger)
     promoted_s = time.monotonic()
     await asyncio.sleep(AFTER_S)
     stop.set()
     await load
-    return ledger, killed_s, promoted_s
+    return ledger, promoted_s
 
 
-def check_promises(ledger: Ledger, killed_s: float, stats: dict[str, int]) -> None:
+def check_promises(ledger: Ledger, stats: dict[str, int]) -> None:
     assert ledger.hung == 0, "a call did not return by its deadline"
     assert ledger.wrong == 0, "a wrong answer"
     assert not ledger.untyped, f"untyped errors: {ledger.untyped[:3]}"
@@ -167,17 +192,69 @@ def check_promises(ledger: Ledger, killed_s: float, stats: dict[str, int]) -> No
     assert stats["duplicates"] == 0, "a request answered twice"
     assert ledger.accepted == ledger.ok + sum(ledger.errors.values())
     since_s, served_s = ledger.served_again_s()
-    assert since_s - killed_s < RECOVER_S, "not served again after the failover"
+    assert since_s - ledger.killed_s < RECOVER_S, "not served again after the failover"
     assert served_s >= TAIL_S, f"requests failed in the last {TAIL_S} s"
+
+
+@contextmanager
+def cut_off(primary: Node, replica: Node, lag: bool) -> Iterator[None]:
+    """With ``lag``, for ``LAG_S`` before the block (the kill): the replica paused and
+    its link to the primary cut (the writes the primary takes then never reach it), and
+    the model's passes held (the requests stay queued); both resume after the block."""
+    if not lag:
+        yield
+        return
+    assert replica.proc is not None
+    replica.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert primary.ask("CLIENT", "KILL", "TYPE", "replica") == 1
+        GATE.clear()
+        time.sleep(LAG_S)  # (the load goes on: the primary takes what the replica misses)
+        yield
+    finally:
+        replica.proc.send_signal(signal.SIGCONT)
+        GATE.set()
+
+
+def killing(primary: Node, replica: Node, lag: bool, ledger: Ledger) -> None:
+    with cut_off(primary, replica, lag):
+        ledger.killed_s = time.monotonic()
+        primary.kill()
+
+
+def replica_of(engine: ClusterEngine, key: str) -> Node:
+    """The replica of the primary that serves ``key``'s slot."""
+    slot = int(engine.nodes[0].ask("CLUSTER", "KEYSLOT", key))
+    for start, end, _primary, replica, *_ in engine.nodes[0].ask("CLUSTER", "SLOTS"):
+        if start <= slot <= end:
+            return next(n for n in engine.nodes if n.port == int(replica[1]))
+    raise AssertionError(f"slot {slot} is not served")
+
+
+def cluster_kill(engine: ClusterEngine, lag: bool) -> Kill:
+    key = protocol.queue_key(MODEL)
+
+    def kill(ledger: Ledger) -> None:
+        killing(engine.owner(key), replica_of(engine, key), lag, ledger)
+        engine.fail_over(key)  # (its primary is dead already: it waits for the promotion)
+    return kill
+
+
+def sentinel_kill(engine: SentinelEngine, lag: bool) -> Kill:
+    def kill(ledger: Ledger) -> None:
+        assert engine.replica is not None
+        killing(engine.primary, engine.replica, lag, ledger)
+        engine.fail_over()
+    return kill
 
 
 ClientOf = Callable[[ReplicaWait | None], Client]
 
 
 async def serving(url: str, start_worker: Callable[..., Worker]) -> ClientOf:
-    """An in-process worker of ``adder`` at ``url``, live; a maker of clients."""
+    """An in-process worker of ``gated`` at ``url``, live; a maker of clients."""
     settings = RedisSettings(url, socket_timeout_s=3.0, connect_timeout_s=0.5)
-    start_worker([adder], url=settings.url, config=FAST_WORKER)
+    start_worker([gated], url=settings.url, config=FAST_WORKER)
     await wait_live(settings.url, MODEL)
     return lambda wait: Client(settings=settings, replica_wait=wait or ReplicaWait())
 
@@ -194,33 +271,35 @@ async def sentinel_client(redis_sentinel: SentinelEngine,
     return await serving(redis_sentinel.url, start_worker)
 
 
-async def ledger_through(client: Client, fail_over: Callable[[], Awaitable[object]],
-                         title: str) -> None:
+async def ledger_through(client: Client, kill: Kill, title: str, lag: bool) -> None:
     async with client:
-        ledger, killed_s, promoted_s = await run_ledger(client, fail_over)
+        ledger, promoted_s = await run_ledger(client, kill)
         stats = client.stats()
     since_s, _ = ledger.served_again_s()
-    print(f"\n{ledger.report(title, stats)}\n  promoted {promoted_s - killed_s:.1f} s after "
-          f"the kill; every request sent from {since_s - killed_s:.1f} s on answered")
-    check_promises(ledger, killed_s, stats)
+    print(f"\n{ledger.report(title, stats)}\n  promoted {promoted_s - ledger.killed_s:.1f} s "
+          f"after the kill; every request sent from {since_s - ledger.killed_s:.1f} s on "
+          "answered")
+    check_promises(ledger, stats)
+    if lag:  # the requests the replica missed were accepted, then lost: each one timed out
+        assert ledger.errors_before_kill["DeadlineExceeded"] > 0
 
 
 WAIT_ONE = ReplicaWait(wait_replicas=1, wait_timeout_ms=100)
+SCENARIOS = pytest.mark.parametrize(("wait", "lag"), [(None, False), (WAIT_ONE, False),
+                                                      (WAIT_ONE, True)],
+                                    ids=["async", "wait1", "lagging-wait1"])
 
 
-@pytest.mark.parametrize("wait", [None, WAIT_ONE], ids=["async", "wait1"])
+@SCENARIOS
 async def test_cluster_failover_ledger(redis_cluster: ClusterEngine, wait: ReplicaWait | None,
-                                       cluster_client: ClientOf) -> None:
-    key = protocol.queue_key(MODEL)
-    await ledger_through(cluster_client(wait),
-                         lambda: asyncio.to_thread(redis_cluster.fail_over, key),
-                         f"cluster failover, WAIT {wait}")
+                                       lag: bool, cluster_client: ClientOf) -> None:
+    await ledger_through(cluster_client(wait), cluster_kill(redis_cluster, lag),
+                         f"cluster failover, WAIT {wait}, lagging replica {lag}", lag)
 
 
-@pytest.mark.parametrize("wait", [None, WAIT_ONE], ids=["async", "wait1"])
+@SCENARIOS
 async def test_sentinel_failover_ledger(redis_sentinel: SentinelEngine,
-                                        wait: ReplicaWait | None,
+                                        wait: ReplicaWait | None, lag: bool,
                                         sentinel_client: ClientOf) -> None:
-    await ledger_through(sentinel_client(wait),
-                         lambda: asyncio.to_thread(redis_sentinel.fail_over),
-                         f"sentinel failover, WAIT {wait}")
+    await ledger_through(sentinel_client(wait), sentinel_kill(redis_sentinel, lag),
+                         f"sentinel failover, WAIT {wait}, lagging replica {lag}", lag)
