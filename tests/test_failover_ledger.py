@@ -77,7 +77,8 @@ class Ledger:
     """Every request's fate.  ``refused``: a typed error before the enqueue returned
     (never accepted); ``errors``: typed errors of accepted requests; ``lost``: accepted,
     neither answer nor error by deadline + grace; ``hung``: a call that did not
-    return by then; ``untyped``: errors outside ``RedbatchError``."""
+    return by then; ``untyped``: errors that are not typed (a foreign exception, or a
+    bare ``RedbatchError``, which wraps one)."""
 
     sent: int = 0
     accepted: int = 0
@@ -91,7 +92,7 @@ class Ledger:
     killed_s: float = math.inf  # (monotonic) when the primary was killed
     overrun_s: float = -math.inf  # the latest end of a call past its deadline
     untyped: list[BaseException | None] = field(default_factory=list)
-    fates: list[tuple[float, bool]] = field(default_factory=list)  # (sent, monotonic), ok
+    fates: list[tuple[float, bool]] = field(default_factory=list)  # (sent, monotonic), ok?
 
     def settle(self, sent_s: float, ok: bool) -> None:
         self.ok += ok
