@@ -38,8 +38,6 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError, TryAgainError
 
-from redbatch.errors import RedbatchError
-
 
 class LeanLink:
     """Commands on one held connection of ``client``'s pool (see the module doc)."""
@@ -110,13 +108,13 @@ class LeanLink:
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
-        return self._checked(replies) if checked else replies
+        return self._checked(replies, checked)
 
-    def _checked(self, replies: list[Any]) -> list[Any]:
-        """``replies``, unless one is an error reply: the first is raised (a reply: the
-        connection is in step)."""
+    def _checked(self, replies: list[Any], raise_errors: bool = True) -> list[Any]:
+        """``replies``; with ``raise_errors``, the first error reply is raised instead
+        (a reply: the connection is in step)."""
         for reply in replies:
-            if isinstance(reply, ResponseError):
+            if raise_errors and isinstance(reply, ResponseError):
                 raise reply
         return replies
 
@@ -135,7 +133,8 @@ class ClusterLink(LeanLink):
     held per primary called, and taken again when the slot map names a new node.  A
     call goes through the cluster client instead while another is in flight, for a
     command without a key, before the client has read the slot map, and after a broken
-    connection (the client then reads the map again); commands redirected (``MOVED``,
+    connection (the client then reads the map again): a call's keyless commands
+    (``WAIT``, ``MULTI``) then go with its keyed ones; commands redirected (``MOVED``,
     ``ASK``, ``TRYAGAIN``: none of them ran) are sent again through the client, which
     follows the redirection."""
 
@@ -150,16 +149,17 @@ class ClusterLink(LeanLink):
             return await self._client.script_load(args[2])  # on every primary
         return (await self.pipeline(args))[0]
 
-    async def pipeline(self, *commands: tuple[Any, ...]) -> list[Any]:
-        key = _first_key(commands[0])
+    async def _pipeline(self, commands: tuple[tuple[Any, ...], ...], checked: bool
+                        ) -> list[Any]:
+        key = _routing_key(commands)
         if self._busy or not self._mapped or key is None:
-            return await self._through_client(commands)
+            return await self._through_client(commands, key, checked)
         self._busy = True
         try:
             await self._pin(self._client.get_node_from_key(key))
-            return await self._send_many(commands)
+            return await self._send_many(commands, checked)
         except _Redirected as redirected:
-            return await self._redirect(commands, redirected.replies)
+            return await self._redirect(commands, redirected.replies, checked)
         except ResponseError:
             raise
         except BaseException:
@@ -168,24 +168,35 @@ class ClusterLink(LeanLink):
         finally:
             self._busy = False
 
-    async def _through_client(self, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
+    async def _through_client(self, commands: tuple[tuple[Any, ...], ...], key: Any,
+                              checked: bool = True) -> list[Any]:
         if len(commands) == 1:
             replies = [await self._client.execute_command(*commands[0])]
         else:
-            pipe: Any = self._client.pipeline(transaction=False)
-            async with pipe:
-                for command in commands:
-                    pipe.execute_command(*command)
-                replies = list(await pipe.execute())
+            replies = await self._client_pipeline(commands, key, checked)
         self._mapped = True
         return replies
 
-    async def pipeline_replies(self, *commands: tuple[Any, ...]) -> list[Any]:
-        """Not on a cluster (only the opt-in WAIT uses it, which a cluster refuses)."""
-        raise RedbatchError("error replies in place are not supported on Redis Cluster")
+    async def _client_pipeline(self, commands: tuple[tuple[Any, ...], ...], key: Any,
+                               checked: bool) -> list[Any]:
+        """The commands in one pipeline of the cluster client; those without a key
+        (``WAIT``, ``MULTI``, ``EXEC``, ``SCRIPT LOAD``) go to the node of ``key``, on
+        the same connection as the others (a ``WAIT`` counts its connection's writes:
+        sent to the client's default node, it would vouch for nothing)."""
+        if key is not None:
+            await self._client.initialize()  # (a no-op once the slot map is read)
+        node = None if key is None else self._client.get_node_from_key(key)
+        pipe: Any = self._client.pipeline(transaction=False)
+        async with pipe:
+            for command in commands:
+                if node is not None and _first_key(command) is None:
+                    pipe.execute_command(*command, target_nodes=node)
+                else:
+                    pipe.execute_command(*command)
+            return list(await pipe.execute(raise_on_error=checked))
 
     async def release(self) -> None:
-        """Give the held connection back to its node's pool."""
+        """Give the held connections back to their nodes' pools."""
         held, self._held, self._conn, self._node = self._held, {}, None, None
         for node, conn in held.values():
             node.release(conn)
@@ -210,22 +221,24 @@ class ClusterLink(LeanLink):
             await conn.connect()  # type: ignore[no-untyped-call]
         return conn
 
-    def _checked(self, replies: list[Any]) -> list[Any]:
+    def _checked(self, replies: list[Any], raise_errors: bool = True) -> list[Any]:
         if any(isinstance(reply, REDIRECTS) for reply in replies):
             raise _Redirected(replies)
-        return super()._checked(replies)
+        return super()._checked(replies, raise_errors)
 
-    async def _redirect(self, commands: tuple[tuple[Any, ...], ...], replies: list[Any]
-                        ) -> list[Any]:
-        """Send the redirected commands again through the client, in order."""
+    async def _redirect(self, commands: tuple[tuple[Any, ...], ...], replies: list[Any],
+                        checked: bool) -> list[Any]:
+        """Send the redirected commands again through the client, in order (a ``WAIT``
+        after them, answered on the old node, then vouches for nothing: an enqueue
+        redirected mid-failover counts as replicated by what the old node saw)."""
         for index, reply in enumerate(replies):
             if isinstance(reply, REDIRECTS):
                 replies[index] = await self._client.execute_command(*commands[index])
-        return super()._checked(replies)
+        return super()._checked(replies, checked)
 
 
 REDIRECTS = (MovedError, AskError, TryAgainError)
-KEYLESS = frozenset({"CLIENT", "SCRIPT", "PING", "CONFIG", "INFO"})
+KEYLESS = frozenset({"CLIENT", "SCRIPT", "PING", "CONFIG", "INFO", "WAIT"})
 KEYS_AFTER_COUNT = frozenset({"EVALSHA", "EVAL", "BLMPOP", "LMPOP"})  # cmd x numkeys key...
 
 
@@ -235,6 +248,15 @@ class _Redirected(Exception):
     def __init__(self, replies: list[Any]) -> None:
         super().__init__("redirected")
         self.replies = replies
+
+
+def _routing_key(commands: tuple[tuple[Any, ...], ...]) -> Any:
+    """The first key of a call's commands (None: none has one)."""
+    for command in commands:
+        key = _first_key(command)
+        if key is not None:
+            return key
+    return None
 
 
 def _first_key(command: tuple[Any, ...]) -> Any:

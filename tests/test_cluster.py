@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
-from redbatch.config import RedisSettings
+from redbatch.config import RedisSettings, ReplicaWait
 from redbatch.errors import DeadlineExceeded, RedisUnavailable
 from redbatch.lean import ClusterLink, LeanLink
 from redbatch.producer.client import Client
@@ -20,7 +20,7 @@ from redbatch.redis_conn import async_client, translated
 from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
 from tests.conftest import FAST_WORKER, wait_live
-from tests.engines import ClusterEngine
+from tests.engines import ClusterEngine, Node
 from tests.models_for_tests import adder
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(90)]
@@ -74,6 +74,29 @@ async def test_a_cluster_link_holds_a_connection_to_the_owner(
     assert target.ask("GET", key) == b"d"
 
 
+def wait_calls(node: Node) -> int:
+    stats = node.ask("INFO", "commandstats").get("cmdstat_wait")
+    return int(stats["calls"]) if stats else 0
+
+
+async def test_a_wait_goes_to_the_node_of_its_writes(redis_cluster: ClusterEngine,
+                                                     client: aioredis.Redis) -> None:
+    """``WAIT`` counts the writes of its own connection: through the cluster client
+    too (a link's first call, or one made while another is in flight) it goes to the
+    node of the call's keys, with them, never to the client's default node."""
+    await client.initialize()  # type: ignore[attr-defined]
+    default = client.get_default_node()  # type: ignore[attr-defined]
+    key = next(k for k in (protocol.meta_key(f"m{i}") for i in range(100))
+               if redis_cluster.owner(k).port != default.port)
+    owner, link = redis_cluster.owner(key), LeanLink(client)
+    assert await link.pipeline(("SET", key, "a"), ("WAIT", 1, 1000)) == [True, 1]
+    blocked = asyncio.create_task(link.execute("BLMPOP", 0.3, 1, key + ":list", "LEFT"))
+    await asyncio.sleep(0)  # the pop is in flight: the next call goes through the client
+    assert await link.pipeline(("SET", key, "b"), ("WAIT", 1, 1000)) == [True, 1]
+    assert await blocked is None
+    assert wait_calls(owner) == 2
+
+
 async def test_enqueue_and_claim_scripts_run_on_the_owning_node(
         redis_cluster: ClusterEngine, settings: RedisSettings, client: aioredis.Redis
 ) -> None:
@@ -102,6 +125,21 @@ async def test_a_push_over_one_chunk_is_one_multi(settings: RedisSettings,
     if any("pipelined function evalsha" in str(e) for e in refused):
         raise PipelinedScript(str(refused[0]))
     assert await client.llen(QUEUE) == 2100
+
+
+async def test_a_push_over_one_chunk_waits_for_a_replica(settings: RedisSettings,
+                                                         client: aioredis.Redis) -> None:
+    """The MULTI of a long push and its WAIT go together to the model's node."""
+    async with Client(settings=settings, require_workers=False,
+                      replica_wait=ReplicaWait(1, 1000)) as producer:
+        futures = await producer.submit_many(MODEL, list(range(2100)), timeout_s=30)
+        refused = [f.exception() for f in futures if f.done() and not f.cancelled()]
+        stats = producer.stats()
+        for future in futures:
+            future.cancel()
+    assert not refused, refused[:1]
+    assert await client.llen(QUEUE) == 2100
+    assert (stats["enqueue_waits"], stats["enqueue_unreplicated"]) == (1, 0)
 
 
 async def test_a_blocking_pop_wakes_on_the_owning_node(client: aioredis.Redis) -> None:
@@ -208,17 +246,6 @@ async def test_an_idle_listener_gives_its_node_connection_back(settings: RedisSe
         assert producer.stats()["listeners_started"] == 5
     assert not errors
 
-
-async def test_the_opt_in_wait_is_refused_on_a_cluster(settings: RedisSettings) -> None:
-    """WAIT counts the writes of one connection to one primary: on a cluster the
-    enqueue and its WAIT are not held to one node yet, so the option is refused at
-    start rather than reporting replication that did not happen."""
-    from redbatch.config import ReplicaWait
-    from redbatch.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="not supported on Redis Cluster"):
-        await Client(settings=settings, require_workers=False,
-                     replica_wait=ReplicaWait(1, 100)).start()
 
 
 async def test_a_cluster_link_keeps_one_connection_per_node(

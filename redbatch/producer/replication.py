@@ -28,7 +28,6 @@ from redbatch.config import ReplicaWait
 from redbatch.errors import ConfigError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.protocol import Request
-from redbatch.redis_conn import is_cluster
 
 log = logging.getLogger("redbatch.producer")
 Calls = list[tuple[list[str], list[Any]]]  # one script call's keys and arguments each
@@ -40,10 +39,6 @@ async def check_replicas(redis: aioredis.Redis, setting: ReplicaWait) -> None:
     connected than asked for (every enqueue would wait its whole timeout)."""
     if not setting.wait_replicas:
         return
-    if is_cluster(redis):
-        raise ConfigError("wait_replicas (REDBATCH_WAIT_REPLICAS) is not supported on Redis "
-                          "Cluster yet: set it to 0, or use a primary with replicas (a plain "
-                          "redis:// or redis+sentinel:// URL)")
     try:
         await redis.wait(0, 0)  # 0 replicas: answers at once
     except ResponseError as exc:
