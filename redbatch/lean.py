@@ -206,13 +206,21 @@ class ClusterLink(LeanLink):
         node, so that calls for models on several nodes do not reconnect)."""
         if node is self._node and self._conn is not None:
             return
+        await self._drop_stale()
         held = self._held.get(node.name)
-        if held is None or held[0] is not node:  # new, or a node object of a new map
-            if held is not None:
-                await held[1].disconnect()
-                held[0].release(held[1])
+        if held is None:
             held = self._held[node.name] = (node, node.acquire_connection())
         self._node, self._conn = held
+
+    async def _drop_stale(self) -> None:
+        """Close the held connections of nodes the slot map no longer names as they
+        were (a failed primary, a node object of an older map)."""
+        current = self._client.nodes_manager.nodes_cache
+        for name, (node, conn) in list(self._held.items()):
+            if current.get(name) is not node:
+                del self._held[name]
+                await conn.disconnect()
+                node.release(conn)
 
     async def _connection(self) -> AbstractConnection:
         conn = self._conn

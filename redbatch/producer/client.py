@@ -86,7 +86,6 @@ class Client:
         self._block_timeout_s = block_timeout_s
         self._listener_idle_s = listener_idle_s
         self._redis: aioredis.Redis | None = None
-        self._listen_redis: aioredis.Redis | None = None  # the reply listeners' own
         self._listeners: Listeners | None = None
         self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
@@ -98,7 +97,10 @@ class Client:
         async with self._start_lock:
             if self._listeners is not None:
                 return
-            redis = async_client(self.settings)
+            # each running reply listener (one per model in use) holds a connection: room
+            # for them beside the commands', so that many models never starve the enqueues
+            redis = async_client(self.settings,
+                                 defaults.REDIS_MAX_CONNECTIONS + defaults.MAX_LISTENERS)
             try:
                 async with translated(self.settings):
                     await redis.ping()
@@ -111,10 +113,7 @@ class Client:
                 raise
             self._redis = redis
             self._admission = Admission(redis, self.max_queue_len)
-            # each listener holds a connection while it runs: a pool of their own, so
-            # that many models in use never starve the enqueues of connections
-            self._listen_redis = async_client(self.settings, defaults.MAX_LISTENERS)
-            listeners = Listeners(self._listen_redis, self.client_id, self._block_timeout_s,
+            listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
                                       self.pack_rows, listeners.route_pack, self.replica_wait)
@@ -127,9 +126,6 @@ class Client:
         if self._listeners is not None:
             await self._listeners.stop()
             self._listeners = None
-        if self._listen_redis is not None:
-            await self._listen_redis.aclose()
-            self._listen_redis = None
         if self._redis is not None:  # started: the admission's reads end first
             await self._admission.aclose()
             await self._redis.aclose()

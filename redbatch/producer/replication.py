@@ -88,13 +88,13 @@ class ReplicaWaiter:
         if isinstance(replies[0], NoScriptError):
             await self._link.execute("SCRIPT", "LOAD", source)
             replies = await self._link.pipeline_replies(*commands, wait)
-        for reply in replies[:-1]:  # the enqueue's own: an error fails the push
-            if isinstance(reply, ResponseError):
+        for reply in replies[:-1]:  # the enqueue's own: an error fails the push (a cluster
+            if isinstance(reply, Exception):  # pipeline puts connection errors in place)
                 raise reply
         self._count(replies[-1], len(requests))
         results: list[Any] = replies[-2] if len(calls) > 1 else replies[:1]
         for result in results:
-            if isinstance(result, ResponseError):
+            if isinstance(result, Exception):
                 raise result
         return results
 
@@ -103,9 +103,10 @@ class ReplicaWaiter:
 
     def _count(self, wait_reply: Any, requests: int) -> None:
         """The WAIT's reply: replicas that acknowledged, or an error (a primary demoted
-        under the connection, WAIT refused): then none did, but the push stands."""
+        under the connection, WAIT refused, a connection lost after the push): then
+        none did, but the push stands."""
         self.waits += 1
-        failed = isinstance(wait_reply, ResponseError)
+        failed = isinstance(wait_reply, Exception)
         acked = 0 if failed else int(wait_reply)
         if acked >= self.setting.wait_replicas:
             return
