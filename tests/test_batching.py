@@ -11,7 +11,13 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
-from redbatch.worker.claim import WINDOW_MARGIN_MS, Claimer, peek_deadline_ms, peek_enqueue_ms
+from redbatch.worker.claim import (
+    MOVE_MAX,
+    WINDOW_MARGIN_MS,
+    Claimer,
+    peek_deadline_ms,
+    peek_enqueue_ms,
+)
 from redbatch.worker.policy import BatchPolicy
 
 MODEL = "m"
@@ -191,6 +197,38 @@ async def test_a_quiet_queue_costs_one_command_per_lone_request(
                                                                      for n in range(1, 6)]
     stats = raw_redis.info("commandstats")
     assert stats["cmdstat_blmove"]["calls"] == 5
+    assert "cmdstat_evalsha" not in stats
+
+
+@pytest.mark.parametrize("queued", [MOVE_MAX, MOVE_MAX + 3])
+async def test_a_small_claim_moves_entries_without_a_script(
+        aredis: aioredis.Redis, raw_redis: redis.Redis, queued: int) -> None:
+    """Up to ``MOVE_MAX`` entries go by plain LMOVEs (no copy through Lua), more by
+    the CLAIM script: the same entries, in order, in the in-flight list, with its TTL."""
+    await push(aredis, *(entry(i) for i in range(queued)))
+    c = claimer(aredis, max_batch_size=queued, batch_wait_timeout_s=0)
+    raw_redis.config_resetstat()
+    items = await c.claim()
+    assert ids(items) == [f"id{i}" for i in range(queued)]
+    inflight = protocol.inflight_key(MODEL, "w1")
+    assert await aredis.lrange(inflight, 0, -1) == items and await aredis.ttl(inflight) > 0
+    stats = raw_redis.info("commandstats")
+    scripted = queued > MOVE_MAX
+    assert ("cmdstat_evalsha" in stats) is scripted
+    assert ("cmdstat_lmove" in stats) is not scripted
+
+
+async def test_a_top_up_after_a_pop_takes_what_the_pop_saw(
+        aredis: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """A blocking pop's LLEN says how many wait behind it: the top-up moves that many
+    (plain LMOVEs, even for a batch larger than ``MOVE_MAX``), no more."""
+    c = claimer(aredis, max_batch_size=32, batch_wait_timeout_s=0)
+    assert await c.claim() == []  # the queue is empty: the next claim blocks first
+    await push(aredis, *(entry(i) for i in range(3)))
+    raw_redis.config_resetstat()
+    assert ids(await c.claim()) == ["id0", "id1", "id2"]
+    stats = raw_redis.info("commandstats")
+    assert stats["cmdstat_blmove"]["calls"] == 1 and stats["cmdstat_lmove"]["calls"] == 2
     assert "cmdstat_evalsha" not in stats
 
 
