@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
 from redbatch.worker.claim import (
+    MOVE_AHEAD,
     MOVE_MAX,
     WINDOW_MARGIN_MS,
     Claimer,
@@ -218,18 +219,37 @@ async def test_a_small_claim_moves_entries_without_a_script(
     assert ("cmdstat_lmove" in stats) is not scripted
 
 
-async def test_a_top_up_after_a_pop_takes_what_the_pop_saw(
+async def test_a_blocking_pop_brings_the_entries_behind_it(
         aredis: aioredis.Redis, raw_redis: redis.Redis) -> None:
-    """A blocking pop's LLEN says how many wait behind it: the top-up moves that many
-    (plain LMOVEs, even for a batch larger than ``MOVE_MAX``), no more."""
+    """``MOVE_AHEAD`` LMOVEs ride behind the pop, and the entries its LLEN still saw
+    follow by plain LMOVEs (even for a batch larger than ``MOVE_MAX``), no more."""
     c = claimer(aredis, max_batch_size=32, batch_wait_timeout_s=0)
     assert await c.claim() == []  # the queue is empty: the next claim blocks first
-    await push(aredis, *(entry(i) for i in range(3)))
+    queued = MOVE_AHEAD + 3
+    await push(aredis, *(entry(i) for i in range(queued)))
     raw_redis.config_resetstat()
-    assert ids(await c.claim()) == ["id0", "id1", "id2"]
+    items = await c.claim()
+    assert ids(items) == [f"id{i}" for i in range(queued)]
+    assert await aredis.lrange(protocol.inflight_key(MODEL, "w1"), 0, -1) == items
     stats = raw_redis.info("commandstats")
-    assert stats["cmdstat_blmove"]["calls"] == 1 and stats["cmdstat_lmove"]["calls"] == 2
-    assert "cmdstat_evalsha" not in stats
+    assert stats["cmdstat_blmove"]["calls"] == 1
+    assert stats["cmdstat_lmove"]["calls"] == queued - 1 and "cmdstat_evalsha" not in stats
+
+
+async def test_a_pop_that_gives_up_keeps_what_its_moves_found(
+        aredis: aioredis.Redis, own_connection: aioredis.Redis) -> None:
+    """The window's end unblocks the pop: an entry pushed in that instant, moved by
+    an LMOVE behind it, is part of the batch (it is in the in-flight list)."""
+    c = Claimer(aredis, MODEL, "w1", BatchPolicy(max_batch_size=4), 1.0, own_connection)
+    blocked_id = int(await own_connection.client_id())
+    blocked, late = asyncio.create_task(c._block_some(5.0, 1)), entry(7)
+    await asyncio.sleep(0.1)
+    async with aredis.pipeline(transaction=True) as pipe:  # the unblock, then the push
+        pipe.client_unblock(blocked_id)
+        pipe.rpush(protocol.queue_key(MODEL), late)
+        await pipe.execute()
+    assert await blocked == [late]
+    assert await aredis.lrange(protocol.inflight_key(MODEL, "w1"), 0, -1) == [late]
 
 
 async def test_adaptive_window_stops_holding_lone_requests(aredis: aioredis.Redis) -> None:

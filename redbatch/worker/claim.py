@@ -29,6 +29,7 @@ _CLAIM_SHA = script_sha(lua.CLAIM)
 
 MIN_BLOCK_S = 0.001
 MOVE_MAX = 8  # claims of up to this many entries go as plain LMOVEs, larger ones by script
+MOVE_AHEAD = 3  # LMOVEs that ride behind a blocking pop, for the entries queued behind it
 GAIN_MIN = 0.5  # waiting is worth it while a window adds this many requests on average
 GAIN_SMOOTHING = 0.2
 PROBE_EVERY = 16  # lone batches: one in this many waits anyway, to re-measure the gain
@@ -184,11 +185,13 @@ class Claimer:
 
     async def _block(self, timeout_s: float, count: int, wake_at_ms: int | None = None
                      ) -> list[bytes]:
-        """Up to ``count`` entries once one comes (blocking), [] when none came."""
-        first = await self._block_one(timeout_s, wake_at_ms)
-        if first is None:
+        """Up to ``count`` entries once one comes (blocking), [] when none came: the pop
+        brings up to ``MOVE_AHEAD`` more in its write, and those the pop's LLEN still
+        saw behind them follow (``_top_up``)."""
+        got = await self._block_some(timeout_s, min(count - 1, MOVE_AHEAD), wake_at_ms)
+        if not got:
             return []
-        return [first, *await self._top_up(min(count - 1, self._left))]
+        return [*got, *await self._top_up(min(count - len(got), self._left))]
 
     async def _blocking(self, wake_at_ms: int | None, *commands: tuple[Any, ...]
                         ) -> list[Any]:
@@ -207,18 +210,23 @@ class Claimer:
             if self._unblocks:  # a fired unblock must land before our next blocking pop
                 await asyncio.gather(*self._unblocks, return_exceptions=True)
 
-    async def _block_one(self, timeout_s: float, wake_at_ms: int | None = None) -> bytes | None:
-        """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment.
-        An LLEN rides in the same write (Redis runs it once the pop is served), so the
-        next step knows, without a round trip, whether the queue holds more."""
+    async def _block_some(self, timeout_s: float, ahead: int, wake_at_ms: int | None = None
+                          ) -> list[bytes]:
+        """BLMOVE one entry, with ``ahead`` LMOVEs behind it in the same write (Redis
+        runs them once the pop is served: the entries queued behind the first come in
+        the same round trip); with ``wake_at_ms`` (precise mode) give up at that moment.
+        An LLEN rides along too, so the next step knows, without a round trip, whether
+        the queue holds more.  Every entry moved is returned, even after a pop that
+        gave up (an LMOVE may still have found one)."""
         timeout: Any = max(timeout_s, MIN_BLOCK_S)  # redis takes fractional seconds
-        item, left, exists = await self._blocking(
+        move = ("LMOVE", self.queue, self.inflight, "LEFT", "RIGHT")
+        first, *moved, left, exists = await self._blocking(
             wake_at_ms, ("BLMOVE", self.queue, self.inflight, "LEFT", "RIGHT", timeout),
-            ("LLEN", self.queue), ("EXISTS", self.cancelled))
+            *[move] * ahead, ("LLEN", self.queue), ("EXISTS", self.cancelled))
         self._drained = left == 0
         self._left = int(left)
         self.cancels = self.cancels or exists == 1
-        return item if isinstance(item, bytes) else None
+        return [item for item in (first, *moved) if isinstance(item, bytes)]
 
     async def _top_up(self, count: int) -> list[bytes]:
         """Up to ``count`` more entries, unless the last pop left the queue empty."""
