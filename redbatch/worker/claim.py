@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from redbatch import lua, protocol
 from redbatch.lean import LeanLink, script_sha
@@ -80,6 +80,8 @@ def _cold(size: int) -> float | None:
 
 
 _CANCEL_REFUSED: set[str] = set()  # models already warned about
+LMOVE_REFUSED = ("the redis user may not run LMOVE (NOPERM): claims go by the CLAIM script "
+                 "instead, at more Redis CPU per request; allow +lmove (docs/redis.md)")
 
 
 def _warn_cancel_refused(model: str, exc: ResponseError) -> None:
@@ -119,6 +121,7 @@ class Claimer:
         self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
         self._lone = 0
         self._drained = False  # the queue was empty at the last look: block at once
+        self._moves = True  # the user may run LMOVE (checked at the first claim)
         self._left = 0  # the queue's length that the last blocking pop saw
         # the measured time of a pass of n items (None: not measured yet), set by the
         # runner: a window closes early enough for its most urgent request's pass
@@ -134,7 +137,7 @@ class Claimer:
     async def _take(self, count: int) -> list[bytes]:
         """Up to ``count`` entries from the queue's head, moved to the in-flight list:
         a few by plain ``LMOVE``s (``_move``), more by the CLAIM script."""
-        if count <= MOVE_MAX:
+        if count <= MOVE_MAX and self._moves:
             return await self._move(count)
         return await self._claim_script(count)
 
@@ -188,7 +191,8 @@ class Claimer:
         """Up to ``count`` entries once one comes (blocking), [] when none came: the pop
         brings up to ``MOVE_AHEAD`` more in its write, and those the pop's LLEN still
         saw behind them follow (``_top_up``)."""
-        got = await self._block_some(timeout_s, min(count - 1, MOVE_AHEAD), wake_at_ms)
+        ahead = min(count - 1, MOVE_AHEAD) if self._moves else 0
+        got = await self._block_some(timeout_s, ahead, wake_at_ms)
         if not got:
             return []
         return [*got, *await self._top_up(min(count - len(got), self._left))]
@@ -250,9 +254,23 @@ class Claimer:
     async def _prepare(self) -> None:
         if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
             await self._link.execute("SCRIPT", "LOAD", self.script)
+            self._moves = await self._may_move()
             self._loaded = True
         if self._precise and self._client_id is None:
             self._client_id = int(await self._link.execute("CLIENT", "ID"))
+
+    async def _may_move(self) -> bool:
+        """Whether the user may run LMOVE (a least-privilege user set up before claims
+        used it may not; it then claims by script): an LMOVE of the cancelled set onto
+        itself, which moves nothing (the set is missing, or refused: WRONGTYPE)."""
+        try:
+            await self._link.execute("LMOVE", self.cancelled, self.cancelled, "LEFT", "RIGHT")
+        except NoPermissionError:
+            log.warning("model=%s %s", self.model, LMOVE_REFUSED)
+            return False
+        except ResponseError:  # WRONGTYPE: LMOVE is allowed
+            pass
+        return True
 
     async def claim(self, count: int | None = None) -> list[bytes]:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
