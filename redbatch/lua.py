@@ -38,11 +38,12 @@ end
 # Returns {how many entries, in order, were accepted; the queue's length after}.
 ENQUEUE: Final = """
 local n = #KEYS - 1
-local room = tonumber(ARGV[1]) - redis.call('LLEN', KEYS[1])
+local depth = redis.call('LLEN', KEYS[1])
+local room = tonumber(ARGV[1]) - depth
 """ + _push_loop("1", "2") + """if pushed > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
-return {accepted, redis.call('LLEN', KEYS[1])}
+return {accepted, depth + pushed}
 """
 
 # KEYS[1]=queue  KEYS[2]=inflight  ARGV[1]=max count  ARGV[2]=inflight ttl ms.
@@ -82,7 +83,7 @@ local room = math.min(tonumber(ARGV[1]) - ahead - own, tonumber(ARGV[2]) - own)
   if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('RPUSH', KEYS[2], 1) end
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
-own = redis.call('LLEN', KEYS[1])
+own = own + pushed
 return {accepted, ahead + own, own}
 """
 
@@ -153,24 +154,48 @@ local function refused(r)
   return false
 end
 
-local function reply_once(marker, reply_to, marker_ttl_ms, data, reply_ttl_s)
-  local prev = redis.pcall('SET', marker, 'd', 'PX', marker_ttl_ms, 'GET')
-  if refused(prev) then return -1 end
-  if prev == 'd' then return 0 end
-  if refused(redis.pcall('RPUSH', reply_to, data)) then return -1 end
-  redis.call('EXPIRE', reply_to, reply_ttl_s)
-  return 1
+-- Appends the replies of indices js (0-based, in order) to the list ``to``: one RPUSH
+-- (per 1000: Lua's unpack has a stack limit); false if Redis refused it (WRONGTYPE).
+local function push_replies(to, js, base)
+  local data = {{}}
+  for i = 1, #js do data[i] = ARGV[base + 2 * js[i] + 2] end
+  for i = 1, #data, 1000 do
+    if refused(redis.pcall('RPUSH', to, unpack(data, i, math.min(i + 999, #data)))) then
+      return false
+    end
+  end
+  return true
 end
 
--- Sends the replies; returns {{sent, index of each reply Redis refused (1-based)...}}.
+-- Sends the replies: each request's marker turns to 'd' (a request whose marker was 'd'
+-- already was answered: no second reply), then the new replies go out grouped by reply
+-- list, one RPUSH (in batch order) and one EXPIRE per list.  A marker or list Redis
+-- refuses fails its own requests alone.
+-- Returns {{sent, index of each reply Redis refused (1-based, ascending)...}}.
 local function replies(t, k, reply_ttl_s)
   local base = t + 1 + tonumber(ARGV[t + 1])
-  local out = {{0}}
+  local out, bad, lists, order = {{0}}, {{}}, {{}}, {{}}
   for j = 0, (#KEYS - k + 1) / 2 - 1 do
-    local r = reply_once(KEYS[k + 2 * j], KEYS[k + 1 + 2 * j], ARGV[base + 2 * j + 1],
-                         ARGV[base + 2 * j + 2], reply_ttl_s)
-    if r < 0 then out[#out + 1] = j + 1 else out[1] = out[1] + r end
+    local prev = redis.pcall('SET', KEYS[k + 2 * j], 'd', 'PX', ARGV[base + 2 * j + 1], 'GET')
+    if refused(prev) then
+      bad[#bad + 1] = j + 1
+    elseif prev ~= 'd' then
+      local to = KEYS[k + 1 + 2 * j]
+      if lists[to] == nil then lists[to], order[#order + 1] = {{}}, to end
+      lists[to][#lists[to] + 1] = j
+    end
   end
+  for _, to in ipairs(order) do
+    local js = lists[to]
+    if push_replies(to, js, base) then
+      redis.call('EXPIRE', to, reply_ttl_s)
+      out[1] = out[1] + #js
+    else
+      for i = 1, #js do bad[#bad + 1] = js[i] + 1 end
+    end
+  end
+  table.sort(bad)
+  for i = 1, #bad do out[#out + 1] = bad[i] end
   return out
 end
 

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from redbatch import Client, batch, protocol, scaling
 from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
+from redbatch.worker.claim import LMOVE_REFUSED
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, RedisServer, wait_live
 
@@ -52,16 +53,23 @@ def documented_rules() -> str:
     return line.removeprefix("ACL SETUSER redbatch ").replace(">CHANGE-ME", "").strip()
 
 
+async def serves(start_worker: Callable[..., Worker], server: RedisServer, url: str) -> None:
+    """A worker of ``double``, as the user of ``url``, answers that user's client (a
+    batch, then a lone request)."""
+    start_worker([double], url=url)
+    await wait_live(server.url, "acl_double")
+    async with Client(url) as client:
+        assert await client.predict_many("acl_double", [1, 2, 3], timeout_s=10) == [2, 4, 6]
+        assert await client.predict("acl_double", 5, timeout_s=10) == 10
+
+
 async def test_the_documented_user_gets_no_warning(
         acl_server: RedisServer, start_worker: Callable[..., Worker],
         caplog: pytest.LogCaptureFixture) -> None:
     url = acl_url(acl_server, documented_rules())
     with caplog.at_level(logging.WARNING):
-        start_worker([double], url=url)
-        await wait_live(acl_server.url, "acl_double")
+        await serves(start_worker, acl_server, url)
         async with Client(url) as client:
-            assert await client.predict_many("acl_double", [1, 2, 3], timeout_s=10) == [2, 4, 6]
-            assert await client.predict("acl_double", 5, timeout_s=10) == 10
             # a caller went away: the cancelled set exists, and workers consult it
             await client.mark_cancelled("acl_double", "gone", protocol.now_ms() + 10_000)
             assert await client.predict("acl_double", 6, timeout_s=10) == 12
@@ -71,3 +79,15 @@ async def test_the_documented_user_gets_no_warning(
         finally:
             await gauges.aclose()
     assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text
+
+
+async def test_a_user_without_lmove_claims_by_script(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A least-privilege user set up before claims used LMOVE: the worker serves (by the
+    CLAIM script), and says so once."""
+    url = acl_url(acl_server, documented_rules().replace(" +lmove", ""))
+    with caplog.at_level(logging.WARNING):
+        await serves(start_worker, acl_server, url)
+    assert caplog.text.count(LMOVE_REFUSED) == 1, caplog.text
+    assert "retrying" not in caplog.text, caplog.text

@@ -11,7 +11,14 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
-from redbatch.worker.claim import WINDOW_MARGIN_MS, Claimer, peek_deadline_ms, peek_enqueue_ms
+from redbatch.worker.claim import (
+    MOVE_AHEAD,
+    MOVE_MAX,
+    WINDOW_MARGIN_MS,
+    Claimer,
+    peek_deadline_ms,
+    peek_enqueue_ms,
+)
 from redbatch.worker.policy import BatchPolicy
 
 MODEL = "m"
@@ -192,6 +199,60 @@ async def test_a_quiet_queue_costs_one_command_per_lone_request(
     stats = raw_redis.info("commandstats")
     assert stats["cmdstat_blmove"]["calls"] == 5
     assert "cmdstat_evalsha" not in stats
+
+
+@pytest.mark.parametrize("queued", [MOVE_MAX, MOVE_MAX + 3])
+async def test_a_small_claim_moves_entries_without_a_script(
+        aredis: aioredis.Redis, raw_redis: redis.Redis, queued: int) -> None:
+    """Up to ``MOVE_MAX`` entries go by plain LMOVEs (no copy through Lua), more by
+    the CLAIM script: the same entries, in order, in the in-flight list, with its TTL."""
+    c = claimer(aredis, max_batch_size=queued, batch_wait_timeout_s=0)
+    await push(aredis, entry(-1))
+    assert ids(await c.claim()) == ["id-1"]  # (the first claim checks that LMOVE is allowed)
+    await push(aredis, *(entry(i) for i in range(queued)))
+    raw_redis.config_resetstat()
+    items = await c.claim()
+    assert ids(items) == [f"id{i}" for i in range(queued)]
+    inflight = protocol.inflight_key(MODEL, "w1")
+    held = await aredis.lrange(inflight, 0, -1)  # (the first batch was never acked)
+    assert ids(held[:1]) == ["id-1"] and held[1:] == items and await aredis.ttl(inflight) > 0
+    stats = raw_redis.info("commandstats")
+    scripted = queued > MOVE_MAX
+    assert ("cmdstat_evalsha" in stats) is scripted
+    assert ("cmdstat_lmove" in stats) is not scripted
+
+
+async def test_a_blocking_pop_brings_the_entries_behind_it(
+        aredis: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """``MOVE_AHEAD`` LMOVEs ride behind the pop, and the entries its LLEN still saw
+    follow by plain LMOVEs (even for a batch larger than ``MOVE_MAX``), no more."""
+    c = claimer(aredis, max_batch_size=32, batch_wait_timeout_s=0)
+    assert await c.claim() == []  # the queue is empty: the next claim blocks first
+    queued = MOVE_AHEAD + 3
+    await push(aredis, *(entry(i) for i in range(queued)))
+    raw_redis.config_resetstat()
+    items = await c.claim()
+    assert ids(items) == [f"id{i}" for i in range(queued)]
+    assert await aredis.lrange(protocol.inflight_key(MODEL, "w1"), 0, -1) == items
+    stats = raw_redis.info("commandstats")
+    assert stats["cmdstat_blmove"]["calls"] == 1
+    assert stats["cmdstat_lmove"]["calls"] == queued - 1 and "cmdstat_evalsha" not in stats
+
+
+async def test_a_pop_that_gives_up_keeps_what_its_moves_found(
+        aredis: aioredis.Redis, own_connection: aioredis.Redis) -> None:
+    """The window's end unblocks the pop: an entry pushed in that instant, moved by
+    an LMOVE behind it, is part of the batch (it is in the in-flight list)."""
+    c = Claimer(aredis, MODEL, "w1", BatchPolicy(max_batch_size=4), 1.0, own_connection)
+    blocked_id = int(await own_connection.client_id())
+    blocked, late = asyncio.create_task(c._block_some(5.0, 1)), entry(7)
+    await asyncio.sleep(0.1)
+    async with aredis.pipeline(transaction=True) as pipe:  # the unblock, then the push
+        pipe.client_unblock(blocked_id)
+        pipe.rpush(protocol.queue_key(MODEL), late)
+        await pipe.execute()
+    assert await blocked == [late]
+    assert await aredis.lrange(protocol.inflight_key(MODEL, "w1"), 0, -1) == [late]
 
 
 async def test_adaptive_window_stops_holding_lone_requests(aredis: aioredis.Redis) -> None:

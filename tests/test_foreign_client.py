@@ -38,7 +38,8 @@ WAIT_S = 10  # every BLPOP waits at most this long (server-side timeout)
 # ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[2+i]=marker ttl ms of entry i  ARGV[2+n+i]=entry i
 ENQUEUE = """
 local n = #KEYS - 1
-local room = tonumber(ARGV[1]) - redis.call('LLEN', KEYS[1])
+local depth = redis.call('LLEN', KEYS[1])
+local room = tonumber(ARGV[1]) - depth
 local accepted, pushed = 0, 0
 for i = 1, n do
   if redis.call('SET', KEYS[1 + i], 'q', 'NX', 'PX', ARGV[2 + i]) then
@@ -55,7 +56,7 @@ end
 if pushed > 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
-return {accepted, redis.call('LLEN', KEYS[1])}
+return {accepted, depth + pushed}
 """
 QUEUE_TTL_MS = 3_600_000
 QUEUE_CAP = 10_000

@@ -210,14 +210,14 @@ async def test_a_failing_item_fails_alone(start_worker: Callable[..., Worker], r
 async def test_a_claim_that_fails_midway_is_returned_not_lost(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    top_up, block_one = Claimer._top_up, Claimer._block_one
+    top_up, block_some = Claimer._top_up, Claimer._block_some
     state = {"moved": False, "failed": 0}
 
-    async def blocking(self: Claimer, timeout_s: float, wake_at_ms: int | None = None
-                       ) -> bytes | None:
-        item = await block_one(self, timeout_s, wake_at_ms)
-        state["moved"] = item is not None
-        return item
+    async def blocking(self: Claimer, timeout_s: float, ahead: int,
+                       wake_at_ms: int | None = None) -> list[bytes]:
+        items = await block_some(self, timeout_s, ahead, wake_at_ms)
+        state["moved"] = bool(items)
+        return items
 
     async def flaky(self: Claimer, count: int) -> list[bytes]:
         if state["moved"] and not state["failed"]:  # BLMOVE just moved a request in flight
@@ -226,7 +226,7 @@ async def test_a_claim_that_fails_midway_is_returned_not_lost(
         return await top_up(self, count)
 
     monkeypatch.setattr(Claimer, "_top_up", flaky)
-    monkeypatch.setattr(Claimer, "_block_one", blocking)
+    monkeypatch.setattr(Claimer, "_block_some", blocking)
     worker = start_worker([fast_slow], config=TAKEOVER)
     async with Client(redis_url, require_workers=False) as client:
         await asyncio.sleep(0.3)  # the worker is blocked in BLMOVE

@@ -1,7 +1,7 @@
 """Reliable claim: move requests from a model's queue into this worker's in-flight list.
 
-Items never live only in a worker's memory: ``BLMOVE`` and the ``CLAIM`` script
-move them atomically into ``inflight_key(model, worker_id)``, where they stay
+Items never live only in a worker's memory: ``BLMOVE``, ``LMOVE`` and the ``CLAIM``
+script move them atomically into ``inflight_key(model, worker_id)``, where they stay
 until the batch's replies are published together with the ack.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from redbatch import lua, protocol
 from redbatch.lean import LeanLink, script_sha
@@ -28,6 +28,8 @@ log = logging.getLogger("redbatch.worker")
 _CLAIM_SHA = script_sha(lua.CLAIM)
 
 MIN_BLOCK_S = 0.001
+MOVE_MAX = 8  # claims of up to this many entries go as plain LMOVEs, larger ones by script
+MOVE_AHEAD = 3  # LMOVEs that ride behind a blocking pop, for the entries queued behind it
 GAIN_MIN = 0.5  # waiting is worth it while a window adds this many requests on average
 GAIN_SMOOTHING = 0.2
 PROBE_EVERY = 16  # lone batches: one in this many waits anyway, to re-measure the gain
@@ -78,6 +80,8 @@ def _cold(size: int) -> float | None:
 
 
 _CANCEL_REFUSED: set[str] = set()  # models already warned about
+LMOVE_REFUSED = ("the redis user may not run LMOVE (NOPERM): claims go by the CLAIM script "
+                 "instead, at more Redis CPU per request; allow +lmove (docs/redis.md)")
 
 
 def _warn_cancel_refused(model: str, exc: ResponseError) -> None:
@@ -117,6 +121,8 @@ class Claimer:
         self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
         self._lone = 0
         self._drained = False  # the queue was empty at the last look: block at once
+        self._moves = True  # the user may run LMOVE (checked at the first claim)
+        self._left = 0  # the queue's length that the last blocking pop saw
         # the measured time of a pass of n items (None: not measured yet), set by the
         # runner: a window closes early enough for its most urgent request's pass
         self.pass_ms: Callable[[int], float | None] = _cold
@@ -129,6 +135,26 @@ class Claimer:
     script = lua.CLAIM  # loaded once, before the first claim
 
     async def _take(self, count: int) -> list[bytes]:
+        """Up to ``count`` entries from the queue's head, moved to the in-flight list:
+        a few by plain ``LMOVE``s (``_move``), more by the CLAIM script."""
+        if count <= MOVE_MAX and self._moves:
+            return await self._move(count)
+        return await self._claim_script(count)
+
+    async def _move(self, count: int) -> list[bytes]:
+        """``count`` LMOVEs in one write (each moves one entry atomically: an entry is
+        always in the queue or in the in-flight list; a nil once the queue ran out), the
+        in-flight list's TTL, the queue's length after and an EXISTS of the cancelled
+        set.  Cheaper for Redis than a script for a few entries (no copy through Lua)."""
+        move = ("LMOVE", self.queue, self.inflight, "LEFT", "RIGHT")
+        *moved, _ttl, left, exists = await self._link.pipeline(
+            *[move] * count, ("PEXPIRE", self.inflight, protocol.INFLIGHT_TTL_S * 1000),
+            ("LLEN", self.queue), ("EXISTS", self.cancelled))
+        self.cancels = self.cancels or exists == 1
+        self._drained = left == 0
+        return [item for item in moved if isinstance(item, bytes)]
+
+    async def _claim_script(self, count: int) -> list[bytes]:
         """CLAIM, with an EXISTS of the cancelled set riding in the same write."""
         claim = ("EVALSHA", _CLAIM_SHA, 2, self.queue, self.inflight, count,
                  protocol.INFLIGHT_TTL_S * 1000)
@@ -162,9 +188,14 @@ class Claimer:
 
     async def _block(self, timeout_s: float, count: int, wake_at_ms: int | None = None
                      ) -> list[bytes]:
-        """Up to ``count`` entries once one comes (blocking), [] when none came."""
-        first = await self._block_one(timeout_s, wake_at_ms)
-        return [] if first is None else [first, *await self._top_up(count - 1)]
+        """Up to ``count`` entries once one comes (blocking), [] when none came: the pop
+        brings up to ``MOVE_AHEAD`` more in its write, and those the pop's LLEN still
+        saw behind them follow (``_top_up``)."""
+        ahead = min(count - 1, MOVE_AHEAD) if self._moves else 0
+        got = await self._block_some(timeout_s, ahead, wake_at_ms)
+        if not got:
+            return []
+        return [*got, *await self._top_up(min(count - len(got), self._left))]
 
     async def _blocking(self, wake_at_ms: int | None, *commands: tuple[Any, ...]
                         ) -> list[Any]:
@@ -183,17 +214,23 @@ class Claimer:
             if self._unblocks:  # a fired unblock must land before our next blocking pop
                 await asyncio.gather(*self._unblocks, return_exceptions=True)
 
-    async def _block_one(self, timeout_s: float, wake_at_ms: int | None = None) -> bytes | None:
-        """BLMOVE one entry; with ``wake_at_ms`` (precise mode) give up at that moment.
-        An LLEN rides in the same write (Redis runs it once the pop is served), so the
-        next step knows, without a round trip, whether the queue holds more."""
+    async def _block_some(self, timeout_s: float, ahead: int, wake_at_ms: int | None = None
+                          ) -> list[bytes]:
+        """BLMOVE one entry, with ``ahead`` LMOVEs behind it in the same write (Redis
+        runs them once the pop is served: the entries queued behind the first come in
+        the same round trip); with ``wake_at_ms`` (precise mode) give up at that moment.
+        An LLEN rides along too, so the next step knows, without a round trip, whether
+        the queue holds more.  Every entry moved is returned, even after a pop that
+        gave up (an LMOVE may still have found one)."""
         timeout: Any = max(timeout_s, MIN_BLOCK_S)  # redis takes fractional seconds
-        item, left, exists = await self._blocking(
+        move = ("LMOVE", self.queue, self.inflight, "LEFT", "RIGHT")
+        first, *moved, left, exists = await self._blocking(
             wake_at_ms, ("BLMOVE", self.queue, self.inflight, "LEFT", "RIGHT", timeout),
-            ("LLEN", self.queue), ("EXISTS", self.cancelled))
+            *[move] * ahead, ("LLEN", self.queue), ("EXISTS", self.cancelled))
         self._drained = left == 0
+        self._left = int(left)
         self.cancels = self.cancels or exists == 1
-        return item if isinstance(item, bytes) else None
+        return [item for item in (first, *moved) if isinstance(item, bytes)]
 
     async def _top_up(self, count: int) -> list[bytes]:
         """Up to ``count`` more entries, unless the last pop left the queue empty."""
@@ -217,9 +254,23 @@ class Claimer:
     async def _prepare(self) -> None:
         if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
             await self._link.execute("SCRIPT", "LOAD", self.script)
+            self._moves = await self._may_move()
             self._loaded = True
         if self._precise and self._client_id is None:
             self._client_id = int(await self._link.execute("CLIENT", "ID"))
+
+    async def _may_move(self) -> bool:
+        """Whether the user may run LMOVE (a least-privilege user set up before claims
+        used it may not; it then claims by script): an LMOVE of the cancelled set onto
+        itself, which moves nothing (the set is missing, or refused: WRONGTYPE)."""
+        try:
+            await self._link.execute("LMOVE", self.cancelled, self.cancelled, "LEFT", "RIGHT")
+        except NoPermissionError:
+            log.warning("model=%s %s", self.model, LMOVE_REFUSED)
+            return False
+        except ResponseError:  # WRONGTYPE: LMOVE is allowed
+            pass
+        return True
 
     async def claim(self, count: int | None = None) -> list[bytes]:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after

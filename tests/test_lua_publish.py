@@ -1,0 +1,97 @@
+"""The PUBLISH script against a real Redis: replies grouped by reply list (one RPUSH and
+one EXPIRE per list), each request answered at most once, a refused list failing its
+own requests alone, and the ack only while the in-flight head holds the batch."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import redis
+
+from redbatch import lua, protocol
+from redbatch.lean import script_sha
+
+MODEL = "m"
+INFLIGHT = protocol.inflight_key(MODEL, "w1")
+DEAD = protocol.dead_letter_key(MODEL)
+A, B = protocol.reply_key(MODEL, "a"), protocol.reply_key(MODEL, "b")
+pytestmark = pytest.mark.timeout(30)
+
+
+def publish(raw: redis.Redis, replies: list[tuple[str, str, bytes]], batch: list[bytes],
+            digest: str | None = None) -> list[object]:
+    """PUBLISH ``replies`` (request id, reply list, data) and ack ``batch``."""
+    keys: list[str] = [INFLIGHT, DEAD]
+    argv: list[object] = [len(batch), protocol.REPLY_TTL_S,
+                          digest or hashlib.sha1(b"".join(batch)).hexdigest(), 3600, 0]
+    for request_id, reply_to, data in replies:
+        keys += [protocol.request_key(MODEL, request_id), reply_to]
+        argv += [60_000, data]
+    raw.script_load(lua.PUBLISH)
+    return list(raw.evalsha(script_sha(lua.PUBLISH), len(keys), *keys, *argv))
+
+
+def two_clients(raw: redis.Redis) -> list[tuple[str, str, bytes]]:
+    """Four requests of two clients, interleaved in one batch, all queued (marker 'q')."""
+    replies = [("r1", A, b"a1"), ("r2", B, b"b1"), ("r3", A, b"a2"), ("r4", B, b"b2")]
+    for request_id, _to, _data in replies:
+        raw.set(protocol.request_key(MODEL, request_id), "q")
+    return replies
+
+
+def test_replies_are_grouped_by_reply_list(raw_redis: redis.Redis) -> None:
+    raw_redis.rpush(INFLIGHT, b"e1", b"e2", b"next")
+    replies = two_clients(raw_redis)
+    raw_redis.config_resetstat()
+    assert publish(raw_redis, replies, [b"e1", b"e2"]) == [1, 4]
+    assert raw_redis.lrange(A, 0, -1) == [b"a1", b"a2"]  # each list in batch order
+    assert raw_redis.lrange(B, 0, -1) == [b"b1", b"b2"]
+    assert 0 < raw_redis.ttl(A) <= protocol.REPLY_TTL_S and raw_redis.ttl(B) > 0
+    stats = raw_redis.info("commandstats")
+    assert stats["cmdstat_rpush"]["calls"] == 2 and stats["cmdstat_expire"]["calls"] == 2
+    assert raw_redis.lrange(INFLIGHT, 0, -1) == [b"next"]  # the batch acked, no more
+    assert {raw_redis.get(protocol.request_key(MODEL, r)) for r, _t, _d in replies} == {b"d"}
+
+
+def test_a_reply_list_of_another_type_refuses_only_its_own_requests(
+        raw_redis: redis.Redis) -> None:
+    raw_redis.rpush(INFLIGHT, b"e1")
+    raw_redis.set(B, "not a list")
+    assert publish(raw_redis, two_clients(raw_redis), [b"e1"]) == [1, 2, 2, 4]
+    assert raw_redis.lrange(A, 0, -1) == [b"a1", b"a2"]
+    assert raw_redis.get(B) == b"not a list"
+    assert raw_redis.llen(INFLIGHT) == 0  # acked all the same: the caller dead-letters
+
+
+def test_a_marker_of_another_type_refuses_only_its_request(raw_redis: redis.Redis) -> None:
+    replies = two_clients(raw_redis)
+    raw_redis.delete(protocol.request_key(MODEL, "r3"))
+    raw_redis.rpush(protocol.request_key(MODEL, "r3"), "a list")
+    assert publish(raw_redis, replies, []) == [1, 3, 3]
+    assert raw_redis.lrange(A, 0, -1) == [b"a1"]
+    assert raw_redis.lrange(B, 0, -1) == [b"b1", b"b2"]
+
+
+def test_a_request_answered_before_gets_no_second_reply(raw_redis: redis.Redis) -> None:
+    replies = two_clients(raw_redis)
+    raw_redis.set(protocol.request_key(MODEL, "r2"), "d")
+    raw_redis.set(protocol.request_key(MODEL, "r4"), "d")
+    assert publish(raw_redis, replies, []) == [1, 2]
+    assert raw_redis.lrange(A, 0, -1) == [b"a1", b"a2"]
+    assert not raw_redis.exists(B)  # nothing pushed, no TTL set on a list nobody made
+
+
+def test_a_changed_inflight_head_is_not_acked(raw_redis: redis.Redis) -> None:
+    """A reaper took the list over and this worker claimed others since: the replies
+    still go out (at most once), nothing is trimmed."""
+    raw_redis.rpush(INFLIGHT, b"other", b"e1")
+    assert publish(raw_redis, two_clients(raw_redis), [b"e1", b"e2"]) == [0, 4]
+    assert raw_redis.lrange(INFLIGHT, 0, -1) == [b"other", b"e1"]
+
+
+def test_a_thousand_replies_to_one_list(raw_redis: redis.Redis) -> None:
+    """Over Lua's unpack limit: the replies of one list go in slices, in order."""
+    replies = [(f"r{i}", A, str(i).encode()) for i in range(2500)]
+    assert publish(raw_redis, replies, []) == [1, 2500]
+    assert raw_redis.lrange(A, 0, -1) == [str(i).encode() for i in range(2500)]
