@@ -36,6 +36,7 @@ MAX_WAITERS: Final = 10_000  # requests one process may have waiting (gateway, C
 META_REFRESH_S: Final = 2.0  # how long the gateway caches a model's metadata
 BLOCK_TIMEOUT_S: Final = 1.0  # blocking pop timeout of reply listeners and workers
 LISTENER_IDLE_S: Final = 30.0  # a model's reply listener stops once idle this long
+KNOWN_GRACE_S: Final = 60.0  # a model known this recently is not "unknown" (503, not 404)
 API_KEY: Final = ""  # the gateway's API key; empty: no auth
 MAX_HEADER_BYTES: Final = 64 * 1024  # request line and headers limit (431 above)
 HEADER_TIMEOUT_S: Final = 10.0  # a connection whose request head takes longer is closed

@@ -324,3 +324,24 @@ async def test_a_model_without_live_workers_fails_fast(redis_url: str,
         with pytest.raises(NoLiveWorkers, match="no live worker"):
             await client.predict("gone", 1, timeout_s=30)
     assert raw_redis.llen(protocol.queue_key("gone")) == 0
+
+
+async def test_a_model_known_lately_that_redis_forgot_is_no_workers_not_unknown(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """A Redis that lost a model's registration (a replica promoted before it got it)
+    answers as if the model never existed until the next heartbeat: a process that
+    knew the model a moment ago says 503 no_workers (retry), not 404 unknown_model.
+    A process that never knew it still says unknown."""
+    from redbatch import defaults
+
+    raw_redis.set(protocol.meta_key("forgotten"), b"{}")  # registered, no live worker
+    async with Client(redis_url) as client:
+        with pytest.raises(NoLiveWorkers):
+            await client.predict("forgotten", 1, timeout_s=1)
+        raw_redis.delete(protocol.meta_key("forgotten"))
+        await asyncio.sleep(defaults.MISS_REFRESH_S * 1.5)  # past the cached summary
+        with pytest.raises(NoLiveWorkers):
+            await client.predict("forgotten", 1, timeout_s=1)
+    async with Client(redis_url) as fresh:
+        with pytest.raises(UnknownModel):
+            await fresh.predict("forgotten", 1, timeout_s=1)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from redbatch.config import RedisSettings, WorkerConfig
-from redbatch.errors import DeadlineExceeded, NoLiveWorkers, RedisUnavailable, UnknownModel
+from redbatch.errors import DeadlineExceeded, NoLiveWorkers, RedisUnavailable
 from redbatch.producer.client import Client
 from redbatch.worker.process import Worker
 from tests.conftest import wait_live
@@ -22,9 +22,7 @@ pytestmark = [pytest.mark.engines, pytest.mark.timeout(90)]
 RECOVER_S = 20.0  # a failover (down after 1 s) must be over well within this
 # what a caller may meet while the sentinels fail over: typed, retryable errors (the
 # worker's lease may lapse on the promoted replica until its next heartbeat there)
-# UnknownModel too: a promoted replica that missed the model's registration (written
-# by every heartbeat) knows no worker of it until the worker's next heartbeat there
-TRANSIENT = (RedisUnavailable, DeadlineExceeded, NoLiveWorkers, UnknownModel)
+TRANSIENT = (RedisUnavailable, DeadlineExceeded, NoLiveWorkers)
 WORKER = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=2.0)
 
 
