@@ -97,7 +97,7 @@ class LeanLink:
         if conn is not None:
             await self._client.connection_pool.release(conn)
 
-    async def _send_many(self, commands: tuple[tuple[Any, ...], ...], checked: bool = True
+    async def _send_many(self, commands: tuple[tuple[Any, ...], ...], checked: bool
                          ) -> list[Any]:
         conn = await self._connection()
         replies: list[Any] = []
@@ -110,12 +110,13 @@ class LeanLink:
             raise
         return self._checked(replies, checked)
 
-    def _checked(self, replies: list[Any], raise_errors: bool = True) -> list[Any]:
+    def _checked(self, replies: list[Any], raise_errors: bool) -> list[Any]:
         """``replies``; with ``raise_errors``, the first error reply is raised instead
         (a reply: the connection is in step)."""
-        for reply in replies:
-            if raise_errors and isinstance(reply, ResponseError):
-                raise reply
+        if raise_errors:
+            for reply in replies:
+                if isinstance(reply, ResponseError):
+                    raise reply
         return replies
 
     async def _connection(self) -> AbstractConnection:
@@ -169,7 +170,7 @@ class ClusterLink(LeanLink):
             self._busy = False
 
     async def _through_client(self, commands: tuple[tuple[Any, ...], ...], key: Any,
-                              checked: bool = True) -> list[Any]:
+                              checked: bool) -> list[Any]:
         if len(commands) == 1:
             replies = [await self._client.execute_command(*commands[0])]
         else:
@@ -229,7 +230,7 @@ class ClusterLink(LeanLink):
             await conn.connect()  # type: ignore[no-untyped-call]
         return conn
 
-    def _checked(self, replies: list[Any], raise_errors: bool = True) -> list[Any]:
+    def _checked(self, replies: list[Any], raise_errors: bool) -> list[Any]:
         if any(isinstance(reply, REDIRECTS) for reply in replies):
             raise _Redirected(replies)
         return super()._checked(replies, raise_errors)

@@ -199,13 +199,16 @@ INFO = {"used_cpu_user": 9.0, "used_cpu_sys": 9.0, "used_cpu_user_main_thread": 
 
 def test_redis_cost_per_request_from_two_info_snapshots() -> None:
     before = redis_cost.parse(INFO)
-    assert before == {redis_cost.CPU_S: 2.0, "redis_cmd_us:evalsha": 300.0,
+    assert before == {redis_cost.CPU_S: 2.0, redis_cost.CALLS: 20.0,
+                      "redis_cmd_us:evalsha": 300.0,
                       "redis_cmd_us:lrange": 40.0}  # the main thread's CPU
     later = {**INFO, "used_cpu_user_main_thread": 1.6,
-             "cmdstat_evalsha": {"usec": 1300}, "cmdstat_lrange": {"usec": 40},
-             "cmdstat_blmove": {"usec": 100}}
+             "cmdstat_evalsha": {"calls": 30, "usec": 1300},
+             "cmdstat_lrange": {"calls": 10, "usec": 40},
+             "cmdstat_blmove": {"calls": 5, "usec": 100}}
     spent = redis_cost.spent(before, redis_cost.parse(later))
     assert spent[redis_cost.CPU_S] == pytest.approx(0.1)
+    assert spent[redis_cost.CALLS] == 25.0
     assert "redis_cmd_us:lrange" not in spent  # unchanged
     rounds = [{"requests": 500, **spent}, {"requests": 500, **spent}]
     cost = redis_cost.per_request(redis_cost.total(rounds), 1000)

@@ -18,6 +18,7 @@ import redis
 
 CPU_S = "redis_cpu_s"
 CMD_US = "redis_cmd_us:"  # + the command's name
+CALLS = "redis_calls"  # commands served, all of them
 
 
 def snapshot(redis_url: str) -> dict[str, float]:
@@ -34,9 +35,11 @@ def parse(info: dict[str, Any]) -> dict[str, float]:
     """``snapshot``'s figures from a parsed ``INFO cpu commandstats``."""
     user = info.get("used_cpu_user_main_thread", info["used_cpu_user"])
     system = info.get("used_cpu_sys_main_thread", info["used_cpu_sys"])
-    commands = {CMD_US + k.removeprefix("cmdstat_"): float(v["usec"])
-                for k, v in info.items() if k.startswith("cmdstat_")}
-    return {CPU_S: float(user) + float(system), **commands}
+    stats = {k.removeprefix("cmdstat_"): v for k, v in info.items()
+             if k.startswith("cmdstat_")}
+    return {CPU_S: float(user) + float(system),
+            CALLS: float(sum(v["calls"] for v in stats.values())),
+            **{CMD_US + name: float(v["usec"]) for name, v in stats.items()}}
 
 
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,25 +28,10 @@ import redis
 from redbatch import defaults, protocol
 from redbatch.bench import priority, producer, redis_cost, replication, servers, shards, w3
 from redbatch.bench.mlp import build_mlp
-from redbatch.bench.servers import W2_X, Procs, cpu_seconds
+from redbatch.bench.servers import W2_X, Procs, cpu_seconds, wrk
 
-WRK = Path(__file__).resolve().parent / "wrk"
 PRODUCER_LABELS = {"predict": f"predict x{producer.PREDICT_TASKS}",
                    "predict_many": f"predict_many {producer.MANY_TASKS}x{producer.MANY_PER_CALL}"}
-
-
-def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, Any]:
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s",
-                          "--timeout",
-                          "5s", "--latency", "-s", str(WRK / lua), url],
-                         capture_output=True, text=True, timeout=duration_s + 60, check=True)
-    match = re.search(r"BENCH_JSON (\{.*\})", out.stdout)
-    if not match:
-        raise SystemExit(f"bench: no summary from wrk:\n{out.stdout}\n{out.stderr}")
-    result: dict[str, Any] = json.loads(match.group(1))
-    errors = sum(result[k] for k in result if k.startswith("err_"))
-    result["errors"] = errors
-    return result
 
 
 def worker_sizes(redis_url: str, model: str) -> list[dict[str, int]]:

@@ -3,7 +3,9 @@ child processes, and the CPU time they use."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +46,25 @@ class Procs:
     def stop_one(self, name: str) -> None:
         pid = self.by_name.pop(name)
         _stop([p for p in self.procs if p.pid == pid])
+
+
+WRK = Path(__file__).resolve().parent / "wrk"  # the load scripts
+
+
+def wrk(url: str, lua: str, connections: int, duration_s: float) -> dict[str, Any]:
+    """wrk -t1 at ``connections`` for ``duration_s`` with the load script ``lua``: its
+    summary (``BENCH_JSON``), with ``errors`` summed."""
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s",
+                          "--timeout",
+                          "5s", "--latency", "-s", str(WRK / lua), url],
+                         capture_output=True, text=True, timeout=duration_s + 60, check=True)
+    match = re.search(r"BENCH_JSON (\{.*\})", out.stdout)
+    if not match:
+        raise SystemExit(f"bench: no summary from wrk:\n{out.stdout}\n{out.stderr}")
+    result: dict[str, Any] = json.loads(match.group(1))
+    errors = sum(result[k] for k in result if k.startswith("err_"))
+    result["errors"] = errors
+    return result
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:

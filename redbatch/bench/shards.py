@@ -34,7 +34,7 @@ import redis
 
 from redbatch import Client
 from redbatch.bench import cluster, redis_cost
-from redbatch.bench.servers import Procs, cpu_seconds, wait_ok
+from redbatch.bench.servers import Procs, cpu_seconds, wait_ok, wrk
 from redbatch.config import RedisSettings
 from redbatch.embedded import free_port
 from redbatch.placement import place
@@ -50,7 +50,7 @@ MANY_PER_CALL = 128  # then: multi-row requests of up to 32 rows
 X_LIST = [i / 16 for i in range(16)]  # W1's body
 X = np.asarray(X_LIST, dtype=np.float32)  # same-shape arrays: multi-row requests
 IDLE_S = 4.0
-CALLS = "redis_calls"
+CALLS = redis_cost.CALLS
 WARM_TIMEOUT_S = 60.0
 HOST = "127.0.0.1"
 
@@ -132,16 +132,8 @@ async def _load(url: str, duration_s: float, per_call: int = 1
         return counts, time.monotonic() - started
 
 
-def node_snapshot(url: str) -> dict[str, float]:
-    """``redis_cost.snapshot`` of one node, with the commands it served so far."""
-    with redis.Redis.from_url(url) as client:
-        info: dict[str, Any] = client.info("cpu", "commandstats")
-    calls = sum(v["calls"] for k, v in info.items() if k.startswith("cmdstat_"))
-    return {**redis_cost.parse(info), CALLS: float(calls)}
-
-
 def snapshots(shards: Shards) -> dict[int, dict[str, float]]:
-    return {port: node_snapshot(shards.node_url(port)) for port in shards.ports}
+    return {port: redis_cost.snapshot(shards.node_url(port)) for port in shards.ports}
 
 
 def spent(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]]
@@ -174,7 +166,8 @@ def summary(shards: Shards, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     elapsed_s = sum(r["elapsed_s"] for r in rounds)
     items = sum(sum(r["counts"].values()) for r in rounds)
     nodes = {str(port): _node(shards, port, rounds, elapsed_s) for port in shards.ports}
-    cpu_s = sum(n["busy"] for n in nodes.values()) * elapsed_s
+    cpu_s = sum(r["spent"][port].get(redis_cost.CPU_S, 0.0) for r in rounds
+                for port in shards.ports)
     return {"shards": shards.count, "items_per_s": items / elapsed_s,
             "rounds_items_per_s": [round(sum(r["counts"].values()) / r["elapsed_s"], 1)
                                    for r in rounds],
@@ -209,7 +202,6 @@ def gateway_cost(procs: Procs, shards: Shards, duration_s: float) -> dict[str, A
     """A gateway process (one) beside the worker: what it costs Redis idle (after one
     request, so with one reply listener), then under wrk at 64 connections (W1's body
     to one model): its own CPU per request, and Redis's CPU and commands per request."""
-    from redbatch.bench.run import wrk  # (run.py imports this module)
 
     port = free_port()
     procs.start("gateway", [sys.executable, "-m", "redbatch", "gateway", "--host", HOST,

@@ -71,7 +71,7 @@ def learn_sizes(redis_url: str, url: str) -> None:
     import redis.asyncio as aioredis
 
     from redbatch import knobs
-    from redbatch.bench.run import wrk
+    from redbatch.bench.servers import wrk
 
     async def turn_on() -> None:
         client = aioredis.Redis.from_url(redis_url)

@@ -36,7 +36,6 @@ from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.levels import ONE, Levels
 from redbatch.protocol import Request, Timings
-from redbatch.redis_conn import is_cluster
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
@@ -64,9 +63,12 @@ class Reaper:
     def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int,
                  stats: WorkerStats | None = None,
                  dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS,
-                 levels: Levels = ONE, reaper_id: str | None = None) -> None:
+                 levels: Levels = ONE, reaper_id: str | None = None,
+                 same_slot: bool = False) -> None:
+        """``same_slot`` (Redis Cluster): an entry's reply list must be in the model's
+        slot, else it is dead-lettered unanswered."""
         self._redis = redis
-        self._same_slot = is_cluster(redis)  # reply lists must be in the model's slot
+        self._same_slot = same_slot
         self.reaper_id = reaper_id or protocol.new_id()[:12]  # its name in elections
         self.model = model
         # where requeued entries go: the queue's front; with priority levels, the most

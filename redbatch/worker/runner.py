@@ -146,7 +146,8 @@ class BatchRunner:
         self.claimer = claimer_for(redis, model, worker_id, block_timeout_s, blocking)
         self.claimer.pass_ms = self.stats.pass_times.estimate_ms  # the window's slack
         self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters,
-                             model.priorities, reaper_id=worker_id)
+                             model.priorities, reaper_id=worker_id,
+                             same_slot=self._same_slot)
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
