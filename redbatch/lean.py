@@ -85,11 +85,16 @@ class LeanLink:
     async def script(self, source: str, keys: list[Any], args: list[Any]) -> Any:
         """EVALSHA of ``source``, loading it once if Redis lost it (a restart, a flush)."""
         command = ("EVALSHA", script_sha(source), len(keys), *keys, *args)
+        return (await self.pipeline_loading(source, command))[0]
+
+    async def pipeline_loading(self, source: str, *commands: tuple[Any, ...]) -> list[Any]:
+        """``pipeline``, once more after loading ``source`` if Redis lost it (a
+        restart, a flush, a promoted replica: its EVALSHA did not run)."""
         try:
-            return await self.execute(*command)
+            return await self.pipeline(*commands)
         except NoScriptError:
             await self.execute("SCRIPT", "LOAD", source)
-            return await self.execute(*command)
+            return await self.pipeline(*commands)
 
     async def release(self) -> None:
         """Give the held connection back to the pool (the next call takes one again)."""

@@ -157,7 +157,10 @@ def is_stale(exc: BaseException) -> bool:
 
 async def drop_idle(client: aioredis.Redis) -> None:
     """Disconnect the pool's idle connections: after one broke (Redis restarted), the
-    others are stale too, and each would fail once more.  They reconnect when next used."""
+    others are stale too, and each would fail once more.  They reconnect when next used.
+    (A cluster client does it itself, for the node that failed: nothing to do.)"""
+    if is_cluster(client):
+        return
     with contextlib.suppress(Exception):
         await client.connection_pool.disconnect(inuse_connections=False)
 

@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from redbatch import lua, protocol
 from redbatch.lean import LeanLink, script_sha
@@ -158,11 +158,8 @@ class Claimer:
         """CLAIM, with an EXISTS of the cancelled set riding in the same write."""
         claim = ("EVALSHA", _CLAIM_SHA, 2, self.queue, self.inflight, count,
                  protocol.INFLIGHT_TTL_S * 1000)
-        try:
-            items, exists = await self._link.pipeline(claim, ("EXISTS", self.cancelled))
-        except NoScriptError:  # Redis lost its scripts (a restart): the claim did not run
-            await self._link.execute("SCRIPT", "LOAD", lua.CLAIM)
-            items, exists = await self._link.pipeline(claim, ("EXISTS", self.cancelled))
+        items, exists = await self._link.pipeline_loading(lua.CLAIM, claim,
+                                                          ("EXISTS", self.cancelled))
         self.cancels = self.cancels or exists == 1  # (a batch may mix both claims)
         self._drained = not items  # found some: more may come while this batch runs
         return list(items)

@@ -60,7 +60,8 @@ class LevelClaimer(Claimer):
         return list(items)
 
     async def _take(self, count: int) -> list[bytes]:
-        reply, exists = await self._reloading(self._claim(count), ("EXISTS", self.cancelled))
+        reply, exists = await self._link.pipeline_loading(self.script, self._claim(count),
+                                                          ("EXISTS", self.cancelled))
         return self._claimed(reply, exists)
 
     async def _block(self, timeout_s: float, count: int, wake_at_ms: int | None = None
@@ -85,12 +86,3 @@ class LevelClaimer(Claimer):
     @staticmethod
     def _woken(wake_at_ms: int | None) -> bool:
         return wake_at_ms is not None and protocol.now_ms() >= wake_at_ms
-
-    async def _reloading(self, *commands: tuple[Any, ...]) -> list[Any]:
-        """``commands`` in one write; once more after loading the script if Redis lost
-        it (a restart: the claim did not run)."""
-        try:
-            return await self._link.pipeline(*commands)
-        except NoScriptError:
-            await self._link.execute("SCRIPT", "LOAD", self.script)
-            return await self._link.pipeline(*commands)
