@@ -11,21 +11,18 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 
+from redbatch.bench import cluster
+from redbatch.bench.cluster import START_TIMEOUT_S, poll
 from redbatch.embedded import free_port
 
-T = TypeVar("T")
 REDIS_BIN = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
-START_TIMEOUT_S = 20.0
-POLL_S = 0.05
 NODE_TIMEOUT_MS = 1000  # cluster: a primary this long unreachable is failed over
 DOWN_AFTER_MS = 1000  # sentinel: likewise
 SERVICE = "svc"
@@ -42,22 +39,6 @@ def spawn_redis(port: int, workdir: str | Path, args: list[str]) -> subprocess.P
     return subprocess.Popen([REDIS_BIN, *args, "--port", str(port), "--bind", "127.0.0.1",
                              "--dir", str(workdir), "--loglevel", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def poll(what: str, probe: Callable[[], T | None], timeout_s: float = START_TIMEOUT_S) -> T:
-    """``probe()`` until it returns something other than None (or False); connection
-    errors count as not yet.  ``TimeoutError`` naming ``what`` past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            found = probe()
-            if found is not None and found is not False:
-                return found
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
-            last = exc
-        time.sleep(POLL_S)
-    raise TimeoutError(f"{what}: not within {timeout_s} s (last error: {last})")
 
 
 class PortTaken(Exception):
@@ -158,11 +139,7 @@ class ClusterEngine:
 
     def wait_ok(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every live node says ``cluster_state:ok`` and agrees on the slots."""
-        def agreed() -> bool:
-            views = {str(n.ask("CLUSTER", "SLOTS")) for n in self.live()}
-            states = [b"cluster_state:ok" in n.ask("CLUSTER", "INFO") for n in self.live()]
-            return all(states) and len(views) == 1
-        poll("cluster_state:ok on every node", agreed, timeout_s)
+        cluster.wait_ok([n.address for n in self.live()], timeout_s)
 
     def owner(self, key: str) -> Node:
         """The primary that serves ``key``'s slot now (as the live nodes see it)."""

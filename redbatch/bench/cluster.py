@@ -13,9 +13,11 @@ import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
+T = TypeVar("T")
 START_TIMEOUT_S = 20.0
 POLL_S = 0.05
 NODE_TIMEOUT_MS = 2000
@@ -45,7 +47,7 @@ def ask(address: str, *command: str | int, timeout_s: float = ASK_TIMEOUT_S) -> 
 
 def wait_answering(addresses: list[str], timeout_s: float = START_TIMEOUT_S) -> None:
     for address in addresses:
-        _poll(f"{address} answering", functools.partial(ask, address, "PING"), timeout_s)
+        poll(f"{address} answering", functools.partial(ask, address, "PING"), timeout_s)
 
 
 def create(addresses: list[str], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -82,7 +84,7 @@ def wait_ok(addresses: list[str], timeout_s: float = START_TIMEOUT_S) -> None:
         views = {str(ask(a, "CLUSTER", "SLOTS")) for a in addresses}
         return len(views) == 1 and all(b"cluster_state:ok" in _bytes(ask(a, "CLUSTER", "INFO"))
                                        for a in addresses)
-    _poll("cluster_state:ok on every node", agreed, timeout_s)
+    poll("cluster_state:ok on every node", agreed, timeout_s)
 
 
 def url(addresses: list[str]) -> str:
@@ -94,13 +96,17 @@ def _bytes(value: object) -> bytes:
     return value if isinstance(value, bytes) else b""
 
 
-def _poll(what: str, probe: Callable[[], object], timeout_s: float) -> None:
+def poll(what: str, probe: Callable[[], T | None], timeout_s: float = START_TIMEOUT_S) -> T:
+    """``probe()`` until it returns something other than None (or False), which is
+    returned; connection errors count as not yet.  ``TimeoutError`` naming ``what``
+    past ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     last: object = None
     while time.monotonic() < deadline:
         try:
-            if probe():
-                return
+            found = probe()
+            if found is not None and found is not False:
+                return found
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
             last = exc
         time.sleep(POLL_S)
