@@ -158,7 +158,27 @@ def test_exploration_is_rare_seeded_and_tries_the_neighbours() -> None:
     none = AutoSizer(explore_every=0)
     for _ in range(autosize.WARMUP_PASSES):
         none.observe(None, 8, 8.0)
+    none.observe(None, 16, 20.0)  # measured, and worse
     assert {none.size(None, 32) for _ in range(200)} == {8}
+
+
+def test_sizes_above_the_largest_measured_are_not_ruled_out_while_it_still_pays() -> None:
+    """A bucket whose claims brought it one item at a time: nothing says batching does
+    not pay, so its cut is the cap, within the pass budget (10 ms x 8 fits 100 ms, x 16
+    does not); a curve that still rose by 10 % into its largest size grows the same
+    way; one that flattened stays at its best measured size."""
+    lone, slow = AutoSizer(explore_every=0), AutoSizer(explore_every=0)
+    for _ in range(autosize.WARMUP_PASSES):
+        lone.observe(8, 1, 0.3)
+        slow.observe(8, 1, 10.0)
+    assert lone.size(8, 32) == 32 and lone.size(8, 24) == 24 and slow.size(8, 32) == 8
+    rising, flat = AutoSizer(explore_every=0), AutoSizer(explore_every=0)
+    for size, rising_ms, flat_ms in ((1, 1.0, 1.0), (2, 1.4, 1.9), (4, 2.0, 3.7)):
+        for _ in range(autosize.WARMUP_PASSES):
+            rising.observe(64, size, rising_ms)
+            flat.observe(64, size, flat_ms)
+    assert rising.size(64, 32) == 32  # 2 items/ms at 4 against 1.43 at 2
+    assert flat.size(64, 32) == 4  # 1.08 against 1.05: not 10 % more
 
 
 def test_an_unmeasured_neighbour_is_explored_first() -> None:
@@ -258,6 +278,7 @@ def test_counters_and_gauge_show_the_sizes_only_while_chosen() -> None:
     assert "auto_sizes" not in stats.counters()
     for _ in range(autosize.WARMUP_PASSES):
         stats.sizer.observe(256, 1, 1.0)
+        stats.sizer.observe(256, 2, 3.0)  # worse: batch 1 is best
     stats.sizer.explore_every = 0
     stats.sizer.size(256, 32)
     stats.sizer.size(None, 32)  # not warmed up: the cap

@@ -27,6 +27,7 @@ EXPLORE_EVERY = 16  # one choice in this many tries a neighbouring size
 SMOOTHING = 0.3  # weight of the last pass in a size's smoothed time and items
 MAX_PASS_MS = 100.0  # the latency budget of one pass (size 1 is always allowed)
 FIXED = "all"  # the bucket label of a fixed-shape model
+EXTEND_GAIN = 0.10  # items/s gained by the last doubling that lets the cut grow past it
 
 
 def slot(size: int) -> int:
@@ -61,7 +62,27 @@ class Curve:
         (the quickest slot when none is within the budget)."""
         keys = [k for k in self.ms if k <= slot(cap)] or [min(self.ms)]
         fits = [k for k in keys if self.ms[k] <= budget_ms] or [min(keys, key=lambda k: self.ms[k])]
-        return max(fits, key=lambda k: self.items[k] / max(self.ms[k], 1e-6))
+        top = max(fits, key=self.rate)
+        return self._extended(top, cap, budget_ms) if self._rising(top) else top
+
+    def rate(self, key: int) -> float:
+        """Items per ms of the passes of slot ``key``."""
+        return self.items[key] / max(self.ms[key], 1e-6)
+
+    def _rising(self, top: int) -> bool:
+        """Whether ``top`` is the largest slot measured and items/s still rose into it."""
+        if top != max(self.ms):
+            return False
+        below = [k for k in self.ms if k < top]
+        return not below or self.rate(top) >= (1 + EXTEND_GAIN) * self.rate(max(below))
+
+    def _extended(self, top: int, cap: int, budget_ms: float) -> int:
+        """The largest power of two up to the cap's slot whose pass, at ``top``'s time
+        per item, fits the budget (``top`` itself if none above does)."""
+        size, per_item_ms = top, self.ms[top] / max(self.items[top], 1.0)
+        while size < slot(cap) and 2 * size * per_item_ms <= budget_ms:
+            size *= 2
+        return size
 
 
 class AutoSizer:
