@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
-from redbatch import defaults
+from redbatch import defaults, url_options
 from redbatch.errors import ConfigError
 from redbatch.protocol import MAX_ATTEMPT, MAX_TIMEOUT_S
 
@@ -34,12 +34,12 @@ ENCODE_HINT = ("percent-encode special characters in the password (/ as %2F, # a
 
 def redact_url(url: str) -> str:
     """``redis://user:secret@host`` -> ``redis://user:***@host``; a ``password=``
-    query parameter (``unix://`` URLs) is masked too."""
+    query parameter (``unix://`` URLs) and a ``sentinel_password=`` are masked too."""
     parts = urlsplit(url)
     if parts.password is not None:
         netloc = f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"
         url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
+    return re.sub(r"(?i)([?&](?:sentinel_)?password=)[^&#]*", r"\1***", url)
 
 
 def check_redis_url(url: str) -> None:
@@ -83,10 +83,9 @@ def _host_problem(parts: SplitResult) -> str | None:
 def _nodes_problem(parts: SplitResult) -> str | None:
     """What is wrong with a ``redis+cluster://`` or ``redis+sentinel://`` URL, if
     anything: its seed nodes, its path (a cluster's database, a sentinel's service)."""
-    if parts.query:
-        return "options (after '?') are not supported with several nodes"
     try:
         _seeds(parts)
+        url_options.parse(parts.query, parts.scheme == SENTINEL_SCHEME)
     except ValueError as exc:
         return str(exc)
     if parts.scheme == CLUSTER_SCHEME:
@@ -130,6 +129,8 @@ class Topology:
     password: str | None = field(default=None, repr=False)
     service: str = ""
     db: int = 0
+    options: url_options.NodeOptions = field(  # TLS, the sentinels' credentials
+        default_factory=url_options.NodeOptions)
 
 
 def topology(url: str) -> Topology | None:
@@ -140,11 +141,13 @@ def topology(url: str) -> Topology | None:
         return None
     user = unquote(parts.username) if parts.username else None
     password = unquote(parts.password) if parts.password is not None else None
+    options = url_options.parse(parts.query, parts.scheme == SENTINEL_SCHEME)
     if parts.scheme == CLUSTER_SCHEME:
-        return Topology("cluster", _seeds(parts), user, password)
+        return Topology("cluster", _seeds(parts), user, password, options=options)
     found = SERVICE_PATH.fullmatch(parts.path)
     assert found is not None  # (checked by check_redis_url)
-    return Topology("sentinel", _seeds(parts), user, password, found[1], int(found[2] or 0))
+    return Topology("sentinel", _seeds(parts), user, password, found[1], int(found[2] or 0),
+                    options)
 
 
 def tls_unverified(url: str) -> bool:

@@ -96,8 +96,14 @@ def _timeouts(settings: RedisSettings) -> dict[str, Any]:
 
 
 def _options(settings: RedisSettings, nodes: Topology) -> dict[str, Any]:
-    """The data nodes' credentials and timeouts (the sentinels get the timeouts only)."""
-    return {"username": nodes.username, "password": nodes.password, **_timeouts(settings)}
+    """The data nodes' credentials, TLS and timeouts."""
+    return {"username": nodes.username, "password": nodes.password, **dict(nodes.options.tls),
+            **_timeouts(settings)}
+
+
+def _sentinel_options(settings: RedisSettings, nodes: Topology) -> dict[str, Any]:
+    """The sentinels' own credentials and TLS (URL options), and the timeouts."""
+    return {**nodes.options.sentinel_kwargs(), **_timeouts(settings)}
 
 
 # (redis-py leaves these untyped)
@@ -114,7 +120,8 @@ def _async_nodes(settings: RedisSettings, nodes: Topology,
     if nodes.mode == "cluster":
         seeds = [_ASYNC_SEED(host, port) for host, port in nodes.seeds]
         return cast(aioredis.Redis, RedisCluster(startup_nodes=seeds, **options))
-    sentinel = _ASYNC_SENTINEL(list(nodes.seeds), sentinel_kwargs=_timeouts(settings))
+    sentinel = _ASYNC_SENTINEL(list(nodes.seeds),
+                               sentinel_kwargs=_sentinel_options(settings, nodes))
     return cast(aioredis.Redis, sentinel.master_for(
         nodes.service, redis_class=SentinelRedis, connection_pool_class=BlockingSentinelPool,
         timeout=settings.socket_timeout_s, db=nodes.db, **options))
@@ -129,7 +136,7 @@ def sync_client(settings: RedisSettings) -> redis.Redis:
         seeds = [_SYNC_SEED(host, port) for host, port in nodes.seeds]
         return cast(redis.Redis, SyncRedisCluster(startup_nodes=seeds,
                                                   **_options(settings, nodes)))
-    sentinel = _SYNC_SENTINEL(list(nodes.seeds), sentinel_kwargs=_timeouts(settings))
+    sentinel = _SYNC_SENTINEL(list(nodes.seeds), sentinel_kwargs=_sentinel_options(settings, nodes))
     return cast(redis.Redis, sentinel.master_for(nodes.service, db=nodes.db,
                                                  **_options(settings, nodes)))
 

@@ -11,6 +11,7 @@ from redbatch.config import RedisSettings, Topology, redact_url
 from redbatch.embedded import free_port
 from redbatch.errors import ConfigError, RedisUnavailable
 from redbatch.redis_conn import async_client, translated
+from redbatch.url_options import NodeOptions
 
 SECRET = "Qx7Kp9zz"
 
@@ -27,6 +28,21 @@ SECRET = "Qx7Kp9zz"
 ])
 def test_several_node_urls_name_their_seeds(url: str, expected: Topology) -> None:
     assert RedisSettings(url).topology == expected
+
+
+def test_options_give_tls_and_the_sentinels_credentials() -> None:
+    nodes = RedisSettings("redis+cluster://h:7000?ssl=true&ssl_ca_certs=/etc/ca.pem"
+                          "&ssl_cert_reqs=Required").topology
+    assert nodes is not None
+    assert nodes.options == NodeOptions((("ssl", True), ("ssl_ca_certs", "/etc/ca.pem"),
+                                         ("ssl_cert_reqs", "required")), sentinel_tls=True)
+    nodes = RedisSettings(f"redis+sentinel://:data@s:26379/svc?sentinel_password={SECRET}"
+                          "&sentinel_username=watch").topology
+    assert nodes is not None and nodes.options.tls == () and nodes.password == "data"
+    assert nodes.options.sentinel_kwargs() == {"username": "watch", "password": SECRET}
+    assert SECRET not in repr(nodes)
+    tls_data_only = RedisSettings("redis+sentinel://s/svc?ssl=on&sentinel_ssl=off").topology
+    assert tls_data_only is not None and tls_data_only.options.sentinel_kwargs() == {}
 
 
 def test_credentials_are_percent_decoded_for_the_data_nodes() -> None:
@@ -51,7 +67,12 @@ def test_plain_urls_have_no_topology(url: str) -> None:
     ("redis+cluster://h:0", "port is not a number"),
     ("redis+cluster://h:7000,h:99999", "port is not a number"),
     ("redis+cluster://h:7000/3", "database 0 only"),
-    ("redis+cluster://h:7000?ssl=true", "options"),
+    ("redis+cluster://h:7000?ssl=maybe", "option 'ssl' is not true or false"),
+    ("redis+cluster://h:7000?ssl_ca_certs=ca.pem", "option 'ssl_ca_certs' needs ssl=true"),
+    ("redis+cluster://h:7000?ssl=1&ssl_cert_reqs=lax", "'ssl_cert_reqs' is not none, opt"),
+    (f"redis+cluster://h:7000?sentinel_password={SECRET}", "'sentinel_password' is not one"),
+    ("redis+sentinel://h:26379/svc?sentinel_ssl=2", "option 'sentinel_ssl' is not true"),
+    ("redis+sentinel://h:26379/svc?timeout=3", "option 'timeout' is not one of"),
     ("redis+sentinel://h:26379", "no service name"),
     ("redis+sentinel://h:26379/", "no service name"),
     ("redis+sentinel://h:26379/svc/zero", "no service name"),
@@ -69,6 +90,8 @@ def test_bad_several_node_urls_fail_loudly_quoting_nothing(url: str, problem: st
      "redis+cluster://rb:***@a:7000,b:7001"),
     (f"redis+sentinel://:{SECRET}@s1:26379,s2:26379/svc/1",
      "redis+sentinel://:***@s1:26379,s2:26379/svc/1"),
+    (f"redis+sentinel://s1/svc?ssl=1&sentinel_password={SECRET}&sentinel_ssl=0",
+     "redis+sentinel://s1/svc?ssl=1&sentinel_password=***&sentinel_ssl=0"),
 ])
 def test_a_password_never_shows(url: str, safe: str) -> None:
     settings = RedisSettings(url)
