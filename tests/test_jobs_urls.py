@@ -3,12 +3,16 @@ needs a plain Redis (``REDBATCH_JOBS_REDIS_URL``), the items go to ``REDIS_URL``
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
+import redis
 
 from redbatch.cli import build_parser
 from redbatch.errors import ConfigError
 from redbatch.jobs.cli import main as jobs_main
-from redbatch.jobs.urls import JOBS_URL_ENV, queues_url, rq_settings
+from redbatch.jobs.submit import submit_bulk
+from redbatch.jobs.urls import JOBS_URL_ENV, portable, queues_url, rq_settings, with_password
 
 CLUSTER = "redis+cluster://:s3cr3t@10.0.0.1:7000,10.0.0.2:7000"
 PLAIN = "redis://10.0.0.9:6379/0"
@@ -48,3 +52,28 @@ def test_jobs_on_a_cluster_url_alone_exit_2_naming_the_setting(
     assert jobs_main(build_parser().parse_args(["jobs", "status", "some-job"])) == 2
     err = capsys.readouterr().err
     assert JOBS_URL_ENV in err and "s3cr3t" not in err
+
+
+@pytest.mark.parametrize(("url", "stored"), [
+    (CLUSTER, "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"),
+    ("redis+sentinel://rb:s3cr3t@s:26379/svc?ssl=1&sentinel_password=s3cr3t&sentinel_ssl=0",
+     "redis+sentinel://rb@s:26379/svc?ssl=1&sentinel_ssl=0"),
+    ("unix:///tmp/r.sock?db=2&password=s3cr3t", "unix:///tmp/r.sock?db=2"),
+    (PLAIN, PLAIN),
+])
+def test_a_job_stores_its_queues_url_without_passwords(url: str, stored: str) -> None:
+    assert portable(url) == stored
+    assert with_password(stored, {"REDIS_URL": url}) == url  # the RQ worker's own
+    assert with_password(stored, {"REDIS_URL": "redis://elsewhere:6379/0"}) == stored
+    assert with_password(stored, {}) == stored
+
+
+def test_a_submitted_job_holds_no_password(raw_redis: redis.Redis) -> None:
+    job = submit_bulk(raw_redis, "inc", [1, 2], redis_url=CLUSTER, queue="rb-test-pw")
+    try:
+        assert job.kwargs["redis_url"] == portable(CLUSTER)
+        call = zlib.decompress(raw_redis.hget(job.key, "data") or b"")  # RQ's stored call
+        assert b"10.0.0.1:7000" in call and b"s3cr3t" not in call
+        assert all(b"s3cr3t" not in v for v in raw_redis.hvals(job.key))
+    finally:
+        job.delete()

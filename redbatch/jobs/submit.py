@@ -28,6 +28,7 @@ from redbatch.jobs.errors import UnknownJob
 from redbatch.jobs.progress import META_KEYS
 from redbatch.jobs.sources import check_output, check_source, describe
 from redbatch.jobs.tasks import BulkOptions, run_bulk
+from redbatch.jobs.urls import portable
 
 TERMINAL = frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED,
                       JobStatus.CANCELED})
@@ -48,15 +49,16 @@ def submit_bulk(redis_conn: redis.Redis, model: str, source: Any, *,
     ``.jsonl`` path (made absolute; the RQ worker must see the same file) or http(s)
     URL.  ``retry``: an ``rq.Retry``, or a number of immediate retries (0: none); a
     ``Retry`` with intervals needs ``rq worker --with-scheduler``.  ``redis_url``: where
-    redbatch's queues are, when not on the RQ job's own Redis (it is stored in the job's
-    arguments, never in its description)."""
+    redbatch's queues are, when not on the RQ job's own Redis (stored in the job's
+    arguments without its passwords, which the RQ worker takes from its own
+    ``$REDIS_URL``: ``urls.with_password``)."""
     protocol.check_model_name(model)
     source = check_source(source)
     out = check_output(output)
     description = f"redbatch bulk: {model} <- {describe(source)}" + (f" -> {out}" if out else "")
     return Queue(queue, connection=redis_conn).enqueue(
         run_bulk, args=(model, source, out),
-        kwargs={"options": options or BulkOptions(), "redis_url": redis_url},
+        kwargs={"options": options or BulkOptions(), "redis_url": portable(redis_url)},
         job_timeout=job_timeout, result_ttl=result_ttl, failure_ttl=failure_ttl,
         retry=_retry(retry), description=description, job_id=job_id,
         meta={"model": model, "total": None, "done": 0, "failed": 0})

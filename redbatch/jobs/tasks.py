@@ -60,6 +60,7 @@ from redbatch.jobs.progress import Progress
 from redbatch.jobs.sinks import write_output
 from redbatch.jobs.sources import BadRow, check_output, open_source
 from redbatch.jobs.throttle import queue_of, wait_for_room
+from redbatch.jobs.urls import with_password
 from redbatch.producer.client import Client
 from redbatch.redis_conn import translated
 
@@ -105,7 +106,7 @@ def run_bulk(model: str, source: Any, output: str | None = None, *,
     opts = options or BulkOptions()
     out_path = check_output(output)
     job = get_current_job()
-    url = redis_url or (url_of(job.connection) if job is not None else None)
+    url = with_password(redis_url) or (url_of(job.connection) if job is not None else None)
     with open_source(source) as inputs:
         progress = Progress(job, model, inputs.total, opts.max_errors)
         progress.publish()

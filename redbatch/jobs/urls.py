@@ -9,7 +9,9 @@ plain Redis for RQ, and the jobs' items go to ``REDIS_URL``.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from redbatch.config import RedisSettings, topology
 from redbatch.errors import ConfigError
@@ -42,3 +44,29 @@ def queues_url(given: str | None, rq_given: str | None,
     if rq_given:
         return redis_url if topology(redis_url) is not None else None
     return redis_url if env.get(JOBS_URL_ENV) else None
+
+
+PASSWORD_PARAM = re.compile(r"(?i)&?\b(?:sentinel_)?password=[^&#]*")
+
+
+def portable(url: str | None) -> str | None:
+    """``url`` as a job stores it: without its passwords (the user's, a ``password=``
+    or ``sentinel_password=`` option), since RQ shows a job's arguments to whoever
+    reads its Redis (``rq info``, dashboards).  ``with_password`` puts them back on
+    the RQ worker."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username}@{hosts}" if parts.username else hosts
+    query = PASSWORD_PARAM.sub("", parts.query).lstrip("&")
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+def with_password(stored: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """The URL a job connects to: its stored one, or, when the RQ worker's own
+    ``$REDIS_URL`` names the same Redis (equal once its passwords are taken out), that
+    one, passwords included."""
+    env = os.environ if env is None else env
+    own = env.get("REDIS_URL")
+    return own if stored is not None and own and portable(own) == stored else stored
