@@ -137,7 +137,19 @@ def test_a_pass_counts_for_its_size_rounded_up_with_its_own_items() -> None:
     curve.add(3, 6.0)
     assert curve.items == {4: 3.0} and curve.ms == {4: 6.0}
     curve.add(4, 10.0)
-    assert curve.items[4] == pytest.approx(3.3) and curve.ms[4] == pytest.approx(7.2)
+    assert curve.items == {4: 3.5} and curve.ms == {4: 8.0}  # medians
+
+
+def test_a_pass_slowed_by_another_process_moves_no_choice() -> None:
+    """Passes of 32 take 10 ms, of 1 2 ms; two passes of 32 that waited for the core
+    (200 ms) do not make batch 1 look better, nor put batch 32 over the budget."""
+    sizer = AutoSizer(explore_every=0)
+    for _ in range(5):
+        sizer.observe(None, 32, 10.0)
+        sizer.observe(None, 1, 2.0)
+    sizer.observe(None, 32, 200.0)
+    sizer.observe(None, 32, 200.0)
+    assert sizer.size(None, 32) == 32
 
 
 def test_exploration_is_rare_seeded_and_tries_the_neighbours() -> None:

@@ -3,11 +3,13 @@ size that gives the most items per second, learned from the passes as they run.
 
 Batching does not always pay: on a CPU a transformer's short inputs gain many times
 from batch 32 over batch 1, its long ones lose.  So, per bucket (a fixed-shape model
-has one, ``"all"``), the worker keeps the smoothed time and item count of its passes by
-size, the size rounded up to a power of two (a pass of 3 items counts for size 4, with
-its 3 items).  The size it cuts a bucket's passes at is the one whose passes gave the
-most items/s, ``items / pass time``, among those whose pass took at most
-``MAX_PASS_MS`` (size 1 is always allowed); never above ``max_batch_size``, a cap.
+has one, ``"all"``), the worker keeps the time and item count of its last ``RECENT``
+passes by size, the size rounded up to a power of two (a pass of 3 items counts for
+size 4, with its 3 items), and reads their medians: a pass that another process slowed
+down (it took the core) moves nothing.  The size it cuts a bucket's passes at is the
+one whose passes gave the most items/s, ``items / pass time``, among those whose pass
+took at most ``MAX_PASS_MS`` (size 1 is always allowed); never above
+``max_batch_size``, a cap.
 
 * Before ``WARMUP_PASSES`` passes of a bucket were measured, its passes are cut at
   ``max_batch_size``, as without ``auto_batch``.
@@ -20,11 +22,13 @@ most items/s, ``items / pass time``, among those whose pass took at most
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 WARMUP_PASSES = 4  # passes of a bucket measured before its size is chosen by them
 EXPLORE_EVERY = 16  # one choice in this many tries a neighbouring size
-SMOOTHING = 0.3  # weight of the last pass in a size's smoothed time and items
+RECENT = 9  # passes per size slot whose medians make its figures
 MAX_PASS_MS = 100.0  # the latency budget of one pass (size 1 is always allowed)
 FIXED = "all"  # the bucket label of a fixed-shape model
 EXTEND_GAIN = 0.20  # items/s gained by the last doubling that lets the cut grow past it
@@ -42,38 +46,45 @@ def label(bucket: int | None) -> str:
 
 @dataclass
 class Curve:
-    """One bucket's passes: per size slot, the smoothed pass time (ms) and items."""
+    """One bucket's passes: per size slot, the items and time (ms) of its last
+    ``RECENT`` passes, whose medians are the slot's figures (a pass slowed by another
+    process taking the core moves no median)."""
 
-    ms: dict[int, float] = field(default_factory=dict)
-    items: dict[int, float] = field(default_factory=dict)
+    recent: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
     passes: int = 0
 
     def add(self, items: int, ms: float) -> None:
-        key = slot(items)
         self.passes += 1
-        if key not in self.ms:
-            self.ms[key], self.items[key] = ms, float(items)
-            return
-        self.ms[key] += SMOOTHING * (ms - self.ms[key])
-        self.items[key] += SMOOTHING * (items - self.items[key])
+        self.recent.setdefault(slot(items), deque(maxlen=RECENT)).append((float(items), ms))
+
+    @property
+    def ms(self) -> dict[int, float]:
+        """Per slot, the median pass time."""
+        return {k: median(ms for _items, ms in passes) for k, passes in self.recent.items()}
+
+    @property
+    def items(self) -> dict[int, float]:
+        """Per slot, the median items per pass."""
+        return {k: median(n for n, _ms in passes) for k, passes in self.recent.items()}
 
     def best(self, cap: int, budget_ms: float) -> int:
         """The slot of the most items/s among those within the budget and the cap
         (the quickest slot when none is within the budget)."""
-        keys = [k for k in self.ms if k <= slot(cap)] or [min(self.ms)]
-        fits = [k for k in keys if self.ms[k] <= budget_ms] or [min(keys, key=lambda k: self.ms[k])]
+        ms = self.ms
+        keys = [k for k in ms if k <= slot(cap)] or [min(ms)]
+        fits = [k for k in keys if ms[k] <= budget_ms] or [min(keys, key=ms.__getitem__)]
         top = max(fits, key=self.rate)
         return self._extended(top, cap, budget_ms) if self._rising(top) else top
 
     def rate(self, key: int) -> float:
-        """Items per ms of the passes of slot ``key``."""
-        return self.items[key] / max(self.ms[key], 1e-6)
+        """Items per ms of the passes of slot ``key`` (the median of theirs)."""
+        return median(n / max(ms, 1e-6) for n, ms in self.recent[key])
 
     def _rising(self, top: int) -> bool:
         """Whether ``top`` is the largest slot measured and items/s still rose into it."""
-        if top != max(self.ms):
+        if top != max(self.recent):
             return False
-        below = [k for k in self.ms if k < top]
+        below = [k for k in self.recent if k < top]
         return not below or self.rate(top) >= (1 + EXTEND_GAIN) * self.rate(max(below))
 
     def _extended(self, top: int, cap: int, budget_ms: float) -> int:
@@ -113,7 +124,7 @@ class AutoSizer:
         sides = sorted({max(1, best // 2), min(cap, best * 2)} - {best})
         if not sides:
             return best
-        fresh = [s for s in sides if slot(s) not in curve.ms]
+        fresh = [s for s in sides if slot(s) not in curve.recent]
         return self._rng.choice(fresh or sides)
 
     def observe(self, bucket: int | None, items: int, ms: float) -> None:
