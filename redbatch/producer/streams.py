@@ -110,7 +110,7 @@ class Stream:
         assert self._queue is not None
         try:
             chunk = await self._queue.get()
-        except BaseException:
+        except RedbatchError:  # (a cancelled wait leaves the stream open: aclose cancels)
             self.done = True
             raise
         if not chunk.last:

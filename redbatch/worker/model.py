@@ -196,7 +196,7 @@ class Model:
 
 def is_stream_fn(fn: Any) -> bool:
     """Whether ``fn`` is a streaming batch function: a generator, sync or async."""
-    call = getattr(fn, "__call__", None) if not inspect.isfunction(fn) else fn
+    call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
     return inspect.isgeneratorfunction(call) or inspect.isasyncgenfunction(call)
 
 

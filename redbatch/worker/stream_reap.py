@@ -45,7 +45,8 @@ class StreamReaper(Reaper):
         script = self._redis.register_script(lua_stream.REAP)
         result = int(await script(keys=keys, args=args))
         if result >= 0:
-            await self._done(worker_id, force, Plan([b""] * result, [b""] * len(dead)), len(raws), None)
+            counted = Plan([b""] * result, [b""] * len(dead))  # what _done counts
+            await self._done(worker_id, force, counted, len(raws), None)
         return result
 
     def _plan_one(self, raw: bytes, bump: bool, keys: list[str], per_entry: list[Any],
