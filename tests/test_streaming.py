@@ -1,0 +1,206 @@
+"""Streaming models: numbered chunks, continuous batching, cancels, deadlines, errors,
+the Python iterators, and HTTP (SSE, NDJSON, Triton's generate) against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from redbatch import GatewayConfig, RedisSettings, protocol
+from redbatch.api import create_app
+from redbatch.errors import DeadlineExceeded, ModelError
+from redbatch.generate import generate_model
+from redbatch.producer.client import Client
+from redbatch.producer.sync import SyncClient
+from redbatch.stream_wire import StreamChunk
+from redbatch.worker.process import Worker
+from tests import stream_models
+from tests.conftest import wait_live
+from tests.stream_models import counter, counter_async
+
+
+@pytest.fixture(autouse=True)
+def _fresh_steps() -> None:
+    stream_models.STEPS.clear()
+
+
+async def _collect(client: Client, model: str, value: Any, timeout_s: float = 10
+                   ) -> list[StreamChunk]:
+    return [chunk async for chunk in client.stream(model, value, timeout_s, chunks=True)]
+
+
+async def test_chunks_numbered_in_order_then_a_final_with_timings(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([counter()])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        stream = client.stream("counter", {"n": 5, "tag": "a"}, 10, chunks=True)
+        chunks = [chunk async for chunk in stream]
+        assert [c.seq for c in chunks] == [0, 1, 2, 3, 4]
+        assert [c.payload for c in chunks] == ["a0", "a1", "a2", "a3", "a4"]
+        assert stream.timings[protocol.F_STEPS] == 6  # 5 chunks, then the STOP
+        assert stream.timings[protocol.F_BATCH_SIZE] == 1
+        assert client.stats()["duplicates"] == 0
+    assert raw_redis.get(protocol.request_key("counter", stream.request_id)) == b"d"
+    assert not raw_redis.keys(protocol.inflight_key("counter", "*")) or all(
+        raw_redis.llen(k) == 0 for k in raw_redis.keys(protocol.inflight_key("counter", "*")))
+
+
+async def _three(client: Client, model: str) -> tuple[list[str], dict[str, str]]:
+    """A long and a short stream fill the batch of two; a third waits.  The order in
+    which they end, and each one's request id."""
+    ended: list[str] = []
+    ids: dict[str, str] = {}
+
+    async def run(tag: str, n: int, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        stream = client.stream(model, {"n": n, "tag": tag}, 10)
+        assert [x async for x in stream] == [f"{tag}{i}" for i in range(n)]
+        ids[tag] = stream.request_id
+        ended.append(tag)
+
+    await asyncio.gather(run("long", 12, 0), run("short", 1, 0), run("late", 2, 0.02))
+    return ended, ids
+
+
+async def test_continuous_batching_a_waiting_request_joins_mid_batch(
+        start_worker: Callable[..., Worker], redis_url: str, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
+    start_worker([counter(size=2)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        ended, ids = await _three(client, "counter")
+    assert ended[-1] == "long"  # the short and the late one never wait for it
+    together = [keys for keys in stream_models.STEPS
+                if ids["long"] in keys and ids["late"] in keys]
+    assert together, "the waiting request joined the long one's batch"
+    assert max(len(keys) for keys in stream_models.STEPS) == 2  # never past max_batch_size
+
+
+async def test_run_to_completion_batches_make_the_late_request_wait(
+        start_worker: Callable[..., Worker], redis_url: str, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
+    start_worker([counter(size=2, continuous=False)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        ended, ids = await _three(client, "counter")
+    assert ended.index("late") > ended.index("long")
+    assert not [keys for keys in stream_models.STEPS if ids["late"] in keys and len(keys) > 1]
+
+
+async def test_async_generator_and_the_sync_iterator(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([counter_async()])
+    await wait_live(redis_url, "acounter")
+    async with Client(redis_url) as client:
+        assert [c.payload for c in await _collect(client, "acounter", {"n": 3})] == \
+            ["0", "1", "2"]
+    with SyncClient(redis_url) as sync:
+        got = await asyncio.to_thread(lambda: list(sync.stream("acounter", {"n": 4, "tag": "s"},
+                                                               10)))
+    assert got == ["s0", "s1", "s2", "s3"]
+
+
+async def test_model_error_and_deadline_end_the_stream_with_a_typed_error(
+        start_worker: Callable[..., Worker], redis_url: str, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.05)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        seen: list[Any] = []
+        with pytest.raises(ModelError, match="asked to fail"):
+            async for chunk in client.stream("counter", {"n": 5, "fail": 2}, 10):
+                seen.append(chunk)
+        assert seen == ["0", "1"]
+        seen = []
+        with pytest.raises(DeadlineExceeded):
+            async for chunk in client.stream("counter", {"n": 10_000}, 0.4):
+                seen.append(chunk)
+        assert 0 < len(seen) < 100
+
+
+async def test_closing_a_stream_cancels_it_at_the_next_step(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        stream = client.stream("counter", {"n": 10_000}, 20)
+        assert [await anext(stream), await anext(stream)] == ["0", "1"]
+        await stream.aclose()
+        marker = protocol.request_key("counter", stream.request_id)
+        for _ in range(200):
+            if raw_redis.get(marker) == b"d":
+                break
+            await asyncio.sleep(0.02)
+        assert raw_redis.get(marker) == b"d"  # dropped and acked by the worker
+        steps = len(stream_models.STEPS)
+        await asyncio.sleep(0.2)
+        assert len(stream_models.STEPS) == steps  # no more steps for it
+    inflight = raw_redis.keys(protocol.inflight_key("counter", "*"))
+    assert all(raw_redis.llen(k) == 0 for k in inflight)
+
+
+# --- HTTP -------------------------------------------------------------------------
+@asynccontextmanager
+async def gateway(url: str) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(GatewayConfig(), RedisSettings(url))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw",
+                                     timeout=10) as http:
+            yield http
+
+
+def _sse(text: str) -> list[dict[str, Any]]:
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    return [orjson.loads(e[len("data: "):]) for e in events]
+
+
+async def test_http_sse_ndjson_and_v2_generate_stream(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([generate_model(max_batch_size=8), counter()])
+    await wait_live(redis_url, "generate")
+    body = {"prompt": "hello", "max_tokens": 6}
+    async with gateway(redis_url) as http:
+        sse = await http.post("/v1/models/generate/predict", json=body,
+                              headers={"accept": "text/event-stream"})
+        assert sse.status_code == 200
+        assert sse.headers["content-type"].startswith("text/event-stream")
+        events = _sse(sse.text)
+        assert [e["seq"] for e in events[:-1]] == list(range(6))
+        assert events[-1]["last"] is True and events[-1]["timings"]["steps"] == 7
+        text = "".join(e["text"] for e in events[:-1])
+        nd = await http.post("/v1/models/generate/predict", json=body)
+        assert nd.headers["content-type"].startswith("application/x-ndjson")
+        lines = [orjson.loads(line) for line in nd.text.splitlines()]
+        assert "".join(e["text"] for e in lines[:-1]) == text  # seeded, greedy
+        assert lines[-1]["last"] is True
+        v2 = await http.post("/v2/models/generate/generate_stream",
+                             json={"text_input": "hello", "max_tokens": 6})
+        v2_events = _sse(v2.text)
+        assert "".join(e["text_output"] for e in v2_events) == text
+        assert v2_events[0]["model_name"] == "generate"
+        whole = await http.post("/v2/models/generate/generate",
+                                json={"text_input": "hello", "parameters": {"max_tokens": 6}})
+        assert whole.json()["text_output"] == text
+        listing = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+        assert listing["generate"]["streaming"] is True
+        failed = await http.post("/v1/models/counter/predict", json={"n": 3, "fail": 0})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "model_error"
+        late = await http.post("/v1/models/counter/predict", json={"n": 3, "fail": 1})
+        assert late.status_code == 200  # the failure comes after a chunk: the last event
+        assert [e.get("error", {}).get("code") for e in
+                [orjson.loads(x) for x in late.text.splitlines()]] == [None, "model_error"]
