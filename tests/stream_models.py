@@ -15,7 +15,15 @@ from redbatch.worker.stream_batch import STOP, StreamBatch
 
 STEPS: list[list[str]] = []  # the members (keys) of every step, in-process models
 STEP_S = float(os.environ.get("STREAM_STEP_S", "0"))
-DIE_AT = int(os.environ.get("STREAM_DIE_AT", "-1"))  # crasher: exit at this chunk
+DIE_AT = int(os.environ.get("STREAM_DIE_AT", "-1"))  # crasher: exit at this chunk,
+DIE_FILE = os.environ.get("STREAM_DIE_FILE", "")  # once: the file it then creates says so
+
+
+def _die_now(sent: dict[str, int]) -> bool:
+    if DIE_AT < 0 or max(sent.values()) <= DIE_AT or os.path.exists(DIE_FILE):
+        return False
+    with open(DIE_FILE, "w"):
+        return True
 
 
 def _items(batch: StreamBatch, sent: dict[str, int]) -> list[Any]:
@@ -36,7 +44,7 @@ def counting(batch: StreamBatch) -> Iterator[list[Any]]:
     sent: dict[str, int] = {}
     while len(batch):
         items = _items(batch, sent)
-        if DIE_AT >= 0 and max(sent.values()) > DIE_AT:
+        if _die_now(sent):
             os._exit(17)  # a crash mid-stream: no reply, no cleanup
         time.sleep(STEP_S)
         yield items

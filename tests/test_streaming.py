@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,14 +16,16 @@ import redis
 
 from redbatch import GatewayConfig, RedisSettings, protocol
 from redbatch.api import create_app
-from redbatch.errors import DeadlineExceeded, ModelError
+from redbatch.errors import DeadlineExceeded, ModelError, WorkerCrashed
 from redbatch.generate import generate_model
 from redbatch.producer.client import Client
 from redbatch.producer.sync import SyncClient
 from redbatch.stream_wire import StreamChunk
 from redbatch.worker.process import Worker
 from tests import stream_models
-from tests.conftest import wait_live
+from tests.conftest import Proc, redbatch_cmd, test_env, wait_live
+from tests.test_disconnect import served
+from tests.test_reliability import FAST_LEASE
 from tests.stream_models import counter, counter_async
 
 
@@ -204,3 +207,65 @@ async def test_http_sse_ndjson_and_v2_generate_stream(
         assert late.status_code == 200  # the failure comes after a chunk: the last event
         assert [e.get("error", {}).get("code") for e in
                 [orjson.loads(x) for x in late.text.splitlines()]] == [None, "model_error"]
+
+
+# --- a worker that dies mid-stream ------------------------------------------------
+async def _ledger(client: Client, model: str, n: int) -> tuple[list[int], str]:
+    """A stream's chunk numbers as they came, and how it ended (``ok`` or the code)."""
+    seqs: list[int] = []
+    try:
+        async for chunk in client.stream(model, {"n": n}, 30, chunks=True):
+            seqs.append(chunk.seq)
+    except WorkerCrashed as exc:
+        return seqs, exc.code
+    return seqs, "ok"
+
+
+@pytest.mark.e2e
+async def test_worker_killed_mid_stream_ends_started_streams_with_a_typed_error(
+        spawn: Callable[..., Proc], redis_url: str, raw_redis: redis.Redis,
+        tmp_path: Path) -> None:
+    """The replica dies once, at chunk 3 of a batch of 4 streams; its restart reaps it
+    and serves the 2 streams that waited.  A ledger of every stream's chunks."""
+    env = test_env(STREAM_DIE_AT="3", STREAM_STEP_S="0.05",
+                   STREAM_DIE_FILE=str(tmp_path / "died"), **FAST_LEASE)
+    spawn(redbatch_cmd("worker", "tests.stream_models:crasher", "--redis-url", redis_url,
+                       "--lease-ttl-s", "1"), env=env, name="crasher")
+    await wait_live(redis_url, "crasher")
+    async with Client(redis_url) as client:
+        streams = [asyncio.create_task(_ledger(client, "crasher", 8)) for _ in range(6)]
+        ledgers = await asyncio.wait_for(asyncio.gather(*streams), 25)
+        assert client.stats()["duplicates"] == 0
+    assert (tmp_path / "died").exists()
+    crashed = [seqs for seqs, end in ledgers if end == "worker_crashed"]
+    served = [seqs for seqs, end in ledgers if end == "ok"]
+    assert len(crashed) == 4 and len(served) == 2  # the batch of 4; the 2 that waited
+    assert all(seqs == [0, 1, 2] for seqs in crashed)  # no gap, no repeat, no re-run
+    assert all(seqs == list(range(8)) for seqs in served)
+    inflight = raw_redis.keys(protocol.inflight_key("crasher", "*"))
+    assert all(raw_redis.llen(k) == 0 for k in inflight)
+
+
+@pytest.mark.e2e
+async def test_http_client_that_disconnects_cancels_its_stream(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with served(redis_url) as http:
+        async with http.stream("POST", "/v1/models/counter/predict", json={"n": 10_000},
+                               headers={"accept": "text/event-stream"}) as response:
+            request_id = response.headers["x-request-id"]
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    break  # and hang up
+    marker = protocol.request_key("counter", request_id)
+    for _ in range(250):
+        if raw_redis.get(marker) == b"d":
+            break
+        await asyncio.sleep(0.02)
+    assert raw_redis.get(marker) == b"d"  # the worker dropped it
+    steps = len(stream_models.STEPS)
+    await asyncio.sleep(0.2)
+    assert len(stream_models.STEPS) == steps

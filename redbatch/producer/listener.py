@@ -250,7 +250,9 @@ class ReplyListener:
             self.stats.count(chunk.id, answered=stream is not None)
         if stream is None:
             return  # its caller gave up
+        before = stream.duplicates
         stream.put(chunk)
+        self.stats.duplicates += stream.duplicates - before
         if stream.closed:
             del self._streams[chunk.id]
 
