@@ -24,9 +24,9 @@ from redbatch.stream_wire import StreamChunk
 from redbatch.worker.process import Worker
 from tests import stream_models
 from tests.conftest import Proc, redbatch_cmd, test_env, wait_live
+from tests.stream_models import counter, counter_async
 from tests.test_disconnect import served
 from tests.test_reliability import FAST_LEASE
-from tests.stream_models import counter, counter_async
 
 
 @pytest.fixture(autouse=True)
@@ -253,13 +253,13 @@ async def test_http_client_that_disconnects_cancels_its_stream(
     monkeypatch.setattr(stream_models, "STEP_S", 0.02)
     start_worker([counter(size=4)])
     await wait_live(redis_url, "counter")
-    async with served(redis_url) as http:
-        async with http.stream("POST", "/v1/models/counter/predict", json={"n": 10_000},
-                               headers={"accept": "text/event-stream"}) as response:
-            request_id = response.headers["x-request-id"]
-            async for line in response.aiter_lines():
-                if line.startswith("data:"):
-                    break  # and hang up
+    sse = {"accept": "text/event-stream"}
+    async with served(redis_url) as http, http.stream(
+            "POST", "/v1/models/counter/predict", json={"n": 10_000}, headers=sse) as response:
+        request_id = response.headers["x-request-id"]
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                break  # and hang up
     marker = protocol.request_key("counter", request_id)
     for _ in range(250):
         if raw_redis.get(marker) == b"d":
