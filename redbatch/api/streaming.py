@@ -77,6 +77,7 @@ class StreamAnswer(Response):
                  sse: bool, request_id: str) -> None:
         super().__init__(status_code=200, media_type=SSE if sse else NDJSON,
                          headers={"x-request-id": request_id, "cache-control": "no-cache"})
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.stream, self.first, self.sse = stream, first, sse
         self.shape, self.final = shapes
 

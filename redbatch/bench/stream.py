@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import statistics
@@ -62,7 +63,7 @@ class Result:
         return {"server": self.server, "streams": self.streams, "requests": self.requests,
                 "tokens_per_s": round(self.tokens / self.wall_s, 1),
                 "ttft_p50_ms": round(statistics.median(ttft), 1),
-                "ttft_p95_ms": round(ttft[int(0.95 * (len(ttft) - 1))], 1)}
+                "ttft_p95_ms": round(ttft[math.ceil(0.95 * len(ttft)) - 1], 1)}
 
 
 Open = Callable[[str, int], AsyncIterator[Any]]  # prompt, tokens -> the chunks
