@@ -392,7 +392,7 @@ class Client:
         return Stream(self, model, inputs, self._deadline(timeout_s, deadline_ms),
                       trace_id, max_queue_len, chunks)
 
-    async def open_stream(self, model: str, inputs: Any, deadline_ms: int,
+    async def _open_stream(self, model: str, inputs: Any, deadline_ms: int,
                           trace_id: str = "", max_queue_len: int | None = None
                           ) -> tuple[str, ChunkQueue]:
         """Enqueue one streaming request: its id and the queue of its messages."""

@@ -96,7 +96,7 @@ class Stream:
     async def open(self) -> None:
         """Enqueue the request (once); its listener routes its messages here."""
         if self._queue is None:
-            self.request_id, self._queue = await self._client.open_stream(
+            self.request_id, self._queue = await self._client._open_stream(
                 self.model, self._inputs, self.deadline_ms, self._trace_id,
                 self._max_queue_len)
 
