@@ -8,8 +8,8 @@ import signal
 from collections.abc import Callable
 
 import httpx
-import orjson
 import numpy as np
+import orjson
 import pytest
 import torch
 
