@@ -73,14 +73,20 @@ async def _three(client: Client, model: str) -> tuple[list[str], dict[str, str]]
     return ended, ids
 
 
+async def _three_on(start_worker: Callable[..., Worker], redis_url: str, continuous: bool,
+                    monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], dict[str, str]]:
+    """``_three`` on a counter of batches of 2 whose steps take 10 ms."""
+    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
+    start_worker([counter(size=2, continuous=continuous)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        return await _three(client, "counter")
+
+
 async def test_continuous_batching_a_waiting_request_joins_mid_batch(
         start_worker: Callable[..., Worker], redis_url: str, monkeypatch: pytest.MonkeyPatch
         ) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
-    start_worker([counter(size=2)])
-    await wait_live(redis_url, "counter")
-    async with Client(redis_url) as client:
-        ended, ids = await _three(client, "counter")
+    ended, ids = await _three_on(start_worker, redis_url, True, monkeypatch)
     assert ended[-1] == "long"  # the short and the late one never wait for it
     together = [keys for keys in stream_models.STEPS
                 if ids["long"] in keys and ids["late"] in keys]
@@ -91,11 +97,7 @@ async def test_continuous_batching_a_waiting_request_joins_mid_batch(
 async def test_run_to_completion_batches_make_the_late_request_wait(
         start_worker: Callable[..., Worker], redis_url: str, monkeypatch: pytest.MonkeyPatch
         ) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
-    start_worker([counter(size=2, continuous=False)])
-    await wait_live(redis_url, "counter")
-    async with Client(redis_url) as client:
-        ended, ids = await _three(client, "counter")
+    ended, ids = await _three_on(start_worker, redis_url, False, monkeypatch)
     assert ended.index("late") > ended.index("long")
     assert not [keys for keys in stream_models.STEPS if ids["late"] in keys and len(keys) > 1]
 
@@ -116,9 +118,7 @@ async def test_async_generator_and_the_sync_iterator(
 async def test_model_error_and_deadline_end_the_stream_with_a_typed_error(
         start_worker: Callable[..., Worker], redis_url: str, monkeypatch: pytest.MonkeyPatch
         ) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.05)
-    start_worker([counter(size=4)])
-    await wait_live(redis_url, "counter")
+    await _slow_counter(start_worker, redis_url, monkeypatch, 0.05)
     async with Client(redis_url) as client:
         seen: list[Any] = []
         with pytest.raises(ModelError, match="asked to fail"):
@@ -132,27 +132,39 @@ async def test_model_error_and_deadline_end_the_stream_with_a_typed_error(
         assert 0 < len(seen) < 100
 
 
+async def _slow_counter(start_worker: Callable[..., Worker], redis_url: str,
+                        monkeypatch: pytest.MonkeyPatch, step_s: float) -> None:
+    """A counter of batches of 4 whose steps take ``step_s``, live."""
+    monkeypatch.setattr(stream_models, "STEP_S", step_s)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+
+
+async def _assert_dropped(raw_redis: redis.Redis, request_id: str) -> None:
+    """The worker dropped and acked the request (its marker turned to ``d``), and
+    steps no more."""
+    marker = protocol.request_key("counter", request_id)
+    for _ in range(250):
+        if raw_redis.get(marker) == b"d":
+            break
+        await asyncio.sleep(0.02)
+    assert raw_redis.get(marker) == b"d"
+    steps = len(stream_models.STEPS)
+    await asyncio.sleep(0.2)
+    assert len(stream_models.STEPS) == steps
+    inflight = raw_redis.keys(protocol.inflight_key("counter", "*"))
+    assert all(raw_redis.llen(k) == 0 for k in inflight)
+
+
 async def test_closing_a_stream_cancels_it_at_the_next_step(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
-    start_worker([counter(size=4)])
-    await wait_live(redis_url, "counter")
+    await _slow_counter(start_worker, redis_url, monkeypatch, 0.02)
     async with Client(redis_url) as client:
         stream = client.stream("counter", {"n": 10_000}, 20)
         assert [await anext(stream), await anext(stream)] == ["0", "1"]
         await stream.aclose()
-        marker = protocol.request_key("counter", stream.request_id)
-        for _ in range(200):
-            if raw_redis.get(marker) == b"d":
-                break
-            await asyncio.sleep(0.02)
-        assert raw_redis.get(marker) == b"d"  # dropped and acked by the worker
-        steps = len(stream_models.STEPS)
-        await asyncio.sleep(0.2)
-        assert len(stream_models.STEPS) == steps  # no more steps for it
-    inflight = raw_redis.keys(protocol.inflight_key("counter", "*"))
-    assert all(raw_redis.llen(k) == 0 for k in inflight)
+        await _assert_dropped(raw_redis, stream.request_id)
 
 
 # --- HTTP -------------------------------------------------------------------------
@@ -250,9 +262,7 @@ async def test_worker_killed_mid_stream_ends_started_streams_with_a_typed_error(
 async def test_http_client_that_disconnects_cancels_its_stream(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
-    start_worker([counter(size=4)])
-    await wait_live(redis_url, "counter")
+    await _slow_counter(start_worker, redis_url, monkeypatch, 0.02)
     sse = {"accept": "text/event-stream"}
     async with served(redis_url) as http, http.stream(
             "POST", "/v1/models/counter/predict", json={"n": 10_000}, headers=sse) as response:
@@ -260,12 +270,4 @@ async def test_http_client_that_disconnects_cancels_its_stream(
         async for line in response.aiter_lines():
             if line.startswith("data:"):
                 break  # and hang up
-    marker = protocol.request_key("counter", request_id)
-    for _ in range(250):
-        if raw_redis.get(marker) == b"d":
-            break
-        await asyncio.sleep(0.02)
-    assert raw_redis.get(marker) == b"d"  # the worker dropped it
-    steps = len(stream_models.STEPS)
-    await asyncio.sleep(0.2)
-    assert len(stream_models.STEPS) == steps
+    await _assert_dropped(raw_redis, request_id)
