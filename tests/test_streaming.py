@@ -13,15 +13,18 @@ import httpx
 import orjson
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from redbatch import GatewayConfig, RedisSettings, protocol
+from redbatch import GatewayConfig, RedisSettings, codec, protocol
 from redbatch.api import create_app
+from redbatch.codec import Format
 from redbatch.errors import DeadlineExceeded, ModelError, WorkerCrashed
 from redbatch.generate import generate_model
 from redbatch.producer.client import Client
 from redbatch.producer.sync import SyncClient
 from redbatch.stream_wire import StreamChunk
 from redbatch.worker.process import Worker
+from redbatch.worker.stream_reap import StreamReaper
 from tests import stream_models
 from tests.conftest import Proc, redbatch_cmd, test_env, wait_live
 from tests.stream_models import counter, counter_async
@@ -271,3 +274,42 @@ async def test_http_client_that_disconnects_cancels_its_stream(
             if line.startswith("data:"):
                 break  # and hang up
     await _assert_dropped(raw_redis, request_id)
+
+
+# --- the stream reaper, on entries laid out by hand --------------------------------
+def _entry(reply_to: str, attempt: int = 0, fmt: Format = "msgpack"
+           ) -> tuple[protocol.Request, bytes]:
+    now = protocol.now_ms()
+    request = protocol.Request(protocol.new_id(), "counter", now, now + 30_000, reply_to,
+                               {"n": 3}, attempt)
+    return request, codec.encode(request.to_wire(), fmt)
+
+
+async def test_the_stream_reaper_ends_started_streams_and_requeues_the_others(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    reply_to = protocol.reply_key("counter", "c1")
+    started, started_raw = _entry(reply_to, fmt="json")
+    fresh, fresh_raw = _entry(reply_to)
+    answered, answered_raw = _entry(reply_to)
+    spent, spent_raw = _entry(reply_to, attempt=2)  # max_attempts 3: may not run again
+    raw_redis.set(protocol.request_key("counter", started.id), "s2")
+    raw_redis.set(protocol.request_key("counter", fresh.id), "q")
+    raw_redis.set(protocol.request_key("counter", answered.id), "d")
+    raw_redis.rpush(protocol.inflight_key("counter", "dead"), started_raw, fresh_raw,
+                    answered_raw, spent_raw)
+    raw_redis.zadd(protocol.workers_key("counter"), {"dead": protocol.now_ms() - 1000})
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await StreamReaper(client, "counter", max_attempts=3).reap("dead") == 1
+    finally:
+        await client.aclose()
+    finals = [codec.decode(raw) for raw in raw_redis.lrange(reply_to, 0, -1)]
+    assert [(m["id"], m["seq"], m["last"], m["ok"], m["error"]["code"]) for m in finals] == [
+        (started.id, 2, True, False, "worker_crashed"), (spent.id, 0, True, False,
+                                                         "worker_crashed")]
+    requeued = [codec.decode(raw) for raw in raw_redis.lrange(protocol.queue_key("counter"),
+                                                              0, -1)]
+    assert [(r["id"], r["attempt"]) for r in requeued] == [(fresh.id, 1)]
+    assert raw_redis.lrange(protocol.dead_letter_key("counter"), 0, -1) == [spent_raw]
+    assert not raw_redis.exists(protocol.inflight_key("counter", "dead"))
+    assert raw_redis.get(protocol.request_key("counter", started.id)) == b"d"

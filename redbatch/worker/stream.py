@@ -71,8 +71,6 @@ class StreamRunner(BatchRunner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fn: Any = args[2] if len(args) > 2 else kwargs["fn"]
-        self.executor = args[4] if len(args) > 4 else kwargs["executor"]
         self.reaper = StreamReaper(self._redis, self.model.name, self.reaper.max_attempts,
                                    self.stats, self._dead_letters, reaper_id=self._worker_id,
                                    same_slot=self._same_slot)
