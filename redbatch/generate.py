@@ -14,6 +14,7 @@ every member by one character in one batched pass, and a member that has its
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +87,9 @@ class CharGRU:
             seq.hidden, seq.token = hidden[i:i + 1], nxt[i]
 
 
-def generator_fn(net: CharGRU) -> BatchFn:
+def generator_fn(net: CharGRU, step_s: float = 0.0) -> BatchFn:
+    """The batch function; ``step_s`` (benchmarks) adds that much to every step, as an
+    accelerator's pass would whatever the batch's size."""
     def generate(batch: StreamBatch) -> Iterator[list[Any]]:
         seqs: dict[str, _Seq] = {}
         while len(batch):
@@ -98,6 +101,8 @@ def generator_fn(net: CharGRU) -> BatchFn:
             out, live = _emit([seqs[key] for key in keys])
             if live:
                 net.step(live)
+            if step_s:
+                time.sleep(step_s)
             yield out
 
     return generate
@@ -117,13 +122,13 @@ def _emit(seqs: list[_Seq]) -> tuple[list[Any], list[_Seq]]:
     return out, live
 
 
-def load(device: str) -> BatchFn:
-    return generator_fn(CharGRU(device))
-
-
 def generate_model(name: str = "generate", max_batch_size: int = 64,
-                   continuous: bool = True) -> Model:
-    """The demo model (``continuous=False``: run-to-completion batches, to compare)."""
+                   continuous: bool = True, step_ms: float = 0.0) -> Model:
+    """The demo model (``continuous=False``: run-to-completion batches, to compare;
+    ``step_ms``: see ``generator_fn``)."""
+    def load(device: str) -> BatchFn:
+        return generator_fn(CharGRU(device), step_ms / 1000)
+
     return Model(name, loader=load, streaming=True, continuous=continuous,
                  policy=BatchPolicy(max_batch_size=max_batch_size, batch_wait_timeout_s=0.002),
                  input_name="prompt", output_name="text")

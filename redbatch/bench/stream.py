@@ -7,8 +7,11 @@ model at 1, 16 and 64 concurrent streams, in one run, for
   in this process, behind an asyncio queue).
 
 Each stream asks for a seeded random number of tokens (8 to 64), so that a batch's
-members end at different steps.  The redbatch workers are separate processes
-(``redbatch worker``), on a private Redis unless ``--redis-url`` is given.
+members end at different steps.  ``--step-ms`` adds a fixed time to every step (in
+each server alike), standing for an accelerator's pass, whose time hardly depends on
+the batch's size: the tiny model's own step costs less than the messages around it.
+The redbatch workers are separate processes (``redbatch worker``), on a private Redis
+unless ``--redis-url`` is given.
 ``python -m redbatch.bench --stream`` (``scripts/bench --stream``).
 """
 
@@ -41,17 +44,23 @@ MIN_TOKENS, MAX_TOKENS = 8, 64
 MODEL = "generate"
 
 
+STEP_ENV = "REDBATCH_BENCH_STEP_MS"  # the workers' step_ms, from the bench
+
+
 def continuous() -> list[Model]:
-    return [generate_model(MODEL, max_batch_size=64)]
+    return [generate_model(MODEL, max_batch_size=64,
+                           step_ms=float(os.environ.get(STEP_ENV, "0")))]
 
 
 def completion() -> list[Model]:
-    return [generate_model(MODEL, max_batch_size=64, continuous=False)]
+    return [generate_model(MODEL, max_batch_size=64, continuous=False,
+                           step_ms=float(os.environ.get(STEP_ENV, "0")))]
 
 
 @dataclass
 class Result:
     server: str
+    step_ms: float
     streams: int
     requests: int
     tokens: int
@@ -60,7 +69,8 @@ class Result:
 
     def row(self) -> dict[str, Any]:
         ttft = sorted(self.ttft_ms)
-        return {"server": self.server, "streams": self.streams, "requests": self.requests,
+        return {"server": self.server, "step_ms": self.step_ms, "streams": self.streams,
+                "requests": self.requests,
                 "tokens_per_s": round(self.tokens / self.wall_s, 1),
                 "ttft_p50_ms": round(statistics.median(ttft), 1),
                 "ttft_p95_ms": round(ttft[math.ceil(0.95 * len(ttft)) - 1], 1)}
@@ -98,8 +108,8 @@ async def _drive(open_stream: Open, streams: int, per_stream: int, seed: int
 class NaiveServer:
     """One request at a time: a queue, one task, the model at batch 1 in a thread."""
 
-    def __init__(self) -> None:
-        self.gen = generator_fn(CharGRU())
+    def __init__(self, step_ms: float) -> None:
+        self.gen = generator_fn(CharGRU(), step_ms / 1000)
         self.queue: asyncio.Queue[tuple[dict[str, Any], asyncio.Queue[Any]]] = asyncio.Queue()
 
     async def serve(self) -> None:
@@ -119,10 +129,11 @@ class NaiveServer:
             yield chunk
 
 
-def _start_worker(url: str, target: str) -> subprocess.Popen[bytes]:
+def _start_worker(url: str, target: str, step_ms: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "redbatch", "worker", target,
                              "--redis-url", url], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, STEP_ENV: str(step_ms)})
 
 
 async def _wait_live(client: Client, timeout_s: float = 60) -> None:
@@ -133,8 +144,8 @@ async def _wait_live(client: Client, timeout_s: float = 60) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _redbatch(url: str, server: str, target: str, per_stream: int) -> list[Result]:
-    proc = _start_worker(url, target)
+async def _redbatch(url: str, server: str, step_ms: float, per_stream: int) -> list[Result]:
+    proc = _start_worker(url, f"redbatch.bench.stream:{server}", step_ms)
     try:
         async with Client(url, require_workers=False, max_timeout_s=600) as client:
             await _wait_live(client)
@@ -142,30 +153,31 @@ async def _redbatch(url: str, server: str, target: str, per_stream: int) -> list
             def open_stream(prompt: str, tokens: int) -> AsyncIterator[Any]:
                 return client.stream(MODEL, {"prompt": prompt, "max_tokens": tokens}, 600)
 
-            return [Result(server, n, n * per_stream, *await _drive(open_stream, n, per_stream,
-                                                                    seed=n))
+            return [Result(server, step_ms, n, n * per_stream,
+                           *await _drive(open_stream, n, per_stream, seed=n))
                     for n in CONCURRENCY]
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-async def _naive(per_stream: int) -> list[Result]:
-    server = NaiveServer()
+async def _naive(step_ms: float, per_stream: int) -> list[Result]:
+    server = NaiveServer(step_ms)
     task = asyncio.create_task(server.serve())
     try:
-        return [Result("naive", n, n * per_stream,
+        return [Result("naive", step_ms, n, n * per_stream,
                        *await _drive(server.stream, n, per_stream, seed=n))
                 for n in CONCURRENCY]
     finally:
         task.cancel()
 
 
-async def run(url: str, per_stream: int) -> list[dict[str, Any]]:
-    results = await _redbatch(url, "continuous", "redbatch.bench.stream:continuous", per_stream)
-    results += await _redbatch(url, "completion", "redbatch.bench.stream:completion",
-                               per_stream)
-    results += await _naive(per_stream)
+async def run(url: str, per_stream: int, steps_ms: list[float]) -> list[dict[str, Any]]:
+    results: list[Result] = []
+    for step_ms in steps_ms:
+        results += await _redbatch(url, "continuous", step_ms, per_stream)
+        results += await _redbatch(url, "completion", step_ms, per_stream)
+        results += await _naive(step_ms, per_stream)
     return [r.row() for r in results]
 
 
@@ -174,11 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     parser.add_argument("--per-stream", type=int, default=4,
                         help="requests each concurrent caller streams in turn (4)")
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 5.0],
+                        help="time added to every step, as an accelerator's pass: one "
+                             "run each (0 5)")
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args(argv)
     embedded = None if args.redis_url else start_embedded()
     try:
-        rows = asyncio.run(run(args.redis_url or embedded.url, args.per_stream))  # type: ignore[union-attr]
+        url = args.redis_url or embedded.url  # type: ignore[union-attr]
+        rows = asyncio.run(run(url, args.per_stream, args.step_ms))
     finally:
         if embedded is not None:
             embedded.stop()
