@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 from redbatch import GatewayConfig, RedisSettings, codec, protocol
 from redbatch.api import create_app
 from redbatch.codec import Format
-from redbatch.errors import DeadlineExceeded, ModelError, WorkerCrashed
+from redbatch.errors import DeadlineExceeded, InvalidPayload, ModelError, WorkerCrashed
+from redbatch.demo import adder
 from redbatch.generate import generate_model
 from redbatch.producer.client import Client
 from redbatch.producer.sync import SyncClient
@@ -313,3 +314,15 @@ async def test_the_stream_reaper_ends_started_streams_and_requeues_the_others(
     assert raw_redis.lrange(protocol.dead_letter_key("counter"), 0, -1) == [spent_raw]
     assert not raw_redis.exists(protocol.inflight_key("counter", "dead"))
     assert raw_redis.get(protocol.request_key("counter", started.id)) == b"d"
+
+
+async def test_stream_and_predict_on_the_wrong_kind_of_model_fail_at_once(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([counter(), adder])
+    await wait_live(redis_url, "counter")
+    await wait_live(redis_url, "adder")
+    async with Client(redis_url) as client:
+        with pytest.raises(InvalidPayload, match="does not stream"):
+            await _collect(client, "adder", 1, timeout_s=20)
+        with pytest.raises(InvalidPayload, match="streams its answers"):
+            await asyncio.wait_for(client.predict("counter", {"n": 2}, 20), 5)

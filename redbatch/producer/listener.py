@@ -248,8 +248,10 @@ class ReplyListener:
         stream = self._streams.get(chunk.id)
         if chunk.last:  # (a stream counts once, as a reply)
             self.stats.count(chunk.id, answered=stream is not None)
-        if stream is None:
-            return  # its caller gave up
+        if stream is None:  # its caller gave up, or awaits one reply (no stream)
+            self.fail(chunk.id, InvalidPayload("the model streams its answers: call it "
+                                               "with stream(), not predict()"))
+            return
         before = stream.duplicates
         stream.put(chunk)
         self.stats.duplicates += stream.duplicates - before
@@ -260,8 +262,12 @@ class ReplyListener:
         waiter = self._waiters.pop(reply.id, None)
         late = waiter is not None and protocol.now_ms() > waiter.deadline_ms
         self.stats.count(reply.id, answered=waiter is not None and not late)
-        if waiter is None:
-            return  # its caller already gave up (deadline) or never waited
+        if waiter is None:  # its caller already gave up (deadline) or never waited,
+            if (stream := self._streams.pop(reply.id, None)) is not None:  # or streams
+                stream.fail(error_from_code(reply.error_code, reply.error_message)
+                            if not reply.ok else InvalidPayload(
+                                "the model does not stream: call it with predict()"))
+            return
         waiter.timer.cancel()
         if late:  # its timer is due but has not run: past the deadline, no answer counts
             reply = protocol.Reply(reply.id, False, error_code=DeadlineExceeded.code,
