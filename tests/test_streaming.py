@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from redbatch import GatewayConfig, RedisSettings, codec, protocol
 from redbatch.api import create_app
 from redbatch.codec import Format
-from redbatch.errors import DeadlineExceeded, InvalidPayload, ModelError, WorkerCrashed
 from redbatch.demo import adder
+from redbatch.errors import DeadlineExceeded, InvalidPayload, ModelError, WorkerCrashed
 from redbatch.generate import generate_model
 from redbatch.producer.client import Client
 from redbatch.producer.sync import SyncClient
