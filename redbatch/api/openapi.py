@@ -316,7 +316,8 @@ def _v1_schemas() -> dict[str, Schema]:
             "additionalProperties": True},
         "V1Models": {"type": "object", "required": ["models"], "properties": {"models": {
             "type": "array", "items": {"type": "object", "required": ["name"],
-                                       "properties": {"name": {"type": "string"}}}}}},
+                                       "properties": {"name": {"type": "string"},
+                                                      "streaming": {"type": "boolean"}}}}}},
         "V1Config": {"type": "object", "required": ["overrides", "effective"], "properties": {
             "overrides": {"type": "object"}, "effective": {"type": "object"}}},
     }
