@@ -63,6 +63,7 @@ class Message:
     member: Member
     data: bytes
     last: bool
+    seq: int
 
 
 class StreamRunner(BatchRunner):
@@ -82,6 +83,8 @@ class StreamRunner(BatchRunner):
         self._unacked = True
         self.claimer.stop = stop
         while not stop.is_set():
+            if self.model.policy is not self._claimer_policy:
+                self._use_policy()  # a live knob change reaches the first claims too
             raws = await self.claimer.claim(self.model.policy.max_batch_size)
             if raws:
                 await StreamLoop(self, stop).run(raws)
@@ -96,8 +99,7 @@ class StreamRunner(BatchRunner):
         for message in messages:
             request = message.member.request
             keys += [protocol.request_key(self.model.name, request.id), request.reply_to]
-            args += [message.member.raw, message.member.seq - (0 if message.last else 1),
-                     1 if message.last else 0,
+            args += [message.member.raw, message.seq, 1 if message.last else 0,
                      protocol.marker_ttl_ms(request.deadline_ms, now), message.data, request.id]
         status, claimed = await self.stream_link.script(lua_stream.STEP, keys, args)
         return [int(s) for s in status], list(claimed)
@@ -156,7 +158,7 @@ class StreamRunner(BatchRunner):
             chunk.error_code, chunk.error_message = error.code, str(error)
         self.stats.entries += 1
         self.stats.items += 1
-        return Message(member, codec.encode(chunk.to_wire(), member.fmt), True)
+        return Message(member, codec.encode(chunk.to_wire(), member.fmt), True, member.seq)
 
     def chunk(self, member: Member, item: Any) -> Message:
         """A chunk for the member's caller (its final error, if it cannot be encoded)."""
@@ -167,7 +169,7 @@ class StreamRunner(BatchRunner):
             return self.final(member, ModelError(f"model {self.model.name!r} yielded a "
                                                  f"chunk that cannot be encoded: {exc}"))
         member.seq += 1
-        return Message(member, data, False)
+        return Message(member, data, False, member.seq - 1)
 
 
 def _next(gen: Iterator[Any]) -> Any:
