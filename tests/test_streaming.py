@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from redbatch import GatewayConfig, RedisSettings, codec, protocol
 from redbatch.api import create_app
+from redbatch.bench.stream import MAX_TOKENS, MIN_TOKENS, NaiveServer, Result, _drive
 from redbatch.codec import Format
 from redbatch.demo import adder
 from redbatch.errors import DeadlineExceeded, InvalidPayload, ModelError, WorkerCrashed
@@ -326,3 +327,16 @@ async def test_stream_and_predict_on_the_wrong_kind_of_model_fail_at_once(
             await _collect(client, "adder", 1, timeout_s=20)
         with pytest.raises(InvalidPayload, match="streams its answers"):
             await asyncio.wait_for(client.predict("counter", {"n": 2}, 20), 5)
+
+
+async def test_bench_naive_server_streams_one_request_at_a_time() -> None:
+    server = NaiveServer(step_ms=0)
+    task = asyncio.create_task(server.serve())
+    try:
+        tokens, wall_s, ttft = await _drive(server.stream, streams=3, per_stream=2, seed=1)
+    finally:
+        task.cancel()
+    assert len(ttft) == 6 and wall_s > 0
+    assert MIN_TOKENS * 6 <= tokens <= MAX_TOKENS * 6
+    row = Result("naive", 0, 3, 6, tokens, wall_s, ttft).row()
+    assert row["ttft_p50_ms"] <= row["ttft_p95_ms"]
