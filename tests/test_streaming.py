@@ -347,26 +347,29 @@ def test_the_step_script_sends_each_seq_once_acks_finals_and_drops_cancelled(
     reply_to = protocol.reply_key("counter", "c1")
     inflight, queue = protocol.inflight_key("counter", "w1"), protocol.queue_key("counter")
     one, one_raw = _entry(reply_to)
+    two, two_raw = _entry(reply_to)
     gone, gone_raw = _entry(reply_to)
-    raw_redis.rpush(inflight, one_raw, gone_raw)
+    raw_redis.rpush(inflight, one_raw, two_raw, gone_raw)
     raw_redis.rpush(queue, b"next", b"later")
     raw_redis.zadd(protocol.cancelled_key("counter"), {gone.id: protocol.now_ms() + 9000})
     step = raw_redis.register_script(lua_stream.STEP)
 
-    def send(*messages: tuple[protocol.Request, bytes, int, bool], room: int = 0) -> Any:
+    def send(*messages: tuple[protocol.Request, bytes, int, bool]) -> Any:
         keys = [inflight, queue, protocol.cancelled_key("counter")]
-        args: list[Any] = [60, room, 60_000, len(messages)]
+        args: list[Any] = [60, 0, 60_000, len(messages)]
         for request, raw, seq, last in messages:
             keys += [protocol.request_key("counter", request.id), reply_to]
-            args += [raw, seq, int(last), 30_000, f"{request.id[:4]}:{seq}", request.id]
+            args += [raw, seq, int(last), 30_000, f"{request.id}:{seq}", request.id]
         return step(keys=keys, args=args)
 
-    # the cancelled one is dropped, and its place taken at once
-    assert send((one, one_raw, 0, False), (gone, gone_raw, 0, False)) == [[0, 2], [b"next"]]
-    assert send((one, one_raw, 0, False)) == [[1], []]  # seq 0 again: refused
-    assert send((one, one_raw, 2, False)) == [[1], []]  # a gap: refused
-    assert send((one, one_raw, 1, True), room=1) == [[0], [b"later"]]
-    assert raw_redis.lrange(reply_to, 0, -1) == [f"{one.id[:4]}:{s}".encode() for s in (0, 1)]
-    assert raw_redis.lrange(inflight, 0, -1) == [b"next", b"later"]  # both acked
-    assert raw_redis.get(protocol.request_key("counter", one.id)) == b"d"
-    assert raw_redis.get(protocol.request_key("counter", gone.id)) == b"d"
+    # the cancelled one is dropped and acked, and its place taken at once
+    assert send((one, one_raw, 0, False), (two, two_raw, 0, False),
+                (gone, gone_raw, 0, False)) == [[0, 0, 2], [b"next"]]
+    assert send((one, one_raw, 0, False)) == [[1], [b"later"]]  # a repeat: refused, out
+    assert send((two, two_raw, 1, True)) == [[0], []]  # the final: sent, acked
+    assert raw_redis.lrange(reply_to, 0, -1) == [f"{one.id}:0".encode(),
+                                                 f"{two.id}:0".encode(),
+                                                 f"{two.id}:1".encode()]
+    assert raw_redis.lrange(inflight, 0, -1) == [b"next", b"later"]
+    assert [raw_redis.get(protocol.request_key("counter", r.id)) for r in (one, two, gone)] \
+        == [b"s1", b"d", b"d"]
