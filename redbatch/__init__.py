@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from redbatch.protocol import PROTOCOL_VERSION, Reply, Request
     from redbatch.spec import TensorSpec
     from redbatch.worker import BatchPolicy, Model, Pool, Worker, batch
+    from redbatch.worker.stream_batch import STOP, StreamBatch
     from redbatch.worker.torch_helpers import torch_model
 
 
@@ -53,6 +54,7 @@ _HOMES: dict[str, str] = {
     "TensorSpec": "redbatch.spec",
     **dict.fromkeys(("BatchPolicy", "Model", "Pool", "Worker", "batch"), "redbatch.worker"),
     "torch_model": "redbatch.worker.torch_helpers",
+    **dict.fromkeys(("STOP", "StreamBatch"), "redbatch.worker.stream_batch"),
 }
 
 
@@ -74,6 +76,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "STOP",
     "BadRequest",
     "BatchPolicy",
     "BodyTooLarge",
@@ -92,6 +95,7 @@ __all__ = [
     "RedisUnavailable",
     "Reply",
     "Request",
+    "StreamBatch",
     "SyncClient",
     "TensorSpec",
     "UnknownModel",

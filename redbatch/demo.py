@@ -12,6 +12,9 @@
   ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its bucket;
   a pass padded to 256 or more runs its rows one at a time, each at its own length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
+* ``generate``: the streaming demo (``redbatch.generate``), a seeded character-level
+  GRU; body ``{"prompt": "hello", "max_tokens": 16}``, one chunk per character (SSE
+  with ``Accept: text/event-stream``, else newline-delimited JSON).
 * ``pair``: two named inputs and two named outputs: ``x`` (float32, 4) and ``scale``
   (float32 scalar) give ``y = x * scale`` and ``norm = |y|``; body
   ``{"inputs": {"x": [1, 2, 3, 4], "scale": 2}}``, reply
@@ -26,6 +29,7 @@ import numpy as np
 
 from redbatch.bench.mlp import W2_IN, build_mlp
 from redbatch.bench.textcls import MAX_LEN, build_served
+from redbatch.generate import generate_model
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
@@ -75,4 +79,4 @@ def models() -> list[Model]:
                  input_name="x", output_name="y", inline=True)
     textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN),
                           policy, input_name="input_ids", output_name="logits")
-    return [mlp, echo, echo_tokens(policy), textcls, adder, pair]
+    return [mlp, echo, echo_tokens(policy), textcls, adder, pair, generate_model()]

@@ -75,6 +75,18 @@ F_WORKER_ID: Final = "worker_id"
 F_ITEMS_PER_S: Final = "items_per_s"  # worker_info / worker_capacity: measured capacity
 F_SERVED_PER_S: Final = "served_per_s"  # worker_capacity: entries served per second lately
 TENSOR_TAG: Final = "__tensor__"
+# A streaming model's messages on the reply list (``redbatch.stream_wire``): each chunk
+# and the final message carry the request's id and ``seq`` (0, 1, ...); the final one
+# has ``last`` true, ``ok``, the error if any, and the timings (with ``steps``).
+F_SEQ: Final = "seq"
+F_LAST: Final = "last"
+F_STEPS: Final = "steps"  # final timings: the steps the request was in
+F_STREAMING: Final = "streaming"  # a model's meta: its batch function is a generator
+STREAM_GRACE_MS: Final = 2000  # a stream's caller waits this long past its deadline
+STREAM_MAX_BUFFERED: Final = 4096  # chunks a caller may leave unread before it fails
+# A streaming entry's marker (``request_key``): ``q`` queued, ``s<n>`` once chunks
+# 0..n-1 went out, ``d`` once its final message went out.
+STREAMED_PREFIX: Final = "s"
 
 
 # --- keys ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -54,7 +55,16 @@ async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]
         assert pair.json() == {"outputs": {"y": [0.0, 6.0, 0.0, 8.0], "norm": 10.0}}
         models = (await http.get("/v1/models")).json()["models"]
         assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "textcls", "adder",
-                                               "pair"}
+                                               "pair", "generate"}
+        assert [m["name"] for m in models if m["streaming"]] == ["generate"]
+        sse = await http.post("/v1/models/generate/predict",
+                              json={"prompt": "hello", "max_tokens": 16},
+                              headers={"accept": "text/event-stream"})
+        events = [orjson.loads(e[len("data: "):]) for e in sse.text.split("\n\n") if e]
+        assert [e["seq"] for e in events[:-1]] == list(range(16)) and events[-1]["last"], sse.text
+        v2 = await http.post("/v2/models/generate/generate_stream",
+                             json={"text_input": "hello", "max_tokens": 16})
+        assert v2.text.count("data: ") == 17
         assert all(m["live_workers"] == 1 for m in models)
 
 

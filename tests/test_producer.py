@@ -255,7 +255,9 @@ def test_the_public_surface_is_four_request_methods() -> None:
         assert "reply" in inspect.signature(getattr(Client, name)).parameters
     sync = {name for name, member in inspect.getmembers(SyncClient)
             if not name.startswith("_") and inspect.isfunction(member)}
-    assert sync - {"close", "configure"} == {"predict", "predict_many", "submit", "submit_many"}
+    # stream: a streaming model's iterator (``Client.stream`` is no coroutine either)
+    assert sync - {"close", "configure", "stream"} == {"predict", "predict_many", "submit",
+                                                        "submit_many"}
 
 
 async def test_reply_true_gives_the_whole_reply_with_timings(

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from redbatch import metrics, protocol
-from redbatch.api import body
+from redbatch.api import body, streaming
 from redbatch.api.directory import ModelDirectory, ModelInfo
 from redbatch.api.errors import error_response, from_exception
 from redbatch.config import GatewayConfig
@@ -170,6 +170,10 @@ class InferCore:
         info = await self.served(model, headers, arrived_ms)
         raw = await self.read(headers, receive)
         data = body.parse_json(raw) if query is None else query_input(query, raw, info)
+        if info.meta.get(protocol.F_STREAMING):
+            return await self.stream(info, data, headers, arrived_ms, trace_id,
+                                     streaming.v1_shapes(info.output_name),
+                                     streaming.wants_sse(headers))
         value = body.model_input(data, info)
         deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
             headers, data, self.model_default_s(info), self.config.max_timeout_s))
@@ -189,6 +193,20 @@ class InferCore:
         finally:
             watch.cancel()
         return reply_response(info, reply, trace_id or request_id)
+
+    async def stream(self, info: ModelInfo, data: dict[str, Any], headers: body.Headers,
+                     arrived_ms: int, trace_id: str, shapes: tuple[streaming.Shape,
+                                                                   streaming.Final],
+                     sse: bool) -> streaming.StreamAnswer:
+        """A streaming model's answer (``redbatch.api.streaming``): the body's fields
+        are its input; the deadline bounds the whole stream."""
+        deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
+            headers, data, self.model_default_s(info), self.config.max_timeout_s))
+        stream = self.client.stream(info.name, streaming.stream_input(data),
+                                    deadline_ms=deadline_ms, trace_id=trace_id,
+                                    max_queue_len=info.max_queue_len, chunks=True)
+        first = await streaming.first_chunk(stream)
+        return streaming.StreamAnswer(stream, first, shapes, sse, trace_id or stream.request_id)
 
     # --- metrics ---------------------------------------------------------------
     async def metered(self, model: str, respond: Awaitable[AnswerT]) -> AnswerT:

@@ -75,6 +75,14 @@ def _get(summary: str, ok: Schema, errors: dict[str, Schema], tag: str,
 EMPTY_OK: Schema = {"description": "yes (empty body)"}
 
 
+def _generate(summary: str, ok: Schema) -> Schema:
+    """Triton's generate extension (``v2_generate``): the body is the model's input."""
+    return {"post": {"summary": summary, "tags": ["v2"], "parameters": [MODEL],
+                     "requestBody": {"required": True, "content": {"application/json": {
+                         "schema": {"type": "object"}}}},
+                     "responses": {"200": ok, **_v2_errors("400", "404", "503", "504")}}}
+
+
 def _infer(params: list[Schema]) -> Schema:
     binary = {"description": "JSON header, then binary tensor data (binary data extension)",
               "headers": {"Inference-Header-Content-Length": {
@@ -184,6 +192,12 @@ def _v2_paths() -> dict[str, Schema]:
                                  [MODEL, VERSION]),
         f"{model}/infer": _infer([MODEL]),
         f"{version}/infer": _infer([MODEL, VERSION]),
+        f"{model}/generate": _generate("a streaming model's chunks, joined",
+                                       _json("text_output", {"type": "object"})),
+        f"{model}/generate_stream": _generate(
+            "a streaming model's chunks as Server-Sent Events",
+            {"description": "one event per chunk", "content": {"text/event-stream": {
+                "schema": {"type": "string"}}}}),
         **_v2_repository_paths(model, version),
     }
 
@@ -302,7 +316,8 @@ def _v1_schemas() -> dict[str, Schema]:
             "additionalProperties": True},
         "V1Models": {"type": "object", "required": ["models"], "properties": {"models": {
             "type": "array", "items": {"type": "object", "required": ["name"],
-                                       "properties": {"name": {"type": "string"}}}}}},
+                                       "properties": {"name": {"type": "string"},
+                                                      "streaming": {"type": "boolean"}}}}}},
         "V1Config": {"type": "object", "required": ["overrides", "effective"], "properties": {
             "overrides": {"type": "object"}, "effective": {"type": "object"}}},
     }

@@ -29,6 +29,7 @@ from redbatch import __version__, protocol
 from redbatch.api import body, v2_named, v2_tensors
 from redbatch.api.directory import ModelInfo
 from redbatch.api.errors import retry_headers, status_of
+from redbatch.api.v2_generate import GenerateApi
 from redbatch.api.v2_repo import RepositoryApi
 from redbatch.api.v2_tensors import (
     V2_DATATYPES,
@@ -492,7 +493,7 @@ class V2Api:
 
 
 def v2_routes(gateway: Gateway) -> list[Route]:
-    api = V2Api(gateway)
+    api, generate = V2Api(gateway), GenerateApi(gateway)
     model, version = "/v2/models/{name}", "/v2/models/{name}/versions/{version}"
     routes: list[tuple[str, Handler, str]] = [
         ("/v2", api.server, "GET"),
@@ -509,5 +510,7 @@ def v2_routes(gateway: Gateway) -> list[Route]:
         (f"{version}/stats", api.stats, "GET"),
         (f"{model}/infer", api.infer, "POST"),
         (f"{version}/infer", api.infer, "POST"),
+        (f"{model}/generate", generate.generate, "POST"),
+        (f"{model}/generate_stream", generate.generate_stream, "POST"),
     ]
     return [Route(path, _v2_errors(handler), methods=[method]) for path, handler, method in routes]

@@ -22,6 +22,7 @@ from redbatch.producer.enqueuer import Enqueuer, Outcome
 from redbatch.producer.listener import RequestFuture
 from redbatch.producer.listeners import Listeners
 from redbatch.producer.replication import check_replicas
+from redbatch.producer.streams import ChunkQueue, Stream
 from redbatch.protocol import Request
 from redbatch.redis_conn import async_client, deadline_bound, translated
 
@@ -381,6 +382,28 @@ class Client:
         return await (await self.submit(
             model, inputs, timeout_s, reply=reply, request_id=request_id, trace_id=trace_id,
             deadline_ms=deadline_ms, max_queue_len=max_queue_len, priority=priority))
+
+    def stream(self, model: str, inputs: Any, timeout_s: float | None = None, *,
+               trace_id: str = "", deadline_ms: int | None = None,
+               max_queue_len: int | None = None, chunks: bool = False) -> Stream:
+        """A streaming model's chunks for one input: ``async for chunk in
+        client.stream(model, x)`` (``chunks=True``: numbered ``StreamChunk``s).  The
+        deadline bounds the whole stream; ``Stream.aclose`` cancels it."""
+        return Stream(self, model, inputs, self._deadline(timeout_s, deadline_ms),
+                      trace_id, max_queue_len, chunks)
+
+    async def _open_stream(self, model: str, inputs: Any, deadline_ms: int,
+                          trace_id: str = "", max_queue_len: int | None = None
+                          ) -> tuple[str, ChunkQueue]:
+        """Enqueue one streaming request: its id and the queue of its messages."""
+        listeners = await self._ready(model, 1, deadline_ms)
+        request = self._request(model, inputs, deadline_ms, None, listeners.reply_to(model),
+                                trace_id)
+        queue = listeners.of(model).expect_stream(request.id, deadline_ms)
+        # encoded now: a stream's entry travels alone, never packed with others
+        self._push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
+                   max_queue_len)
+        return request.id, queue
 
     async def predict_many(self, model: str, inputs: Sequence[Any],
                            timeout_s: float | None = None, *, reply: bool = False,

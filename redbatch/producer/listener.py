@@ -18,6 +18,8 @@ from redbatch import codec, protocol
 from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError, error_from_code
 from redbatch.lean import LeanLink
 from redbatch.producer import packing
+from redbatch.producer.streams import ChunkQueue
+from redbatch.stream_wire import chunk_from_wire
 
 T = TypeVar("T")
 log = logging.getLogger("redbatch.producer")
@@ -99,6 +101,7 @@ class ReplyListener:
         self.reply_to = reply_to
         self._block_timeout_s = block_timeout_s
         self._waiters: dict[str, Waiter] = {}
+        self._streams: dict[str, ChunkQueue] = {}  # streaming requests, by id
         # coalesced request id -> its member ids, and the timer that forgets the route
         self._packs: dict[str, tuple[list[str], asyncio.TimerHandle]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -111,7 +114,7 @@ class ReplyListener:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + len(self._streams)
 
     def start(self) -> None:
         if self._task is None:
@@ -125,7 +128,7 @@ class ReplyListener:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for request_id in list(self._waiters):
+        for request_id in [*self._waiters, *self._streams]:
             self.fail(request_id, RedbatchError("client closed before the reply arrived"))
         self._forget_packs()
 
@@ -140,7 +143,7 @@ class ReplyListener:
         if self._idle_s is None:
             return False
         now_s = time.monotonic()
-        if self._waiters or self._busy:
+        if self._waiters or self._streams or self._busy:
             self._busy = False
             self._busy_at_s = now_s
             return False
@@ -182,6 +185,16 @@ class ReplyListener:
         future.add_done_callback(lambda f: self._forget(request_id, f))
         return future
 
+    def expect_stream(self, request_id: str, deadline_ms: int) -> ChunkQueue:
+        """The queue of ``request_id``'s stream messages (``redbatch.producer.streams``)."""
+        if request_id in self._waiters or request_id in self._streams:
+            raise InvalidPayload(f"request id {request_id!r} is already waiting for a reply")
+        self._busy = True
+        queue = self._streams[request_id] = ChunkQueue(request_id, deadline_ms)
+        delay_s = (deadline_ms - protocol.now_ms() + protocol.STREAM_GRACE_MS) / 1000
+        asyncio.get_running_loop().call_later(max(0.0, delay_s), self._expire, request_id)
+        return queue
+
     def _forget(self, request_id: str, future: asyncio.Future[Any]) -> None:
         """A caller that gave up (cancelled) frees its slot at once."""
         waiter = self._waiters.get(request_id)
@@ -194,6 +207,8 @@ class ReplyListener:
         wrapped in ``RedbatchError``)."""
         waiter = self._waiters.pop(request_id, None)
         if waiter is None:
+            if (stream := self._streams.pop(request_id, None)) is not None:
+                stream.fail(exc)
             return
         waiter.timer.cancel()
         if waiter.future.done():
@@ -210,7 +225,11 @@ class ReplyListener:
 
     def dispatch(self, raw: bytes) -> None:
         try:
-            reply = protocol.reply_from_wire(codec.decode(raw))
+            wire = codec.decode(raw)
+            if isinstance(wire, dict) and protocol.F_SEQ in wire:
+                self._stream_message(wire)
+                return
+            reply = protocol.reply_from_wire(wire)
         except Exception as exc:  # a foreign or corrupt reply must not stop the listener
             log.warning("dropped an undecodable reply on %s: %s: %s", self.reply_to,
                         type(exc).__name__, exc)
@@ -224,12 +243,31 @@ class ReplyListener:
         for row, outcome in enumerate(packing.split_reply(reply, len(members))):
             self._deliver(packing.row_reply(reply, members[row], outcome))
 
+    def _stream_message(self, wire: dict[str, Any]) -> None:
+        chunk = chunk_from_wire(wire)
+        stream = self._streams.get(chunk.id)
+        if chunk.last:  # (a stream counts once, as a reply)
+            self.stats.count(chunk.id, answered=stream is not None)
+        if stream is None:  # its caller gave up, or awaits one reply (no stream)
+            self.fail(chunk.id, InvalidPayload("the model streams its answers: call it "
+                                               "with stream(), not predict()"))
+            return
+        before = stream.duplicates
+        stream.put(chunk)
+        self.stats.duplicates += stream.duplicates - before
+        if stream.closed:
+            del self._streams[chunk.id]
+
     def _deliver(self, reply: protocol.Reply) -> None:
         waiter = self._waiters.pop(reply.id, None)
         late = waiter is not None and protocol.now_ms() > waiter.deadline_ms
         self.stats.count(reply.id, answered=waiter is not None and not late)
-        if waiter is None:
-            return  # its caller already gave up (deadline) or never waited
+        if waiter is None:  # its caller already gave up (deadline) or never waited,
+            if (stream := self._streams.pop(reply.id, None)) is not None:  # or streams
+                stream.fail(error_from_code(reply.error_code, reply.error_message)
+                            if not reply.ok else InvalidPayload(
+                                "the model does not stream: call it with predict()"))
+            return
         waiter.timer.cancel()
         if late:  # its timer is due but has not run: past the deadline, no answer counts
             reply = protocol.Reply(reply.id, False, error_code=DeadlineExceeded.code,

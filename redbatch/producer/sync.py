@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 from redbatch.errors import DeadlineExceeded
 from redbatch.producer.client import Client
+from redbatch.producer.streams import sync_stream
 
 T = TypeVar("T")
 MARGIN_S = 5.0
@@ -79,6 +80,12 @@ class SyncClient:
                                          return_exceptions=return_exceptions,
                                          priority=priority)
         return self._call(coro, self._budget(timeout_s))
+
+    def stream(self, model: str, inputs: Any, timeout_s: float | None = None,
+               **kwargs: Any) -> Iterator[Any]:
+        """``Client.stream`` as a blocking iterator; closing it early cancels it."""
+        stream = self._client.stream(model, inputs, timeout_s, **kwargs)
+        return sync_stream(self._call, stream, self._budget(timeout_s))
 
     def configure(self, model: str, *, reset: bool = False, **values: Any) -> dict[str, Any]:
         """``Client.configure`` (an admin call: a model's live knobs), blocking."""

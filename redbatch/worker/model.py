@@ -81,6 +81,12 @@ class Model:
     default_priority: int = defaults.DEFAULT_PRIORITY
     priority_caps: list[int] | None = None
     priority_share: float = defaults.PRIORITY_SHARE
+    # A streaming model (``redbatch.worker.stream_batch``): its batch function is a
+    # generator (None: found from ``fn``; a loader that builds one needs True).
+    # ``continuous``: requests join and leave its running batch at every step; False:
+    # each batch runs until its longest member ends.
+    streaming: bool | None = None
+    continuous: bool = True
     # The length buckets in effect (a live knob): the variable-length spec's boundaries
     # to start with (None: no variable-length input).
     buckets: list[int] | None = field(init=False, default=None)
@@ -105,6 +111,10 @@ class Model:
                               f"0..{MAX_PRIORITY_SHARE}, got {self.priority_share}")
         knobs.check_caps(knobs.check("priority_caps", self.priority_caps), self.priority_levels)
         self.signature = self._signature()
+        if self.streaming is None:
+            self.streaming = self.fn is not None and is_stream_fn(self.fn)
+        if self.streaming and self.priority_levels > 1:
+            raise ConfigError(f"model {self.name!r}: a streaming model has one priority level")
         length_spec = self.length_spec
         self.buckets = list(length_spec.boundaries) if length_spec is not None else None
         self.knob_defaults = self.knob_values()
@@ -179,7 +189,15 @@ class Model:
             meta["limits"]["priority_caps"] = self.priority_caps
         if self.buckets is not None:  # a variable-length model: the buckets in effect
             meta["limits"]["buckets"] = self.buckets
+        if self.streaming:
+            meta[protocol.F_STREAMING] = True
         return meta
+
+
+def is_stream_fn(fn: Any) -> bool:
+    """Whether ``fn`` is a streaming batch function: a generator, sync or async."""
+    call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
+    return inspect.isgeneratorfunction(call) or inspect.isasyncgenfunction(call)
 
 
 def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_SIZE,
@@ -199,7 +217,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           priority_levels: int = defaults.PRIORITY_LEVELS,
           default_priority: int = defaults.DEFAULT_PRIORITY,
           priority_share: float = defaults.PRIORITY_SHARE,
-          priority_caps: list[int] | None = None
+          priority_caps: list[int] | None = None, continuous: bool = True
           ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
@@ -211,7 +229,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     size per length bucket by measurement (both ``BatchPolicy``); ``inputs`` and
     ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
     ``default_priority``, ``priority_share``, ``priority_caps``: priority levels (all
-    ``Model``)."""
+    ``Model``); ``continuous``: a streaming model's batch lets requests join and leave
+    at every step (``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -224,6 +243,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
                      output_name=output_name, stack=stack,
                      output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize,
                      priority_levels=priority_levels, default_priority=default_priority,
-                     priority_share=priority_share, priority_caps=priority_caps)
+                     priority_share=priority_share, priority_caps=priority_caps,
+                     continuous=continuous)
 
     return wrap

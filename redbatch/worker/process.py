@@ -24,9 +24,10 @@ from redbatch.redis_conn import REDIS_ERRORS, async_client, is_cluster
 from redbatch.worker import heartbeat
 from redbatch.worker.live import LiveKnobs
 from redbatch.worker.loader import load_models
-from redbatch.worker.model import Model
+from redbatch.worker.model import Model, is_stream_fn
 from redbatch.worker.replies import DeadLetters
 from redbatch.worker.runner import BatchRunner
+from redbatch.worker.stream import StreamRunner
 
 log = logging.getLogger("redbatch.worker")
 T = TypeVar("T")
@@ -98,11 +99,14 @@ class Worker:
                 executor: ThreadPoolExecutor) -> BatchRunner:
         """One model's runner, on a copy of the model: live knob changes apply to the
         copy, never to the caller's ``Model``."""
-        return BatchRunner(redis, dataclasses.replace(model), model.bind(self.device),
-                           self.worker_id, executor, self.config.block_timeout_s,
-                           self.config.max_attempts, blocking, self.device,
-                           DeadLetters(self.config.dead_letter_ttl_s,
-                                       self.config.dead_letter_max_bytes))
+        fn = model.bind(self.device)
+        streaming = bool(model.streaming) or is_stream_fn(fn)  # (a loader's generator)
+        runner = StreamRunner if streaming else BatchRunner
+        return runner(redis, dataclasses.replace(model, streaming=streaming), fn,
+                      self.worker_id, executor, self.config.block_timeout_s,
+                      self.config.max_attempts, blocking, self.device,
+                      DeadLetters(self.config.dead_letter_ttl_s,
+                                  self.config.dead_letter_max_bytes))
 
     async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
         """Check the server (warnings logged once), load the scripts and take the lease

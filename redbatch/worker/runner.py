@@ -126,6 +126,7 @@ class BatchRunner:
         self._dead_letters = dead_letters
         self._crashing = protocol.crashing_key(model.name, worker_id)
         self.model = model
+        self.fn, self.executor = fn, executor  # (a streaming runner steps them itself)
         self._worker_id = worker_id
         self.stats = WorkerStats(model.name, model.policy.max_batch_size)
         self._forwarder = Forwarder(model, fn, executor, device, self.stats.sizer)

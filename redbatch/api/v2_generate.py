@@ -1,0 +1,74 @@
+"""Triton's generate extension for streaming models: ``POST
+/v2/models/{name}/generate_stream`` (Server-Sent Events, one event per chunk:
+``{"model_name", "model_version", "text_output"}``; a chunk that is not text comes as
+``output``) and ``POST /v2/models/{name}/generate`` (the chunks joined, in one JSON
+answer).  The body's fields are the model's input, those under ``parameters``
+flattened in (``{"text_input": "hello", "max_tokens": 16}``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from redbatch import protocol
+from redbatch.api import body, streaming
+from redbatch.errors import BadRequest, RedbatchError
+from redbatch.producer.streams import Stream
+from redbatch.stream_wire import StreamChunk
+
+if TYPE_CHECKING:
+    from redbatch.api.gateway import Gateway
+
+VERSION = "1"
+
+
+def v2_shapes(name: str) -> tuple[streaming.Shape, streaming.Final]:
+    def shape(chunk: StreamChunk) -> dict[str, Any]:
+        key = "text_output" if isinstance(chunk.payload, str) else "output"
+        return {"model_name": name, "model_version": VERSION, key: chunk.payload,
+                "seq": chunk.seq}
+
+    def final(stream: Stream, error: RedbatchError | None) -> dict[str, Any]:
+        if error is not None:
+            return {"error": str(error), "code": error.code}
+        return {"model_name": name, "model_version": VERSION, "text_output": "",
+                "last": True, "timings": stream.timings}
+
+    return shape, final
+
+
+class GenerateApi:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def generate_stream(self, request: Request) -> Response:
+        return await self._answer(request, sse=True)
+
+    async def generate(self, request: Request) -> Response:
+        answer = await self._answer(request, sse=False)
+        chunks = [] if answer.first is None else [answer.first.payload]
+        try:
+            chunks += [chunk.payload async for chunk in answer.stream]
+        finally:
+            await answer.stream.aclose()
+        name = request.path_params["name"]
+        if all(isinstance(c, str) for c in chunks):
+            return JSONResponse({"model_name": name, "model_version": VERSION,
+                                 "text_output": "".join(chunks)})
+        return JSONResponse({"model_name": name, "model_version": VERSION, "output": chunks})
+
+    async def _answer(self, request: Request, sse: bool) -> streaming.StreamAnswer:
+        core, arrived_ms = self.gateway.core, protocol.now_ms()
+        name = request.path_params["name"]
+        headers: body.Headers = dict(request.scope["headers"])
+        trace = body.trace_id(headers)
+        info = await core.served(name, headers, arrived_ms)
+        if not info.meta.get(protocol.F_STREAMING):
+            raise BadRequest(f"model {name!r} does not stream: use its infer endpoint")
+        body.check_content_type(headers)
+        data = body.parse_json(await core.read(headers, request.receive))
+        params = data.pop("parameters", None)
+        data = {**params, **data} if isinstance(params, dict) else data
+        return await core.stream(info, data, headers, arrived_ms, trace, v2_shapes(name), sse)

@@ -1,0 +1,336 @@
+"""A streaming model's batch loop, with continuous batching.
+
+The first claim forms a batch as for any model (the batch window); then the batch
+runs step by step: each step calls the generator for one list of items, turns them
+into numbered chunks or final messages, and sends them in one atomic script
+(``lua_stream.STEP``), which also claims, without blocking, as many waiting requests
+as there are free places (``max_batch_size`` less the members still running); those
+join the batch before the next step.  The batch ends when its last member ends.
+
+A sync generator steps in the forward thread, never on the event loop.  Every step
+is bounded by the latest deadline of its members, and a member whose deadline passed
+ends with ``deadline_exceeded``: the deadline bounds the whole stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+from redbatch import codec, lua_stream, protocol
+from redbatch.codec import Format
+from redbatch.errors import (
+    DeadlineExceeded,
+    InvalidPayload,
+    ModelError,
+    RedbatchError,
+)
+from redbatch.lean import LeanLink
+from redbatch.protocol import Request, Timings
+from redbatch.stream_wire import StreamChunk
+from redbatch.worker.decode import addressable, parse_entry
+from redbatch.worker.runner import BatchRunner
+from redbatch.worker.stream_batch import STOP, StreamBatch
+from redbatch.worker.stream_reap import StreamReaper
+
+log = logging.getLogger("redbatch.worker")
+
+END: Final = object()  # the generator returned
+STEP_GRACE_S = 1.0  # a step may run this long past its members' latest deadline
+SENT, REFUSED, CANCELLED = 0, 1, 2
+
+
+@dataclass(slots=True)
+class Member:
+    request: Request
+    raw: bytes
+    fmt: Format
+    claimed_ms: int
+    seq: int = 0  # the next message's number
+    steps: int = 0
+    forward_ms: float = 0.0
+    batch_size: int = 0  # the largest batch it ran in
+    done: bool = False  # its final message is made (or it was dropped)
+
+
+@dataclass(slots=True)
+class Message:
+    member: Member
+    data: bytes
+    last: bool
+    seq: int
+
+
+class StreamRunner(BatchRunner):
+    """``BatchRunner`` for a streaming model: the same claims, lease and reaper
+    election, a step loop (``StreamLoop``) instead of one forward per batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reaper = StreamReaper(self._redis, self.model.name, self.reaper.max_attempts,
+                                   self.stats, self._dead_letters, reaper_id=self._worker_id,
+                                   same_slot=self._same_slot)
+        self.stream_link = LeanLink(self._redis)
+        self.worker_id = self._worker_id
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        await self._return_unacked()
+        self._unacked = True
+        self.claimer.stop = stop
+        while not stop.is_set():
+            if self.model.policy is not self._claimer_policy:
+                self._use_policy()  # a live knob change reaches the first claims too
+            raws = await self.claimer.claim(self.model.policy.max_batch_size)
+            if raws:
+                await StreamLoop(self, stop).run(raws)
+        self._unacked = False
+
+    async def send(self, messages: list[Message], room: int) -> tuple[list[int], list[bytes]]:
+        """The messages and the claim of up to ``room`` entries: one STEP script."""
+        keys = [self.claimer.inflight, self.claimer.queue, self.claimer.cancelled]
+        args: list[Any] = [protocol.REPLY_TTL_S, room, protocol.INFLIGHT_TTL_S * 1000,
+                           len(messages)]
+        now = protocol.now_ms()
+        for message in messages:
+            request = message.member.request
+            keys += [protocol.request_key(self.model.name, request.id), request.reply_to]
+            args += [message.member.raw, message.seq, 1 if message.last else 0,
+                     protocol.marker_ttl_ms(request.deadline_ms, now), message.data, request.id]
+        status, claimed = await self.stream_link.script(lua_stream.STEP, keys, args)
+        return [int(s) for s in status], list(claimed)
+
+    async def drop(self, raws: list[bytes]) -> None:
+        """Dead-letter unreadable entries off the in-flight list (one MULTI)."""
+        dead = protocol.dead_letter_key(self.model.name)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for raw in raws:
+                pipe.execute_command("LREM", self.claimer.inflight, 1, raw)
+                pipe.rpush(dead, raw[:self._dead_letters.max_bytes])
+            pipe.ltrim(dead, -protocol.DEAD_LETTER_MAX, -1)
+            pipe.expire(dead, self._dead_letters.ttl_s)
+            await pipe.execute()
+        self.stats.dead_lettered(len(raws))
+
+    async def advance(self, gen: Any, timeout_s: float) -> Any:
+        """The generator's next list, ``END`` once it returned, or the error it raised
+        (``DeadlineExceeded`` past ``timeout_s``)."""
+        try:
+            if isinstance(gen, AsyncIterator):
+                return await asyncio.wait_for(anext(gen), timeout_s)
+            loop = asyncio.get_running_loop()
+            return await asyncio.wait_for(loop.run_in_executor(self.executor, _next, gen),
+                                          timeout_s)
+        except StopAsyncIteration:
+            return END
+        except TimeoutError:
+            return DeadlineExceeded(f"a step of model {self.model.name!r} ran past the "
+                                    "deadline of every request in its batch")
+        except Exception as exc:  # the model's own error: its members fail
+            return ModelError(f"model {self.model.name!r} raised {type(exc).__name__}: "
+                              f"{exc}")
+
+    async def close(self, gen: Any) -> None:
+        """Close a generator that may not have finished (runs its ``finally``)."""
+        with contextlib.suppress(Exception):
+            if isinstance(gen, AsyncIterator):
+                await asyncio.wait_for(gen.aclose(), STEP_GRACE_S)  # type: ignore[attr-defined]
+            elif isinstance(gen, Iterator):
+                loop = asyncio.get_running_loop()
+                await asyncio.wait_for(loop.run_in_executor(self.executor, gen.close),  # type: ignore[attr-defined]
+                                       STEP_GRACE_S)
+
+    def final(self, member: Member, error: RedbatchError | None = None) -> Message:
+        """The member's final message (``error``: failed), with its timings."""
+        member.done = True
+        request = member.request
+        timings = Timings(protocol.queue_wait_ms(member.claimed_ms, request.enqueue_ms),
+                          member.batch_size, round(member.forward_ms, 3),
+                          self.worker_id).to_wire()
+        timings[protocol.F_STEPS] = member.steps
+        chunk = StreamChunk(request.id, member.seq, last=True, ok=error is None,
+                            timings=timings)
+        if error is not None:
+            chunk.error_code, chunk.error_message = error.code, str(error)
+        self.stats.entries += 1
+        self.stats.items += 1
+        return Message(member, codec.encode(chunk.to_wire(), member.fmt), True, member.seq)
+
+    def chunk(self, member: Member, item: Any) -> Message:
+        """A chunk for the member's caller (its final error, if it cannot be encoded)."""
+        wire = StreamChunk(member.request.id, member.seq, item).to_wire()
+        try:
+            data = codec.encode(wire, member.fmt)
+        except InvalidPayload as exc:
+            return self.final(member, ModelError(f"model {self.model.name!r} yielded a "
+                                                 f"chunk that cannot be encoded: {exc}"))
+        member.seq += 1
+        return Message(member, data, False, member.seq - 1)
+
+
+def _next(gen: Iterator[Any]) -> Any:
+    """One step of a sync generator (in the forward thread)."""
+    return next(gen, END)
+
+
+class StreamLoop:
+    """One streaming batch, from its first claim until its last member ends."""
+
+    def __init__(self, runner: StreamRunner, stop: asyncio.Event) -> None:
+        self.r = runner
+        self.stop = stop
+        self.batch = StreamBatch()
+        self.members: dict[str, Member] = {}
+        self.pending: list[Message] = []
+        self.gen: Any = None
+        self.steps = 0
+        self.joined = 0
+        self.dropped: list[bytes] = []  # unreadable entries, to dead-letter
+
+    @property
+    def running(self) -> int:
+        return sum(not m.done for m in self.members.values())
+
+    async def run(self, raws: list[bytes]) -> None:
+        self.admit(raws)
+        try:
+            while self.running or self.pending:
+                await self.step()
+        finally:
+            if self.gen is not None:
+                await self.r.close(self.gen)
+        log.info("model=%s stream batch: requests=%d joined=%d steps=%d", self.r.model.name,
+                 len(raws) + self.joined, self.joined, self.steps)
+
+    async def step(self) -> None:
+        self.expire()
+        if self.running:
+            await self.forward()
+        room = self.room()
+        if not self.pending and not room:
+            return
+        status, claimed = await self.r.send(self.pending, room)
+        self.settle(status)
+        if self.dropped:
+            await self.r.drop(self.dropped)
+            self.dropped = []
+        self.joined += len(claimed)
+        self.admit(claimed)
+
+    def room(self) -> int:
+        if self.stop.is_set() or not self.r.model.continuous:
+            return 0
+        return max(0, self.r.model.policy.max_batch_size - self.running)
+
+    def expire(self) -> None:
+        now = protocol.now_ms()
+        for member in self.members.values():
+            if not member.done and member.request.deadline_ms <= now:
+                self.pending.append(self.r.final(member, DeadlineExceeded(
+                    f"request {member.request.id} reached its deadline mid-stream")))
+
+    async def forward(self) -> None:
+        """One step of the generator (started if need be), turned into messages."""
+        if self.gen is None:
+            self.gen = self.r.fn(self.batch)
+            self.r.stats.batches += 1
+        latest_ms = max(m.request.deadline_ms for m in self.members.values() if not m.done)
+        timeout_s = max(0.0, (latest_ms - protocol.now_ms()) / 1000) + STEP_GRACE_S
+        started = time.perf_counter()
+        items = await self.r.advance(self.gen, timeout_s)
+        step_ms = (time.perf_counter() - started) * 1000
+        self.steps += 1
+        self._count(step_ms)
+        if isinstance(items, list) and len(items) == len(self.batch):
+            self.route(items, step_ms)
+            return
+        self.gen = None  # ended, failed, or broke the contract: its members end
+        error = None if items is END else items if isinstance(items, RedbatchError) else \
+            ModelError(f"model {self.r.model.name!r} yielded {type(items).__name__} "
+                       f"{_length(items)}for a batch of {len(self.batch)} members")
+        for member in self.members.values():
+            if not member.done:
+                self.pending.append(self.r.final(member, error))
+
+    def _count(self, step_ms: float) -> None:
+        stats = self.r.stats
+        stats.passes += 1
+        stats.pass_items += self.running
+        stats.forward_ms += step_ms
+        stats.busy_s += step_ms / 1000
+
+    def route(self, items: list[Any], step_ms: float) -> None:
+        size = self.running
+        for key, item in zip(self.batch.keys, items, strict=True):
+            member = self.members[key]
+            if member.done:
+                continue  # a fixed batch's member that ended: its items are ignored
+            member.steps += 1
+            member.forward_ms += step_ms
+            member.batch_size = max(member.batch_size, size)
+            self.pending.append(self.r.final(member) if item is STOP
+                                else self.r.chunk(member, item))
+
+    def settle(self, status: list[int]) -> None:
+        """Members whose final message went out, or whose message was refused (a
+        reaper took the entry over) or cancelled (the caller went away), leave."""
+        gone: set[str] = set()
+        for message, code in zip(self.pending, status, strict=True):
+            if message.last or code != SENT:
+                message.member.done = True
+                gone.add(message.member.request.id)
+            if code == REFUSED:
+                log.warning("model=%s request %s: its message was refused (its entry is "
+                            "no longer this worker's, or was answered)", self.r.model.name,
+                            message.member.request.id)
+        self.pending = []
+        if self.r.model.continuous:
+            self.batch.remove(gone)
+            for key in gone:
+                self.members.pop(key, None)
+
+    def admit(self, raws: list[bytes]) -> None:
+        """Claimed entries join the batch; one that cannot run gets its final error."""
+        now = protocol.now_ms()
+        for raw in raws:
+            member = self._member(raw, now)
+            if member is None:
+                continue
+            error = _refusal(member.request, now)
+            if error is not None:
+                self.pending.append(self.r.final(member, error))
+                continue
+            self.members[member.request.id] = member
+            self.batch.add(member.request.id, member.request.payload)
+
+    def _member(self, raw: bytes, now: int) -> Member | None:
+        fmt = codec.sniff_format(raw)
+        try:
+            return Member(parse_entry(raw, self.r.model.name, self.r._same_slot), raw, fmt,
+                          now)
+        except InvalidPayload as exc:
+            addressed = addressable(raw, self.r.model.name, self.r._same_slot)
+            if addressed is None:
+                log.error("model=%s dead-lettered an unreadable entry: %s",
+                          self.r.model.name, exc)
+                self.dropped.append(raw)
+                return None
+            member = Member(addressed[0], raw, addressed[1], now)
+            self.pending.append(self.r.final(member, exc))
+            return None
+
+
+def _refusal(request: Request, now: int) -> RedbatchError | None:
+    if request.deadline_ms <= now:
+        return DeadlineExceeded(f"request {request.id} expired in the queue")
+    if request.rows:
+        return InvalidPayload("a streaming model takes one input per request (no rows)")
+    return None
+
+
+def _length(items: Any) -> str:
+    return f"of {len(items)} items " if isinstance(items, list) else ""

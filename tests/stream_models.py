@@ -1,0 +1,73 @@
+"""Streaming models for the streaming tests (``tests.stream_models:...`` in spawned
+workers too).  Input ``{"n": chunks, "tag": text}``; chunk i is ``f"{tag}{i}"``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from redbatch import Model
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.stream_batch import STOP, StreamBatch
+
+STEPS: list[list[str]] = []  # the members (keys) of every step, in-process models
+STEP_S = float(os.environ.get("STREAM_STEP_S", "0"))
+DIE_AT = int(os.environ.get("STREAM_DIE_AT", "-1"))  # crasher: exit at this chunk,
+DIE_FILE = os.environ.get("STREAM_DIE_FILE", "")  # once: the file it then creates says so
+
+
+def _die_now(sent: dict[str, int]) -> bool:
+    if DIE_AT < 0 or max(sent.values()) <= DIE_AT or os.path.exists(DIE_FILE):
+        return False
+    with open(DIE_FILE, "w"):
+        return True
+
+
+def _items(batch: StreamBatch, sent: dict[str, int]) -> list[Any]:
+    for key, _value in batch.joined():
+        sent[key] = 0
+    STEPS.append(batch.keys)
+    out: list[Any] = []
+    for key, value in zip(batch.keys, batch, strict=True):
+        i = sent[key]
+        if value.get("fail") == i:
+            raise ValueError("asked to fail")
+        out.append(STOP if i >= value["n"] else f"{value.get('tag', '')}{i}")
+        sent[key] = i + 1
+    return out
+
+
+def counting(batch: StreamBatch) -> Iterator[list[Any]]:
+    sent: dict[str, int] = {}
+    while len(batch):
+        items = _items(batch, sent)
+        if _die_now(sent):
+            os._exit(17)  # a crash mid-stream: no reply, no cleanup
+        time.sleep(STEP_S)
+        yield items
+
+
+async def counting_async(batch: StreamBatch) -> AsyncIterator[list[Any]]:
+    sent: dict[str, int] = {}
+    while len(batch):
+        await asyncio.sleep(0)
+        yield _items(batch, sent)
+
+
+def policy(size: int, wait_s: float = 0.05) -> BatchPolicy:
+    return BatchPolicy(max_batch_size=size, batch_wait_timeout_s=wait_s)
+
+
+def counter(size: int = 2, continuous: bool = True, name: str = "counter",
+            wait_s: float = 0.05) -> Model:
+    return Model(name, fn=counting, policy=policy(size, wait_s), continuous=continuous)
+
+
+def counter_async() -> Model:
+    return Model("acounter", fn=counting_async, policy=policy(4))
+
+
+crasher = Model("crasher", fn=counting, policy=policy(4, 0.2))
