@@ -81,6 +81,9 @@ class Model:
     default_priority: int = defaults.DEFAULT_PRIORITY
     priority_caps: list[int] | None = None
     priority_share: float = defaults.PRIORITY_SHARE
+    # The version this model serves (``redbatch.versions``): it is served as
+    # ``<name>@<version>`` (``name`` becomes that), beside the model's other versions.
+    version: str | None = None
     # The length buckets in effect (a live knob): the variable-length spec's boundaries
     # to start with (None: no variable-length input).
     buckets: list[int] | None = field(init=False, default=None)
@@ -89,7 +92,7 @@ class Model:
     signature: Signature | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        protocol.check_model_name(self.name)
+        self.name = _versioned(self.name, self.version)
         if (self.fn is None) == (self.loader is None):
             raise ConfigError(f"model {self.name!r} needs exactly one of fn or loader")
         if self.max_queue_len is not None and self.max_queue_len < 1:
@@ -180,6 +183,18 @@ class Model:
         if self.buckets is not None:  # a variable-length model: the buckets in effect
             meta["limits"]["buckets"] = self.buckets
         return meta
+
+
+def _versioned(name: str, version: str | None) -> str:
+    """The name a model is served under: ``name@version`` for a version (a name
+    already of that form, as ``dataclasses.replace`` passes it, stays)."""
+    protocol.check_model_name(name)
+    base, own = protocol.split_name(name)
+    if version is None or own == version:
+        return name
+    if own is not None:
+        raise ConfigError(f"model {name!r} is version {own!r}, not {version!r}")
+    return protocol.served_name(base, protocol.check_version(version))
 
 
 def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_SIZE,
