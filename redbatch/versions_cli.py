@@ -13,22 +13,20 @@ import orjson
 from redbatch import versions
 from redbatch.config import RedisSettings
 from redbatch.errors import InvalidKnob
+from redbatch.knobs_cli import admin_parser
 
 HELP = ("show or change a model's versions: the traffic split by weight, the latest "
         "version, draining one (its workers stop once its queue is empty)")
 
 
 def register(sub: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = sub.add_parser("versions", help=HELP, description=HELP)
-    parser.add_argument("model", help="the model's name (without a version)")
-    parser.add_argument("weights", nargs="*", metavar="VERSION=WEIGHT",
-                        help="each version's share of the requests that pin none "
-                             "(1=95 2=5); 0 takes a version out of the split")
+    parser = admin_parser(sub, "versions", HELP, "VERSION=WEIGHT",
+                          "each version's share of the requests that pin none (1=95 2=5); "
+                          "0 takes a version out of the split")
     parser.add_argument("--latest", help="pin the latest version ('' unpins it: the "
                                          "highest version)")
     parser.add_argument("--drain", metavar="VERSION", help="drain a version")
     parser.add_argument("--undrain", metavar="VERSION", help="take a drain back")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     return parser
 
 
@@ -76,7 +74,7 @@ def render(answer: dict[str, Any]) -> str:
 
 
 def cmd_versions(args: argparse.Namespace, redis: RedisSettings) -> int:
-    changes = {"weights": parse_weights(args.weights), "latest": args.latest,
+    changes = {"weights": parse_weights(args.changes), "latest": args.latest,
                "drain": args.drain, "undrain": args.undrain}
     answer = asyncio.run(_run(redis, args.model, changes))
     print(orjson.dumps(answer).decode() if args.json else render(answer))

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import redis
 
-from redbatch import Client, Model, protocol, versions
+from redbatch import Client, ConfigError, Model, configfile, protocol, versions
 from redbatch.cli import main
 from redbatch.errors import NoLiveWorkers, UnknownModel
 from redbatch.versions import Table, Version
@@ -159,6 +160,8 @@ async def test_http_v1_and_v2_pinned_versions(two: Client, redis_url: str) -> No
         meta = (await http.get("/v2/models/vm/versions/2")).json()
         assert (meta["name"], meta["versions"]) == ("vm", ["1", "2"])
         assert (await http.get("/v2/models/vm/versions/2/ready")).status_code == 200
+        index = (await http.post("/v2/repository/index")).json()
+        assert sorted((m["name"], m["version"]) for m in index) == [("vm", "1"), ("vm", "2")]
 
 
 async def test_listing_gives_each_model_its_versions(two: Client, redis_url: str,
@@ -212,3 +215,16 @@ async def test_draining_finishes_the_queue_then_the_worker_stops(
     assert old.drained
     assert raw_redis.llen(protocol.queue_key("vm@1")) == 0
     assert raw_redis.llen(protocol.dead_letter_key("vm@1")) == 0
+
+
+def test_config_file_serves_a_target_as_a_version(tmp_path: Path) -> None:
+    path = tmp_path / "up.toml"
+    path.write_text('[[models]]\ntarget = "redbatch.demo:models"\nversion = "2"\n')
+    entry = configfile.load(path).models[0]
+    served = configfile.with_overrides([Model("m", fn=adder(1))], entry.overrides)
+    assert [(m.name, m.version) for m in served] == [("m@2", "2")]
+    path.write_text('[[models]]\ntarget = "redbatch.demo:models"\nversion = "2/x"\n')
+    with pytest.raises(ConfigError, match=r"models\[0\]\.version"):
+        configfile.load(path)
+    with pytest.raises(ConfigError, match="is version '2', not '3'"):
+        Model("m@2", fn=adder(1), version="3")
