@@ -194,13 +194,13 @@ def test_cli_sets_weights_and_shows_them(two: Client, redis_url: str,
 # --- draining -------------------------------------------------------------------------
 async def test_draining_finishes_the_queue_then_the_worker_stops(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
-    old = start_worker([version(1, delay_s=0.02)])
+    old = start_worker([version(1, delay_s=0.1)])  # 25 batches: longer than the settle
     start_worker([version(2)])
     await _served(redis_url, "vm@1", "vm@2")
     async with Client(redis_url) as client:
-        queued = await client.submit_many(MODEL, list(range(60)), version="1")
+        queued = [await client.submit(MODEL, x, 15.0, version="1") for x in range(100)]
         await client.versions(MODEL, drain="1")
-        assert await asyncio.gather(*queued) == [x + 100 for x in range(60)]  # none lost
+        assert await asyncio.gather(*queued) == [x + 100 for x in range(100)]  # none lost
         await _answers_become(client, {201})  # unpinned traffic goes to version 2
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 2.0
