@@ -177,16 +177,19 @@ class Client:
         for a second: no read per request)."""
         if version is not None:
             protocol.check_version(version)
-        return (await self.table(model, deadline_ms)).route(model, version)
+        table = self._admission.table_cached(model) if self._listeners is not None else None
+        if table is None:  # stale or not started: read (once for every caller)
+            table = await self.table(model, deadline_ms)
+        return table.route(model, version)
 
     async def table(self, model: str, deadline_ms: int | None = None) -> versions.Table:
         """``model``'s version routing table (empty: served without versions), read
         with its live summary (cached for a second)."""
+        if self._listeners is not None and (table := self._admission.table_cached(model)) \
+                is not None:  # the name was checked before it was read
+            return table
         protocol.check_model_name(model)
-        table = self._admission.table_cached(model) if self._listeners is not None else None
-        if table is None:
-            table = await self._look_up(model, deadline_ms, self._read_table)
-        return table
+        return await self._look_up(model, deadline_ms, self._read_table)
 
     async def _read_table(self, model: str) -> versions.Table:
         return await self._admission.table(model)  # started by then (``_look_up``)
