@@ -256,7 +256,8 @@ def test_the_public_surface_is_four_request_methods() -> None:
         assert "reply" in inspect.signature(getattr(Client, name)).parameters
     sync = {name for name, member in inspect.getmembers(SyncClient)
             if not name.startswith("_") and inspect.isfunction(member)}
-    assert sync - {"close", "configure", "versions"} == {"predict", "predict_many", "submit", "submit_many"}
+    assert sync - {"close", "configure", "versions"} == {"predict", "predict_many", "submit",
+                                                        "submit_many"}
 
 
 async def test_reply_true_gives_the_whole_reply_with_timings(

@@ -9,6 +9,7 @@ import random
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -144,8 +145,9 @@ async def test_http_v1_and_v2_pinned_versions(two: Client, redis_url: str) -> No
         resp = await http.post("/v1/models/vm/versions/1/predict", json={"inputs": 5})
         assert resp.status_code == 200, resp.text
         assert resp.json() == {"outputs": 105}
+        assert resp.headers["x-redbatch-version"] == "1"
         resp = await http.post("/v1/models/vm/predict", json={"inputs": 5})
-        assert resp.json() == {"outputs": 205}
+        assert resp.json() == {"outputs": 205} and resp.headers["x-redbatch-version"] == "2"
         resp = await http.post("/v1/models/vm/versions/7/predict", json={"inputs": 5})
         assert resp.status_code == 404 and "no version '7'" in resp.json()["error"]["message"]
         body = {"inputs": [{"name": "inputs", "datatype": "INT64", "shape": [2],
@@ -162,6 +164,26 @@ async def test_http_v1_and_v2_pinned_versions(two: Client, redis_url: str) -> No
         assert (await http.get("/v2/models/vm/versions/2/ready")).status_code == 200
         index = (await http.post("/v2/repository/index")).json()
         assert sorted((m["name"], m["version"]) for m in index) == [("vm", "1"), ("vm", "2")]
+        bad = await http.patch("/v1/models/vm/versions", json={"weights": {"1": -5}})
+        assert bad.status_code == 422 and "weight of version '1'" in bad.text
+        assert (await http.patch("/v1/models/vm/versions", json={"drain": "8"})).status_code \
+            == 404
+        assert (await http.patch("/v1/models/vm/versions", json={"drain": "1"})).status_code \
+            == 200
+        resp = await _refused_within_two_seconds(http, "/v1/models/vm/versions/1/predict")
+        assert "draining" in resp.json()["error"]["message"]
+        assert resp.headers["retry-after"] == "1"
+
+
+async def _refused_within_two_seconds(http: httpx.AsyncClient, path: str) -> httpx.Response:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    while True:
+        resp = await http.post(path, json={"inputs": 5})
+        if resp.status_code == 503:
+            return resp
+        assert resp.status_code == 200 and loop.time() < deadline, resp.text
+        await asyncio.sleep(0.05)
 
 
 async def test_listing_gives_each_model_its_versions(two: Client, redis_url: str,

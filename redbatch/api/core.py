@@ -325,13 +325,17 @@ def reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response |
     content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
                            option=orjson.OPT_SERIALIZE_NUMPY)
     timings = reply.timings
-    return RawResponse(200, [
+    headers = [
         (b"content-type", b"application/json"),
         (b"x-request-id", request_id.encode()),
         (b"x-redbatch-batch-size", b"%d" % timings.batch_size),
         (b"x-redbatch-queue-wait-ms", b"%.1f" % timings.queue_wait_ms),
         (b"x-redbatch-forward-ms", b"%.2f" % timings.forward_ms),
-    ], content)
+    ]
+    if protocol.VERSION_SEP in info.name:  # a version answered: which one
+        headers.append((b"x-redbatch-version", info.name.partition(protocol.VERSION_SEP)[2]
+                        .encode()))
+    return RawResponse(200, headers, content)
 
 
 def _jsonable(obj: Any) -> Any:
