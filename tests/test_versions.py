@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from redbatch import Client, ConfigError, Model, configfile, protocol, versions
+from redbatch import Client, ConfigError, Model, batch, configfile, protocol, versions
 from redbatch.cli import main
 from redbatch.errors import NoLiveWorkers, UnknownModel
 from redbatch.versions import Table, Version
@@ -248,5 +248,6 @@ def test_config_file_serves_a_target_as_a_version(tmp_path: Path) -> None:
     path.write_text('[[models]]\ntarget = "redbatch.demo:models"\nversion = "2/x"\n')
     with pytest.raises(ConfigError, match=r"models\[0\]\.version"):
         configfile.load(path)
+    assert batch(name="m", version="4")(adder(1)).name == "m@4"
     with pytest.raises(ConfigError, match="is version '2', not '3'"):
         Model("m@2", fn=adder(1), version="3")

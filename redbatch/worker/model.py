@@ -214,7 +214,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           priority_levels: int = defaults.PRIORITY_LEVELS,
           default_priority: int = defaults.DEFAULT_PRIORITY,
           priority_share: float = defaults.PRIORITY_SHARE,
-          priority_caps: list[int] | None = None
+          priority_caps: list[int] | None = None, version: str | None = None
           ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
@@ -225,8 +225,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
     size per length bucket by measurement (both ``BatchPolicy``); ``inputs`` and
     ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
-    ``default_priority``, ``priority_share``, ``priority_caps``: priority levels (all
-    ``Model``)."""
+    ``default_priority``, ``priority_share``, ``priority_caps``: priority levels;
+    ``version``: the version it serves (all ``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -239,6 +239,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
                      output_name=output_name, stack=stack,
                      output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize,
                      priority_levels=priority_levels, default_priority=default_priority,
-                     priority_share=priority_share, priority_caps=priority_caps)
+                     priority_share=priority_share, priority_caps=priority_caps,
+                     version=version)
 
     return wrap
