@@ -74,12 +74,17 @@ class Table:
 
     def pick(self, model: str, rng: random.Random = RNG) -> str:
         """A version for a request that pins none, by weight."""
-        weights = self.weights()
-        if not weights:
+        chosen = self.choose(rng)
+        if chosen is None:
             raise NoLiveWorkers(f"every version of model {model!r} is draining; "
                                 "retry shortly")
-        if len(weights) == 1:
-            return next(iter(weights))
+        return chosen
+
+    def choose(self, rng: random.Random = RNG) -> str | None:
+        """``pick``'s version, or None when there is none to pick."""
+        weights = self.weights()
+        if len(weights) <= 1:
+            return next(iter(weights), None)
         versions = list(weights)
         return rng.choices(versions, weights=[weights[v] for v in versions])[0]
 

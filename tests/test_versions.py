@@ -110,6 +110,8 @@ async def test_two_versions_side_by_side_pinned_and_latest(two: Client,
     assert await two.predict(MODEL, 1, version="1") == 101
     assert await two.predict(MODEL, 1, version="2") == 201
     assert await two.predict(MODEL, 1) == 201  # no weights: latest, the highest
+    assert two.cached_pick(MODEL) == "2"  # the table just read: the gateway's label
+    assert two.cached_pick("vm@2") is None  # a version has no versions
     assert await two.predict("vm@1", 1) == 101  # a served name is a model of its own
     with pytest.raises(UnknownModel, match="no version '3'"):
         await two.predict(MODEL, 1, version="3")
@@ -162,6 +164,12 @@ async def test_http_v1_and_v2_pinned_versions(two: Client, redis_url: str) -> No
         meta = (await http.get("/v2/models/vm/versions/2")).json()
         assert (meta["name"], meta["versions"]) == ("vm", ["1", "2"])
         assert (await http.get("/v2/models/vm/versions/2/ready")).status_code == 200
+        scraped = (await http.get("/metrics")).text
+        ok = 'redbatch_requests_total{{model="{}",outcome="ok"}} {}.0'
+        assert ok.format("vm@1", 2) in scraped, scraped  # pinned, over v1 and v2
+        # split by weight: labelled with the version the cached table picked (the model's
+        # own name only when its table went stale between the two requests)
+        assert ok.format("vm@2", 1) in scraped or ok.format("vm", 1) in scraped
         index = (await http.post("/v2/repository/index")).json()
         assert sorted((m["name"], m["version"]) for m in index) == [("vm", "1"), ("vm", "2")]
         bad = await http.patch("/v1/models/vm/versions", json={"weights": {"1": -5}})

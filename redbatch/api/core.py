@@ -140,7 +140,8 @@ class InferCore:
     async def serve(self, model: str, scope: Scope, receive: Receive, send: Send,
                     version: str | None = None) -> None:
         """Answer ``POST`` or ``GET /v1/models/{model}[/versions/{version}]/predict``
-        (metered; under the version's served name when it is pinned)."""
+        (metered under the served name of the version that answers, when known)."""
+        version = version or self.client.cached_pick(model)
         response = await self.metered(protocol.served_name(model, version),
                                       self._respond(model, scope, receive, version))
         await response(scope, receive, send)
@@ -213,8 +214,14 @@ class InferCore:
         return response
 
     def _label(self, model: str) -> str:
-        """Model names from URLs become labels only once a worker registered them."""
-        return model if self.directory.known(model) else metrics.UNKNOWN_MODEL
+        """Model names from URLs become labels only once a worker registered them (a
+        version's served name: else its model's, as version "1" of one served
+        without versions)."""
+        if self.directory.known(model):
+            return model
+        base = model.partition(protocol.VERSION_SEP)[0]
+        return base if base != model and self.directory.known(base) else \
+            metrics.UNKNOWN_MODEL
 
     # --- disconnects -------------------------------------------------------------
     def _watch(self, model: str, request_id: str, deadline_ms: int,

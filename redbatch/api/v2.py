@@ -464,9 +464,14 @@ class V2Api:
         return Response(status_code=200)
 
     async def infer(self, request: Request) -> Response:
-        """Counted in the request metrics, as v1 predict is (errors included)."""
-        return await self.gateway.core.metered(request.path_params["name"],
-                                               self._guarded_infer(request))
+        """Counted in the request metrics, as v1 predict is (errors included), under
+        the served name of the version that answers when it is known: a request that
+        pins none is pinned here to the version its cached table picks."""
+        params, client = request.path_params, self.gateway.client
+        if params.get("version") is None and (picked := client.cached_pick(params["name"])):
+            params["version"] = picked
+        label = protocol.served_name(params["name"], params.get("version"))
+        return await self.gateway.core.metered(label, self._guarded_infer(request))
 
     async def _infer_call(self, request: Request) -> Response:
         """Through the infer core, as v1 predict: the deadline runs from arrival and

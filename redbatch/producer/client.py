@@ -182,6 +182,13 @@ class Client:
             table = await self.table(model, deadline_ms)
         return table.route(model, version)
 
+    def cached_pick(self, model: str) -> str | None:
+        """The version a request for ``model`` that pins none goes to, picked by weight
+        from the cached table (no I/O): None when the cache is stale, or the model has
+        no versions (the gateway labels its request metrics with it)."""
+        table = self._admission.table_cached(model) if self._listeners is not None else None
+        return table.choose() if table else None
+
     async def table(self, model: str, deadline_ms: int | None = None) -> versions.Table:
         """``model``'s version routing table (empty: served without versions), read
         with its live summary (cached for a second)."""
