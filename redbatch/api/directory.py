@@ -61,7 +61,8 @@ class ModelDirectory:
     async def listing(self) -> list[dict[str, Any]]:
         """Every known model with its queue depth, live workers and ``versions``; a
         model served in versions is one entry (its latest version's fields, under the
-        model's name), with a row per version."""
+        model's name, with the queue depths and live workers of every version summed),
+        with a row per version."""
         async with translated(self._settings):
             groups = by_model(await self._model_names())
             return [await self._entry(name, groups[name]) for name in sorted(groups)]
@@ -77,7 +78,9 @@ class ModelDirectory:
             row["queue_depth"] = sum(await queue_depths(
                 self._redis, row["name"], await self._redis.get(protocol.meta_key(row["name"]))))
         latest = protocol.served_name(name, table.latest) if table.latest else served[0]
-        return {**await self._describe(latest), "name": name, "versions": rows}
+        return {**await self._describe(latest), "name": name, "versions": rows,
+                "queue_depth": sum(r["queue_depth"] for r in rows),
+                "live_workers": sum(r["live_workers"] for r in rows)}
 
     async def _describe(self, name: str) -> dict[str, Any]:
         raw = await self._redis.get(protocol.meta_key(name))
