@@ -18,6 +18,8 @@ from redbatch.extras import missing_extra
 from redbatch.knobs_cli import cmd_config
 from redbatch.knobs_cli import register as register_config
 from redbatch.logs import setup_logging
+from redbatch.versions_cli import cmd_versions
+from redbatch.versions_cli import register as register_versions
 
 log = logging.getLogger("redbatch")
 DEMO_TARGET = "redbatch.demo:models"
@@ -88,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"sampling interval for items/s ({defaults.STATUS_INTERVAL_S}; "
                              "workers publish their counters once a heartbeat)")
     _add_redis(register_config(sub))
+    _add_redis(register_versions(sub))
     try:
         from redbatch.jobs.cli import register as register_jobs
     except ModuleNotFoundError:  # without the [jobs] extra: `redbatch jobs` says so
@@ -286,6 +289,8 @@ def _dispatch(args: argparse.Namespace, redis_url: str | None) -> int:
         return cmd_status(args, _redis_settings(redis_url))
     elif args.command == "config":
         return cmd_config(args, _redis_settings(redis_url))
+    elif args.command == "versions":
+        return cmd_versions(args, _redis_settings(redis_url))
     elif args.command == "jobs":
         from redbatch.jobs.cli import main as jobs_main
 

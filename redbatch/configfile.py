@@ -23,6 +23,7 @@ default_timeout_s = 5             # deadline of its requests that set none
 priority_levels = 2               # priority levels of every model of the target
 default_priority = 2              # the level of requests that name none
 priority_caps = [1000, 100]       # each priority level's queue cap (models of 2 levels)
+version = "2"                     # serve the target's models as this version (canaries)
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
@@ -46,7 +47,7 @@ from redbatch.errors import ConfigError
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
 LIMIT_KEYS = ("max_queue_len", "default_timeout_s", "priority_caps",  # -> models' own
-              "priority_levels", "default_priority")
+              "priority_levels", "default_priority", "version")
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}
 
@@ -137,6 +138,10 @@ def _check_limits(limits: dict[str, Any], where: str) -> None:
         knobs.check("priority_caps", limits.get("priority_caps"))
     except ConfigError as exc:
         raise ConfigError(f"{where}.{exc}") from exc
+    version = limits.get("version", "1")
+    if not isinstance(version, str) or not protocol.VERSION_RE.fullmatch(version):
+        raise ConfigError(f"{where}.version: must be a string of 1-32 of [A-Za-z0-9_.-], "
+                          f"got {version!r}")
     for key in ("priority_levels", "default_priority"):
         value = limits.get(key, 1)
         if type(value) is not int or not 1 <= value <= protocol.MAX_PRIORITY_LEVELS:

@@ -52,6 +52,10 @@ WAIT_REPLICAS: Final = 0  # replicas that must acknowledge an enqueue (Redis WAI
 WAIT_TIMEOUT_MS: Final = 100  # how long that WAIT may block (cut to the request's deadline)
 WAIT_TIMEOUT_MAX_MS: Final = 10_000  # the longest wait_timeout_ms accepted
 WAIT_WARN_EVERY_S: Final = 10.0  # an unacknowledged enqueue is logged at most this often
+DRAIN_SETTLE_S: Final = LIVE_REFRESH_S + 1.0  # a draining version's workers serve this long
+# at least after they see the drain (every producer has seen it by then), then stop once
+# its queue and their in-flight lists are empty
+DRAINED_EXIT_CODE: Final = 3  # a worker process that stopped after draining: not restarted
 SCALE_DRAIN_S: Final = 60.0  # redbatch_workers_needed plans to drain a backlog within this
 
 # --- workers (WorkerConfig, Pool) ---------------------------------------------------------

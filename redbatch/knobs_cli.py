@@ -18,13 +18,21 @@ HELP = ("show or change a model's batching knobs live: every worker of the model
 
 
 def register(sub: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = sub.add_parser("config", help=HELP, description=HELP)
-    parser.add_argument("model", help="the model's name")
-    parser.add_argument("changes", nargs="*", metavar="KNOB=VALUE",
-                        help="values as JSON (16, 0.01, true); KNOB= drops the override. "
-                             f"Knobs: {', '.join(knobs.KNOBS)}")
+    parser = admin_parser(sub, "config", HELP, "KNOB=VALUE",
+                          "values as JSON (16, 0.01, true); KNOB= drops the override. "
+                          f"Knobs: {', '.join(knobs.KNOBS)}")
     parser.add_argument("--reset", action="store_true",
                         help="drop every override first (back to the model's own values)")
+    return parser
+
+
+def admin_parser(sub: Any, name: str, text: str, metavar: str, words: str
+                 ) -> argparse.ArgumentParser:
+    """An admin command's parser: ``MODEL [WORD ...] [--json]`` (``redbatch config``,
+    ``redbatch versions``); the changes land in ``args.changes``."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=text, description=text)
+    parser.add_argument("model", help="the model's name")
+    parser.add_argument("changes", nargs="*", metavar=metavar, help=words)
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     return parser
 

@@ -292,7 +292,9 @@ local function live_capacities()
 end
 """
 
-# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta  ARGV[1]=now ms.
+# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta
+# KEYS[4]=versions hash (the model's routing table, HGETALL: empty when unversioned)
+# ARGV[1]=now ms.
 # A model's live workers as admission needs them, in one read-only round trip that
 # never touches the (large) worker_info hash: the workers whose lease is live, the sum
 # of their published items_per_s, whether each publishes rows = true, and whether the
@@ -319,7 +321,8 @@ if raw and string.find(raw, '"priority"', 1, true) then
     levels = cjson.encode(meta['priority'])
   end
 end
-return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels}}
+return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels,
+        redis.call('HGETALL', KEYS[4])}}
 """
 
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.

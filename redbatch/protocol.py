@@ -45,7 +45,11 @@ REAPING_TTL_MS: Final = 5000  # a reaper's election; past it, a reaper that died
 MODEL_NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # Takes ``reply_key``'s ``rb:reply:{<model>}:<id>`` and the legacy ``rb:reply:{<id>}``
 # alike; unchanged since 1.0, so that workers of 1.0 answer producers of 1.1.
-REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:-]{1,180}$")
+REPLY_TO_RE: Final = re.compile(r"^rb:reply:[A-Za-z0-9{}_.:@-]{1,180}$")
+# A model served in several versions: each version is served under the name
+# ``<model>@<version>`` (its own keys, its own hash tag); ``@`` is in no model name.
+VERSION_SEP: Final = "@"
+VERSION_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 
 # --- message fields -----------------------------------------------------------
 F_VERSION: Final = "v"
@@ -91,10 +95,33 @@ STREAMED_PREFIX: Final = "s"
 
 # --- keys ---------------------------------------------------------------------
 def check_model_name(model: str) -> str:
-    """Return ``model`` if it is a legal model name, else raise ``InvalidPayload``."""
-    if not isinstance(model, str) or not MODEL_NAME_RE.fullmatch(model):
-        raise InvalidPayload(f"invalid model name {model!r}: use 1-64 of [A-Za-z0-9_.-]")
+    """Return ``model`` if it is a legal model name (or a version's served name,
+    ``served_name``), else raise ``InvalidPayload``."""
+    base, _, version = model.partition(VERSION_SEP) if isinstance(model, str) else ("", "", "")
+    if not MODEL_NAME_RE.fullmatch(base) or (
+            version and not VERSION_RE.fullmatch(version)) or model.endswith(VERSION_SEP):
+        raise InvalidPayload(f"invalid model name {model!r}: use 1-64 of [A-Za-z0-9_.-]"
+                             " (a version's served name: <model>@<version>)")
     return model
+
+
+def check_version(version: str) -> str:
+    """Return ``version`` if it is a legal version name, else raise ``InvalidPayload``."""
+    if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
+        raise InvalidPayload(f"invalid version {version!r}: use 1-32 of [A-Za-z0-9_.-]")
+    return version
+
+
+def served_name(model: str, version: str | None) -> str:
+    """The name a model's version is served under (its keys' hash tag):
+    ``<model>@<version>``, or ``model`` itself for an unversioned model."""
+    return model if version is None else f"{model}{VERSION_SEP}{version}"
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """``served_name``'s inverse: the model and its version (None: unversioned)."""
+    base, sep, version = name.partition(VERSION_SEP)
+    return base, (version if sep else None)
 
 
 def queue_key(model: str, level: int = 0) -> str:
@@ -150,6 +177,17 @@ def config_key(model: str) -> str:
     (``redbatch config``, ``PATCH /v1/models/{model}/config``); only the knobs someone
     changed.  No TTL: kept until reset.  Workers read it with every heartbeat."""
     return f"{PREFIX}:{{{model}}}:config"
+
+
+def versions_key(model: str) -> str:
+    """Hash of a model served in versions, in the model's own slot (``{<model>}``, no
+    version): ``<version>`` -> JSON ``{"weight": number|null, "draining": bool}``, one
+    field per version (a worker adds its version's with ``HSETNX`` when it
+    registers), and ``@latest`` -> JSON version, the pinned ``latest`` if set.  No TTL."""
+    return f"{PREFIX}:{{{model}}}:versions"
+
+
+LATEST_FIELD: Final = "@latest"  # versions_key's field of the pinned latest version
 
 
 def dead_letter_key(model: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import defaults, lua, protocol
+from redbatch import defaults, lua, protocol, versions
 from redbatch.levels import ONE, Levels, from_summary
 from redbatch.redis_conn import idempotent
 
@@ -50,12 +50,13 @@ class LiveSummary:
     rows: bool  # every live worker takes multi-row requests (and one is live)
     known: bool  # a worker is live or the model is registered
     levels: Levels = ONE  # its priority levels, as its workers publish them
+    versions: versions.Table = versions.EMPTY  # its routing table, if served in versions
 
     def fresh(self, refresh_s: float) -> bool:
         """Whether to trust it still: for ``refresh_s``, or for ``MISS_REFRESH_S`` at
         most while it says nobody serves the model (a worker that just started is seen
         within that, not after a whole ``refresh_s``)."""
-        if not self.live:
+        if not self.live and not self.versions:
             refresh_s = min(refresh_s, defaults.MISS_REFRESH_S)
         return time.monotonic() - self.at <= refresh_s
 
@@ -107,9 +108,9 @@ class LiveCache:
     async def _read(self, model: str) -> LiveSummary:
         """One round trip (a read), repeated once on a broken connection."""
         keys = [protocol.workers_key(model), protocol.worker_capacity_key(model),
-                protocol.meta_key(model)]
+                protocol.meta_key(model), protocol.versions_key(model)]
         reply: Any = await idempotent(self._redis, lambda: self._script(
             keys=keys, args=[protocol.now_ms()]))
-        live, items_per_s, rows, known, levels = reply
+        live, items_per_s, rows, known, levels, table = reply
         return LiveSummary(time.monotonic(), int(live), float(items_per_s), bool(int(rows)),
-                           bool(int(known)), from_summary(levels))
+                           bool(int(known)), from_summary(levels), versions.decode(table))

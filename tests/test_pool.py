@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from redbatch import defaults
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.errors import ConfigError
 from redbatch.worker import pool as pool_module
@@ -214,3 +215,14 @@ def test_stop_waits_for_the_replicas_own_grace_before_killing() -> None:
     pool.stop()
     assert stubborn.killed
     assert stubborn.joined[0] > 40.0 + defaults.POOL_STOP_MARGIN_S - 1  # not a fixed 35 s
+
+
+def test_a_replica_that_drained_its_versions_is_not_restarted(
+        make_pool: Callable[..., FakePool]) -> None:
+    pool = make_pool()
+    pool.serve()
+    pool.proc.die(defaults.DRAINED_EXIT_CODE)
+    pool._check(pool.replicas[0])
+    pool.now += 600
+    pool._check(pool.replicas[0])
+    assert len(pool.spawned) == 1 and pool.replicas[0].drained

@@ -247,17 +247,19 @@ def test_the_public_surface_is_four_request_methods() -> None:
     """predict, predict_many, submit, submit_many: the reply metadata is a keyword."""
     coroutines = {name for name, member in inspect.getmembers(Client)
                   if not name.startswith("_") and inspect.iscoroutinefunction(member)}
-    # configure is an admin call (a model's live knobs), not a request method
+    # configure and versions are admin calls (a model's live knobs, its versions), route
+    # and table look-ups (where a request goes), not request methods
     life_cycle = {"start", "close", "live_workers", "check_served", "mark_cancelled",
-                  "configure"}
+                  "configure", "versions", "route", "table"}
     assert coroutines - life_cycle == {"predict", "predict_many", "submit", "submit_many"}
     for name in ("predict", "predict_many", "submit", "submit_many"):
         assert "reply" in inspect.signature(getattr(Client, name)).parameters
     sync = {name for name, member in inspect.getmembers(SyncClient)
             if not name.startswith("_") and inspect.isfunction(member)}
-    # stream: a streaming model's iterator (``Client.stream`` is no coroutine either)
-    assert sync - {"close", "configure", "stream"} == {"predict", "predict_many", "submit",
-                                                        "submit_many"}
+    # stream: a streaming model's iterator (``Client.stream`` is no coroutine either);
+    # versions: the routing table's look-up and admin call
+    assert sync - {"close", "configure", "stream", "versions"} == {
+        "predict", "predict_many", "submit", "submit_many"}
 
 
 async def test_reply_true_gives_the_whole_reply_with_timings(

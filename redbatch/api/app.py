@@ -21,6 +21,7 @@ from redbatch.api.gateway import Gateway
 from redbatch.api.knobs_view import knobs_routes
 from redbatch.api.openapi import openapi_routes
 from redbatch.api.v2 import v2_routes
+from redbatch.api.versions_view import versions_routes
 from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import RedbatchError
 
@@ -31,6 +32,9 @@ def _routes(gateway: Gateway) -> list[Route]:
     return [
         Route("/v1/models/{model}/predict", PredictEndpoint(gateway.core),
               methods=["GET", "POST"]),
+        Route("/v1/models/{model}/versions/{version}/predict", PredictEndpoint(gateway.core),
+              methods=["GET", "POST"]),
+        *versions_routes(gateway),
         Route("/v1/models", gateway.models, methods=["GET"]),
         *knobs_routes(gateway),
         Route("/v1/stats", gateway.stats, methods=["GET"]),

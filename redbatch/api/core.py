@@ -86,15 +86,18 @@ class InferCore:
         self._watchers: set[asyncio.Task[None]] = set()
 
     # --- the steps -------------------------------------------------------------
-    async def served(self, model: str, headers: body.Headers, arrived_ms: int) -> ModelInfo:
-        """The model's info once a live worker serves it; the look-ups end by the
+    async def served(self, model: str, headers: body.Headers, arrived_ms: int,
+                     version: str | None = None) -> ModelInfo:
+        """The info of the model (of the version pinned, else picked by its routing
+        table: ``Client.route``) once a live worker serves it; the look-ups end by the
         header's timeout (else the gateway's default) from arrival."""
         config = self.config
         lookup_ms = arrived_ms + round(1000 * body.timeout_s(
             headers, {}, config.default_timeout_s, config.max_timeout_s))
-        info = await self.directory.get(model, lookup_ms)
-        if not await self.client.live_workers(model, lookup_ms):
-            raise no_live_workers(model)
+        name = await self.client.route(model, version, lookup_ms)
+        info = await self.directory.get(name, lookup_ms)
+        if not await self.client.live_workers(name, lookup_ms):
+            raise no_live_workers(name)
         return info
 
     async def read(self, headers: body.Headers, receive: Receive) -> bytes:
@@ -134,13 +137,17 @@ class InferCore:
         return list(zip(starts, futures, strict=True))
 
     # --- v1 predict -------------------------------------------------------------
-    async def serve(self, model: str, scope: Scope, receive: Receive, send: Send) -> None:
-        """Answer ``POST`` or ``GET /v1/models/{model}/predict`` (metered)."""
-        response = await self.metered(model, self._respond(model, scope, receive))
+    async def serve(self, model: str, scope: Scope, receive: Receive, send: Send,
+                    version: str | None = None) -> None:
+        """Answer ``POST`` or ``GET /v1/models/{model}[/versions/{version}]/predict``
+        (metered under the served name of the version that answers, when known)."""
+        version = version or self.client.cached_pick(model)
+        response = await self.metered(protocol.served_name(model, version),
+                                      self._respond(model, scope, receive, version))
         await response(scope, receive, send)
 
-    async def _respond(self, model: str, scope: Scope, receive: Receive
-                       ) -> RawResponse | Response:
+    async def _respond(self, model: str, scope: Scope, receive: Receive,
+                       version: str | None = None) -> RawResponse | Response:
         """The response, with ``X-Request-ID``: the caller's, else the request's id (set
         by ``predict`` on answers from a worker), else a fresh one (errors before
         enqueueing, a bad X-Request-ID among them)."""
@@ -152,7 +159,7 @@ class InferCore:
             if scope["method"] != "GET":
                 body.check_content_type(headers)
                 query = None
-            return await self.predict(model, headers, receive, trace, query)
+            return await self.predict(model, headers, receive, trace, query, version)
         except RedbatchError as exc:
             response = from_exception(exc)
         except Exception:
@@ -163,11 +170,12 @@ class InferCore:
         return response
 
     async def predict(self, model: str, headers: body.Headers, receive: Receive,
-                      trace_id: str = "", query: bytes | None = None
-                      ) -> Response | RawResponse:
+                      trace_id: str = "", query: bytes | None = None,
+                      version: str | None = None) -> Response | RawResponse:
         """One v1 request: its input from the JSON body, or from ``query`` (a GET)."""
         arrived_ms = protocol.now_ms()
-        info = await self.served(model, headers, arrived_ms)
+        info = await self.served(model, headers, arrived_ms, version)
+        model = info.name  # a version's served name
         raw = await self.read(headers, receive)
         data = body.parse_json(raw) if query is None else query_input(query, raw, info)
         if info.meta.get(protocol.F_STREAMING):
@@ -224,8 +232,14 @@ class InferCore:
         return response
 
     def _label(self, model: str) -> str:
-        """Model names from URLs become labels only once a worker registered them."""
-        return model if self.directory.known(model) else metrics.UNKNOWN_MODEL
+        """Model names from URLs become labels only once a worker registered them (a
+        version's served name: else its model's, as version "1" of one served
+        without versions)."""
+        if self.directory.known(model):
+            return model
+        base = model.partition(protocol.VERSION_SEP)[0]
+        return base if base != model and self.directory.known(base) else \
+            metrics.UNKNOWN_MODEL
 
     # --- disconnects -------------------------------------------------------------
     def _watch(self, model: str, request_id: str, deadline_ms: int,
@@ -268,7 +282,8 @@ class PredictEndpoint:
         self.core = core
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.core.serve(scope["path_params"]["model"], scope, receive, send)
+        params = scope["path_params"]
+        await self.core.serve(params["model"], scope, receive, send, params.get("version"))
 
 
 # --- GET: the input in the query string -------------------------------------------
@@ -335,13 +350,17 @@ def reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response |
     content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
                            option=orjson.OPT_SERIALIZE_NUMPY)
     timings = reply.timings
-    return RawResponse(200, [
+    headers = [
         (b"content-type", b"application/json"),
         (b"x-request-id", request_id.encode()),
         (b"x-redbatch-batch-size", b"%d" % timings.batch_size),
         (b"x-redbatch-queue-wait-ms", b"%.1f" % timings.queue_wait_ms),
         (b"x-redbatch-forward-ms", b"%.2f" % timings.forward_ms),
-    ], content)
+    ]
+    if protocol.VERSION_SEP in info.name:  # a version answered: which one
+        headers.append((b"x-redbatch-version", info.name.partition(protocol.VERSION_SEP)[2]
+                        .encode()))
+    return RawResponse(200, headers, content)
 
 
 def _jsonable(obj: Any) -> Any:

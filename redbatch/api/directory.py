@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import defaults, protocol
+from redbatch import defaults, protocol, versions
 from redbatch.config import RedisSettings
 from redbatch.levels import by_level, queue_depths
 from redbatch.producer.admission import unknown_model
@@ -59,10 +59,28 @@ class ModelDirectory:
         return ModelInfo.from_meta(orjson.loads(raw)) if raw else None
 
     async def listing(self) -> list[dict[str, Any]]:
-        """Every known model with its queue depth and live workers."""
+        """Every known model with its queue depth, live workers and ``versions``; a
+        model served in versions is one entry (its latest version's fields, under the
+        model's name, with the queue depths and live workers of every version summed),
+        with a row per version."""
         async with translated(self._settings):
-            names = await self._model_names()
-            return [await self._describe(name) for name in sorted(names)]
+            groups = by_model(await self._model_names())
+            return [await self._entry(name, groups[name]) for name in sorted(groups)]
+
+    async def _entry(self, name: str, served: list[str]) -> dict[str, Any]:
+        if not served:  # served without versions: its one version, "1"
+            entry = await self._describe(name)
+            return {**entry, "versions": [versions.unversioned_row(
+                name, entry["live_workers"], entry["queue_depth"])]}
+        table = await versions.load(self._redis, name)
+        rows = (await versions.describe(self._redis, name, table))["versions"]
+        for row in rows:
+            row["queue_depth"] = sum(await queue_depths(
+                self._redis, row["name"], await self._redis.get(protocol.meta_key(row["name"]))))
+        latest = protocol.served_name(name, table.latest) if table.latest else served[0]
+        return {**await self._describe(latest), "name": name, "versions": rows,
+                "queue_depth": sum(r["queue_depth"] for r in rows),
+                "live_workers": sum(r["live_workers"] for r in rows)}
 
     async def _describe(self, name: str) -> dict[str, Any]:
         raw = await self._redis.get(protocol.meta_key(name))
@@ -96,3 +114,15 @@ class ModelDirectory:
                 if await self._redis.zcount(protocol.workers_key(name), now, "+inf"):
                     return True
         return False
+
+
+def by_model(names: list[str]) -> dict[str, list[str]]:
+    """Registered names grouped by model: model -> its versions' served names (empty
+    for a model served without versions)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        base, version = protocol.split_name(name)
+        groups.setdefault(base, [])
+        if version is not None:
+            groups[base].append(name)
+    return groups

@@ -1,4 +1,5 @@
-"""The hot path: ``/v1/models/{model}/predict`` (POST, GET) answered ahead of Starlette.
+"""The hot path: ``/v1/models/{model}/predict`` (POST, GET; and a pinned version's
+``/v1/models/{model}/versions/{version}/predict``) answered ahead of Starlette.
 
 Starlette's middleware stack (error and exception middleware, the router) and its
 ``Response`` objects cost about a third of the gateway's CPU per request (py-spy,
@@ -23,7 +24,7 @@ from redbatch.api.core import RawResponse
 if TYPE_CHECKING:
     from redbatch.api.gateway import Gateway
 
-PREDICT_PATH = re.compile(r"^/v1/models/([^/]+)/predict$")
+PREDICT_PATH = re.compile(r"^/v1/models/([^/]+)(?:/versions/([^/]+))?/predict$")
 PREDICT_METHODS = frozenset({"POST", "GET"})
 
 
@@ -47,7 +48,7 @@ class GatewayApp(Starlette):
             await refused(scope, receive, send)
             return
         gateway: Gateway = self.state.gateway
-        await gateway.core.serve(match.group(1), scope, receive, send)
+        await gateway.core.serve(match.group(1), scope, receive, send, match.group(2))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Open like the health checks: Prometheus scrapes it without the API key."""

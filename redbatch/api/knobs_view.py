@@ -5,7 +5,8 @@ applies within a heartbeat or two.  Behind the API key like every route but heal
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -16,24 +17,35 @@ from redbatch.api import body
 from redbatch.redis_conn import translated
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from redbatch.api.gateway import Gateway
 
 CONFIG_PATH = "/v1/models/{model}/config"
 
 
 def knobs_routes(gateway: Gateway) -> list[Route]:
-    async def show(request: Request) -> Response:
-        async with translated(gateway.redis_settings):
-            return JSONResponse(await knobs.show(gateway.redis, request.path_params["model"]))
+    return admin_routes(gateway, CONFIG_PATH, knobs.show, knobs.configure)
 
-    async def change(request: Request) -> Response:
+
+Show = Callable[["aioredis.Redis", str], Awaitable[dict[str, Any]]]
+Change = Callable[["aioredis.Redis", str, Any], Awaitable[dict[str, Any]]]
+
+
+def admin_routes(gateway: Gateway, path: str, show: Show, change: Change) -> list[Route]:
+    """GET ``path`` answers ``show(redis, model)``; PATCH (a JSON body) answers
+    ``change(redis, model, data)``; Redis errors translated."""
+    async def shown(request: Request) -> Response:
+        async with translated(gateway.redis_settings):
+            return JSONResponse(await show(gateway.redis, request.path_params["model"]))
+
+    async def changed(request: Request) -> Response:
         headers = dict(request.headers.raw)
         body.check_content_type(headers)
         data = body.parse_json(await body.read_body(headers, request.receive,
                                                     gateway.config.max_body_bytes))
         async with translated(gateway.redis_settings):
-            return JSONResponse(await knobs.configure(gateway.redis,
-                                                      request.path_params["model"], data))
+            return JSONResponse(await change(gateway.redis, request.path_params["model"],
+                                             data))
 
-    return [Route(CONFIG_PATH, show, methods=["GET"]),
-            Route(CONFIG_PATH, change, methods=["PATCH"])]
+    return [Route(path, shown, methods=["GET"]), Route(path, changed, methods=["PATCH"])]

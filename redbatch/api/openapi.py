@@ -61,7 +61,8 @@ def _param(name: str, description: str) -> Schema:
 
 
 MODEL = _param("name", "model name")
-VERSION = _param("version", "model version; every model has version \"1\"")
+VERSION = _param("version", "model version (a model served without versions has "
+                 "version \"1\")")
 
 
 def _get(summary: str, ok: Schema, errors: dict[str, Schema], tag: str,
@@ -129,21 +130,44 @@ def _predict_get() -> Schema:
 
 def _config_path() -> Schema:
     """``/v1/models/{model}/config``: the live knobs (docs/models.md)."""
-    answer = _json("the stored overrides and the effective values", _ref("V1Config"))
+    return _live_path("a model's live knobs",
+                      "change a model's live knobs (null drops an override)",
+                      _json("the stored overrides and the effective values", _ref("V1Config")),
+                      "an unknown knob or a bad value")
+
+
+def _versions_path() -> Schema:
+    """``/v1/models/{model}/versions``: the versions and their traffic split."""
+    return _live_path("a model's versions: weight, share, latest, draining, live workers",
+                      "change the split ({\"weights\": {\"1\": 95, \"2\": 5}}), pin "
+                      "\"latest\", \"drain\" or \"undrain\" a version",
+                      _json("the versions", {"type": "object"}),
+                      "a bad weight or field")
+
+
+def _live_path(show: str, change: str, answer: Schema, bad: str) -> Schema:
+    """GET shows, PATCH (a JSON object) changes, a model's live settings."""
     errors = {k: V1_ERRORS[k] for k in ("401", "404", "503")}
     return {
-        "get": {"summary": "a model's live knobs", "tags": ["v1"],
+        "get": {"summary": show, "tags": ["v1"],
                 "parameters": [_param("model", "model name")],
                 "responses": {"200": answer, **errors}},
-        "patch": {"summary": "change a model's live knobs (null drops an override)",
+        "patch": {"summary": change,
                   "tags": ["v1"], "parameters": [_param("model", "model name")],
                   "requestBody": {"required": True, "content": {"application/json": {
                       "schema": {"type": "object", "additionalProperties": True}}}},
                   "responses": {"200": answer, **errors,
                                 "400": _json("body is not a JSON object", _ref("V1Error")),
-                                "422": _json("an unknown knob or a bad value",
-                                             _ref("V1Error"))}},
+                                "422": _json(bad, _ref("V1Error"))}},
     }
+
+
+def _pinned(predict: Schema) -> Schema:
+    """``predict``'s operations, for a pinned version (one more path parameter)."""
+    version = _param("version", "the model's version (404 when it has none of that name)")
+    return {method: {**operation, "parameters": [*operation["parameters"][:1], version,
+                                                 *operation["parameters"][1:]]}
+            for method, operation in predict.items()}
 
 
 def _v1_paths() -> dict[str, Schema]:
@@ -157,6 +181,8 @@ def _v1_paths() -> dict[str, Schema]:
     predict["get"] = _predict_get()
     return {
         "/v1/models/{model}/predict": predict,
+        "/v1/models/{model}/versions/{version}/predict": _pinned(predict),
+        "/v1/models/{model}/versions": _versions_path(),
         "/v1/models": _get("models with their spec, policy, queue depth and workers",
                            _json("models", _ref("V1Models")), {"503": V1_ERRORS["503"]}, "v1"),
         "/v1/models/{model}/config": _config_path(),

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from redbatch import __version__, protocol
+from redbatch import __version__, protocol, versions
 from redbatch.api import body, v2_named, v2_tensors
 from redbatch.api.directory import ModelInfo
 from redbatch.api.errors import retry_headers, status_of
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("redbatch.api")
 
 ANY_DATATYPE = "ANY"  # metadata of a model without a TensorSpec: any numeric datatype
-VERSION = "1"  # every model has this one version
+VERSION = versions.UNVERSIONED  # the one version of a model served without versions
 HEADER_LENGTH = b"inference-header-content-length"
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -110,18 +110,27 @@ def _named(info: ModelInfo) -> dict[str, Described]:
             "outputs": _described(info.signature.outputs)}
 
 
-def model_metadata(info: ModelInfo) -> dict[str, Any]:
-    """v2 model metadata.  Workers publish no output spec for a model with one input:
-    the output is listed with the input's datatype and only its batch dimension (a
-    response's ``datatype`` and ``shape`` are the real ones)."""
+def name_version(info: ModelInfo) -> tuple[str, str]:
+    """The model's name and version as v2 names them (a version's served name split)."""
+    name, version = protocol.split_name(info.name)
+    return name, version or VERSION
+
+
+def model_metadata(info: ModelInfo, listed: list[str] | None = None) -> dict[str, Any]:
+    """v2 model metadata (``listed``: the model's versions, else the one of ``info``).
+    Workers publish no output spec for a model with one input: the output is listed
+    with the input's datatype and only its batch dimension (a response's
+    ``datatype`` and ``shape`` are the real ones)."""
+    name, version = name_version(info)
+    head = {"name": name, "versions": listed or [version], "platform": "redbatch"}
     if info.signature is not None:
-        return {"name": info.name, "versions": [VERSION], "platform": "redbatch",
+        return {**head,
                 **{kind: [{"name": name, "datatype": datatype, "shape": [-1, *dims]}
                           for name, datatype, dims in tensors]
                    for kind, tensors in _named(info).items()}}
     datatype = _datatype(info)
     return {
-        "name": info.name, "versions": [VERSION], "platform": "redbatch",
+        **head,
         "inputs": [{"name": info.input_name, "datatype": datatype,
                     "shape": [-1, *_row_dims(info)]}],
         "outputs": [{"name": info.output_name, "datatype": datatype, "shape": [-1]}],
@@ -370,7 +379,8 @@ def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Respo
     output: dict[str, Any] = {"name": info.output_name,
                               "datatype": V2_DATATYPES[arr.dtype.name],
                               "shape": list(arr.shape)}
-    doc: dict[str, Any] = {"model_name": info.name, "model_version": VERSION}
+    name, version = name_version(info)
+    doc: dict[str, Any] = {"model_name": name, "model_version": version}
     if call.request_id is not None:
         doc["id"] = call.request_id
     doc["outputs"] = [output]
@@ -414,18 +424,26 @@ class V2Api:
         return JSONResponse(server_metadata())
 
     @staticmethod
-    def _name(request: Request) -> str:
-        """The path's model name, once it is a name and the version is ours."""
+    def _name(request: Request) -> tuple[str, str | None]:
+        """The path's model name, once it is a name, and its version (None: none)."""
         name: str = request.path_params["name"]
-        version = request.path_params.get("version", VERSION)
+        version: str | None = request.path_params.get("version")
         if not protocol.MODEL_NAME_RE.fullmatch(name):
             raise UnknownModel(f"unknown model {name!r}: not a model name")
-        if version != VERSION:
-            raise UnknownModel(f"model {name!r} has no version {version!r} (only {VERSION!r})")
-        return name
+        if version is not None and not protocol.VERSION_RE.fullmatch(version):
+            raise UnknownModel(f"model {name!r} has no version {version!r}")
+        return name, version
+
+    async def _versions(self, request: Request) -> tuple[ModelInfo, list[str] | None]:
+        """The info of the path's version (of ``latest`` when it names none), and the
+        model's versions (None: served without versions)."""
+        name, version = self._name(request)
+        table = await self.gateway.client.table(name)
+        served = table.route(name, table.latest if version is None else version)
+        return await self.gateway.directory.get(served), table.ordered() or None
 
     async def _model(self, request: Request) -> ModelInfo:
-        return await self.gateway.directory.get(self._name(request))
+        return (await self._versions(request))[0]
 
     async def _served(self, request: Request) -> ModelInfo:
         info = await self._model(request)
@@ -434,7 +452,7 @@ class V2Api:
         return info
 
     async def metadata(self, request: Request) -> Response:
-        return JSONResponse(model_metadata(await self._model(request)))
+        return JSONResponse(model_metadata(*await self._versions(request)))
 
     async def config(self, request: Request) -> Response:
         return JSONResponse(model_config(await self._model(request)))
@@ -447,16 +465,22 @@ class V2Api:
         return Response(status_code=200)
 
     async def infer(self, request: Request) -> Response:
-        """Counted in the request metrics, as v1 predict is (errors included)."""
-        return await self.gateway.core.metered(request.path_params["name"],
-                                               self._guarded_infer(request))
+        """Counted in the request metrics, as v1 predict is (errors included), under
+        the served name of the version that answers when it is known: a request that
+        pins none is pinned here to the version its cached table picks."""
+        params, client = request.path_params, self.gateway.client
+        if params.get("version") is None and (picked := client.cached_pick(params["name"])):
+            params["version"] = picked
+        label = protocol.served_name(params["name"], params.get("version"))
+        return await self.gateway.core.metered(label, self._guarded_infer(request))
 
     async def _infer_call(self, request: Request) -> Response:
         """Through the infer core, as v1 predict: the deadline runs from arrival and
         bounds the look-ups too."""
         arrived_ms, core = protocol.now_ms(), self.gateway.core
         headers = dict(request.headers.raw)
-        info = await core.served(self._name(request), headers, arrived_ms)
+        name, version = self._name(request)
+        info = await core.served(name, headers, arrived_ms, version)
         raw = await core.read(headers, request.receive)
         if info.signature is not None:
             return await self._infer_named(info, raw, headers, arrived_ms)
@@ -476,7 +500,8 @@ class V2Api:
         header, binary = split_body(raw, headers)
         data = body.parse_json(header)
         params = mapping(data.get("parameters"), "'parameters'")
-        doc: dict[str, Any] = {"model_name": info.name, "model_version": VERSION}
+        name, version = name_version(info)
+        doc: dict[str, Any] = {"model_name": name, "model_version": version}
         if (request_id := _request_id(data)) is not None:
             doc["id"] = request_id
         arrays = v2_named.input_arrays(data, info, binary)

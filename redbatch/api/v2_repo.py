@@ -58,9 +58,15 @@ def model_stats(name: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
              "queue": _stat(entries, queue_ns), "compute_input": _stat(entries),
              "compute_infer": _stat(entries, compute_ns), "compute_output": _stat(entries),
              "cache_hit": _stat(0), "cache_miss": _stat(0)}
-    return {"name": name, "version": VERSION, "last_inference": 0,
+    return {**_named(name), "last_inference": 0,
             "inference_count": int(_total(workers, "items")), "execution_count": batches,
             "inference_stats": stats, "batch_stats": []}
+
+
+def _named(name: str) -> dict[str, str]:
+    """A registered name as v2 names it: a version's served name split."""
+    model, version = protocol.split_name(name)
+    return {"name": model, "version": version or VERSION}
 
 
 def _ready_only(raw: bytes) -> bool:
@@ -100,7 +106,7 @@ class RepositoryApi:
         for name in await self.gateway.directory.model_names():
             live = await self._live(name)
             if live or not ready_only:
-                models.append({"name": name, "version": VERSION,
+                models.append({**_named(name),
                                "state": "READY" if live else "UNAVAILABLE",
                                "reason": "" if live else "no live worker"})
         return JSONResponse(models)

@@ -18,6 +18,7 @@ from redbatch import defaults, protocol
 from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
 from redbatch.levels import Levels
 from redbatch.registry import LiveCache
+from redbatch.versions import Table
 
 REFRESH_S = defaults.LIVE_REFRESH_S
 MIN_CAP = 8
@@ -62,6 +63,15 @@ class Admission:
         """True when the cache (fresh) knows ``model`` has a live worker (no I/O)."""
         summary = self._live.cached(model)
         return summary is not None and summary.live > 0
+
+    def table_cached(self, model: str) -> Table | None:
+        """The model's version routing table from the cache, or None when stale."""
+        summary = self._live.cached(model)
+        return None if summary is None else summary.versions
+
+    async def table(self, model: str) -> Table:
+        """The model's version routing table (read with its live summary, cached)."""
+        return (await self._live.get(model)).versions
 
     async def check_served(self, model: str) -> None:
         """``UnknownModel`` or ``NoLiveWorkers`` unless a live worker serves ``model``

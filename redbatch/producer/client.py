@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 import redis.asyncio as aioredis
 
-from redbatch import codec, defaults, knobs, lua, protocol
+from redbatch import codec, defaults, knobs, lua, protocol, versions
 from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, ReplicaWait, check_socket_timeout
@@ -170,6 +170,38 @@ class Client:
             async with translated(self.settings):
                 return await read(model)
 
+    async def route(self, model: str, version: str | None = None,
+                    deadline_ms: int | None = None) -> str:
+        """Where a request for ``model`` goes: ``model`` itself, or the served name of
+        the version it pins (``version``) or its routing table picks by weight
+        (``redbatch.versions``); the table comes with the model's live summary (cached
+        for a second: no read per request)."""
+        if version is not None:
+            protocol.check_version(version)
+        table = self._admission.table_cached(model) if self._listeners is not None else None
+        if table is None:  # stale or not started: read (once for every caller)
+            table = await self.table(model, deadline_ms)
+        return table.route(model, version)
+
+    def cached_pick(self, model: str) -> str | None:
+        """The version a request for ``model`` that pins none goes to, picked by weight
+        from the cached table (no I/O): None when the cache is stale, or the model has
+        no versions (the gateway labels its request metrics with it)."""
+        table = self._admission.table_cached(model) if self._listeners is not None else None
+        return table.choose() if table else None
+
+    async def table(self, model: str, deadline_ms: int | None = None) -> versions.Table:
+        """``model``'s version routing table (empty: served without versions), read
+        with its live summary (cached for a second)."""
+        if self._listeners is not None and (table := self._admission.table_cached(model)) \
+                is not None:  # the name was checked before it was read
+            return table
+        protocol.check_model_name(model)
+        return await self._look_up(model, deadline_ms, self._read_table)
+
+    async def _read_table(self, model: str) -> versions.Table:
+        return await self._admission.table(model)  # started by then (``_look_up``)
+
     async def configure(self, model: str, *, reset: bool = False, **values: Any
                         ) -> dict[str, Any]:
         """An admin call: change ``model``'s live batching knobs (``max_batch_size=16``,
@@ -183,6 +215,22 @@ class Client:
             if not values and not reset:
                 return await knobs.show(self.redis, model)
             return await knobs.configure(self.redis, model, values, reset=reset)
+
+    async def versions(self, model: str, *, weights: dict[str, float] | None = None,
+                       latest: str | None = None, drain: str | None = None,
+                       undrain: str | None = None) -> dict[str, Any]:
+        """An admin call: show ``model``'s versions, or change their traffic split
+        (``weights={"1": 95, "2": 5}``), pin ``latest`` (``""`` unpins it), ``drain`` a
+        version (no new traffic; its workers stop once its queue is empty) or
+        ``undrain`` it.  Gateways and clients apply a change within about a second.
+        Returns what ``GET /v1/models/{model}/versions`` shows."""
+        await self.start()
+        changes = {"latest": latest, "drain": drain, "undrain": undrain}
+        async with translated(self.settings):
+            table = None
+            if weights or any(v is not None for v in changes.values()):
+                table = await versions.change(self.redis, model, weights=weights, **changes)
+            return await versions.describe(self.redis, model, table)
 
     def abandon(self, request_id: str, why: RedbatchError, model: str | None = None) -> None:
         """Give up waiting for a request (of ``model``, if given): its waiter fails with
@@ -277,7 +325,8 @@ class Client:
     async def submit(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                      reply: bool = False, request_id: str | None = None, trace_id: str = "",
                      deadline_ms: int | None = None, max_queue_len: int | None = None,
-                     priority: int | None = None) -> RequestFuture[Any]:
+                     priority: int | None = None, version: str | None = None
+                     ) -> RequestFuture[Any]:
         """Enqueue one request; return its future at once (``.request_id`` names it).
 
         It resolves to the model's output (``reply=True``: the whole ``Reply``, with
@@ -287,8 +336,10 @@ class Client:
         ``X-Request-ID``); ``deadline_ms`` (absolute) takes the place of ``timeout_s``;
         ``max_queue_len``: the model's own queue cap, below the client's; ``priority``:
         the request's priority level, 1 the most urgent (None or 0: the model's default;
-        out of its range: ``InvalidPayload``)."""
+        out of its range: ``InvalidPayload``); ``version``: the model's version to run
+        (None: by its routing table's weights, ``redbatch.versions``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
+        model = await self._routed(model, version, deadline)
         listeners = await self._ready(model, 1, deadline)
         level = 0 if priority is None else await self._level(model, priority)
         request = self._request(model, inputs, deadline, request_id, listeners.reply_to(model),
@@ -304,7 +355,8 @@ class Client:
                           timeout_s: float | None = None, *, reply: bool = False,
                           request_ids: Sequence[str] | None = None, batched: bool = False,
                           deadline_ms: int | None = None, max_queue_len: int | None = None,
-                          priority: int | None = None) -> list[RequestFuture[Any]]:
+                          priority: int | None = None, version: str | None = None
+                          ) -> list[RequestFuture[Any]]:
         """Enqueue every input in one round trip; return one future per input, as
         ``submit`` does, once they are enqueued or refused (refusals and other errors
         are in the futures), so that a caller pacing itself on the queue's depth sees
@@ -313,11 +365,12 @@ class Client:
         itself a batch of rows along its first dimension (1 to ``MAX_ROWS``; for a
         model with named inputs, a map input name -> rows), sent whole as one
         multi-row request; its future resolves to the rows' outputs (or
-        its ``Reply``, whose ``row_errors`` name the failed rows).  ``priority``: as
-        for ``submit``, for every input."""
+        its ``Reply``, whose ``row_errors`` name the failed rows).  ``priority`` and
+        ``version``: as for ``submit``, for every input."""
         if not inputs:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
+        model = await self._routed(model, version, deadline)
         listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
@@ -336,6 +389,13 @@ class Client:
         await self._enqueued(self._push(model, requests, entries, max_queue_len, level),
                              requests, deadline)
         return futures
+
+    async def _routed(self, model: str, version: str | None, deadline_ms: int) -> str:
+        """``route``, unless the client queues for workers to come
+        (``require_workers=False``) and no version is asked for: the name given."""
+        if version is None and not self.require_workers:
+            return model
+        return await self.route(model, version, deadline_ms)
 
     def _push(self, model: str, requests: list[Request], entries: list[bytes] | None,
               cap: int | None, level: int = 0) -> asyncio.Future[Outcome]:
@@ -376,12 +436,14 @@ class Client:
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                       reply: bool = False, request_id: str | None = None,
                       trace_id: str = "", deadline_ms: int | None = None,
-                      max_queue_len: int | None = None, priority: int | None = None) -> Any:
+                      max_queue_len: int | None = None, priority: int | None = None,
+                      version: str | None = None) -> Any:
         """Run ``model`` on one input and return its output (``reply=True``: the
         whole ``Reply``) or raise a typed error; keywords as for ``submit``."""
         return await (await self.submit(
             model, inputs, timeout_s, reply=reply, request_id=request_id, trace_id=trace_id,
-            deadline_ms=deadline_ms, max_queue_len=max_queue_len, priority=priority))
+            deadline_ms=deadline_ms, max_queue_len=max_queue_len, priority=priority,
+            version=version))
 
     def stream(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                trace_id: str = "", deadline_ms: int | None = None,
@@ -407,12 +469,12 @@ class Client:
 
     async def predict_many(self, model: str, inputs: Sequence[Any],
                            timeout_s: float | None = None, *, reply: bool = False,
-                           return_exceptions: bool = False, priority: int | None = None
-                           ) -> list[Any]:
+                           return_exceptions: bool = False, priority: int | None = None,
+                           version: str | None = None) -> list[Any]:
         """Send many requests in one pipelined round trip; outputs (``reply=True``:
         ``Reply``s) in input order."""
         futures = await self.submit_many(model, inputs, timeout_s, reply=reply,
-                                         priority=priority)
+                                         priority=priority, version=version)
         return list(await asyncio.gather(*futures, return_exceptions=return_exceptions))
 
 

@@ -91,6 +91,10 @@ class SyncClient:
         """``Client.configure`` (an admin call: a model's live knobs), blocking."""
         return self._call(self._client.configure(model, reset=reset, **values), 30.0)
 
+    def versions(self, model: str, **changes: Any) -> dict[str, Any]:
+        """``Client.versions`` (an admin call: a model's versions and split), blocking."""
+        return self._call(self._client.versions(model, **changes), 30.0)
+
     def close(self) -> None:
         if self._loop.is_running():
             try:

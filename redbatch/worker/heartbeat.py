@@ -44,6 +44,7 @@ class Beat:
 
     expired: dict[str, list[str]]
     overrides: dict[str, dict[bytes, bytes]]
+    versions: dict[str, bytes | None]  # a versioned model's row of its routing table
 
 
 async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
@@ -59,12 +60,30 @@ async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
             pipe.zrangebyscore(protocol.workers_key(model.name), "-inf", now, 0, REAP_SCAN)
             pipe.hgetall(protocol.config_key(model.name))
             scans.append(len(pipe) - 2)
+        rows = _version_rows(pipe, models)
         pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
         pipe.expire(protocol.MODELS_KEY, protocol.META_TTL_S)
         results = await pipe.execute()
     return Beat({m.name: [w.decode() for w in results[i] if w.decode() != worker_id]
                  for m, i in zip(models, scans, strict=True)},
-                {m.name: results[i + 1] for m, i in zip(models, scans, strict=True)})
+                {m.name: results[i + 1] for m, i in zip(models, scans, strict=True)},
+                {name: results[i] for name, i in rows.items()})
+
+
+NEW_VERSION_ROW = orjson.dumps({"weight": None, "draining": False})
+
+
+def _version_rows(pipe: Any, models: list[Model]) -> dict[str, int]:
+    """Register each versioned model's version in its routing table (``HSETNX``: an
+    operator's weights stay) and read its row back; where each row answers."""
+    rows: dict[str, int] = {}
+    for model in models:
+        if model.version is not None:
+            key = protocol.versions_key(protocol.split_name(model.name)[0])
+            pipe.hsetnx(key, model.version, NEW_VERSION_ROW)
+            pipe.hget(key, model.version)
+            rows[model.name] = len(pipe) - 1
+    return rows
 
 
 def _beat_model(pipe: Any, model: Model, worker_id: str, fields: tuple[bytes, bytes],

@@ -87,6 +87,9 @@ class Model:
     # each batch runs until its longest member ends.
     streaming: bool | None = None
     continuous: bool = True
+    # The version this model serves (``redbatch.versions``): it is served as
+    # ``<name>@<version>`` (``name`` becomes that), beside the model's other versions.
+    version: str | None = None
     # The length buckets in effect (a live knob): the variable-length spec's boundaries
     # to start with (None: no variable-length input).
     buckets: list[int] | None = field(init=False, default=None)
@@ -95,7 +98,7 @@ class Model:
     signature: Signature | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        protocol.check_model_name(self.name)
+        self.name = _versioned(self.name, self.version)
         if (self.fn is None) == (self.loader is None):
             raise ConfigError(f"model {self.name!r} needs exactly one of fn or loader")
         if self.max_queue_len is not None and self.max_queue_len < 1:
@@ -200,6 +203,18 @@ def is_stream_fn(fn: Any) -> bool:
     return inspect.isgeneratorfunction(call) or inspect.isasyncgenfunction(call)
 
 
+def _versioned(name: str, version: str | None) -> str:
+    """The name a model is served under: ``name@version`` for a version (a name
+    already of that form, as ``dataclasses.replace`` passes it, stays)."""
+    protocol.check_model_name(name)
+    base, own = protocol.split_name(name)
+    if version is None or own == version:
+        return name
+    if own is not None:
+        raise ConfigError(f"model {name!r} is version {own!r}, not {version!r}")
+    return protocol.served_name(base, protocol.check_version(version))
+
+
 def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_SIZE,
           batch_wait_timeout_s: float = defaults.BATCH_WAIT_TIMEOUT_S,
           stride_s: float = defaults.STRIDE_S,
@@ -217,7 +232,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           priority_levels: int = defaults.PRIORITY_LEVELS,
           default_priority: int = defaults.DEFAULT_PRIORITY,
           priority_share: float = defaults.PRIORITY_SHARE,
-          priority_caps: list[int] | None = None, continuous: bool = True
+          priority_caps: list[int] | None = None, continuous: bool = True,
+          version: str | None = None
           ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
@@ -230,7 +246,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
     ``default_priority``, ``priority_share``, ``priority_caps``: priority levels (all
     ``Model``); ``continuous``: a streaming model's batch lets requests join and leave
-    at every step (``Model``)."""
+    at every step (``Model``); ``version``: the version it serves (``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -244,6 +260,6 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
                      output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize,
                      priority_levels=priority_levels, default_priority=default_priority,
                      priority_share=priority_share, priority_caps=priority_caps,
-                     continuous=continuous)
+                     continuous=continuous, version=version)
 
     return wrap

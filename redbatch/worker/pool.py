@@ -109,6 +109,7 @@ class _Replica:
     served: bool = False  # this process reached its serving loop
     failed_starts: int = 0  # exits in a row of processes that never served
     last_error: str = ""
+    drained: bool = False  # stopped after draining its versions: not restarted
 
 
 class Pool:
@@ -169,8 +170,13 @@ class Pool:
 
     def _check(self, replica: _Replica) -> None:
         self._read_report(replica)
-        if (self._stopping.is_set() or replica.process.is_alive()
+        if (self._stopping.is_set() or replica.drained or replica.process.is_alive()
                 or self._clock() < replica.next_start):
+            return
+        if replica.process.exitcode == defaults.DRAINED_EXIT_CODE:
+            replica.drained = True
+            log.info("worker replica %d drained its versions and stopped; not restarted",
+                     replica.index)
             return
         self._count_exit(replica)
         if replica.failed_starts >= self.config.max_failed_starts:

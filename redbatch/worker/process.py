@@ -22,6 +22,7 @@ from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.redis_conn import REDIS_ERRORS, async_client, is_cluster
 from redbatch.worker import heartbeat
+from redbatch.worker.drain import Drain
 from redbatch.worker.live import LiveKnobs
 from redbatch.worker.loader import load_models
 from redbatch.worker.model import Model, is_stream_fn
@@ -73,8 +74,12 @@ class Worker:
         self.runners: list[BatchRunner] = []
         self.on_serving: Callable[[], object] = lambda: None  # called once it serves
         self._info = heartbeat.static_info(self.worker_id, device)
+        self._drain = Drain(models, self.worker_id)
+        self.drained = False  # stopped after draining its versions (redbatch.versions)
+        self._stop = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop  # set by the heartbeat too, once its versions are drained
         redis = async_client(self.redis_settings, max_connections=2 * len(self.models) + 4)
         # one connection per model for its blocking pops, so CLIENT UNBLOCK can end them
         # (a cluster routes each command to a node: no connection of our own to unblock)
@@ -132,6 +137,10 @@ class Worker:
         for model, dead_ids in beat.expired.items():
             for dead_id in dead_ids:
                 await self._reapers[model].reap(dead_id)
+        if beat.versions and await self._drain.done(redis, beat.versions):
+            log.info("worker %s: its versions are drained; stopping", self.worker_id)
+            self.drained = True
+            self._stop.set()
 
     async def _serve(self, redis: aioredis.Redis, stop: asyncio.Event) -> bool:
         """Run until ``stop``; return whether every batch finished within the grace."""
@@ -230,6 +239,8 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
         serve_metrics(config.metrics_port + index)
     freeze_startup_heap()  # redbatch.heap: no full collection walks torch under load
     run_loop(_main(worker))
+    if worker.drained:  # the pool does not restart it
+        sys.exit(defaults.DRAINED_EXIT_CODE)
 
 
 def serve_metrics(port: int) -> None:

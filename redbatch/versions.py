@@ -1,0 +1,268 @@
+"""Model versions and canaries: the routing table of a model served in several
+versions (``protocol.versions_key``), how a request picks its version, and the
+operators' changes (weights, the pinned latest, draining).  Imports neither the
+worker nor a web framework.
+
+Each version is served as its own model, ``<model>@<version>`` (``protocol.served_name``),
+with its own queue, workers and metrics.  A request that names no version goes to
+one by weight: among the versions with a weight above 0 that are not draining, in
+proportion to it; when none has one, to ``latest`` (the pinned one, else the highest
+version, in numeric order when every version is a number).  A request that pins a
+version goes to it, unless it is unknown (``UnknownModel``, 404) or draining
+(``NoLiveWorkers``, 503).  Producers read the table with the model's live summary
+(``registry.LiveCache``, at most once a second per model): never once per request."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from redbatch import protocol
+from redbatch.errors import InvalidKnob, NoLiveWorkers, UnknownModel
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+UNVERSIONED = "1"  # the one version of a model served without versions (v2's "1")
+RNG = random.Random()  # the weighted pick's; tests seed it
+
+
+@dataclass(frozen=True)
+class Version:
+    """One version's row of the table: its weight (None: never set) and whether it
+    is draining (no new traffic; its workers stop once its queue is empty)."""
+
+    weight: float | None = None
+    draining: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"weight": self.weight, "draining": self.draining}
+
+
+@dataclass(frozen=True)
+class Table:
+    """A model's versions (version -> ``Version``) and its pinned latest, if any."""
+
+    versions: dict[str, Version] = field(default_factory=dict)
+    pinned_latest: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.versions)
+
+    @property
+    def latest(self) -> str | None:
+        """The pinned latest, else the highest version not draining (numeric order
+        when every version is a number), else None."""
+        if self.pinned_latest in self.versions:
+            return self.pinned_latest
+        open_ = [v for v, row in self.versions.items() if not row.draining]
+        return max(open_, key=_order_key(open_)) if open_ else None
+
+    def weights(self) -> dict[str, float]:
+        """The versions that take unpinned traffic and their weights: those with a
+        weight above 0 that are not draining; else latest alone."""
+        weighted = {v: row.weight for v, row in self.versions.items()
+                    if row.weight and not row.draining}
+        if weighted:
+            return weighted
+        latest = self.latest
+        return {latest: 1.0} if latest is not None else {}
+
+    def pick(self, model: str, rng: random.Random = RNG) -> str:
+        """A version for a request that pins none, by weight."""
+        chosen = self.choose(rng)
+        if chosen is None:
+            raise NoLiveWorkers(f"every version of model {model!r} is draining; "
+                                "retry shortly")
+        return chosen
+
+    def choose(self, rng: random.Random = RNG) -> str | None:
+        """``pick``'s version, or None when there is none to pick."""
+        weights = self.weights()
+        if len(weights) <= 1:
+            return next(iter(weights), None)
+        versions = list(weights)
+        return rng.choices(versions, weights=[weights[v] for v in versions])[0]
+
+    def route(self, model: str, version: str | None, rng: random.Random = RNG) -> str:
+        """The served name of ``model`` for a request that pins ``version`` (None:
+        by weight); ``UnknownModel`` for a version the table lacks."""
+        if not self.versions:  # a model without versions answers as version "1"
+            if version not in (None, UNVERSIONED):
+                raise UnknownModel(f"model {model!r} has no version {version!r}: it is "
+                                   f"served without versions (as version {UNVERSIONED!r})")
+            return model
+        if version is None:
+            version = self.pick(model, rng)
+        elif version not in self.versions:
+            raise UnknownModel(f"model {model!r} has no version {version!r}; its versions: "
+                               f"{', '.join(self.ordered())}")
+        elif self.versions[version].draining:
+            raise NoLiveWorkers(f"version {version!r} of model {model!r} is draining; "
+                                f"send to another version ({', '.join(self.ordered())})")
+        return protocol.served_name(model, version)
+
+    def ordered(self) -> list[str]:
+        """The versions, lowest first (numeric order when all are numbers)."""
+        return sorted(self.versions, key=_order_key(list(self.versions)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"latest": self.latest, "pinned_latest": self.pinned_latest,
+                "versions": {v: self.versions[v].to_json() for v in self.ordered()}}
+
+
+EMPTY = Table()
+
+
+def _order_key(versions: list[str]) -> Any:
+    if all(v.isdigit() for v in versions):
+        return int
+    return str
+
+
+def decode(raw: Mapping[Any, Any] | list[Any] | None) -> Table:
+    """The table from a ``versions_key`` hash (a mapping, or ``HGETALL``'s flat list
+    as a script returns it); unreadable rows count as a version without a weight."""
+    if not raw:
+        return EMPTY
+    pairs = raw.items() if isinstance(raw, Mapping) else zip(raw[::2], raw[1::2], strict=True)
+    rows: dict[str, Version] = {}
+    latest: str | None = None
+    for key, value in pairs:
+        name = _text(key)
+        if name == protocol.LATEST_FIELD:
+            latest = _loads(value) if isinstance(_loads(value), str) else None
+        elif protocol.VERSION_RE.fullmatch(name):
+            rows[name] = _row(_loads(value))
+    return Table(rows, latest)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _loads(value: Any) -> Any:
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _row(data: Any) -> Version:
+    if not isinstance(data, dict):
+        return Version()
+    weight = data.get("weight")
+    ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight >= 0
+    return Version(float(weight) if ok and weight is not None else None,
+                   data.get("draining") is True)
+
+
+# --- the operators' changes ---------------------------------------------------------
+def check_weight(version: str, weight: Any) -> float:
+    """A weight as stored: a number >= 0 (``InvalidKnob`` otherwise)."""
+    ok = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+    if not ok or not 0 <= weight <= 1e9:
+        raise InvalidKnob(f"the weight of version {version!r} must be a number 0..1e9, "
+                          f"got {weight!r}")
+    return float(weight)
+
+
+async def load(redis: aioredis.Redis, model: str) -> Table:
+    """The model's table as stored (one read)."""
+    protocol.check_model_name(model)
+    raw: Any = await redis.hgetall(protocol.versions_key(model))
+    return decode(raw)
+
+
+async def change(redis: aioredis.Redis, model: str, *,
+                 weights: Mapping[str, Any] | None = None, latest: str | None = None,
+                 drain: str | None = None, undrain: str | None = None) -> Table:
+    """Set weights (version -> weight; the versions named only), the pinned latest
+    (``""`` unpins it), drain a version (weight 0, draining) or take it back; checked
+    against the stored table (a version must exist: its workers registered it), then
+    stored in one transaction.  Returns the new table."""
+    table = await load(redis, model)
+    rows = dict(table.versions)
+    for version, weight in (weights or {}).items():
+        rows[_known(table, model, version)] = Version(check_weight(version, weight),
+                                                      rows[version].draining)
+    if drain is not None:
+        rows[_known(table, model, drain)] = Version(0.0, True)
+    if undrain is not None:
+        rows[_known(table, model, undrain)] = Version(rows[undrain].weight, False)
+    pinned = table.pinned_latest if latest is None else (latest or None)
+    if pinned is not None:
+        _known(table, model, pinned)
+    new = Table(rows, pinned)
+    await _store(redis, model, new)
+    return new
+
+
+def _known(table: Table, model: str, version: str) -> str:
+    if version not in table.versions:
+        raise UnknownModel(f"model {model!r} has no version {version!r}"
+                           + (f"; its versions: {', '.join(table.ordered())}" if table
+                              else ": no worker registered a version of it"))
+    return version
+
+
+async def _store(redis: aioredis.Redis, model: str, table: Table) -> None:
+    key = protocol.versions_key(model)
+    mapping = {v: orjson.dumps(row.to_json()) for v, row in table.versions.items()}
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
+        if table.pinned_latest is None:
+            pipe.hdel(key, protocol.LATEST_FIELD)
+        else:
+            pipe.hset(key, protocol.LATEST_FIELD, orjson.dumps(table.pinned_latest))
+        await pipe.execute()
+
+
+CHANGE_FIELDS = ("weights", "latest", "drain", "undrain")
+
+
+def change_args(data: Any) -> dict[str, Any]:
+    """A change's keywords for ``change`` from a JSON object (``PATCH``'s body):
+    ``weights`` (version -> weight), ``latest``, ``drain``, ``undrain`` (versions);
+    ``InvalidKnob`` naming what is wrong."""
+    if not isinstance(data, dict) or not set(data) <= set(CHANGE_FIELDS):
+        raise InvalidKnob(f"a versions change is an object of {', '.join(CHANGE_FIELDS)}")
+    weights = data.get("weights", {})
+    if not isinstance(weights, dict):
+        raise InvalidKnob("weights must be an object of version -> weight")
+    for key in ("latest", "drain", "undrain"):
+        if not isinstance(data.get(key, ""), str):
+            raise InvalidKnob(f"{key} must be a version (a string)")
+    return {"weights": weights, **{k: data[k] for k in ("latest", "drain", "undrain")
+                                   if k in data}}
+
+
+async def describe(redis: aioredis.Redis, model: str, table: Table | None = None
+                   ) -> dict[str, Any]:
+    """The table as ``GET /v1/models/{model}/versions`` and ``redbatch versions`` show
+    it: each version with its served name, weight, share of unpinned traffic, whether
+    it is latest or draining, and its live workers."""
+    table = await load(redis, model) if table is None else table
+    weights, latest = table.weights(), table.latest
+    total = sum(weights.values()) or 1.0
+    now = protocol.now_ms()
+    async with redis.pipeline(transaction=False) as pipe:
+        for version in table.ordered():
+            pipe.zcount(protocol.workers_key(protocol.served_name(model, version)), now, "+inf")
+        live = await pipe.execute()
+    return {"model": model, "latest": latest, "pinned_latest": table.pinned_latest,
+            "versions": [{"version": v, "name": protocol.served_name(model, v),
+                          **table.versions[v].to_json(),
+                          "share": round(weights.get(v, 0.0) / total, 6),
+                          "latest": v == latest, "live_workers": int(n)}
+                         for v, n in zip(table.ordered(), live, strict=True)]}
+
+
+def unversioned_row(model: str, live_workers: int, queue_depth: int) -> dict[str, Any]:
+    """The one row of a model served without versions, as ``describe`` lists a version."""
+    return {"version": UNVERSIONED, "name": model, **Version().to_json(), "share": 1.0,
+            "latest": True, "live_workers": live_workers, "queue_depth": queue_depth}

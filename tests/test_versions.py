@@ -1,0 +1,261 @@
+"""Model versions and canaries (redbatch.versions): versions served side by side,
+pinned and weighted routing over v1, v2 and the client, live weight changes,
+draining, and the listing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from redbatch import Client, ConfigError, Model, batch, configfile, protocol, versions
+from redbatch.cli import main
+from redbatch.errors import NoLiveWorkers, UnknownModel
+from redbatch.versions import Table, Version
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from tests.conftest import wait_live
+from tests.test_gateway import gateway
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "vm"
+
+
+def adder(step: int, delay_s: float = 0.0) -> Callable[[list[int]], list[int]]:
+    """A version's batch function: adds ``step`` (the version tells itself apart)."""
+    async def add(xs: list[int]) -> list[int]:
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        return [x + step for x in xs]
+
+    return add
+
+
+def version(number: int, delay_s: float = 0.0) -> Model:
+    return Model(MODEL, fn=adder(100 * number, delay_s), version=str(number),
+                 policy=BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0.002))
+
+
+async def _served(url: str, *names: str) -> None:
+    for name in names:
+        await wait_live(url, name)
+
+
+@pytest.fixture
+async def two(start_worker: Callable[..., Worker], redis_url: str) -> AsyncIterator[Client]:
+    """Versions 1 and 2 of ``vm``, each on its own worker, and a client."""
+    start_worker([version(1)])
+    start_worker([version(2)])
+    await _served(redis_url, "vm@1", "vm@2")
+    async with Client(redis_url) as client:
+        yield client
+
+
+# --- the table, without Redis ---------------------------------------------------------
+def test_names_keys_and_latest() -> None:
+    assert protocol.served_name("textcls", "2") == "textcls@2"
+    assert protocol.split_name("textcls@2") == ("textcls", "2")
+    assert protocol.split_name("textcls") == ("textcls", None)
+    assert protocol.queue_key("textcls@2") == "rb:{textcls@2}:queue"
+    assert protocol.versions_key("textcls") == "rb:{textcls}:versions"
+    assert protocol.REPLY_TO_RE.fullmatch(protocol.reply_key("textcls@2", "c1"))
+    for bad in ("a@", "@2", "a@2@3", "a@-2", "a@" + "9" * 33):
+        with pytest.raises(Exception, match="invalid model name"):
+            protocol.check_model_name(bad)
+    assert Table({"9": Version(), "10": Version()}).latest == "10"  # numeric order
+    assert Table({"b": Version(), "a10": Version()}).latest == "b"
+    assert Table({"1": Version(), "2": Version(draining=True)}).latest == "1"
+    assert Table({"1": Version(), "2": Version()}, pinned_latest="1").latest == "1"
+
+
+def test_routing_by_weight_pinned_and_unknown() -> None:
+    table = Table({"1": Version(100.0), "2": Version(0.0)})
+    assert {table.route(MODEL, None) for _ in range(200)} == {"vm@1"}
+    table = Table({"1": Version(0.0), "2": Version(100.0)})
+    assert {table.route(MODEL, None) for _ in range(200)} == {"vm@2"}
+    assert table.route(MODEL, "1") == "vm@1"  # pinned: the split is bypassed
+    table = Table({"1": Version(95.0), "2": Version(5.0)})
+    rng = random.Random(7)
+    picks = [table.route(MODEL, None, rng) for _ in range(2000)]
+    assert 40 <= picks.count("vm@2") <= 170  # 5 % of 2000 is 100
+    with pytest.raises(UnknownModel, match="has no version '3'; its versions: 1, 2"):
+        table.route(MODEL, "3")
+    assert versions.EMPTY.route(MODEL, None) == MODEL  # served without versions: as today
+    assert versions.EMPTY.route(MODEL, "1") == MODEL
+    with pytest.raises(UnknownModel, match="served without versions"):
+        versions.EMPTY.route(MODEL, "2")
+    draining = Table({"1": Version(0.0, draining=True), "2": Version()})
+    with pytest.raises(NoLiveWorkers, match="draining"):
+        draining.route(MODEL, "1")
+    assert draining.route(MODEL, None) == "vm@2"
+
+
+def test_stored_rows_decode_loosely() -> None:
+    table = versions.decode({b"1": b'{"weight": 95, "draining": false}', b"2": b"junk",
+                             b"@latest": b'"1"', b"bad name!": b"{}"})
+    assert table.versions == {"1": Version(95.0), "2": Version()}
+    assert table.pinned_latest == "1"
+    assert versions.decode([b"3", b'{"weight": -1}']).versions == {"3": Version()}
+
+
+# --- served side by side --------------------------------------------------------------
+async def test_two_versions_side_by_side_pinned_and_latest(two: Client,
+                                                           raw_redis: redis.Redis) -> None:
+    assert await two.predict(MODEL, 1, version="1") == 101
+    assert await two.predict(MODEL, 1, version="2") == 201
+    assert await two.predict(MODEL, 1) == 201  # no weights: latest, the highest
+    assert two.cached_pick(MODEL) == "2"  # the table just read: the gateway's label
+    assert two.cached_pick("vm@2") is None  # a version has no versions
+    assert await two.predict("vm@1", 1) == 101  # a served name is a model of its own
+    with pytest.raises(UnknownModel, match="no version '3'"):
+        await two.predict(MODEL, 1, version="3")
+    shown = await two.versions(MODEL)
+    assert [(r["version"], r["latest"], r["live_workers"]) for r in shown["versions"]] == \
+        [("1", False, 1), ("2", True, 1)]
+
+
+async def test_weights_change_live_within_two_seconds(two: Client) -> None:
+    await two.versions(MODEL, weights={"1": 100, "2": 0})
+    await _answers_become(two, {101})
+    await two.versions(MODEL, weights={"1": 0, "2": 100})
+    await _answers_become(two, {201})
+    await two.versions(MODEL, weights={"1": 50, "2": 50})
+    await _answers_become(two, {101, 201})
+
+
+async def _answers_become(client: Client, expected: set[int]) -> None:
+    """Within 2 s of a change, 40 requests (each routed on its own: a ``predict_many``
+    goes to one version whole) answer from ``expected`` only."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    while True:
+        answers = set(await asyncio.gather(*(client.predict(MODEL, 1) for _ in range(40))))
+        if answers == expected:
+            return
+        assert loop.time() < deadline, f"still {answers}, want {expected}"
+        await asyncio.sleep(0.1)
+
+
+async def test_http_v1_and_v2_pinned_versions(two: Client, redis_url: str) -> None:
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/models/vm/versions/1/predict", json={"inputs": 5})
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"outputs": 105}
+        assert resp.headers["x-redbatch-version"] == "1"
+        resp = await http.post("/v1/models/vm/predict", json={"inputs": 5})
+        assert resp.json() == {"outputs": 205} and resp.headers["x-redbatch-version"] == "2"
+        resp = await http.post("/v1/models/vm/versions/7/predict", json={"inputs": 5})
+        assert resp.status_code == 404 and "no version '7'" in resp.json()["error"]["message"]
+        body = {"inputs": [{"name": "inputs", "datatype": "INT64", "shape": [2],
+                            "data": [1, 2]}]}
+        resp = await http.post("/v2/models/vm/versions/1/infer", json=body)
+        assert resp.status_code == 200, resp.text
+        doc = resp.json()
+        assert (doc["model_name"], doc["model_version"]) == ("vm", "1")
+        assert doc["outputs"][0]["data"] == [101, 102]
+        assert (await http.post("/v2/models/vm/versions/9/infer", json=body)).status_code \
+            == 404
+        meta = (await http.get("/v2/models/vm/versions/2")).json()
+        assert (meta["name"], meta["versions"]) == ("vm", ["1", "2"])
+        assert (await http.get("/v2/models/vm/versions/2/ready")).status_code == 200
+        scraped = (await http.get("/metrics")).text
+        ok = 'redbatch_requests_total{{model="{}",outcome="ok"}} {}.0'
+        assert ok.format("vm@1", 2) in scraped, scraped  # pinned, over v1 and v2
+        # split by weight: labelled with the version the cached table picked (the model's
+        # own name only when its table went stale between the two requests)
+        assert ok.format("vm@2", 1) in scraped or ok.format("vm", 1) in scraped
+        index = (await http.post("/v2/repository/index")).json()
+        assert sorted((m["name"], m["version"]) for m in index) == [("vm", "1"), ("vm", "2")]
+        bad = await http.patch("/v1/models/vm/versions", json={"weights": {"1": -5}})
+        assert bad.status_code == 422 and "weight of version '1'" in bad.text
+        assert (await http.patch("/v1/models/vm/versions", json={"drain": "8"})).status_code \
+            == 404
+        assert (await http.patch("/v1/models/vm/versions", json={"drain": "1"})).status_code \
+            == 200
+        resp = await _refused_within_two_seconds(http, "/v1/models/vm/versions/1/predict")
+        assert "draining" in resp.json()["error"]["message"]
+        assert resp.headers["retry-after"] == "1"
+
+
+async def _refused_within_two_seconds(http: httpx.AsyncClient, path: str) -> httpx.Response:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    while True:
+        resp = await http.post(path, json={"inputs": 5})
+        if resp.status_code == 503:
+            return resp
+        assert resp.status_code == 200 and loop.time() < deadline, resp.text
+        await asyncio.sleep(0.05)
+
+
+async def test_listing_gives_each_model_its_versions(two: Client, redis_url: str,
+                                                     start_worker: Callable[..., Worker]
+                                                     ) -> None:
+    start_worker([Model("plain", fn=adder(1))])
+    await wait_live(redis_url, "plain")
+    async with gateway(redis_url) as http:
+        changed = await http.patch("/v1/models/vm/versions", json={"weights": {"1": 95,
+                                                                               "2": 5}})
+        assert changed.status_code == 200, changed.text
+        models = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+    assert set(models) == {"vm", "plain"}
+    rows = models["vm"]["versions"]
+    assert [(r["version"], r["weight"], r["share"], r["live_workers"]) for r in rows] == \
+        [("1", 95.0, 0.95, 1), ("2", 5.0, 0.05, 1)]
+    assert all("queue_depth" in r for r in rows) and models["vm"]["live_workers"] == 2
+    assert [r["version"] for r in models["plain"]["versions"]] == ["1"]
+
+
+def test_cli_sets_weights_and_shows_them(two: Client, redis_url: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["versions", MODEL, "1=95", "2=5", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "95.0%" in out and "5.0%" in out
+    assert main(["versions", MODEL, "--drain", "4", "--redis-url", redis_url]) == 2
+    assert "no version '4'" in capsys.readouterr().err
+
+
+# --- draining -------------------------------------------------------------------------
+async def test_draining_finishes_the_queue_then_the_worker_stops(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    old = start_worker([version(1, delay_s=0.1)])  # 25 batches: longer than the settle
+    start_worker([version(2)])
+    await _served(redis_url, "vm@1", "vm@2")
+    async with Client(redis_url) as client:
+        queued = [await client.submit(MODEL, x, 15.0, version="1") for x in range(100)]
+        await client.versions(MODEL, drain="1")
+        assert await asyncio.gather(*queued) == [x + 100 for x in range(100)]  # none lost
+        await _answers_become(client, {201})  # unpinned traffic goes to version 2
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        with pytest.raises(NoLiveWorkers, match="draining"):  # within 2 s: refused
+            while loop.time() < deadline:
+                assert await client.predict(MODEL, 1, version="1") == 101
+                await asyncio.sleep(0.05)
+        deadline = loop.time() + 10
+        while raw_redis.zcard(protocol.workers_key("vm@1")):
+            assert loop.time() < deadline, "the drained worker never stopped"
+            await asyncio.sleep(0.05)
+    assert old.drained
+    assert raw_redis.llen(protocol.queue_key("vm@1")) == 0
+    assert raw_redis.llen(protocol.dead_letter_key("vm@1")) == 0
+
+
+def test_config_file_serves_a_target_as_a_version(tmp_path: Path) -> None:
+    path = tmp_path / "up.toml"
+    path.write_text('[[models]]\ntarget = "redbatch.demo:models"\nversion = "2"\n')
+    entry = configfile.load(path).models[0]
+    served = configfile.with_overrides([Model("m", fn=adder(1))], entry.overrides)
+    assert [(m.name, m.version) for m in served] == [("m@2", "2")]
+    path.write_text('[[models]]\ntarget = "redbatch.demo:models"\nversion = "2/x"\n')
+    with pytest.raises(ConfigError, match=r"models\[0\]\.version"):
+        configfile.load(path)
+    assert batch(name="m", version="4")(adder(1)).name == "m@4"
+    with pytest.raises(ConfigError, match="is version '2', not '3'"):
+        Model("m@2", fn=adder(1), version="3")
