@@ -23,6 +23,7 @@ default_timeout_s = 5             # deadline of its requests that set none
 priority_levels = 2               # priority levels of every model of the target
 default_priority = 2              # the level of requests that name none
 priority_caps = [1000, 100]       # each priority level's queue cap (models of 2 levels)
+sub_queues = 1                    # a hot model's queue split over this many (hash slots)
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
@@ -46,7 +47,7 @@ from redbatch.errors import ConfigError
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
 LIMIT_KEYS = ("max_queue_len", "default_timeout_s", "priority_caps",  # -> models' own
-              "priority_levels", "default_priority")
+              "priority_levels", "default_priority", "sub_queues")
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}
 
@@ -135,6 +136,7 @@ def _check_limits(limits: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}.default_timeout_s: must be a number > 0, got {timeout!r}")
     try:
         knobs.check("priority_caps", limits.get("priority_caps"))
+        knobs.check("sub_queues", limits.get("sub_queues", 1))
     except ConfigError as exc:
         raise ConfigError(f"{where}.{exc}") from exc
     for key in ("priority_levels", "default_priority"):

@@ -292,7 +292,8 @@ local function live_capacities()
 end
 """
 
-# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta  ARGV[1]=now ms.
+# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta  KEYS[4]=config hash
+# ARGV[1]=now ms.
 # A model's live workers as admission needs them, in one read-only round trip that
 # never touches the (large) worker_info hash: the workers whose lease is live, the sum
 # of their published items_per_s, whether each publishes rows = true, and whether the
@@ -300,8 +301,9 @@ end
 # capacity field counts as 0 items/s and no rows.
 # The meta's ``priority`` section (a multi-level model's levels, default and caps),
 # re-encoded, or "" when it has none (one level: its meta is not decoded).
+# The model's sub-queues: its stored ``sub_queues`` override, else its meta's, else 1.
 # Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
-# known 1|0, priority JSON or ""}.
+# known 1|0, priority JSON or "", sub-queues}.
 LIVE_SUMMARY: Final = _LIVE_CAPACITIES + f"""
 local caps = live_capacities()
 local total, rows = 0, #caps > 0
@@ -312,14 +314,16 @@ for i = 1, #caps do
 end
 local raw = redis.call('GET', KEYS[3])
 local known = #caps > 0 or raw ~= false
-local levels = ''
-if raw and string.find(raw, '"priority"', 1, true) then
+local levels, subs = '', tonumber(redis.call('HGET', KEYS[4], 'sub_queues') or '')
+if raw and (string.find(raw, '"priority"', 1, true) or
+            (not subs and string.find(raw, '"sub_queues"', 1, true))) then
   local ok, meta = pcall(cjson.decode, raw)
   if ok and type(meta) == 'table' and type(meta['priority']) == 'table' then
     levels = cjson.encode(meta['priority'])
   end
+  if ok and type(meta) == 'table' and not subs then subs = tonumber(meta['sub_queues']) end
 end
-return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels}}
+return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs or 1}}
 """
 
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.

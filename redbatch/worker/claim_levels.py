@@ -39,8 +39,8 @@ class LevelClaimer(Claimer):
 
     def __init__(self, *args: Any, levels: Levels, share: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.bell = protocol.bell_key(self.model)
-        self.queues = levels.queues(self.model)
+        self.bell = protocol.bell_key(self.tag)
+        self.queues = levels.queues(self.tag)
         self.share = share
         self.credit = 0.0  # slots owed to the lower levels
         self._turn = 0  # which lower level the next reserved slot goes to first

@@ -1,0 +1,224 @@
+"""Hot models across sub-queues (``Model.sub_queues``): producers spread requests by
+the power of two choices, each sub-queue keeps its keys in a slot of its own and its
+FIFO order, workers steal from sub-queues other than their home, the count changes
+live with nothing stranded, admission counts every sub-queue, and the reaper returns
+a dead worker's entries to the sub-queue they came from."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import Client, batch, codec, protocol
+from redbatch.errors import QueueFull
+from redbatch.producer.routing import Router, sub_cap
+from redbatch.worker.claim import Claimer
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from redbatch.worker.reaper import Reaper
+from redbatch.worker.shards import ShardClaimer
+from tests.conftest import wait_live
+from tests.test_reliability import TAKEOVER, raw_request, read_reply
+
+pytestmark = pytest.mark.e2e
+HOT = "hot"
+FOUR = protocol.sub_queue_tags(HOT, 4)
+
+
+@batch(name=HOT, max_batch_size=16, batch_wait_timeout_s=0, sub_queues=4)
+def hot(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+@batch(name="warm", max_batch_size=16, batch_wait_timeout_s=0)
+def warm(xs: list[int]) -> list[int]:
+    return [x * 2 for x in xs]
+
+
+def queued(raw: redis.Redis, tag: str) -> list[int]:
+    """The payloads queued in sub-queue ``tag``, head first."""
+    return [codec.decode(e)[protocol.F_PAYLOAD] for e in raw.lrange(protocol.queue_key(tag),
+                                                                       0, -1)]
+
+
+def markers(raw: redis.Redis, tag: str) -> int:
+    """How many request markers sub-queue ``tag`` holds (one per request it took)."""
+    return sum(1 for _ in raw.scan_iter(match=f"rb:{{{tag}}}:req:*", count=1000))
+
+
+def registered(raw: redis.Redis, model: str, count: int) -> None:
+    """A model known with ``count`` sub-queues (its stored knob), with no worker."""
+    raw.set(protocol.meta_key(model), b'{"name": "%s"}' % model.encode())
+    raw.hset(protocol.config_key(model), "sub_queues", str(count))
+
+
+def test_tags_keep_one_sub_queue_on_the_models_keys() -> None:
+    assert protocol.sub_queue_tags("m", 1) == ["m"]
+    assert protocol.sub_queue_tags("m", 3) == ["m", "m:1", "m:2"]
+    assert protocol.queue_key(protocol.sub_queue_tag("m", 2)) == "rb:{m:2}:queue"
+    assert protocol.model_of_tag("m:2") == protocol.model_of_tag("m") == "m"
+    assert protocol.reply_in_model_slot("m:2", protocol.reply_key("m:2", "c"))
+    assert Router().pick("m", 1) == "m"
+    router = Router()  # a caller's own id: always the same sub-queue (its marker's)
+    assert len({router.pick("m", 4, "my-id") for _ in range(20)}) == 1
+    assert sub_cap(40, 4) == 10 and sub_cap(41, 4) == 11
+
+
+async def test_power_of_two_choices_balances_and_keeps_fifo(raw_redis: redis.Redis,
+                                                            redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    futures: list[asyncio.Future[object]] = []
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        for start in range(0, 400, 50):  # eight ticks of 50 requests
+            futures += await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)
+                                              for v in range(start, start + 50)))
+            await asyncio.sleep(0.05)  # pushed, and their lengths learned
+        depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
+        assert sum(depths) == 400
+        assert max(depths) - min(depths) <= 8, depths  # random choice: ~20 apart
+        for tag in FOUR:  # FIFO per sub-queue: each holds its requests in order
+            values = queued(raw_redis, tag)
+            assert values == sorted(values)
+            assert markers(raw_redis, tag) == len(values)  # markers in the same slot
+    await asyncio.gather(*futures, return_exceptions=True)  # failed by the close
+
+
+async def test_admission_counts_every_sub_queue(raw_redis: redis.Redis,
+                                                redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    async with Client(redis_url, require_workers=False, pack_rows=1,
+                      max_queue_len=40) as client:
+        first = await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)
+                                       for v in range(100)))
+        await asyncio.sleep(0.2)  # every push answered
+        depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
+        refused = [f.exception() for f in first if f.done()]
+        assert all(isinstance(e, QueueFull) for e in refused)
+        assert 36 <= sum(depths) <= 40 and all(d <= 10 for d in depths), depths
+        assert len(refused) == 100 - sum(depths)
+        again = await client.submit(HOT, 100, timeout_s=30)
+        with pytest.raises(QueueFull) as full:
+            await again
+    await asyncio.gather(*first, return_exceptions=True)  # failed by the close
+    assert full.value.retry_after_s >= 1.0  # the gateway's 503 Retry-After
+    assert f"({sum(depths)} queued, cap 40" in str(full.value)  # the model's, summed
+
+
+def claimer(client: aioredis.Redis, worker_id: str, count: int) -> ShardClaimer:
+    policy = BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0)
+    return ShardClaimer(lambda tag, wait_s: Claimer(client, HOT, worker_id, policy, wait_s,
+                                                    tag=tag), HOT, worker_id, count, 0.05)
+
+
+async def test_a_worker_steals_from_other_sub_queues_in_order(raw_redis: redis.Redis,
+                                                              redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    taker = claimer(client, "w1", 4)
+    away = FOUR[(taker.home + 2) % 4]  # not its home
+    entries = [raw_request(HOT, v, protocol.reply_key(away, "c"))[1] for v in range(10)]
+    raw_redis.rpush(protocol.queue_key(away), *entries)
+    got: list[int] = []
+    for _ in range(10):
+        items = await taker.claim(4)
+        if items:
+            assert taker.source.tag == away
+            assert taker.source.inflight == protocol.inflight_key(away, "w1")
+            got += [codec.decode(i)[protocol.F_PAYLOAD] for i in items]
+    await client.aclose()
+    assert got == list(range(10))  # every entry, in its sub-queue's order
+    assert raw_redis.llen(protocol.inflight_key(away, "w1")) == 10
+
+
+async def test_shrinking_drains_the_sub_queues_above(raw_redis: redis.Redis,
+                                                     redis_url: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("redbatch.worker.shards.DRAIN_GRACE_S", 0.2)
+    client = aioredis.Redis.from_url(redis_url)
+    taker = claimer(client, "w2", 4)
+    taker.resize(1)  # shrunk: sub-queues 1..3 are still drained
+    late = [raw_request(HOT, v, protocol.reply_key(FOUR[3], "c"))[1] for v in range(3)]
+    raw_redis.rpush(protocol.queue_key(FOUR[3]), *late)
+    assert len(await taker.claim(4)) == 3 and taker.source.tag == FOUR[3]
+    await asyncio.sleep(0.3)
+    assert await taker.claim(4) == []
+    assert taker.high == 1, "a steal that found 1..3 empty past the grace ends the drain"
+    assert taker.tags() == FOUR  # the reaper still looks at every list it may have used
+    await client.aclose()
+
+
+async def test_end_to_end_over_four_sub_queues(start_worker: Callable[..., Worker],
+                                               raw_redis: redis.Redis,
+                                               redis_url: str) -> None:
+    start_worker([hot])  # one worker: it serves the three sub-queues that are not home
+    start_worker([hot])
+    await wait_live(redis_url, HOT)
+    async with Client(redis_url, pack_rows=1) as client:
+        answers = await asyncio.gather(*(client.predict(HOT, v, timeout_s=20)
+                                         for v in range(300)))
+        assert answers == [v + 1 for v in range(300)]  # none lost, none mixed up
+        assert client.stats()["listeners"] == 4  # one reply list per sub-queue in use
+    assert all(markers(raw_redis, tag) > 0 for tag in FOUR)
+    assert sum(markers(raw_redis, tag) for tag in FOUR) == 300
+    assert all(raw_redis.llen(protocol.queue_key(tag)) == 0 for tag in FOUR)
+
+
+async def test_sub_queues_change_live(start_worker: Callable[..., Worker],
+                                      raw_redis: redis.Redis, redis_url: str) -> None:
+    start_worker([warm], config=TAKEOVER)
+    await wait_live(redis_url, "warm")
+    tags = protocol.sub_queue_tags("warm", 3)
+    async with Client(redis_url, pack_rows=1) as client:
+        await client.configure("warm", sub_queues=3)
+        await asyncio.sleep(1.2)  # the cached count is a second old at most
+        assert await asyncio.gather(*(client.predict("warm", v) for v in range(60))) == \
+            [2 * v for v in range(60)]
+        assert all(markers(raw_redis, tag) > 0 for tag in tags)  # grown: all three used
+        await client.configure("warm", sub_queues=1)
+        # a producer that has not seen the shrink yet: entries on sub-queue 2
+        reply_to = protocol.reply_key(tags[2], "late")
+        raw_redis.rpush(protocol.queue_key(tags[2]),
+                        *[raw_request("warm", v, reply_to)[1] for v in range(5)])
+        late = [await asyncio.to_thread(read_reply, raw_redis, reply_to) for _ in range(5)]
+        assert sorted(r.payload for r in late) == [0, 2, 4, 6, 8]  # drained, not stranded
+        await asyncio.sleep(1.2)
+        before = markers(raw_redis, tags[1]) + markers(raw_redis, tags[2])
+        assert await asyncio.gather(*(client.predict("warm", v) for v in range(20))) == \
+            [2 * v for v in range(20)]
+        assert markers(raw_redis, tags[1]) + markers(raw_redis, tags[2]) == before  # shrunk
+
+
+async def test_reaper_returns_entries_to_their_sub_queue(raw_redis: redis.Redis,
+                                                         redis_url: str) -> None:
+    lists = {tag: [raw_request(HOT, v, protocol.reply_key(tag, "c"))[1] for v in range(3)]
+             for tag in (FOUR[0], FOUR[2])}
+    for tag, entries in lists.items():
+        raw_redis.rpush(protocol.inflight_key(tag, "ghost"), *entries)
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    client = aioredis.Redis.from_url(redis_url)
+    reaper = Reaper(client, HOT, 3)
+    reaper.tags = lambda: FOUR
+    assert await reaper.reap("ghost") == 6
+    await client.aclose()
+    for tag in (FOUR[0], FOUR[2]):
+        assert queued(raw_redis, tag) == [0, 1, 2]  # its own sub-queue, in order
+        assert not raw_redis.exists(protocol.inflight_key(tag, "ghost"))
+    assert raw_redis.zscore(protocol.workers_key(HOT), "ghost") is None  # forgotten
+
+
+async def test_a_dead_workers_entries_are_answered_once(start_worker: Callable[..., Worker],
+                                                        raw_redis: redis.Redis,
+                                                        redis_url: str) -> None:
+    start_worker([hot], config=TAKEOVER)
+    await wait_live(redis_url, HOT)
+    reply_to = protocol.reply_key(FOUR[3], "once")
+    entries = [raw_request(HOT, v, reply_to)[1] for v in range(4)]
+    raw_redis.rpush(protocol.inflight_key(FOUR[3], "ghost"), *entries)
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    replies = [await asyncio.to_thread(read_reply, raw_redis, reply_to) for _ in range(4)]
+    assert sorted(r.payload for r in replies) == [1, 2, 3, 4]
+    await asyncio.sleep(0.3)
+    assert raw_redis.llen(reply_to) == 0
