@@ -301,7 +301,10 @@ end
 # capacity field counts as 0 items/s and no rows.
 # The meta's ``priority`` section (a multi-level model's levels, default and caps),
 # re-encoded, or "" when it has none (one level: its meta is not decoded).
-# The model's sub-queues: its stored ``sub_queues`` override, else its meta's, else 1.
+# The model's sub-queues: its stored ``sub_queues`` override, else the first
+# ``"sub_queues":<n>`` of its meta (its own value, without an override), else 1; a meta
+# that never mentions ``sub_queues`` (workers that predate it) means 1, whatever the
+# override says, so that no request goes to a sub-queue no worker serves.
 # Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
 # known 1|0, priority JSON or "", sub-queues}.
 LIVE_SUMMARY: Final = _LIVE_CAPACITIES + f"""
@@ -314,15 +317,15 @@ for i = 1, #caps do
 end
 local raw = redis.call('GET', KEYS[3])
 local known = #caps > 0 or raw ~= false
-local levels, subs = '', tonumber(redis.call('HGET', KEYS[4], 'sub_queues') or '')
-if raw and (string.find(raw, '"priority"', 1, true) or
-            (not subs and string.find(raw, '"sub_queues"', 1, true))) then
+local levels = ''
+if raw and string.find(raw, '"priority"', 1, true) then
   local ok, meta = pcall(cjson.decode, raw)
   if ok and type(meta) == 'table' and type(meta['priority']) == 'table' then
     levels = cjson.encode(meta['priority'])
   end
-  if ok and type(meta) == 'table' and not subs then subs = tonumber(meta['sub_queues']) end
 end
+local subs = raw and string.match(raw, '"sub_queues":(%d+)')
+if subs then subs = redis.call('HGET', KEYS[4], 'sub_queues') or subs end
 return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs or 1}}
 """
 

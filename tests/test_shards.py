@@ -50,10 +50,22 @@ def markers(raw: redis.Redis, tag: str) -> int:
     return sum(1 for _ in raw.scan_iter(match=f"rb:{{{tag}}}:req:*", count=1000))
 
 
-def registered(raw: redis.Redis, model: str, count: int) -> None:
-    """A model known with ``count`` sub-queues (its stored knob), with no worker."""
-    raw.set(protocol.meta_key(model), b'{"name": "%s"}' % model.encode())
+def registered(raw: redis.Redis, model: str, count: int, meta: bytes | None = None) -> None:
+    """A model known with ``count`` sub-queues (its stored knob), with no worker; its
+    meta as a worker that knows the knob publishes it."""
+    raw.set(protocol.meta_key(model), meta or b'{"name":"%s","defaults":{"sub_queues":1}}'
+            % model.encode())
     raw.hset(protocol.config_key(model), "sub_queues", str(count))
+
+
+async def test_the_count_comes_from_the_knob_once_workers_know_it(raw_redis: redis.Redis,
+                                                                  redis_url: str) -> None:
+    registered(raw_redis, HOT, 3)
+    registered(raw_redis, "old", 3, meta=b'{"name":"old","defaults":{}}')  # older workers
+    async with Client(redis_url, require_workers=False) as client:
+        assert await client._admission.sub_queues(HOT) == 3
+        assert await client._admission.sub_queues("old") == 1  # none would serve 1..2
+        assert await client._admission.sub_queues("nobody") == 1
 
 
 def test_tags_keep_one_sub_queue_on_the_models_keys() -> None:
