@@ -15,7 +15,9 @@ import redis.asyncio as aioredis
 
 from redbatch import Client, batch, codec, protocol
 from redbatch.errors import QueueFull
+from redbatch.levels import queue_depths
 from redbatch.producer.routing import Router, sub_cap
+from redbatch.status import read_model
 from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
@@ -234,3 +236,16 @@ async def test_a_dead_workers_entries_are_answered_once(start_worker: Callable[.
     assert sorted(r.payload for r in replies) == [1, 2, 3, 4]
     await asyncio.sleep(0.3)
     assert raw_redis.llen(reply_to) == 0
+
+
+async def test_depths_and_dead_letters_add_up_over_sub_queues(raw_redis: redis.Redis,
+                                                              redis_url: str) -> None:
+    raw_redis.set(protocol.meta_key(HOT), b'{"name":"hot","sub_queues":4}')
+    for index, tag in enumerate(FOUR):
+        raw_redis.rpush(protocol.queue_key(tag), *[b"x"] * (index + 1))
+        raw_redis.rpush(protocol.dead_letter_key(tag), b"dead")
+    client = aioredis.Redis.from_url(redis_url)
+    assert await queue_depths(client, HOT, raw_redis.get(protocol.meta_key(HOT))) == [10]
+    await client.aclose()
+    status = read_model(raw_redis, HOT)  # redbatch status
+    assert (status.queue_depth, status.dead_letters) == (10, 4)
