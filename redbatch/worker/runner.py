@@ -154,7 +154,7 @@ class BatchRunner:
         self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters,
                              model.priorities, reaper_id=worker_id,
                              same_slot=self._same_slot)
-        self.reaper.tags = self.claimer.tags  # every sub-queue's in-flight list
+        self.reaper.tags = self._tags  # every sub-queue's in-flight list
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
@@ -301,6 +301,12 @@ class BatchRunner:
         self._claim_count = self._next_claim_count(batch)
         self._schedule(batch)
         return batch
+
+    def _tags(self) -> list[str]:
+        """The sub-queues whose in-flight lists a reap reads: every one this worker
+        has seen, and the count just applied (before its next claim resizes)."""
+        return protocol.sub_queue_tags(self.model.name, max(self.claimer.seen,
+                                                            self.model.sub_queues))
 
     def _resize(self) -> None:
         """The model's ``sub_queues`` changed (live): claim over the new count."""

@@ -86,10 +86,6 @@ class ShardClaimer:
             self._subs[index] = claimer
         return claimer
 
-    def tags(self) -> list[str]:
-        """Every sub-queue this worker may hold entries of, or a dead worker may have."""
-        return protocol.sub_queue_tags(self.model, self.seen)
-
     # --- what the runner sets and reads, for every sub-queue ----------------------
     @property
     def pass_ms(self) -> Callable[[int], float | None]:
