@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from redbatch import Client, batch, codec, protocol
 from redbatch.errors import QueueFull
+from redbatch.jobs.throttle import queues_of, wait_for_room
 from redbatch.levels import queue_depths
 from redbatch.producer.routing import Router, sub_cap
 from redbatch.status import read_model
@@ -246,6 +247,9 @@ async def test_depths_and_dead_letters_add_up_over_sub_queues(raw_redis: redis.R
         raw_redis.rpush(protocol.dead_letter_key(tag), b"dead")
     client = aioredis.Redis.from_url(redis_url)
     assert await queue_depths(client, HOT, raw_redis.get(protocol.meta_key(HOT))) == [10]
+    keys = await queues_of(client, HOT, None)  # what a bulk job paces on: every sub-queue
+    assert keys == [protocol.queue_key(tag) for tag in FOUR]
+    assert await wait_for_room(client, keys, 10, 5.0) < 1.0
     await client.aclose()
     status = read_model(raw_redis, HOT)  # redbatch status
     assert (status.queue_depth, status.dead_letters) == (10, 4)
