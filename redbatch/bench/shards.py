@@ -77,8 +77,9 @@ class Shards:
         return f"redis://{HOST}:{port}/0"
 
 
-def start(procs: Procs, count: int) -> Shards:
-    """``count`` primaries, the models' slots spread over them (no worker yet)."""
+def start(procs: Procs, count: int, tags: list[str] = MODELS) -> Shards:
+    """``count`` primaries, the slots of ``tags`` (models, or a model's sub-queues)
+    spread over them (no worker yet)."""
     ports = tuple(free_port() for _ in range(count))
     for index, port in enumerate(ports):
         procs.start(f"redis-{count}-{index}",
@@ -86,7 +87,7 @@ def start(procs: Procs, count: int) -> Shards:
     addresses = [f"{HOST}:{port}" for port in ports]
     cluster.create(addresses)
     url = cluster.url(addresses)
-    rows = place(RedisSettings(url), MODELS, apply=True)
+    rows = place(RedisSettings(url), tags, apply=True)
     cluster.wait_ok(addresses)
     return Shards(count, ports, url, {m: planned.port for m, _s, _o, planned in rows})
 
