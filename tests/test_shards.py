@@ -17,7 +17,7 @@ from redbatch import Client, batch, codec, protocol
 from redbatch.errors import QueueFull
 from redbatch.jobs.throttle import queues_of, wait_for_room
 from redbatch.levels import queue_depths
-from redbatch.producer.routing import Router, sub_cap
+from redbatch.producer.routing import STICK, Router, sub_cap
 from redbatch.status import read_model
 from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
@@ -80,6 +80,9 @@ def test_tags_keep_one_sub_queue_on_the_models_keys() -> None:
     assert Router().pick("m", 1) == "m"
     router = Router()  # a caller's own id: always the same sub-queue (its marker's)
     assert len({router.pick("m", 4, "my-id") for _ in range(20)}) == 1
+    picks = [router.pick("m", 4) for _ in range(STICK + 1)]  # one tick
+    assert len(set(picks[:STICK])) == 1 and picks[STICK] != picks[0]  # then the other
+    router.tick()  # a new tick chooses anew (the other of the two was shorter)
     assert sub_cap(40, 4) == 10 and sub_cap(41, 4) == 11
 
 
@@ -88,13 +91,13 @@ async def test_power_of_two_choices_balances_and_keeps_fifo(raw_redis: redis.Red
     registered(raw_redis, HOT, 4)
     futures: list[asyncio.Future[object]] = []
     async with Client(redis_url, require_workers=False, pack_rows=1) as client:
-        for start in range(0, 400, 50):  # eight ticks of 50 requests
+        for start in range(0, 400, 4):  # 100 ticks of 4 requests: one choice per tick
             futures += await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)
-                                              for v in range(start, start + 50)))
-            await asyncio.sleep(0.05)  # pushed, and their lengths learned
+                                              for v in range(start, start + 4)))
+            await asyncio.sleep(0.003)  # pushed, and their lengths learned
         depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
         assert sum(depths) == 400
-        assert max(depths) - min(depths) <= 8, depths  # random choice: ~20 apart
+        assert max(depths) - min(depths) <= 12, depths  # random choice: ~40 apart
         for tag in FOUR:  # FIFO per sub-queue: each holds its requests in order
             values = queued(raw_redis, tag)
             assert values == sorted(values)
@@ -106,21 +109,25 @@ async def test_admission_counts_every_sub_queue(raw_redis: redis.Redis,
                                                 redis_url: str) -> None:
     registered(raw_redis, HOT, 4)
     async with Client(redis_url, require_workers=False, pack_rows=1,
-                      max_queue_len=40) as client:
-        first = await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)
-                                       for v in range(100)))
+                      max_queue_len=400) as client:
+        first: list[asyncio.Future[object]] = []
+        for start in range(0, 1000, 50):  # 20 ticks of 50
+            first += await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)
+                                            for v in range(start, start + 50)))
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # every push answered
         depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
         refused = [f.exception() for f in first if f.done()]
         assert all(isinstance(e, QueueFull) for e in refused)
-        assert 36 <= sum(depths) <= 40 and all(d <= 10 for d in depths), depths
-        assert len(refused) == 100 - sum(depths)
+        # each sub-queue takes its share (100) at most, and they fill evenly
+        assert 380 <= sum(depths) <= 400 and all(d <= 100 for d in depths), depths
+        assert len(refused) == 1000 - sum(depths)
         again = await client.submit(HOT, 100, timeout_s=30)
         with pytest.raises(QueueFull) as full:
             await again
     await asyncio.gather(*first, return_exceptions=True)  # failed by the close
     assert full.value.retry_after_s >= 1.0  # the gateway's 503 Retry-After
-    assert f"({sum(depths)} queued, cap 40" in str(full.value)  # the model's, summed
+    assert f"({sum(depths)} queued, cap 400" in str(full.value)  # the model's, summed
 
 
 def claimer(client: aioredis.Redis, worker_id: str, count: int) -> ShardClaimer:
@@ -189,8 +196,10 @@ async def test_sub_queues_change_live(start_worker: Callable[..., Worker],
     async with Client(redis_url, pack_rows=1) as client:
         await client.configure("warm", sub_queues=3)
         await asyncio.sleep(1.2)  # the cached count is a second old at most
-        assert await asyncio.gather(*(client.predict("warm", v) for v in range(60))) == \
-            [2 * v for v in range(60)]
+        for start in range(0, 60, 3):  # 20 ticks, a choice each
+            assert await asyncio.gather(*(client.predict("warm", v)
+                                          for v in range(start, start + 3))) == \
+                [2 * v for v in range(start, start + 3)]
         assert all(markers(raw_redis, tag) > 0 for tag in tags)  # grown: all three used
         await client.configure("warm", sub_queues=1)
         # a producer that has not seen the shrink yet: entries on sub-queue 2

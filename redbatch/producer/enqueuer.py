@@ -102,6 +102,7 @@ class Enqueuer:
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
+        self.router.tick()
         for tag, pushes in pending.items():
             task = asyncio.create_task(self._send(tag, pushes))
             self._tasks.add(task)

@@ -140,8 +140,17 @@ class Claimer:
 
     async def claim_now(self, count: int) -> list[bytes]:
         """Up to ``count`` entries from the queue's head at once, never waiting and with
-        no batch window ([] when it is empty): a steal from another sub-queue."""
-        return await self._claiming(self._take, count)
+        no batch window ([] when it is empty): a steal from another sub-queue, by the
+        CLAIM script (two commands, where an empty queue would cost ``count`` LMOVEs)."""
+        return await self._claiming(self._steal, count)
+
+    async def _steal(self, count: int) -> list[bytes]:
+        return await self._claim_script(count)
+
+    @property
+    def drained(self) -> bool:
+        """The queue was empty at the last look."""
+        return self._drained
 
     script = lua.CLAIM  # loaded once, before the first claim
 

@@ -64,6 +64,9 @@ class LevelClaimer(Claimer):
                                                           ("EXISTS", self.cancelled))
         return self._claimed(reply, exists)
 
+    async def _steal(self, count: int) -> list[bytes]:
+        return await self._take(count)  # the level script: one command
+
     async def _block(self, timeout_s: float, count: int, wake_at_ms: int | None = None
                      ) -> list[bytes]:
         """Wait on the bell, then claim from the level queues (one write).  A bell that

@@ -7,9 +7,11 @@ slot.  Each worker has a home sub-queue (``crc32(worker_id) % S``):
 
 - it claims from home, blocking there for at most ``STEAL_BLOCK_S`` while S > 1 (the
   whole ``block_timeout_s`` with one sub-queue);
-- when home came back empty, and before every ``STEAL_EVERY``-th claim, it steals:
-  a non-blocking claim from each other sub-queue in turn, the first that holds
-  entries giving the batch; so a sub-queue that no worker calls home is served too.
+- when home came back empty, before a claim that finds home empty at its last look,
+  and before every ``STEAL_EVERY``-th claim, it steals: a non-blocking claim from
+  each other sub-queue in turn, the first that holds entries giving the batch; so a
+  sub-queue that no worker calls home is served too, without waiting on an empty
+  home first.
 
 Shrinking S strands nothing: a worker keeps stealing from the sub-queues at and above
 the new S (``high``) until, ``DRAIN_GRACE_S`` after the change (producers have moved
@@ -19,6 +21,7 @@ alone, exactly as a plain ``Claimer``: no steal, no extra command.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
 from collections.abc import Callable
@@ -29,12 +32,12 @@ from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
 
 if TYPE_CHECKING:
-    import asyncio
-
     from redbatch.worker.decode import Decoded
 
 STEAL_EVERY: Final = 4  # while home has entries, one claim in this many steals first
 STEAL_BLOCK_S: Final = 0.1  # a sharded model's blocking claim on home waits at most this
+BUSY_BLOCK_S: Final = 0.002  # while claims keep finding entries: a poll's gap
+BUSY_FOR_S: Final = 0.5  # a claim that found entries keeps the short wait this long
 DRAIN_GRACE_S: Final = 5.0  # sub-queues above a shrunk S are drained at least this long
 
 # makes the claimer of one sub-queue: (its tag, its blocking wait in seconds)
@@ -65,6 +68,7 @@ class ShardClaimer:
         self._shrunk_at = 0.0
         self._claims = 0
         self._turn = 0
+        self._busy_until = 0.0  # a claim found entries lately: the model is busy till then
         self.source = self.sub(self.home)  # the sub-queue of the last claim
 
     @property
@@ -142,14 +146,30 @@ class ShardClaimer:
             self.source = self.sub(0)
             return await self.source.claim(count)
         self._claims += 1
-        if self._claims % STEAL_EVERY == 0 and (items := await self._steal(count)):
-            return items
         home = self.sub(self.home)
-        items = await home.claim(count)
-        if items:
-            self.source = home
+        busy = time.monotonic() < self._busy_until
+        if (busy or home.drained or self._claims % STEAL_EVERY == 0) and \
+                (items := await self._steal(count)):
             return items
-        return await self._steal(count)
+        if busy and home.drained:
+            return await self._poll(home, count)
+        home.block_timeout_s = BUSY_BLOCK_S if busy else self._wait_s()
+        return self._took(home, await home.claim(count)) or await self._steal(count)
+
+    async def _poll(self, home: Claimer, count: int) -> list[bytes]:
+        """While the model is busy: home without blocking, then a short sleep if it
+        was empty (a blocking pop's timeout fires only on Redis's ``hz`` timer, up to
+        100 ms late: no use for a wait of milliseconds)."""
+        items = self._took(home, await home.claim_now(count))
+        if not items:
+            await asyncio.sleep(BUSY_BLOCK_S)
+        return items
+
+    def _took(self, claimer: Claimer, items: list[bytes]) -> list[bytes]:
+        """``items`` claimed by ``claimer``: the batch's source, and the model busy."""
+        if items:
+            self.source, self._busy_until = claimer, time.monotonic() + BUSY_FOR_S
+        return items
 
     async def _steal(self, count: int) -> list[bytes]:
         """A non-blocking claim from the other sub-queues, in turn, until one has
@@ -158,9 +178,7 @@ class ShardClaimer:
         self._turn += 1
         for k in range(len(others)):
             claimer = self.sub(others[(self._turn + k) % len(others)])
-            items = await claimer.claim_now(count)
-            if items:
-                self.source = claimer
+            if items := self._took(claimer, await claimer.claim_now(count)):
                 return items
         if self.high > self.count and time.monotonic() - self._shrunk_at > DRAIN_GRACE_S:
             self.high = self.count  # every sub-queue above the count is empty: drained
