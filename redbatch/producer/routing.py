@@ -10,10 +10,10 @@ routed adds one to its sub-queue's length until the next enqueue reply corrects 
 
 One choice holds for up to ``STICK`` requests of one event-loop tick (the enqueuer's
 flush starts a new one): a tick's requests then still travel as one ENQUEUE call and
-as multi-row packs (``packing``), as they do for a model of one sub-queue; measured
-on the hot-model bench, choosing per request cost that model 60 % of its items/s (a
-tick's requests split over S calls and S smaller packs).  A burst larger than
-``STICK`` spreads over several sub-queues.  A request that carries the caller's own
+as multi-row packs (``packing``), as they do for a model of one sub-queue (choosing
+per request split a tick's requests over S calls and S smaller packs: the hot-model
+bench in ``docs/scaling.md``).  A burst larger than ``STICK`` spreads over several
+sub-queues.  A request that carries the caller's own
 id goes to the sub-queue its id hashes to, so that a retried push finds its marker
 (the dedupe) in the same slot."""
 

@@ -5,13 +5,16 @@ A model of S sub-queues has S queues, each in a hash slot of its own
 sub-queue's in-flight list, so that the batch's ack, replies and markers stay in its
 slot.  Each worker has a home sub-queue (``crc32(worker_id) % S``):
 
-- it claims from home, blocking there for at most ``STEAL_BLOCK_S`` while S > 1 (the
-  whole ``block_timeout_s`` with one sub-queue);
-- when home came back empty, before a claim that finds home empty at its last look,
-  and before every ``STEAL_EVERY``-th claim, it steals: a non-blocking claim from
-  each other sub-queue in turn, the first that holds entries giving the batch; so a
-  sub-queue that no worker calls home is served too, without waiting on an empty
-  home first.
+- when home was empty at its last look, and before every ``STEAL_EVERY``-th claim,
+  it steals first: a non-blocking claim from each other sub-queue in turn, the first
+  that holds entries giving the batch; so a sub-queue that no worker calls home is
+  served too;
+- while the model is busy (a claim found entries in the last ``BUSY_FOR_S``) it never
+  blocks: home is claimed without blocking too, and a round that found nothing sleeps
+  ``BUSY_BLOCK_S`` (a blocking pop's timeout fires on Redis's ``hz`` timer, up to
+  100 ms late: a short one would hold the worker while entries wait elsewhere);
+- once idle, it blocks on home for at most ``STEAL_BLOCK_S`` between steals (the
+  whole ``block_timeout_s`` with one sub-queue).
 
 Shrinking S strands nothing: a worker keeps stealing from the sub-queues at and above
 the new S (``high``) until, ``DRAIN_GRACE_S`` after the change (producers have moved
