@@ -16,7 +16,6 @@ a ceiling.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from redbatch import Client, protocol
 from redbatch.bench import redis_cost
 from redbatch.bench.servers import Procs
-from redbatch.bench.shards import Shards, X, snapshots, spent, start
+from redbatch.bench.shards import Shards, X, snapshots, spawn_worker, spent, start, warm
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
@@ -36,7 +35,6 @@ PRIMARIES = 3
 WORKERS = 3
 CALLERS = 48
 SETTLE_S = 2.5  # a live change reaches producers within 1 s, workers within 2 s
-WARM_TIMEOUT_S = 60.0
 
 
 def _noop(items: list[Any]) -> list[Any]:
@@ -51,16 +49,8 @@ models = [Model(HOT, fn=_noop, policy=BatchPolicy(max_batch_size=32, batch_wait_
 def start_workers(procs: Procs, shards: Shards) -> None:
     """``WORKERS`` worker processes of the hot model; returns once it answers."""
     for index in range(WORKERS):
-        procs.start(f"worker-{index}", [sys.executable, "-m", "redbatch", "worker",
-                                        "redbatch.bench.hot:models", "--redis-url",
-                                        shards.url, "--device", "cpu", "--threads", "1"],
-                    {"REDBATCH_LOG_LEVEL": "WARNING"})
-    run_loop(_warm(shards.url))
-
-
-async def _warm(url: str) -> None:
-    async with Client(url, require_workers=False) as client:
-        await client.predict(HOT, X, timeout_s=WARM_TIMEOUT_S)
+        spawn_worker(procs, f"worker-{index}", "redbatch.bench.hot:models", shards.url)
+    run_loop(warm(shards.url, [HOT]))
 
 
 async def _load(url: str, count: int, duration_s: float) -> tuple[int, float]:
