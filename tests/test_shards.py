@@ -25,6 +25,8 @@ from redbatch.worker.process import Worker
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.shards import ShardClaimer
 from tests.conftest import wait_live
+from tests.test_backpressure import _until, blocking_model
+from tests.test_gateway import _wait_registered, gateway
 from tests.test_reliability import TAKEOVER, raw_request, read_reply
 
 pytestmark = pytest.mark.e2e
@@ -262,3 +264,30 @@ async def test_depths_and_dead_letters_add_up_over_sub_queues(raw_redis: redis.R
     await client.aclose()
     status = read_model(raw_redis, HOT)  # redbatch status
     assert (status.queue_depth, status.dead_letters) == (10, 4)
+
+
+async def test_the_gateway_refuses_by_the_sum_with_retry_after(
+        start_worker: Callable[..., Worker], raw_redis: redis.Redis, redis_url: str) -> None:
+    model, release = blocking_model("held2")
+    model.sub_queues = 2
+    start_worker([model])
+    tags = protocol.sub_queue_tags("held2", 2)
+
+    def queued_now() -> int:
+        return sum(raw_redis.llen(protocol.queue_key(tag)) for tag in tags)
+
+    async with gateway(redis_url, max_queue_len=4, default_timeout_s=10) as http:
+        await _wait_registered(http)
+        path = "/v1/models/held2/predict"
+        pending = [asyncio.create_task(http.post(path, json={"inputs": 0}))]  # held
+        await _until(lambda: any(raw_redis.keys(protocol.inflight_key(t, "*")) for t in tags))
+        for n in range(1, 5):  # one a tick: each sub-queue takes its share, 2
+            pending.append(asyncio.create_task(http.post(path, json={"inputs": n})))
+            await _until(lambda n=n: queued_now() == n)  # type: ignore[misc]
+        assert sorted(raw_redis.llen(protocol.queue_key(tag)) for tag in tags) == [2, 2]
+        resp = await http.post(path, json={"inputs": 99})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_full"
+        assert "(4 queued, cap 4" in resp.json()["error"]["message"]  # the sum, not 2
+        assert int(resp.headers["retry-after"]) >= 1
+        release.set()
+        assert [(await t).status_code for t in pending] == [200] * 5
