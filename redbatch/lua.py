@@ -325,7 +325,7 @@ if raw and string.find(raw, '"priority"', 1, true) then
   end
 end
 local subs = raw and string.match(raw, '"sub_queues":(%d+)')
-if subs then subs = redis.call('HGET', KEYS[4], 'sub_queues') or subs end
+if subs then subs = redis.call('HMGET', KEYS[4], 'sub_queues')[1] or subs end
 return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs or 1}}
 """
 
