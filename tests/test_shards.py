@@ -291,3 +291,26 @@ async def test_the_gateway_refuses_by_the_sum_with_retry_after(
         assert int(resp.headers["retry-after"]) >= 1
         release.set()
         assert [(await t).status_code for t in pending] == [200] * 5
+
+
+@batch(name="ranked", max_batch_size=8, batch_wait_timeout_s=0, priority_levels=2,
+       default_priority=2, sub_queues=2)
+def ranked(xs: list[int]) -> list[int]:
+    return [x - 1 for x in xs]
+
+
+async def test_priority_levels_within_each_sub_queue(start_worker: Callable[..., Worker],
+                                                     raw_redis: redis.Redis,
+                                                     redis_url: str) -> None:
+    start_worker([ranked])
+    await wait_live(redis_url, "ranked")
+    tags = protocol.sub_queue_tags("ranked", 2)
+    async with Client(redis_url, pack_rows=1) as client:
+        for start in range(0, 40, 2):  # 20 ticks: both sub-queues, both levels
+            assert await asyncio.gather(
+                client.predict("ranked", start, priority=1),
+                client.predict("ranked", start + 1)) == [start - 1, start]
+    assert all(markers(raw_redis, tag) > 0 for tag in tags)
+    for tag in tags:  # each sub-queue has its own level queues and bell, all drained
+        assert not raw_redis.exists(protocol.queue_key(tag, 1), protocol.queue_key(tag),
+                                    protocol.bell_key(tag))
