@@ -24,6 +24,7 @@ priority_levels = 2               # priority levels of every model of the target
 default_priority = 2              # the level of requests that name none
 priority_caps = [1000, 100]       # each priority level's queue cap (models of 2 levels)
 version = "2"                     # serve the target's models as this version (canaries)
+sub_queues = 1                    # a hot model's queue split over this many (hash slots)
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
@@ -47,7 +48,7 @@ from redbatch.errors import ConfigError
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
 LIMIT_KEYS = ("max_queue_len", "default_timeout_s", "priority_caps",  # -> models' own
-              "priority_levels", "default_priority", "version")
+              "priority_levels", "default_priority", "version", "sub_queues")
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
                                       "bool": (bool,)}
 
@@ -136,6 +137,7 @@ def _check_limits(limits: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}.default_timeout_s: must be a number > 0, got {timeout!r}")
     try:
         knobs.check("priority_caps", limits.get("priority_caps"))
+        knobs.check("sub_queues", limits.get("sub_queues", 1))
     except ConfigError as exc:
         raise ConfigError(f"{where}.{exc}") from exc
     version = limits.get("version", "1")

@@ -54,6 +54,8 @@ KNOBS: dict[str, Knob] = {
     "max_batch_cost": Knob(float, 0, low_open=True, nullable=True),
     "auto_batch": Knob(bool),
     "max_queue_len": Knob(int, 1, nullable=True, part="model"),
+    # the model's sub-queues (``protocol.sub_queue_tag``): producers spread over them
+    "sub_queues": Knob(int, 1, protocol.MAX_SUB_QUEUES, part="model"),
     # a list of one int per priority level (its length is checked against the model's)
     "priority_caps": Knob(list, 1, nullable=True, part="model"),
     # the length buckets of a variable-length model (its spec's own by default)

@@ -108,11 +108,34 @@ def by_level(depths: list[int]) -> dict[str, int]:
     return {str(level): depth for level, depth in enumerate(depths, 1)}
 
 
+def sub_queues_of(raw: bytes | str | None) -> int:
+    """A model's sub-queues from its raw meta (``Model.sub_queues``; 1 when none)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    if not text or '"sub_queues"' not in text:
+        return 1
+    try:
+        count = orjson.loads(text).get("sub_queues")
+    except (orjson.JSONDecodeError, AttributeError):
+        return 1
+    return count if type(count) is int and 1 <= count <= protocol.MAX_SUB_QUEUES else 1
+
+
+def level_keys(model: str, raw: bytes | str | None) -> list[list[str]]:
+    """Each level's queues (most urgent first), one per sub-queue (``raw``: the
+    model's meta): the keys whose lengths add up to a level's depth."""
+    tags = protocol.sub_queue_tags(model, sub_queues_of(raw))
+    by_tag = [of_meta(raw).queues(tag) for tag in tags]
+    return [list(keys) for keys in zip(*by_tag, strict=True)]
+
+
 async def queue_depths(redis: aioredis.Redis, model: str, meta: bytes | str | None
                        ) -> list[int]:
     """Each level's queue length, most urgent first (``meta``: the model's raw meta),
-    in one round trip."""
+    summed over the model's sub-queues, in one round trip."""
+    levels = level_keys(model, meta)
     async with redis.pipeline(transaction=False) as pipe:
-        for key in of_meta(meta).queues(model):
-            pipe.llen(key)
-        return [int(depth) for depth in await pipe.execute()]
+        for keys in levels:
+            for key in keys:
+                pipe.llen(key)
+        lengths = iter(await pipe.execute())
+    return [sum(int(next(lengths)) for _key in keys) for keys in levels]

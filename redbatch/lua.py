@@ -292,8 +292,8 @@ local function live_capacities()
 end
 """
 
-# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta
-# KEYS[4]=versions hash (the model's routing table, HGETALL: empty when unversioned)
+# KEYS[1]=workers zset  KEYS[2]=worker capacity hash  KEYS[3]=meta  KEYS[4]=config hash
+# KEYS[5]=versions hash (the model's routing table, HGETALL: empty when unversioned)
 # ARGV[1]=now ms.
 # A model's live workers as admission needs them, in one read-only round trip that
 # never touches the (large) worker_info hash: the workers whose lease is live, the sum
@@ -302,8 +302,12 @@ end
 # capacity field counts as 0 items/s and no rows.
 # The meta's ``priority`` section (a multi-level model's levels, default and caps),
 # re-encoded, or "" when it has none (one level: its meta is not decoded).
+# The model's sub-queues: its stored ``sub_queues`` override, else the first
+# ``"sub_queues":<n>`` of its meta (its own value, without an override), else 1; a meta
+# that never mentions ``sub_queues`` (workers that predate it) means 1, whatever the
+# override says, so that no request goes to a sub-queue no worker serves.
 # Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
-# known 1|0, priority JSON or ""}.
+# known 1|0, priority JSON or "", sub-queues, the versions table's fields and values}.
 LIVE_SUMMARY: Final = _LIVE_CAPACITIES + f"""
 local caps = live_capacities()
 local total, rows = 0, #caps > 0
@@ -321,8 +325,10 @@ if raw and string.find(raw, '"priority"', 1, true) then
     levels = cjson.encode(meta['priority'])
   end
 end
-return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels,
-        redis.call('HGETALL', KEYS[4])}}
+local subs = raw and string.match(raw, '"sub_queues":(%d+)')
+if subs then subs = redis.call('HMGET', KEYS[4], 'sub_queues')[1] or subs end
+return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs or 1,
+        redis.call('HGETALL', KEYS[5])}}
 """
 
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.

@@ -39,6 +39,7 @@ MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
 MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
 MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS
 MAX_PRIORITY_LEVELS: Final = 16  # a model's priority levels are 1..L, L at most this
+MAX_SUB_QUEUES: Final = 64  # a model's sub-queues (``sub_queue_tag``) are 0..S-1, S at most this
 CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worker this long
 REAPING_TTL_MS: Final = 5000  # a reaper's election; past it, a reaper that died is replaced
 
@@ -122,6 +123,28 @@ def split_name(name: str) -> tuple[str, str | None]:
     """``served_name``'s inverse: the model and its version (None: unversioned)."""
     base, sep, version = name.partition(VERSION_SEP)
     return base, (version if sep else None)
+
+
+def sub_queue_tag(model: str, index: int) -> str:
+    """The hash tag of sub-queue ``index`` of ``model``: the model's own name for
+    sub-queue 0 (a model of one sub-queue keeps the keys it always had), ``<model>:<index>``
+    for the others.  Every per-queue key (``queue_key``, ``inflight_key``,
+    ``request_key``, ``reply_key``, ``cancelled_key``, ``bell_key``,
+    ``dead_letter_key``) takes the tag in place of the model's name, so that each
+    sub-queue lives in a hash slot of its own; the model's registry keys (meta,
+    workers, config) keep the model's tag.  A model name cannot hold ``:``, so a tag
+    never names another model."""
+    return f"{model}:{index}" if index else model
+
+
+def sub_queue_tags(model: str, count: int) -> list[str]:
+    """The tags of sub-queues 0..``count``-1 of ``model``."""
+    return [sub_queue_tag(model, index) for index in range(count)]
+
+
+def model_of_tag(tag: str) -> str:
+    """The model a sub-queue tag belongs to (``sub_queue_tag``'s inverse)."""
+    return tag.split(":", 1)[0]
 
 
 def queue_key(model: str, level: int = 0) -> str:

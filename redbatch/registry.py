@@ -50,6 +50,7 @@ class LiveSummary:
     rows: bool  # every live worker takes multi-row requests (and one is live)
     known: bool  # a worker is live or the model is registered
     levels: Levels = ONE  # its priority levels, as its workers publish them
+    sub_queues: int = 1  # its sub-queues (the stored knob, else its meta's)
     versions: versions.Table = versions.EMPTY  # its routing table, if served in versions
 
     def fresh(self, refresh_s: float) -> bool:
@@ -108,9 +109,21 @@ class LiveCache:
     async def _read(self, model: str) -> LiveSummary:
         """One round trip (a read), repeated once on a broken connection."""
         keys = [protocol.workers_key(model), protocol.worker_capacity_key(model),
-                protocol.meta_key(model), protocol.versions_key(model)]
+                protocol.meta_key(model), protocol.config_key(model),
+                protocol.versions_key(model)]
         reply: Any = await idempotent(self._redis, lambda: self._script(
             keys=keys, args=[protocol.now_ms()]))
-        live, items_per_s, rows, known, levels, table = reply
+        live, items_per_s, rows, known, levels, subs, table = reply
         return LiveSummary(time.monotonic(), int(live), float(items_per_s), bool(int(rows)),
-                           bool(int(known)), from_summary(levels), versions.decode(table))
+                           bool(int(known)), from_summary(levels), sub_queue_count(subs),
+                           versions.decode(table))
+
+
+def sub_queue_count(value: Any) -> int:
+    """A model's sub-queues as published (``LIVE_SUMMARY``), 1..MAX_SUB_QUEUES; 1 when
+    it cannot be read."""
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        return 1
+    return count if 1 <= count <= protocol.MAX_SUB_QUEUES else 1

@@ -20,7 +20,7 @@ import orjson
 import redis
 
 from redbatch import knobs, metrics, protocol, scaling
-from redbatch.levels import by_level, of_meta
+from redbatch.levels import by_level, level_keys, sub_queues_of
 from redbatch.registry import live_workers_sync
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
@@ -90,9 +90,10 @@ def read_model(client: redis.Redis, model: str) -> ModelStatus:
     """One model's status now (no rates: see ``sample``)."""
     workers = live_workers_sync(client, model)
     meta: Any = client.get(protocol.meta_key(model))
-    depths = [int(client.llen(key)) for key in of_meta(meta).queues(model)]
-    status = ModelStatus(model, sum(depths), int(client.llen(protocol.dead_letter_key(model))),
-                         workers)
+    depths = [sum(int(client.llen(key)) for key in keys) for keys in level_keys(model, meta)]
+    dead = sum(int(client.llen(protocol.dead_letter_key(tag)))  # every sub-queue's
+               for tag in protocol.sub_queue_tags(model, sub_queues_of(meta)))
+    status = ModelStatus(model, sum(depths), dead, workers)
     if len(depths) > 1:
         status.queue_depths = by_level(depths)
     status.batches = sum(int(w.get("batches", 0)) for w in workers)

@@ -269,3 +269,32 @@ async def test_a_cluster_link_keeps_one_connection_per_node(
     # the INFO probes' own connections (3 primaries, twice) plus one held per node
     assert after - before <= 3 + 2
     await link.release()
+
+
+async def test_a_model_over_three_sub_queues_end_to_end(redis_cluster: ClusterEngine,
+                                                        settings: RedisSettings,
+                                                        start_worker: object) -> None:
+    """Sub-queues in slots of their own (here on two primaries): every script still
+    touches one slot, a dead worker's entries go back to their sub-queue, and nothing
+    is lost."""
+    from tests.test_reliability import TAKEOVER, raw_request
+    from tests.test_shards import hot
+
+    tags = protocol.sub_queue_tags("hot", 3)
+    assert len({redis_cluster.owner(protocol.queue_key(t)).port for t in tags}) > 1
+    start_worker([hot], url=settings.url, config=TAKEOVER)  # type: ignore[operator]
+    async with Client(settings=settings, pack_rows=1) as producer:
+        await wait_live(settings.url, "hot")
+        await producer.configure("hot", sub_queues=3)
+        await asyncio.sleep(1.2)  # the worker and the client see it
+        ghost = [raw_request("hot", v, producer.reply_to(tags[2]))[1] for v in range(3)]
+        async with translated(settings):
+            await producer.redis.rpush(protocol.inflight_key(tags[2], "ghost"), *ghost)
+            await producer.redis.zadd(protocol.workers_key("hot"), {"ghost": 1})
+        for start in range(0, 60, 3):  # 20 ticks, a sub-queue chosen in each
+            answers = await asyncio.gather(*(producer.predict("hot", v, timeout_s=10)
+                                             for v in range(start, start + 3)))
+            assert answers == [v + 1 for v in range(start, start + 3)]
+        assert producer.stats()["listeners"] == 3
+        async with translated(settings):
+            assert not await producer.redis.exists(protocol.inflight_key(tags[2], "ghost"))

@@ -228,7 +228,8 @@ async def test_claims_shrink_to_about_max_batch_size_rows() -> None:
     now = protocol.now_ms()
 
     def claimed(entries: list[bytes]) -> Claimed:
-        return Claimed(len(entries), decode_batch(entries, model, now), now, "")
+        return Claimed(len(entries), decode_batch(entries, model, now), now, "",
+                       runner.claimer.source)
 
     packs = claimed([_entry(np.zeros((16, 4), np.float32), 16)] * 4)
     assert packs.size == 64

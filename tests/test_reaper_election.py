@@ -52,8 +52,8 @@ def count_reads(monkeypatch: pytest.MonkeyPatch, slow_s: float) -> list[tuple[st
     reads: list[tuple[str, str]] = []
     read = Reaper._read
 
-    async def recorded(self: Reaper, worker_id: str, force: bool) -> Any:
-        got = await read(self, worker_id, force)
+    async def recorded(self: Reaper, worker_id: str, force: bool, tags: list[str]) -> Any:
+        got = await read(self, worker_id, force, tags)
         if not force:
             reads.append((self.reaper_id, worker_id))
             await asyncio.sleep(slow_s)

@@ -252,10 +252,11 @@ async def test_reaper_leaves_a_list_that_changed_under_it(redis_url: str,
     raw_redis.zadd(protocol.workers_key("slow"), {"zombie": protocol.now_ms() - 1})
 
     class Racing(Reaper):
-        def plan(self, raws: list[bytes], bump: bool, crashing: str | None = None) -> Plan:
+        def plan(self, raws: list[bytes], bump: bool, crashing: str | None = None,
+                 tag: str | None = None, elsewhere: bool = False) -> Plan:
             raw_redis.delete(inflight)
             raw_redis.rpush(inflight, new)  # same length, other content
-            return super().plan(raws, bump, crashing)
+            return super().plan(raws, bump, crashing, tag, elsewhere)
 
     client = aioredis.Redis.from_url(redis_url)
     assert await Racing(client, "slow", 3).reap("zombie") == -2

@@ -191,7 +191,8 @@ class InferCore:
                                            priority=body.priority_header(headers, info))
         request_id = pending.request_id
         watch = asyncio.get_running_loop().call_later(  # most end first: no task, no Pending
-            WATCH_AFTER_S, self._watch, model, request_id, deadline_ms, pending, receive)
+            WATCH_AFTER_S, self._watch, pending.tag or model, request_id, deadline_ms, pending,
+            receive)
         try:
             reply = await pending
         except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request

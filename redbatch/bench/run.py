@@ -26,7 +26,16 @@ from typing import Any
 import redis
 
 from redbatch import defaults, protocol
-from redbatch.bench import priority, producer, redis_cost, replication, servers, shards, w3
+from redbatch.bench import (
+    hot,
+    priority,
+    producer,
+    redis_cost,
+    replication,
+    servers,
+    shards,
+    w3,
+)
 from redbatch.bench.mlp import build_mlp
 from redbatch.bench.servers import W2_X, Procs, cpu_seconds, wrk
 
@@ -382,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", action="store_true",
                         help="only the shard curve: items/s and Redis CPU per item on "
                              "Redis Clusters of 1, 2 and 3 primaries (bench/shards.py)")
+    parser.add_argument("--hot", action="store_true",
+                        help="only one hot model on a 3-primary Redis Cluster with "
+                             "sub_queues 1 and 3 (bench/hot.py)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
@@ -403,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_replica_wait(out, logdir, args)
     if args.shards:
         return run_shards(out, logdir, args)
+    if args.hot:
+        res = hot.run(logdir, args.duration_s, args.rounds)
+        hot.report(res)
+        return _saved(out, "hot", res, logdir)
     res = run(args, logdir)
     report(res)
     stamp = time.strftime("%Y%m%d-%H%M%S")

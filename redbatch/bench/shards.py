@@ -77,8 +77,9 @@ class Shards:
         return f"redis://{HOST}:{port}/0"
 
 
-def start(procs: Procs, count: int) -> Shards:
-    """``count`` primaries, the models' slots spread over them (no worker yet)."""
+def start(procs: Procs, count: int, tags: list[str] = MODELS) -> Shards:
+    """``count`` primaries, the slots of ``tags`` (models, or a model's sub-queues)
+    spread over them (no worker yet)."""
     ports = tuple(free_port() for _ in range(count))
     for index, port in enumerate(ports):
         procs.start(f"redis-{count}-{index}",
@@ -86,25 +87,29 @@ def start(procs: Procs, count: int) -> Shards:
     addresses = [f"{HOST}:{port}" for port in ports]
     cluster.create(addresses)
     url = cluster.url(addresses)
-    rows = place(RedisSettings(url), MODELS, apply=True)
+    rows = place(RedisSettings(url), tags, apply=True)
     cluster.wait_ok(addresses)
     return Shards(count, ports, url, {m: planned.port for m, _s, _o, planned in rows})
 
 
+def spawn_worker(procs: Procs, name: str, target: str, url: str) -> None:
+    """A worker process (``name``) serving ``target`` (``MODULE:OBJECT``) on the CPU."""
+    procs.start(name, [sys.executable, "-m", "redbatch", "worker", target, "--redis-url",
+                       url, "--device", "cpu", "--threads", "1"],
+                {"REDBATCH_LOG_LEVEL": "WARNING"})
+
+
 def start_worker(procs: Procs, shards: Shards) -> None:
     """One worker process serving ``MODELS``; returns once every model answers."""
-    procs.start(f"worker-{shards.count}", [sys.executable, "-m", "redbatch", "worker",
-                                           "redbatch.bench.shards:models", "--redis-url",
-                                           shards.url, "--device", "cpu", "--threads", "1"],
-                {"REDBATCH_LOG_LEVEL": "WARNING"})
-    run_loop(_warm(shards.url))
+    spawn_worker(procs, f"worker-{shards.count}", "redbatch.bench.shards:models", shards.url)
+    run_loop(warm(shards.url, MODELS))
 
 
-async def _warm(url: str) -> None:
-    """Until every model answers (its worker is up)."""
+async def warm(url: str, names: list[str]) -> None:
+    """Until every model of ``names`` answers (its worker is up)."""
     deadline = time.monotonic() + WARM_TIMEOUT_S
     async with Client(url, require_workers=False) as client:
-        for model in MODELS:
+        for model in names:
             await client.predict(model, X, timeout_s=max(deadline - time.monotonic(), 0.1))
 
 

@@ -59,7 +59,7 @@ from redbatch.jobs.errors import BulkJobFailed, ItemError
 from redbatch.jobs.progress import Progress
 from redbatch.jobs.sinks import write_output
 from redbatch.jobs.sources import BadRow, check_output, open_source
-from redbatch.jobs.throttle import queue_of, wait_for_room
+from redbatch.jobs.throttle import queues_of, wait_for_room
 from redbatch.jobs.urls import with_password
 from redbatch.producer.client import Client
 from redbatch.redis_conn import translated
@@ -168,12 +168,13 @@ class _Runner:
         self.outputs: list[Any] = []
         self.pending: deque[tuple[int, list[Any], list[Slot]]] = deque()
         self.sent = 0
-        self.queue = protocol.queue_key(model)  # the queue its items go to (paced on)
+        # the queues its items go to (paced on): one, or one per sub-queue
+        self.queues = [protocol.queue_key(model)]
 
     async def run(self, items: Iterator[Any]) -> list[Any]:
         await self._live_worker()
         async with translated(self.client.settings):
-            self.queue = await queue_of(self.client.redis, self.model, self.opts.priority)
+            self.queues = await queues_of(self.client.redis, self.model, self.opts.priority)
         try:
             for chunk in _chunks(items, self.opts.chunk_size):
                 await self._admit()
@@ -201,7 +202,7 @@ class _Runner:
         await self._live_worker()
         async with translated(self.client.settings):
             self.progress.throttled_s += await wait_for_room(
-                self.client.redis, self.queue, self.opts.low_water_mark, self.opts.max_wait_s)
+                self.client.redis, self.queues, self.opts.low_water_mark, self.opts.max_wait_s)
 
     async def _submit(self, chunk: list[Any]) -> list[Slot]:
         """Push a chunk's readable items; a slot per item (its future, or its error)."""

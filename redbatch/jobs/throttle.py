@@ -19,7 +19,7 @@ import time
 import redis.asyncio as aioredis
 
 from redbatch import protocol
-from redbatch.levels import of_meta
+from redbatch.levels import level_keys, of_meta
 
 FIRST_DELAY_S = 0.005
 MAX_DELAY_S = 0.05
@@ -28,17 +28,33 @@ MAX_DELAY_S = 0.05
 async def queue_of(redis: aioredis.Redis, model: str, priority: int | None) -> str:
     """The queue that ``model``'s requests of ``priority`` go to (a model of several
     priority levels has one per level; ``InvalidPayload`` for a level it lacks)."""
-    levels = of_meta(await redis.get(protocol.meta_key(model)))
-    return levels.queues(model)[levels.resolve(model, priority) - 1]
+    return (await queues_of(redis, model, priority))[0]
 
 
-async def wait_for_room(redis: aioredis.Redis, key: str, low_water: int,
+async def queues_of(redis: aioredis.Redis, model: str, priority: int | None) -> list[str]:
+    """``queue_of`` in every sub-queue of a model split into several (one for most)."""
+    raw = await redis.get(protocol.meta_key(model))
+    levels = of_meta(raw)
+    return level_keys(model, raw)[levels.resolve(model, priority) - 1]
+
+
+async def _depth(redis: aioredis.Redis, keys: list[str]) -> int:
+    """The summed length of ``keys`` (one LLEN for one key)."""
+    if len(keys) == 1:
+        return int(await redis.llen(keys[0]))
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.llen(key)
+        return sum(int(n) for n in await pipe.execute())
+
+
+async def wait_for_room(redis: aioredis.Redis, keys: list[str], low_water: int,
                         max_wait_s: float) -> float:
-    """Wait while the queue ``key`` is longer than ``low_water`` (at most ``max_wait_s``);
-    return the seconds waited."""
+    """Wait while the queues ``keys`` (a model's sub-queues) hold more than ``low_water``
+    entries together (at most ``max_wait_s``); return the seconds waited."""
     started = time.monotonic()
     delay = FIRST_DELAY_S
-    while await redis.llen(key) > low_water:
+    while await _depth(redis, keys) > low_water:
         waited = time.monotonic() - started
         if waited >= max_wait_s:
             break

@@ -95,6 +95,15 @@ class Admission:
         """The model's priority levels, as its workers publish them (cached)."""
         return (await self._live.get(model)).levels
 
+    def sub_queues_cached(self, model: str) -> int | None:
+        """The model's sub-queues from the cache, or None when it is stale (no I/O)."""
+        summary = self._live.cached(model)
+        return None if summary is None else summary.sub_queues
+
+    async def sub_queues(self, model: str) -> int:
+        """The model's sub-queues, as its knob or its workers publish them (cached)."""
+        return (await self._live.get(model)).sub_queues
+
     async def takes_rows(self, model: str) -> bool:
         """Whether every live worker of ``model`` takes multi-row requests (cached)."""
         return (await self._live.get(model)).rows

@@ -233,15 +233,17 @@ class Client:
             return await versions.describe(self.redis, model, table)
 
     def abandon(self, request_id: str, why: RedbatchError, model: str | None = None) -> None:
-        """Give up waiting for a request (of ``model``, if given): its waiter fails with
-        ``why`` now, freeing its slot under ``max_waiters``.  (``mark_cancelled``
-        spares the worker too.)"""
+        """Give up waiting for a request (of ``model``, if given: for a sharded model,
+        the sub-queue it went to, its future's ``tag``): its waiter fails with ``why``
+        now, freeing its slot under ``max_waiters``.  (``mark_cancelled`` spares the
+        worker too.)"""
         if self._listeners is not None:
             self._listeners.fail(request_id, why, model)
 
     async def mark_cancelled(self, model: str, request_id: str, deadline_ms: int) -> None:
         """Mark a queued request cancelled in Redis (one MULTI), so that a worker that
-        claims it skips it without computing."""
+        claims it skips it without computing (``model``: for a sharded model, the
+        sub-queue the request went to, its future's ``tag``)."""
         now = protocol.now_ms()
         if deadline_ms <= now:
             return  # a worker answers an expired request without computing anyway
@@ -300,6 +302,17 @@ class Client:
         level = levels.resolve(model, priority)
         return level if levels.many else 0  # one level: the plain path, no field
 
+    async def _route(self, model: str, request_id: str | None = None) -> str:
+        """The sub-queue a request of ``model`` joins (``routing.Router.pick``): the
+        model's own queue while it has one sub-queue (its count is cached with the
+        live workers: no round trip)."""
+        assert self._enqueuer is not None
+        count = self._admission.sub_queues_cached(model)
+        if count is None:
+            async with translated(self.settings):
+                count = await self._admission.sub_queues(model)
+        return model if count == 1 else self._enqueuer.router.pick(model, count, request_id)
+
     async def _ready(self, model: str, count: int, deadline_ms: int) -> Listeners:
         """The listeners (starting the client if needed), once ``model`` is a valid
         name and ``count`` more waiters fit under ``max_waiters``: checked before any
@@ -342,13 +355,14 @@ class Client:
         model = await self._routed(model, version, deadline)
         listeners = await self._ready(model, 1, deadline)
         level = 0 if priority is None else await self._level(model, priority)
-        request = self._request(model, inputs, deadline, request_id, listeners.reply_to(model),
+        tag = await self._route(model, request_id)
+        request = self._request(model, inputs, deadline, request_id, listeners.reply_to(tag),
                                 trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
-        future = listeners.expect(model, request.id, deadline, reply)
-        self._push(model, [request], entries, max_queue_len, level)
+        future = listeners.expect(tag, request.id, deadline, reply)
+        self._push(tag, [request], entries, max_queue_len, level)
         return future
 
     async def submit_many(self, model: str, inputs: Sequence[Any],
@@ -374,20 +388,21 @@ class Client:
         listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
-        reply_to = listeners.reply_to(model)
+        tag = await self._route(model, ids[0])  # one sub-queue for the lot: one push
+        reply_to = listeners.reply_to(tag)
         requests = [self._request(model, x, deadline, rid, reply_to,
                                   rows=_rows(x) if batched else 0, priority=level)
                     for x, rid in zip(inputs, ids, strict=True)]
         entries = None
         if request_ids:  # as in ``submit``: the caller's ids travel alone, encoded now
             entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
-        # the checks and the waiters in one step, on the model's running listener
-        listener = listeners.of(model)
+        # the checks and the waiters in one step, on the sub-queue's running listener
+        listener = listeners.of(tag)
         if request_ids:
             listener.check_new([r.id for r in requests])
         futures = [listener.expect(r.id, deadline, reply) for r in requests]
-        await self._enqueued(self._push(model, requests, entries, max_queue_len, level),
-                             requests, deadline)
+        await self._enqueued(self._push(tag, requests, entries, max_queue_len, level),
+                             requests, deadline, tag)
         return futures
 
     async def _routed(self, model: str, version: str | None, deadline_ms: int) -> str:
@@ -397,18 +412,19 @@ class Client:
             return model
         return await self.route(model, version, deadline_ms)
 
-    def _push(self, model: str, requests: list[Request], entries: list[bytes] | None,
+    def _push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
               cap: int | None, level: int = 0) -> asyncio.Future[Outcome]:
-        """The one push path: the enqueue goes out with this tick's flush, bounded by
-        the waiters' own deadline timers; its outcome settles the refused or failed
-        waiters through a callback (no task, no second timer)."""
+        """The one push path (into sub-queue ``tag``: ``_route``): the enqueue goes out
+        with this tick's flush, bounded by the waiters' own deadline timers; its
+        outcome settles the refused or failed waiters through a callback (no task, no
+        second timer)."""
         assert self._enqueuer is not None
-        pushed = self._enqueuer.push(model, requests, entries, cap, level)
-        pushed.add_done_callback(functools.partial(self._pushed, requests))
+        pushed = self._enqueuer.push(tag, requests, entries, cap, level)
+        pushed.add_done_callback(functools.partial(self._pushed, tag, requests))
         return pushed
 
     async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],
-                        deadline_ms: int) -> None:
+                        deadline_ms: int, tag: str) -> None:
         """Wait (until ``deadline_ms`` at most) for a push's outcome, which its callback
         has settled in the waiters by then; a caller that gives up meanwhile leaves
         no waiter behind."""
@@ -418,10 +434,11 @@ class Client:
         except BaseException:
             if self._listeners is not None:
                 for request in requests:
-                    self._listeners.fail(request.id, asyncio.CancelledError(), request.model)
+                    self._listeners.fail(request.id, asyncio.CancelledError(), tag)
             raise
 
-    def _pushed(self, requests: list[Request], pushed: asyncio.Future[Outcome]) -> None:
+    def _pushed(self, tag: str, requests: list[Request], pushed: asyncio.Future[Outcome]
+                ) -> None:
         """Fail the waiters of a push's refused or failed requests (the outcome is read
         first, so that it is consumed even after ``close``)."""
         outcome = [(r.id, asyncio.CancelledError()) for r in requests] \
@@ -429,9 +446,8 @@ class Client:
         listeners = self._listeners
         if listeners is None or not requests:  # closed: close() failed every waiter
             return
-        model = requests[0].model  # a push is of one model
-        for request_id, exc in outcome:
-            listeners.fail(request_id, exc, model)
+        for request_id, exc in outcome:  # (a push is of one sub-queue)
+            listeners.fail(request_id, exc, tag)
 
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                       reply: bool = False, request_id: str | None = None,

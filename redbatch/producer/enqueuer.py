@@ -24,6 +24,7 @@ from redbatch.producer import packing
 from redbatch.producer.admission import Admission
 from redbatch.producer.packing import Failures, RoutePack, Unit
 from redbatch.producer.replication import ReplicaWaiter
+from redbatch.producer.routing import Router, sub_cap
 from redbatch.protocol import Request
 from redbatch.redis_conn import drop_idle, is_stale, translated
 
@@ -76,40 +77,45 @@ class Enqueuer:
         # opt-in: WAIT for replicas after each enqueue (None: off, nothing more is sent)
         self.waiter = ReplicaWaiter(self._link, replica_wait) \
             if replica_wait is not None and replica_wait.wait_replicas else None
-        self._pending: dict[str, list[Push]] = {}
+        self._pending: dict[str, list[Push]] = {}  # by sub-queue tag (a model's name)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.router = Router()  # a sharded model's sub-queue lengths (``routing``)
 
     async def drain(self, timeout_s: float = defaults.ENQUEUE_DRAIN_S) -> None:
         """Let the pushes in flight finish (bounded), before the connection closes."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
-    def push(self, model: str, requests: list[Request], entries: list[bytes] | None,
+    def push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
              cap: int | None = None, level: int = 0) -> asyncio.Future[Outcome]:
-        """Queue a push for this tick's flush (``cap``: the caller's own queue cap for
-        ``model``; ``level``: a priority level, 0 for the model's default); resolves to
-        its refused or failed requests (``ALL_IN``: none)."""
+        """Queue a push for this tick's flush into the sub-queue ``tag`` (a model's
+        name, or one of its ``protocol.sub_queue_tag``s: ``Router.pick``) (``cap``:
+        the caller's own queue cap for the model; ``level``: a priority level, 0 for
+        the model's default); resolves to its refused or failed requests (``ALL_IN``:
+        none)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Outcome] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush)
-        self._pending.setdefault(model, []).append(Push(requests, entries, cap, done, level))
+        self._pending.setdefault(tag, []).append(Push(requests, entries, cap, done, level))
         return done
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
-        for model, pushes in pending.items():
-            task = asyncio.create_task(self._send(model, pushes))
+        self.router.tick()
+        for tag, pushes in pending.items():
+            task = asyncio.create_task(self._send(tag, pushes))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, model: str, pushes: list[Push]) -> None:
-        """One flush of ``model``: each push learns its refused or failed requests."""
+    async def _send(self, tag: str, pushes: list[Push]) -> None:
+        """One flush of sub-queue ``tag``: each push learns its refused or failed
+        requests."""
         try:
             async with translated(self._settings):
-                levels = await self._admission.levels(model)  # cached, as the cap's rate
-                failed = await (self._send_levels(model, pushes, levels) if levels.many
-                                else self._send_level(model, pushes, 0, levels))
+                levels = await self._admission.levels(protocol.model_of_tag(tag))  # cached
+                failed = await (self._send_levels(tag, pushes, levels) if levels.many
+                                else self._send_level(tag, pushes, 0, levels))
         except Exception as exc:
             for push in pushes:
                 _settle(push, [(r.id, exc) for r in push.requests])
@@ -117,17 +123,17 @@ class Enqueuer:
         for index, push in enumerate(pushes):
             _settle(push, failed.get(index, ALL_IN))
 
-    async def _send_level(self, model: str, pushes: list[Push], level: int, levels: Levels
+    async def _send_level(self, tag: str, pushes: list[Push], level: int, levels: Levels
                           ) -> Failures:
         """The pushes' entries into one queue (``level``: of a multi-level model)."""
-        units, failed = await self._plan(model, pushes)
+        units, failed = await self._plan(tag, pushes)
         if units:
-            refused, full = await self._enqueue(model, pushes, units, level, levels)
+            refused, full = await self._enqueue(tag, pushes, units, level, levels)
             if full is not None:
                 _add_refused(failed, refused, full)
         return failed
 
-    async def _send_levels(self, model: str, pushes: list[Push], levels: Levels
+    async def _send_levels(self, tag: str, pushes: list[Push], levels: Levels
                            ) -> Failures:
         """A multi-level model's pushes, each level's into its queue (concurrently)."""
         groups: dict[int, list[int]] = {}
@@ -135,54 +141,64 @@ class Enqueuer:
             level = push.level if 0 < push.level <= levels.count else levels.default
             groups.setdefault(level, []).append(index)  # (levels may change under a push)
         results = await asyncio.gather(*(
-            self._send_group(model, [pushes[i] for i in indices], level, levels)
+            self._send_group(tag, [pushes[i] for i in indices], level, levels)
             for level, indices in groups.items()))
         failed: Failures = {}
         for indices, part in zip(groups.values(), results, strict=True):
             failed.update({indices[i]: errors for i, errors in part.items()})
         return failed
 
-    async def _send_group(self, model: str, pushes: list[Push], level: int, levels: Levels
+    async def _send_group(self, tag: str, pushes: list[Push], level: int, levels: Levels
                           ) -> Failures:
         """One level's pushes of a multi-level flush: an error fails those alone (the
         other levels' requests may be queued already)."""
         try:
             async with translated(self._settings):
-                return await self._send_level(model, pushes, level, levels)
+                return await self._send_level(tag, pushes, level, levels)
         except Exception as exc:
             return {i: [(r.id, exc) for r in push.requests] for i, push in enumerate(pushes)}
 
-    async def _plan(self, model: str, pushes: list[Push]) -> tuple[list[Unit], Failures]:
+    async def _plan(self, tag: str, pushes: list[Push]) -> tuple[list[Unit], Failures]:
         """The flush's entries (same-shape requests packed, while the model's workers
-        take multi-row requests), and the requests that could not be encoded."""
-        packing_on = self._pack_rows > 1 and any(p.entries is None for p in pushes) and \
-            await self._admission.takes_rows(model)
+        take multi-row requests), and the requests that could not be encoded.  A
+        pack's reply comes to the sub-queue's listener (``tag``'s)."""
+        route = self._route_pack
+        packing_on = route is not None and self._pack_rows > 1 and \
+            any(p.entries is None for p in pushes) and \
+            await self._admission.takes_rows(protocol.model_of_tag(tag))
         return packing.plan([p.requests for p in pushes], [p.entries for p in pushes],
                             self._fmt, self._pack_rows,
-                            self._route_pack if packing_on else None)
+                            _routed(route, tag) if packing_on and route else None)
 
-    async def _enqueue(self, model: str, pushes: list[Push], units: list[Unit], level: int,
+    async def _enqueue(self, tag: str, pushes: list[Push], units: list[Unit], level: int,
                        levels: Levels) -> tuple[list[Unit], QueueFull | None]:
         """Push the units under the queue cap (a multi-level model's: the entries at
-        ``level`` and above, and ``level``'s own cap): the refused ones, and why."""
-        own = _own_cap(pushes)
+        ``level`` and above, and ``level``'s own cap): the refused ones, and why.  A
+        model of S sub-queues caps each at its share of the model's cap
+        (``routing.sub_cap``); a refusal counts the entries of every sub-queue
+        (``Router.total``)."""
+        own, model = _own_cap(pushes), protocol.model_of_tag(tag)
         cap = await self._admission.cap(model, min(u.request.deadline_ms for u in units), own)
-        accepted, depths = await self._run(model, _target(model, cap, level, levels),
+        count = await self._admission.sub_queues(model)
+        shared = sub_cap(cap, count) if count > 1 else cap
+        accepted, depths = await self._run(tag, _target(tag, shared, level, levels),
                                            [u.request for u in units], [u.entry for u in units])
+        if count > 1:
+            self.router.learned(tag, depths[0])
         if accepted == len(units):
             return [], None
+        total = max(self.router.total(model, count), depths[0]) if count > 1 else depths[0]
         if not levels.many:
-            return units[accepted:], await self._admission.queue_full(model, depths[0], cap,
-                                                                      own)
+            return units[accepted:], await self._admission.queue_full(model, total, cap, own)
         return units[accepted:], await self._admission.level_full(
-            model, level, (depths[0], depths[1]), cap, levels.cap(level), own)
+            model, level, (total, depths[1]), cap, levels.cap(level), own)
 
-    async def _run(self, model: str, target: Target, requests: list[Request],
+    async def _run(self, tag: str, target: Target, requests: list[Request],
                    entries: list[bytes]) -> tuple[int, list[int]]:
         """The enqueue script, sent once more on a broken connection (Redis restarted):
         the requests' markers make a push that did land count once, not twice.  The
         pool's idle connections are dropped then, stale as well."""
-        calls = _calls(model, target, requests, entries)
+        calls = _calls(tag, target, requests, entries)
         try:
             return await self._call(target, calls, requests)
         except redis.ConnectionError as exc:
@@ -230,26 +246,32 @@ def _tally(target: Target, calls: list[tuple[list[str], list[Any]]], results: li
         [int(d) for d in results[-1][1:]]
 
 
-def _target(model: str, cap: int, level: int, levels: Levels) -> Target:
-    """The plain queue (one level), or level ``level``'s queue, which the cap counts
-    with the more urgent ones, and the bell."""
+def _routed(route: RoutePack, tag: str) -> RoutePack:
+    """``route`` with a pack's replies sent to sub-queue ``tag``'s listener."""
+    return lambda _model, pack_id, members, deadline_ms: route(tag, pack_id, members,
+                                                               deadline_ms)
+
+
+def _target(tag: str, cap: int, level: int, levels: Levels) -> Target:
+    """Sub-queue ``tag``'s plain queue (one level), or its level ``level``'s queue,
+    which the cap counts with the more urgent ones, and the bell."""
     ttl_ms = protocol.QUEUE_TTL_S * 1000
     if not levels.many:
-        return Target(lua.ENQUEUE, (protocol.queue_key(model),), (cap, ttl_ms))
-    queues = levels.queues(model)
+        return Target(lua.ENQUEUE, (protocol.queue_key(tag),), (cap, ttl_ms))
+    queues = levels.queues(tag)
     ahead = queues[:level - 1]
     own_cap = levels.cap(level)
-    return Target(lua.ENQUEUE_LEVEL, (queues[level - 1], protocol.bell_key(model), *ahead),
+    return Target(lua.ENQUEUE_LEVEL, (queues[level - 1], protocol.bell_key(tag), *ahead),
                   (cap, cap if own_cap is None else own_cap, ttl_ms, len(ahead)))
 
 
-def _calls(model: str, target: Target, requests: list[Request], entries: list[bytes]
+def _calls(tag: str, target: Target, requests: list[Request], entries: list[bytes]
            ) -> list[tuple[list[str], list[Any]]]:
     now = protocol.now_ms()
     calls = []
     for start in range(0, len(requests), ENQUEUE_CHUNK):
         chunk = requests[start:start + ENQUEUE_CHUNK]
-        keys = [*target.keys, *(protocol.request_key(model, r.id) for r in chunk)]
+        keys = [*target.keys, *(protocol.request_key(tag, r.id) for r in chunk)]
         ttls = [protocol.marker_ttl_ms(r.deadline_ms, now) for r in chunk]
         args: list[Any] = [*target.args, *ttls, *entries[start:start + ENQUEUE_CHUNK]]
         calls.append((keys, args))

@@ -56,13 +56,16 @@ class ListenerStats:
 
 class RequestFuture(asyncio.Future[T]):
     """The future of one request, naming it: ``request_id`` (for errors, ``abandon``
-    and ``mark_cancelled``)."""
+    and ``mark_cancelled``), and ``tag``, the sub-queue it went to (its model's name,
+    or one of a sharded model's ``protocol.sub_queue_tag``s)."""
 
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "tag")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tag: str = ""
+                 ) -> None:
         super().__init__(loop=loop)
         self.request_id = request_id
+        self.tag = tag
 
 
 @dataclass(slots=True)
@@ -99,6 +102,7 @@ class ReplyListener:
         ``on_idle(self)`` in the same step (None: run until ``stop``)."""
         self._link = LeanLink(redis)  # the blocking pops: one held connection
         self.reply_to = reply_to
+        self.tag = protocol.hash_tag(reply_to) or ""  # the sub-queue whose replies it takes
         self._block_timeout_s = block_timeout_s
         self._waiters: dict[str, Waiter] = {}
         self._streams: dict[str, ChunkQueue] = {}  # streaming requests, by id
@@ -177,7 +181,7 @@ class ReplyListener:
         if request_id in self._waiters:
             raise InvalidPayload(f"request id {request_id!r} is already waiting for a reply")
         loop = asyncio.get_running_loop()
-        future: RequestFuture[Any] = RequestFuture(request_id, loop)
+        future: RequestFuture[Any] = RequestFuture(request_id, loop, self.tag)
         self._busy = True
         delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         timer = loop.call_later(delay_s, self._expire, request_id)

@@ -1,11 +1,16 @@
-"""A process's reply listeners: one per model it has requests in flight on.
+"""A process's reply listeners: one per model (per sub-queue of a sharded model) it
+has requests in flight on.
 
 A model's replies come to ``protocol.reply_key(model, client_id)``, in the model's
-slot, so a client waits on one list per model.  The first request for a model starts
-its listener; a listener that nothing has waited on for ``idle_s`` stops (freeing its
-blocked connection), and the next request for the model starts a new one.  The reply
-list outlives the listener (its TTL), so a reply pushed meanwhile is popped by the
-next one.
+slot, so a client waits on one list per model; a sharded model's requests name the
+reply list of their sub-queue's tag (``protocol.sub_queue_tag``), in that sub-queue's
+slot, so a client waits on one list per sub-queue in use.  Every ``model`` argument
+below is such a tag (a model's own name for a model of one sub-queue).
+
+The first request for a model starts its listener; a listener that nothing has
+waited on for ``idle_s`` stops (freeing its blocked connection), and the next request
+for the model starts a new one.  The reply list outlives the listener (its TTL), so a
+reply pushed meanwhile is popped by the next one.
 
 The hand-off holds because a listener decides to stop and forgets itself in one step
 of the event loop, between two pops, when it has no waiter; and a request's waiter

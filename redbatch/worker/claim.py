@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -102,18 +102,24 @@ class Claimer:
     """
 
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, policy: BatchPolicy,
-                 block_timeout_s: float, blocking: aioredis.Redis | None = None) -> None:
+                 block_timeout_s: float, blocking: aioredis.Redis | None = None,
+                 tag: str | None = None, link: LeanLink | None = None) -> None:
         self._redis = redis
         self._precise = blocking is not None
         self._policy = policy
-        self._block_timeout_s = block_timeout_s
+        self.block_timeout_s = block_timeout_s
         self.model = model
-        self.queue = protocol.queue_key(model)
-        self.inflight = protocol.inflight_key(model, worker_id)
-        self.cancelled = protocol.cancelled_key(model)
+        # the sub-queue it claims from (``protocol.sub_queue_tag``; the model's own queue
+        # by default): every key below carries its tag
+        self.tag = tag or model
+        self.queue = protocol.queue_key(self.tag)
+        self.inflight = protocol.inflight_key(self.tag, worker_id)
+        self.cancelled = protocol.cancelled_key(self.tag)
         self.cancels = False  # the cancelled set existed at the last claim: look into it
         self.skipped = 0  # cancelled requests acked without computing
-        self._link = LeanLink(blocking or redis)  # claims and blocking pops: one connection
+        # claims and blocking pops: one connection (``link``: shared by the claimers of
+        # one model's sub-queues, which claim one at a time)
+        self._link = link or LeanLink(blocking or redis)
         self._last_claim = 0.0
         self._loaded = False
         self._client_id: int | None = None
@@ -131,6 +137,20 @@ class Claimer:
     def set_policy(self, policy: BatchPolicy) -> None:
         """Form the next batches under ``policy`` (a live change, between batches)."""
         self._policy = policy
+
+    async def claim_now(self, count: int) -> list[bytes]:
+        """Up to ``count`` entries from the queue's head at once, never waiting and with
+        no batch window ([] when it is empty): a steal from another sub-queue, by the
+        CLAIM script (two commands, where an empty queue would cost ``count`` LMOVEs)."""
+        return await self._claiming(self._steal, count)
+
+    async def _steal(self, count: int) -> list[bytes]:
+        return await self._claim_script(count)
+
+    @property
+    def drained(self) -> bool:
+        """The queue was empty at the last look."""
+        return self._drained
 
     script = lua.CLAIM  # loaded once, before the first claim
 
@@ -273,10 +293,15 @@ class Claimer:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
         the block timeout."""
         await self._pace()
+        return await self._claiming(self._claim_batch, count or self._policy.max_batch_size)
+
+    async def _claiming(self, claim: Callable[[int], Awaitable[list[bytes]]], count: int
+                        ) -> list[bytes]:
+        """``claim(count)`` once the scripts are loaded, the cancelled flag reset."""
         self.cancels = False
         try:
             await self._prepare()
-            return await self._claim_batch(count or self._policy.max_batch_size)
+            return await claim(count)
         except BaseException:  # an error, or a cancel (the pipeline abandoning a claim):
             self._client_id = None  # the connection may have been replaced: ask again
             raise
@@ -284,7 +309,7 @@ class Claimer:
     async def _claim_batch(self, size: int) -> list[bytes]:
         items = await self._top_up(size)
         if not items:
-            items = await self._block(self._block_timeout_s, size)  # and those behind it
+            items = await self._block(self.block_timeout_s, size)  # and those behind it
             if not items:
                 return []
         if len(items) >= size or not self._worth_waiting(len(items)):
@@ -350,7 +375,7 @@ class Claimer:
             if window_end_ms - now < 1:
                 return
             wake_at = min(window_end_ms, now + quiet_ms) if quiet_ms else window_end_ms
-            remaining_s = min((window_end_ms - now) / 1000, self._block_timeout_s)
+            remaining_s = min((window_end_ms - now) / 1000, self.block_timeout_s)
             new = await self._block(remaining_s, size - len(items), wake_at)
             if not new:
                 if wake_at < window_end_ms:
@@ -373,7 +398,7 @@ class Claimer:
                 items.extend(await self._take(size - len(items)))
                 return
             new = await self._block(min(remaining_s - SERVER_TIMER_SLACK_S,
-                                        self._block_timeout_s), size - len(items))
+                                        self.block_timeout_s), size - len(items))
             if new:
                 items.extend(new)
                 window_end_ms = self._closer(window_end_ms, new, size)

@@ -39,8 +39,8 @@ class LevelClaimer(Claimer):
 
     def __init__(self, *args: Any, levels: Levels, share: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.bell = protocol.bell_key(self.model)
-        self.queues = levels.queues(self.model)
+        self.bell = protocol.bell_key(self.tag)
+        self.queues = levels.queues(self.tag)
         self.share = share
         self.credit = 0.0  # slots owed to the lower levels
         self._turn = 0  # which lower level the next reserved slot goes to first
@@ -63,6 +63,9 @@ class LevelClaimer(Claimer):
         reply, exists = await self._link.pipeline_loading(self.script, self._claim(count),
                                                           ("EXISTS", self.cancelled))
         return self._claimed(reply, exists)
+
+    async def _steal(self, count: int) -> list[bytes]:
+        return await self._take(count)  # the level script: one command
 
     async def _block(self, timeout_s: float, count: int, wake_at_ms: int | None = None
                      ) -> list[bytes]:

@@ -101,35 +101,39 @@ def _loose_msgpack(raw: bytes) -> dict[Any, Any]:
     return found
 
 
-def parse_entry(raw: bytes, model: str, same_slot: bool = False) -> Request:
-    """Decode and validate one queue entry of ``model``'s queue.  ``same_slot`` (on
-    Redis Cluster): a reply list outside the model's slot cannot be answered in the
-    reply script, so such an entry is invalid."""
+def parse_entry(raw: bytes, model: str, same_slot: bool = False, tag: str | None = None
+                ) -> Request:
+    """Decode and validate one queue entry of ``model``'s queue (its sub-queue ``tag``,
+    by default its own).  ``same_slot`` (on Redis Cluster): a reply list outside the
+    sub-queue's slot cannot be answered in the reply script, so such an entry is
+    invalid."""
     request = protocol.request_from_wire(codec.decode(raw))
     if request.model != model:
         raise InvalidPayload(f"entry for model {request.model!r} in the queue of {model!r}")
-    if same_slot and not protocol.reply_in_model_slot(model, request.reply_to):
+    tag = tag or model
+    if same_slot and not protocol.reply_in_model_slot(tag, request.reply_to):
         raise InvalidPayload(f"reply_to {request.reply_to!r} is not in the slot of model "
-                             f"{model!r}: on Redis Cluster it must be "
-                             f"rb:reply:{{{model}}}:<client_id>")
+                             f"{model!r}'s queue {tag!r}: on Redis Cluster it must be "
+                             f"rb:reply:{{{tag}}}:<client_id>")
     return request
 
 
-def decode_batch(raws: list[bytes], model: Model, now_ms: int, same_slot: bool = False
-                 ) -> Decoded:
+def decode_batch(raws: list[bytes], model: Model, now_ms: int, same_slot: bool = False,
+                 tag: str | None = None) -> Decoded:
+    """Decode a batch claimed from ``model``'s sub-queue ``tag`` (its own by default)."""
     out = Decoded()
     for raw in raws:
-        _decode_one(raw, model, now_ms, out, same_slot)
+        _decode_one(raw, model, now_ms, out, (same_slot, tag or model.name))
     return out
 
 
-def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded, same_slot: bool
-                ) -> None:
+def _decode_one(raw: bytes, model: Model, now_ms: int, out: Decoded,
+                slot: tuple[bool, str]) -> None:
     fmt = codec.sniff_format(raw)
     try:
-        request = parse_entry(raw, model.name, same_slot)
+        request = parse_entry(raw, model.name, *slot)
     except InvalidPayload as exc:
-        _reject(raw, exc, model.name, out, same_slot)
+        _reject(raw, exc, model.name, out, slot)
         return
     if request.deadline_ms <= now_ms:
         late_ms = now_ms - request.deadline_ms
@@ -228,16 +232,16 @@ def drop_requests(decoded: Decoded, ids: set[str]) -> int:
     return before - len(decoded.packs) - sum(item.pack is None for item in decoded.items)
 
 
-def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded, same_slot: bool
-            ) -> None:
+def _reject(raw: bytes, exc: InvalidPayload, model: str, out: Decoded,
+            slot: tuple[bool, str]) -> None:
     log.warning("model=%s dead-lettered a malformed entry (%d bytes): %s", model, len(raw), exc)
     out.dead.append(raw)
-    addressed = addressable(raw, model, same_slot)
+    addressed = addressable(raw, model, *slot)
     if addressed is not None:
         out.early.append((*addressed, exc))
 
 
-def addressable(raw: bytes, model: str, same_slot: bool = False
+def addressable(raw: bytes, model: str, same_slot: bool = False, tag: str | None = None
                 ) -> tuple[Request, Format] | None:
     """A malformed entry's sender, as a request to answer (no payload), if its id and
     reply_to can be read (``loose_reply_target``), and with ``same_slot`` (Redis
@@ -246,7 +250,7 @@ def addressable(raw: bytes, model: str, same_slot: bool = False
     if target is None:
         return None
     request_id, reply_to, fmt = target
-    if same_slot and not protocol.reply_in_model_slot(model, reply_to):
+    if same_slot and not protocol.reply_in_model_slot(tag or model, reply_to):
         return None
     deadline = protocol.now_ms() + protocol.MARKER_GRACE_MS
     return Request(request_id, model, 0, deadline, reply_to, None), fmt

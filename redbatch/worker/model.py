@@ -57,6 +57,9 @@ class Model:
     # by its max_timeout_s).  None: the gateway's.
     max_queue_len: int | None = None
     default_timeout_s: float | None = None
+    # Sub-queues of a hot model (a live knob): producers spread its requests over
+    # ``sub_queues`` queues, each in a hash slot of its own (``docs/scaling.md``).
+    sub_queues: int = 1
     # Batches by cost (``policy.max_batch_cost``): an item's cost (Ray's
     # ``batch_size_fn``; None: padded length for a variable-length model, else 1), and
     # what happens to an item costlier than the whole budget: it runs in a pass of its
@@ -113,6 +116,7 @@ class Model:
             raise ConfigError(f"model {self.name!r}: priority_share must be "
                               f"0..{MAX_PRIORITY_SHARE}, got {self.priority_share}")
         knobs.check_caps(knobs.check("priority_caps", self.priority_caps), self.priority_levels)
+        knobs.check("sub_queues", self.sub_queues)
         self.signature = self._signature()
         if self.streaming is None:
             self.streaming = self.fn is not None and is_stream_fn(self.fn)
@@ -190,6 +194,8 @@ class Model:
         if self.priority_levels > 1:  # read by producers (LIVE_SUMMARY): levels, caps
             meta["priority"] = self.priorities.to_json()
             meta["limits"]["priority_caps"] = self.priority_caps
+        if self.sub_queues > 1:  # read by producers (LIVE_SUMMARY) and foreign clients
+            meta["limits"]["sub_queues"] = meta["sub_queues"] = self.sub_queues
         if self.buckets is not None:  # a variable-length model: the buckets in effect
             meta["limits"]["buckets"] = self.buckets
         if self.streaming:
@@ -233,7 +239,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           default_priority: int = defaults.DEFAULT_PRIORITY,
           priority_share: float = defaults.PRIORITY_SHARE,
           priority_caps: list[int] | None = None, continuous: bool = True,
-          version: str | None = None
+          version: str | None = None, sub_queues: int = 1
           ) -> Callable[[BatchFn], Model]:
     """Decorate a list-in/list-out function as a ``Model`` (Ray's ``@serve.batch``).
 
@@ -244,9 +250,10 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
     size per length bucket by measurement (both ``BatchPolicy``); ``inputs`` and
     ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
-    ``default_priority``, ``priority_share``, ``priority_caps``: priority levels (all
-    ``Model``); ``continuous``: a streaming model's batch lets requests join and leave
-    at every step (``Model``); ``version``: the version it serves (``Model``)."""
+    ``default_priority``, ``priority_share``, ``priority_caps``: priority levels;
+    ``continuous``: a streaming model's batch lets requests join and leave at every
+    step; ``version``: the version it serves; ``sub_queues``: a hot model's queue split
+    over that many (all ``Model``)."""
     wait_s = batch_wait_timeout_s if timeout_s is None else timeout_s
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
@@ -260,6 +267,6 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
                      output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize,
                      priority_levels=priority_levels, default_priority=default_priority,
                      priority_share=priority_share, priority_caps=priority_caps,
-                     continuous=continuous, version=version)
+                     continuous=continuous, version=version, sub_queues=sub_queues)
 
     return wrap

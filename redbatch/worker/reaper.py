@@ -15,6 +15,13 @@ reads the dead worker's list; the others skip it.  A winner that dies mid-reap h
 the election no longer than its TTL, after which the next live worker's beat wins it.
 The REAP script's re-checks stay the safety net.
 
+A model of several sub-queues (``Model.sub_queues``) has an in-flight list per
+sub-queue (each in its sub-queue's slot, with the sub-queue's queue and dead letters):
+the elected reaper reads them all (``tags``) and requeues each list's entries to its
+own sub-queue's front.  Sub-queue 0 (the model's own tag, with the leases) goes last:
+its REAP re-checks the lease and forgets the worker; the others go with ``force`` in
+the script (no lease check: the lease is in another slot), guarded by their digest.
+
 A crash may be the fault of one input: the requeued entries are marked ``suspect``,
 and a worker runs suspects each in passes of its own, naming the one it runs in its
 crashing key.  When that worker dies too, the named entry alone takes the blame
@@ -27,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -71,45 +79,50 @@ class Reaper:
         self._same_slot = same_slot
         self.reaper_id = reaper_id or protocol.new_id()[:12]  # its name in elections
         self.model = model
-        # where requeued entries go: the queue's front; with priority levels, the most
-        # urgent level's front, and the bell rings (one level: no bell, the queue again)
-        self.queue = levels.queues(model)[0]
-        self.bell = protocol.bell_key(model) if levels.many else self.queue
+        self._levels = levels
+        # the sub-queues whose in-flight lists it reads (the runner's, for a sharded model)
+        self.tags: Callable[[], list[str]] = lambda: [model]
         self.max_attempts = max_attempts
         self.stats = stats
         self.dead_letters = dead_letters
         self._script = redis.register_script(lua.REAP)
 
-    def plan(self, raws: list[bytes], bump: bool, crashing: str | None = None) -> Plan:
-        """What to do with a worker's in-flight entries.  ``bump`` (the worker died):
-        the entry named by ``crashing`` (the suspect it was running alone) takes the
-        blame, attempt + 1; with no such entry, all of them do.  Every requeued entry
-        of a dead worker is marked suspect, to run alone next time."""
-        plan = Plan()
-        requests = [self._parse(raw, plan) for raw in raws]
+    def plan(self, raws: list[bytes], bump: bool, crashing: str | None = None,
+             tag: str | None = None, elsewhere: bool = False) -> Plan:
+        """What to do with a worker's in-flight entries (of sub-queue ``tag``, by
+        default the model's own).  ``bump`` (the worker died): the entry named by
+        ``crashing`` (the suspect it was running alone) takes the blame, attempt + 1;
+        with no such entry, all of them do, unless it is in another sub-queue's list
+        (``elsewhere``): then none here does.  Every requeued entry of a dead worker
+        is marked suspect, to run alone next time."""
+        plan, tag = Plan(), tag or self.model
+        requests = [self._parse(raw, plan, tag) for raw in raws]
         named = crashing if any(r is not None and r.id == crashing for r in requests) else None
         for raw, request in zip(raws, requests, strict=True):
             if request is not None:
-                blamed = bump and (named is None or request.id == named)
-                self._place(raw, request, plan, blamed, suspect=bump)
+                blamed = bump and (request.id == named if named or elsewhere else True)
+                self._place(raw, request, plan, (blamed, bump), tag)
         return plan
 
-    def _parse(self, raw: bytes, plan: Plan) -> Request | None:
+    def _parse(self, raw: bytes, plan: Plan, tag: str) -> Request | None:
         """The entry's request; a malformed one is dead-lettered, and answered
         ``invalid_payload`` when its id and reply_to can be read (as a live worker would)."""
         try:
-            return parse_entry(raw, self.model, self._same_slot)
+            return parse_entry(raw, self.model, self._same_slot, tag)
         except InvalidPayload as exc:
             plan.dead.append(raw)
-            addressed = addressable(raw, self.model, self._same_slot)
+            addressed = addressable(raw, self.model, self._same_slot, tag)
             if addressed is not None:
                 stub, fmt = addressed
                 plan.replies.append(outgoing(self.model, stub,
-                                             error_reply(stub, exc, Timings()), fmt))
+                                             error_reply(stub, exc, Timings()), fmt, tag))
             return None
 
-    def _place(self, raw: bytes, request: Request, plan: Plan, blamed: bool,
-               suspect: bool) -> None:
+    def _place(self, raw: bytes, request: Request, plan: Plan, blame: tuple[bool, bool],
+               tag: str) -> None:
+        """Requeue ``request`` (``blame``: whether it takes the blame, whether it was
+        in a crash: a suspect), or dead-letter it past ``max_attempts``."""
+        blamed, suspect = blame
         fmt = codec.sniff_format(raw)
         request.attempt += 1 if blamed else 0
         request.suspect = request.suspect or suspect
@@ -120,15 +133,20 @@ class Reaper:
         plan.dead.append(raw)
         exc = WorkerCrashed(f"request crashed {request.attempt} workers; dead-lettered")
         reply = error_reply(request, exc, Timings())
-        plan.replies.append(outgoing(self.model, request, reply, fmt))
+        plan.replies.append(outgoing(self.model, request, reply, fmt, tag))
 
-    async def _read(self, worker_id: str, force: bool) -> tuple[list[bytes], str | None]:
-        """The worker's in-flight entries and, if it died, the suspect it ran alone."""
-        raws: Any = await self._redis.lrange(protocol.inflight_key(self.model, worker_id), 0, -1)
-        if force or not raws:
-            return raws, None
+    async def _read(self, worker_id: str, force: bool, tags: list[str]
+                    ) -> tuple[list[list[bytes]], str | None]:
+        """The worker's in-flight entries (one list per sub-queue of ``tags``) and, if
+        it died, the suspect it ran alone."""
+        lists: list[list[bytes]] = []
+        for tag in tags:
+            raws: Any = await self._redis.lrange(protocol.inflight_key(tag, worker_id), 0, -1)
+            lists.append(raws)
+        if force or not any(lists):
+            return lists, None
         crashing: Any = await self._redis.get(protocol.crashing_key(self.model, worker_id))
-        return raws, crashing.decode(errors="replace") if crashing else None
+        return lists, crashing.decode(errors="replace") if crashing else None
 
     async def _elected(self, worker_id: str) -> bool:
         """Win (or already hold) the election to reap ``worker_id``: one ``SET NX PX
@@ -145,27 +163,49 @@ class Reaper:
         (``NOT_ELECTED``: another live worker is reaping it)."""
         if not force and not await self._elected(worker_id):
             return NOT_ELECTED
-        raws, crashing = await self._read(worker_id, force)
-        plan = self.plan(raws, bump=not force, crashing=crashing)
+        tags = self.tags()
+        lists, crashing = await self._read(worker_id, force, tags)
+        holder = _holder(lists, crashing)
+        total = 0
+        for index in reversed(range(len(tags))):  # the model's own tag last: the lease
+            plan = self.plan(lists[index], bump=not force, crashing=crashing, tag=tags[index],
+                             elsewhere=holder is not None and holder != index)
+            result = await self._reap_list(worker_id, force, tags[index], lists[index], plan)
+            if result < 0:
+                return result
+            total += result
+            await self._done(worker_id, force, plan, (len(lists[index]), crashing),
+                             forget=not force and tags[index] == self.model)
+        return total
+
+    async def _reap_list(self, worker_id: str, force: bool, tag: str, raws: list[bytes],
+                         plan: Plan) -> int:
+        """One REAP: sub-queue ``tag``'s in-flight list of ``worker_id`` per ``plan``.
+        A sub-queue other than the model's own passes its in-flight list in place of the
+        lease keys (in another slot), and ``force`` to the script, which then leaves
+        the lease alone."""
+        own = tag == self.model
+        queue = self._levels.queues(tag)[0]  # the front of the most urgent level's queue
+        bell = protocol.bell_key(tag) if self._levels.many else queue
+        inflight = protocol.inflight_key(tag, worker_id)
         pair_keys, tail = publish_args(plan.replies, plan.dead, self.dead_letters)
-        keys = [protocol.inflight_key(self.model, worker_id), self.queue,
-                protocol.dead_letter_key(self.model), protocol.workers_key(self.model),
-                protocol.worker_info_key(self.model),
-                protocol.crashing_key(self.model, worker_id), self.bell, *pair_keys]
-        now = "force" if force else protocol.now_ms()
+        lease_keys = [protocol.workers_key(tag), protocol.worker_info_key(tag),
+                      protocol.crashing_key(tag, worker_id)] if own else [inflight] * 3
+        keys = [inflight, queue, protocol.dead_letter_key(tag), *lease_keys, bell, *pair_keys]
+        now = "force" if force or not own else protocol.now_ms()
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),
                 *plan.requeue, *tail]
-        result = int(await self._script(keys=keys, args=args))
-        if result >= 0:
-            await self._done(worker_id, force, plan, len(raws), crashing)
-        return result
+        return int(await self._script(keys=keys, args=args))
 
-    async def _done(self, worker_id: str, force: bool, plan: Plan, read: int,
-                    crashing: str | None) -> None:
-        """After a REAP that acted: a reaped worker's capacity field and election go
-        (REAP removed its lease and info), in one round trip; count and log."""
-        if not force:
+    async def _done(self, worker_id: str, force: bool, plan: Plan,
+                    seen: tuple[int, str | None], *, forget: bool) -> None:
+        """After a REAP that acted (``seen``: the entries it read, the suspect named):
+        count and log; with ``forget`` (the model's own list, reaped last) the reaped
+        worker's capacity field and election go (REAP removed its lease and info), in
+        one round trip."""
+        read, crashing = seen
+        if forget:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hdel(protocol.worker_capacity_key(self.model), worker_id)
                 pipe.delete(protocol.reaping_key(self.model, worker_id))
@@ -178,3 +218,13 @@ class Reaper:
                         self.model, "returned the batch of" if force else "reaped", worker_id,
                         len(plan.requeue), len(plan.dead),
                         f" (it crashed running request {crashing} alone)" if crashing else "")
+
+
+def _holder(lists: list[list[bytes]], crashing: str | None) -> int | None:
+    """Which in-flight list holds the entry ``crashing`` names (by its id's bytes), if
+    any: the others' entries take no blame."""
+    if not crashing:
+        return None
+    needle = crashing.encode()
+    return next((i for i, raws in enumerate(lists) if any(needle in raw for raw in raws)),
+                None)

@@ -27,9 +27,12 @@ class Outgoing:
     fmt: Format
 
 
-def outgoing(model: str, request: Request, reply: Reply, fmt: Format) -> Outgoing:
+def outgoing(model: str, request: Request, reply: Reply, fmt: Format, tag: str | None = None
+             ) -> Outgoing:
+    """The reply to ``request``, with its marker in sub-queue ``tag`` (the model's own
+    queue by default): the slot its entry was queued in."""
     ttl = protocol.marker_ttl_ms(request.deadline_ms, protocol.now_ms())
-    return Outgoing(request.reply_to, protocol.request_key(model, request.id), ttl,
+    return Outgoing(request.reply_to, protocol.request_key(tag or model, request.id), ttl,
                     encode_reply(model, reply, fmt), request, fmt)
 
 

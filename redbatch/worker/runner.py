@@ -36,6 +36,7 @@ from redbatch.worker.replies import (
     publish_args,
     refused_entries,
 )
+from redbatch.worker.shards import ShardClaimer
 from redbatch.worker.stats import WorkerStats
 
 log = logging.getLogger("redbatch.worker")
@@ -58,6 +59,7 @@ class Claimed:
     decoded: Decoded
     claimed_ms: int
     digest: str
+    source: Claimer  # the sub-queue it came from: its in-flight list, its slot's keys
     late: int = 0  # answered deadline_exceeded uncomputed: too little time for a pass
 
     @property
@@ -144,11 +146,16 @@ class BatchRunner:
         self._computing: asyncio.Lock | contextlib.nullcontext[None] = (
             contextlib.nullcontext() if model.is_async else asyncio.Lock())
         self._link = LeanLink(redis)
-        self.claimer = claimer_for(redis, model, worker_id, block_timeout_s, blocking)
+        claims = LeanLink(blocking or redis)  # one connection for every sub-queue's claims
+        self.claimer = ShardClaimer(
+            lambda tag, wait_s: claimer_for(redis, model, worker_id, wait_s, blocking,
+                                            tag=tag, link=claims),
+            model.name, worker_id, model.sub_queues, block_timeout_s)
         self.claimer.pass_ms = self.stats.pass_times.estimate_ms  # the window's slack
         self.reaper = Reaper(redis, model.name, max_attempts, self.stats, dead_letters,
                              model.priorities, reaper_id=worker_id,
                              same_slot=self._same_slot)
+        self.reaper.tags = self._tags  # every sub-queue's in-flight list
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
@@ -280,19 +287,34 @@ class BatchRunner:
         """Claim and decode the next batch (None on an idle timeout)."""
         if self.model.policy is not self._claimer_policy:
             self._use_policy()
+        if self.model.sub_queues != self.claimer.count:
+            self._resize()
         raws = await self.claimer.claim(self._claim_count)
         self._busy = len(raws) >= self._claim_count
         if not raws:
             return None
-        claimed_ms = protocol.now_ms()
+        claimed_ms, source = protocol.now_ms(), self.claimer.source
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
-        decoded = decode_batch(raws, self.model, claimed_ms, self._same_slot)
-        batch = Claimed(len(raws), decoded, claimed_ms, digest)
-        if self.claimer.cancels:  # callers went away: skip their requests
-            await self.claimer.drop_cancelled(batch.decoded)
+        decoded = decode_batch(raws, self.model, claimed_ms, self._same_slot, source.tag)
+        batch = Claimed(len(raws), decoded, claimed_ms, digest, source)
+        if source.cancels:  # callers went away: skip their requests
+            await source.drop_cancelled(batch.decoded)
         self._claim_count = self._next_claim_count(batch)
         self._schedule(batch)
         return batch
+
+    def _tags(self) -> list[str]:
+        """The sub-queues whose in-flight lists a reap reads: every one this worker
+        has seen, and the count just applied (before its next claim resizes)."""
+        return protocol.sub_queue_tags(self.model.name, max(self.claimer.seen,
+                                                            self.model.sub_queues))
+
+    def _resize(self) -> None:
+        """The model's ``sub_queues`` changed (live): claim over the new count."""
+        before = self.claimer.describe()
+        self.claimer.resize(self.model.sub_queues)
+        log.info("model=%s sub-queues %s -> %s", self.model.name, before,
+                 self.claimer.describe())
 
     def _use_policy(self) -> None:
         policy = self._claimer_policy = self.model.policy
@@ -348,7 +370,7 @@ class BatchRunner:
         started = time.perf_counter()
         results = await self._forward(batch.decoded.items, fwd)
         fwd_ms = (time.perf_counter() - started) * 1000
-        outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms)
+        outs = self.encode(batch.decoded, results, batch.claimed_ms, fwd_ms, batch.source.tag)
         return Computed(outs, fwd_ms, time.perf_counter() - started,
                         sum(isinstance(r, RedbatchError) for r in results),
                         fwd.take_passes(), fwd.take_padding(), fwd.take_cpu_ms())
@@ -386,11 +408,12 @@ class BatchRunner:
         reply_ms = (time.perf_counter() - published) * 1000
         self._log_batch(batch, computed, reply_ms)
 
-    def encode(self, decoded: Decoded, results: list[Any], claimed_ms: int, fwd_ms: float
-               ) -> list[Outgoing]:
+    def encode(self, decoded: Decoded, results: list[Any], claimed_ms: int, fwd_ms: float,
+               tag: str | None = None) -> list[Outgoing]:
+        """The batch's replies; ``tag``: the sub-queue it came from (its markers')."""
         name, n = self.model.name, min(len(decoded.items), self.model.policy.max_batch_size)
         outs = [outgoing(name, req, error_reply(req, exc, self._timings(req, claimed_ms, 0, 0)),
-                         fmt) for req, fmt, exc in decoded.early]
+                         fmt, tag) for req, fmt, exc in decoded.early]
         for item, result in zip(decoded.items, results, strict=True):
             if item.pack is not None:
                 item.pack.outputs[item.row] = result
@@ -398,10 +421,10 @@ class BatchRunner:
             timings = self._timings(item.request, claimed_ms, n, fwd_ms)
             reply = error_reply(item.request, result, timings) if isinstance(
                 result, RedbatchError) else Reply(item.request.id, True, result, timings=timings)
-            outs.append(outgoing(name, item.request, reply, item.fmt))
+            outs.append(outgoing(name, item.request, reply, item.fmt, tag))
         for pack in decoded.packs:
             reply = pack_reply(pack, self._timings(pack.request, claimed_ms, n, fwd_ms))
-            outs.append(outgoing(name, pack.request, reply, pack.fmt))
+            outs.append(outgoing(name, pack.request, reply, pack.fmt, tag))
         return outs
 
     def _timings(self, request: Request, claimed_ms: int, n: int, fwd_ms: float) -> Timings:
@@ -411,22 +434,25 @@ class BatchRunner:
     async def publish(self, outs: list[Outgoing], batch: Claimed, dead: list[bytes]) -> None:
         """Replies (each at most once), dead letters and the ack: one atomic script.
         Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
-        done = await self._script_publish(outs, dead, batch.claimed, batch.digest)
+        done = await self._script_publish(batch.source, outs, dead, batch.claimed,
+                                          batch.digest)
         if done[2:] and done[0]:  # refused replies of an acked batch (else the reaper
-            await self._dead_letter_refused(outs, done[2:])  # requeued them: not ours)
+            await self._dead_letter_refused(batch.source, outs, done[2:])  # requeued them)
         if not done[0]:
             raise LeaseLost(f"model={self.model.name}: the in-flight list changed under "
                             "this worker (its lease lapsed and a reaper took it over); "
                             "returning what it still holds")
 
-    async def _script_publish(self, outs: list[Outgoing], dead: list[bytes], ack: int,
-                              digest: str) -> list[Any]:
+    async def _script_publish(self, source: Claimer, outs: list[Outgoing], dead: list[bytes],
+                              ack: int, digest: str) -> list[Any]:
+        """PUBLISH in the slot of ``source``, the sub-queue the batch came from."""
         keys, argv = publish_args(outs, dead, self._dead_letters)
-        keys = [self.claimer.inflight, protocol.dead_letter_key(self.model.name), *keys]
+        keys = [source.inflight, protocol.dead_letter_key(source.tag), *keys]
         return list(await self._link.script(lua.PUBLISH, keys,
                                             [ack, protocol.REPLY_TTL_S, digest, *argv]))
 
-    async def _dead_letter_refused(self, outs: list[Outgoing], refused: list[Any]) -> None:
+    async def _dead_letter_refused(self, source: Claimer, outs: list[Outgoing],
+                                   refused: list[Any]) -> None:
         """Redis refused some replies (their reply_to or marker key holds another type
         of value): the rest of the batch went out and was acked; these requests cannot
         be answered, so they are dead-lettered, never retried."""
@@ -435,7 +461,7 @@ class BatchRunner:
             log.error("model=%s Redis refused the reply to request %s (its key %s or %s "
                       "holds a value of another type); dead-lettered it", self.model.name,
                       out.request.id, out.reply_to, out.marker)
-        await self._script_publish([], refused_entries(outs, refused), 0, "")
+        await self._script_publish(source, [], refused_entries(outs, refused), 0, "")
         self.stats.dead_lettered(len(refused))
 
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
@@ -465,12 +491,16 @@ class BatchRunner:
 
 
 def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeout_s: float,
-                blocking: aioredis.Redis | None) -> Claimer:
-    """The claimer of ``model``: over its one queue, or over its priority levels."""
+                blocking: aioredis.Redis | None, *, tag: str | None = None,
+                link: LeanLink | None = None) -> Claimer:
+    """The claimer of ``model``'s sub-queue ``tag`` (its own queue by default), on
+    ``link``: over its one queue, or over its priority levels."""
     if model.priority_levels > 1:
         return LevelClaimer(redis, model.name, worker_id, model.policy, block_timeout_s,
-                            blocking, levels=model.priorities, share=model.priority_share)
-    return Claimer(redis, model.name, worker_id, model.policy, block_timeout_s, blocking)
+                            blocking, tag, link, levels=model.priorities,
+                            share=model.priority_share)
+    return Claimer(redis, model.name, worker_id, model.policy, block_timeout_s, blocking, tag,
+                   link)
 
 
 def _levels_text(decoded: Decoded, default: int) -> str:

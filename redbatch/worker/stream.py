@@ -77,6 +77,7 @@ class StreamRunner(BatchRunner):
                                    same_slot=self._same_slot)
         self.stream_link = LeanLink(self._redis)
         self.worker_id = self._worker_id
+        self.queue_claimer = self.claimer.sub(0)  # a streaming model has one queue
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self._return_unacked()
@@ -85,14 +86,15 @@ class StreamRunner(BatchRunner):
         while not stop.is_set():
             if self.model.policy is not self._claimer_policy:
                 self._use_policy()  # a live knob change reaches the first claims too
-            raws = await self.claimer.claim(self.model.policy.max_batch_size)
+            raws = await self.queue_claimer.claim(self.model.policy.max_batch_size)
             if raws:
                 await StreamLoop(self, stop).run(raws)
         self._unacked = False
 
     async def send(self, messages: list[Message], room: int) -> tuple[list[int], list[bytes]]:
         """The messages and the claim of up to ``room`` entries: one STEP script."""
-        keys = [self.claimer.inflight, self.claimer.queue, self.claimer.cancelled]
+        claimer = self.queue_claimer
+        keys = [claimer.inflight, claimer.queue, claimer.cancelled]
         args: list[Any] = [protocol.REPLY_TTL_S, room, protocol.INFLIGHT_TTL_S * 1000,
                            len(messages)]
         now = protocol.now_ms()
@@ -109,7 +111,7 @@ class StreamRunner(BatchRunner):
         dead = protocol.dead_letter_key(self.model.name)
         async with self._redis.pipeline(transaction=True) as pipe:
             for raw in raws:
-                pipe.execute_command("LREM", self.claimer.inflight, 1, raw)
+                pipe.execute_command("LREM", self.queue_claimer.inflight, 1, raw)
                 pipe.rpush(dead, raw[:self._dead_letters.max_bytes])
             pipe.ltrim(dead, -protocol.DEAD_LETTER_MAX, -1)
             pipe.expire(dead, self._dead_letters.ttl_s)

@@ -30,8 +30,9 @@ class StreamReaper(Reaper):
     async def reap(self, worker_id: str, *, force: bool = False) -> int:
         if not force and not await self._elected(worker_id):
             return NOT_ELECTED
-        raws, _crashing = await self._read(worker_id, force)
-        keys = [protocol.inflight_key(self.model, worker_id), self.queue,
+        lists, _crashing = await self._read(worker_id, force, [self.model])
+        raws = lists[0]  # (a streaming model has one queue: no sub-queues, one level)
+        keys = [protocol.inflight_key(self.model, worker_id), protocol.queue_key(self.model),
                 protocol.dead_letter_key(self.model), protocol.workers_key(self.model),
                 protocol.worker_info_key(self.model)]
         dead: list[bytes] = []
@@ -46,7 +47,7 @@ class StreamReaper(Reaper):
         result = int(await script(keys=keys, args=args))
         if result >= 0:
             counted = Plan([b""] * result, [b""] * len(dead))  # what _done counts
-            await self._done(worker_id, force, counted, len(raws), None)
+            await self._done(worker_id, force, counted, (len(raws), None), forget=not force)
         return result
 
     def _plan_one(self, raw: bytes, bump: bool, keys: list[str], per_entry: list[Any],

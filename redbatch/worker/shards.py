@@ -1,0 +1,192 @@
+"""A worker's claims over a model's sub-queues (``Model.sub_queues``, a live knob).
+
+A model of S sub-queues has S queues, each in a hash slot of its own
+(``protocol.sub_queue_tag``); one ``Claimer`` per sub-queue claims into that
+sub-queue's in-flight list, so that the batch's ack, replies and markers stay in its
+slot.  Each worker has a home sub-queue (``crc32(worker_id) % S``):
+
+- when home was empty at its last look, and before every ``STEAL_EVERY``-th claim,
+  it steals first: a non-blocking claim from each other sub-queue in turn, the first
+  that holds entries giving the batch; so a sub-queue that no worker calls home is
+  served too;
+- while the model is busy (a claim found entries in the last ``BUSY_FOR_S``) it never
+  blocks: home is claimed without blocking too, and a round that found nothing sleeps
+  ``BUSY_BLOCK_S`` (a blocking pop's timeout fires on Redis's ``hz`` timer, up to
+  100 ms late: a short one would hold the worker while entries wait elsewhere);
+- once idle, it blocks on home for at most ``STEAL_BLOCK_S`` between steals (the
+  whole ``block_timeout_s`` with one sub-queue).
+
+Shrinking S strands nothing: a worker keeps stealing from the sub-queues at and above
+the new S (``high``) until, ``DRAIN_GRACE_S`` after the change (producers have moved
+by then), a steal finds them all empty.  A model of one sub-queue claims from it
+alone, exactly as a plain ``Claimer``: no steal, no extra command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from redbatch import protocol
+from redbatch.worker.claim import Claimer
+from redbatch.worker.policy import BatchPolicy
+
+if TYPE_CHECKING:
+    from redbatch.worker.decode import Decoded
+
+STEAL_EVERY: Final = 4  # while home has entries, one claim in this many steals first
+STEAL_BLOCK_S: Final = 0.1  # a sharded model's blocking claim on home waits at most this
+BUSY_BLOCK_S: Final = 0.002  # while claims keep finding entries: a poll's gap
+BUSY_FOR_S: Final = 0.5  # a claim that found entries keeps the short wait this long
+DRAIN_GRACE_S: Final = 5.0  # sub-queues above a shrunk S are drained at least this long
+
+# makes the claimer of one sub-queue: (its tag, its blocking wait in seconds)
+MakeClaimer = Callable[[str, float], Claimer]
+
+
+def _cold(size: int) -> float | None:
+    return None
+
+
+class ShardClaimer:
+    """The claims of one worker over one model's sub-queues (see the module doc); the
+    runner reads the sub-queue of the last claim in ``source``."""
+
+    def __init__(self, make: MakeClaimer, model: str, worker_id: str, count: int,
+                 block_timeout_s: float) -> None:
+        self.model = model
+        self._make = make
+        self._block_timeout_s = block_timeout_s
+        self._hash = zlib.crc32(worker_id.encode())
+        self._subs: dict[int, Claimer] = {}
+        self._pass_ms: Callable[[int], float | None] = _cold
+        self._stop: asyncio.Event | None = None
+        self._policy: BatchPolicy | None = None
+        self.count = count  # the model's sub-queues now
+        self.high = count  # sub-queues 0..high-1 are claimed from (count..high-1: draining)
+        self.seen = count  # the most sub-queues seen: the reaper looks at that many
+        self._shrunk_at = 0.0
+        self._claims = 0
+        self._turn = 0
+        self._busy_until = 0.0  # a claim found entries lately: the model is busy till then
+        self.source = self.sub(self.home)  # the sub-queue of the last claim
+
+    @property
+    def home(self) -> int:
+        return self._hash % self.count
+
+    def _wait_s(self) -> float:
+        return self._block_timeout_s if self.high == 1 else min(self._block_timeout_s,
+                                                                 STEAL_BLOCK_S)
+
+    def sub(self, index: int) -> Claimer:
+        """Sub-queue ``index``'s claimer (made at its first use)."""
+        claimer = self._subs.get(index)
+        if claimer is None:
+            claimer = self._make(protocol.sub_queue_tag(self.model, index), self._wait_s())
+            claimer.pass_ms, claimer.stop = self._pass_ms, self._stop
+            if self._policy is not None:
+                claimer.set_policy(self._policy)
+            self._subs[index] = claimer
+        return claimer
+
+    # --- what the runner sets and reads, for every sub-queue ----------------------
+    @property
+    def pass_ms(self) -> Callable[[int], float | None]:
+        return self._pass_ms
+
+    @pass_ms.setter
+    def pass_ms(self, estimate: Callable[[int], float | None]) -> None:
+        self._pass_ms = estimate
+        for claimer in self._subs.values():
+            claimer.pass_ms = estimate
+
+    @property
+    def stop(self) -> asyncio.Event | None:
+        return self._stop
+
+    @stop.setter
+    def stop(self, event: asyncio.Event | None) -> None:
+        self._stop = event
+        for claimer in self._subs.values():
+            claimer.stop = event
+
+    def set_policy(self, policy: BatchPolicy) -> None:
+        self._policy = policy
+        for claimer in self._subs.values():
+            claimer.set_policy(policy)
+
+    @property
+    def cancels(self) -> bool:
+        return self.source.cancels
+
+    @property
+    def skipped(self) -> int:
+        return sum(claimer.skipped for claimer in self._subs.values())
+
+    async def drop_cancelled(self, decoded: Decoded) -> None:
+        await self.source.drop_cancelled(decoded)
+
+    # --- live changes ------------------------------------------------------------
+    def resize(self, count: int) -> None:
+        """The model's sub-queues are now ``count`` (a live change): a new home; the
+        sub-queues from ``count`` up are drained (``DRAIN_GRACE_S``)."""
+        if count < self.count:
+            self._shrunk_at = time.monotonic()
+        self.count = count
+        self.high = max(self.high, count)
+        self.seen = max(self.seen, count)
+        for claimer in self._subs.values():
+            claimer.block_timeout_s = self._wait_s()
+
+    # --- claims ------------------------------------------------------------------
+    async def claim(self, count: int) -> list[bytes]:
+        """Up to ``count`` raw entries (see the module doc), [] after the wait."""
+        if self.high == 1:  # one sub-queue: the plain claim
+            self.source = self.sub(0)
+            return await self.source.claim(count)
+        self._claims += 1
+        home = self.sub(self.home)
+        busy = time.monotonic() < self._busy_until
+        if (busy or home.drained or self._claims % STEAL_EVERY == 0) and \
+                (items := await self._steal(count)):
+            return items
+        if busy and home.drained:
+            return await self._poll(home, count)
+        home.block_timeout_s = BUSY_BLOCK_S if busy else self._wait_s()
+        return self._took(home, await home.claim(count)) or await self._steal(count)
+
+    async def _poll(self, home: Claimer, count: int) -> list[bytes]:
+        """While the model is busy: home without blocking, then a short sleep if it
+        was empty (a blocking pop's timeout fires only on Redis's ``hz`` timer, up to
+        100 ms late: no use for a wait of milliseconds)."""
+        items = self._took(home, await home.claim_now(count))
+        if not items:
+            await asyncio.sleep(BUSY_BLOCK_S)
+        return items
+
+    def _took(self, claimer: Claimer, items: list[bytes]) -> list[bytes]:
+        """``items`` claimed by ``claimer``: the batch's source, and the model busy."""
+        if items:
+            self.source, self._busy_until = claimer, time.monotonic() + BUSY_FOR_S
+        return items
+
+    async def _steal(self, count: int) -> list[bytes]:
+        """A non-blocking claim from the other sub-queues, in turn, until one has
+        entries; [] when none has (which ends a drain past its grace)."""
+        others = [index for index in range(self.high) if index != self.home]
+        self._turn += 1
+        for k in range(len(others)):
+            claimer = self.sub(others[(self._turn + k) % len(others)])
+            if items := self._took(claimer, await claimer.claim_now(count)):
+                return items
+        if self.high > self.count and time.monotonic() - self._shrunk_at > DRAIN_GRACE_S:
+            self.high = self.count  # every sub-queue above the count is empty: drained
+        return []
+
+    def describe(self) -> dict[str, Any]:
+        """For logs and tests: the count, home and drain range."""
+        return {"sub_queues": self.count, "home": self.home, "high": self.high}

@@ -1,0 +1,316 @@
+"""Hot models across sub-queues (``Model.sub_queues``): producers spread requests by
+the power of two choices, each sub-queue keeps its keys in a slot of its own and its
+FIFO order, workers steal from sub-queues other than their home, the count changes
+live with nothing stranded, admission counts every sub-queue, and the reaper returns
+a dead worker's entries to the sub-queue they came from."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import Client, batch, codec, protocol
+from redbatch.errors import QueueFull
+from redbatch.jobs.throttle import queues_of, wait_for_room
+from redbatch.levels import queue_depths
+from redbatch.producer.routing import STICK, Router, sub_cap
+from redbatch.status import read_model
+from redbatch.worker.claim import Claimer
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from redbatch.worker.reaper import Reaper
+from redbatch.worker.shards import ShardClaimer
+from tests.conftest import wait_live
+from tests.test_backpressure import _until, blocking_model
+from tests.test_gateway import _wait_registered, gateway
+from tests.test_reliability import TAKEOVER, raw_request, read_reply
+
+pytestmark = pytest.mark.e2e
+HOT = "hot"
+FOUR = protocol.sub_queue_tags(HOT, 4)
+
+
+@batch(name=HOT, max_batch_size=16, batch_wait_timeout_s=0, sub_queues=4)
+def hot(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+@batch(name="warm", max_batch_size=16, batch_wait_timeout_s=0)
+def warm(xs: list[int]) -> list[int]:
+    return [x * 2 for x in xs]
+
+
+def queued(raw: redis.Redis, tag: str) -> list[int]:
+    """The payloads queued in sub-queue ``tag``, head first."""
+    return [codec.decode(e)[protocol.F_PAYLOAD] for e in raw.lrange(protocol.queue_key(tag),
+                                                                       0, -1)]
+
+
+def markers(raw: redis.Redis, tag: str) -> int:
+    """How many request markers sub-queue ``tag`` holds (one per request it took)."""
+    return sum(1 for _ in raw.scan_iter(match=f"rb:{{{tag}}}:req:*", count=1000))
+
+
+def registered(raw: redis.Redis, model: str, count: int, meta: bytes | None = None) -> None:
+    """A model known with ``count`` sub-queues (its stored knob), with no worker; its
+    meta as a worker that knows the knob publishes it."""
+    raw.set(protocol.meta_key(model), meta or b'{"name":"%s","defaults":{"sub_queues":1}}'
+            % model.encode())
+    raw.hset(protocol.config_key(model), "sub_queues", str(count))
+
+
+async def test_the_count_comes_from_the_knob_once_workers_know_it(raw_redis: redis.Redis,
+                                                                  redis_url: str) -> None:
+    registered(raw_redis, HOT, 3)
+    registered(raw_redis, "old", 3, meta=b'{"name":"old","defaults":{}}')  # older workers
+    async with Client(redis_url, require_workers=False) as client:
+        assert await client._admission.sub_queues(HOT) == 3
+        assert await client._admission.sub_queues("old") == 1  # none would serve 1..2
+        assert await client._admission.sub_queues("nobody") == 1
+
+
+def test_tags_keep_one_sub_queue_on_the_models_keys() -> None:
+    assert protocol.sub_queue_tags("m", 1) == ["m"]
+    assert protocol.sub_queue_tags("m", 3) == ["m", "m:1", "m:2"]
+    assert protocol.queue_key(protocol.sub_queue_tag("m", 2)) == "rb:{m:2}:queue"
+    assert protocol.model_of_tag("m:2") == protocol.model_of_tag("m") == "m"
+    assert protocol.reply_in_model_slot("m:2", protocol.reply_key("m:2", "c"))
+    assert Router().pick("m", 1) == "m"
+    router = Router()  # a caller's own id: always the same sub-queue (its marker's)
+    assert len({router.pick("m", 4, "my-id") for _ in range(20)}) == 1
+    picks = [router.pick("m", 4) for _ in range(STICK + 1)]  # one tick
+    assert len(set(picks[:STICK])) == 1 and picks[STICK] != picks[0]  # then the other
+    router.tick()  # a new tick chooses anew (the other of the two was shorter)
+    assert sub_cap(40, 4) == 10 and sub_cap(41, 4) == 11
+
+
+async def test_power_of_two_choices_balances_and_keeps_fifo(raw_redis: redis.Redis,
+                                                            redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    futures: list[asyncio.Future[object]] = []
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        for start in range(0, 400, 4):  # 100 ticks of 4 requests: one choice per tick
+            futures += await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)
+                                              for v in range(start, start + 4)))
+            await asyncio.sleep(0.003)  # pushed, and their lengths learned
+        depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
+        assert sum(depths) == 400
+        assert max(depths) - min(depths) <= 12, depths  # random choice: ~40 apart
+        for tag in FOUR:  # FIFO per sub-queue: each holds its requests in order
+            values = queued(raw_redis, tag)
+            assert values == sorted(values)
+            assert markers(raw_redis, tag) == len(values)  # markers in the same slot
+    await asyncio.gather(*futures, return_exceptions=True)  # failed by the close
+
+
+async def test_admission_counts_every_sub_queue(raw_redis: redis.Redis,
+                                                redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    async with Client(redis_url, require_workers=False, pack_rows=1,
+                      max_queue_len=400) as client:
+        first: list[asyncio.Future[object]] = []
+        for start in range(0, 1000, 50):  # 20 ticks of 50
+            first += await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)
+                                            for v in range(start, start + 50)))
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # every push answered
+        depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
+        refused = [f.exception() for f in first if f.done()]
+        assert all(isinstance(e, QueueFull) for e in refused)
+        # each sub-queue takes its share (100) at most, and they fill evenly
+        assert 380 <= sum(depths) <= 400 and all(d <= 100 for d in depths), depths
+        assert len(refused) == 1000 - sum(depths)
+        again = await client.submit(HOT, 100, timeout_s=30)
+        with pytest.raises(QueueFull) as full:
+            await again
+    await asyncio.gather(*first, return_exceptions=True)  # failed by the close
+    assert full.value.retry_after_s >= 1.0  # the gateway's 503 Retry-After
+    assert f"({sum(depths)} queued, cap 400" in str(full.value)  # the model's, summed
+
+
+def claimer(client: aioredis.Redis, worker_id: str, count: int) -> ShardClaimer:
+    policy = BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0)
+    return ShardClaimer(lambda tag, wait_s: Claimer(client, HOT, worker_id, policy, wait_s,
+                                                    tag=tag), HOT, worker_id, count, 0.05)
+
+
+async def test_a_worker_steals_from_other_sub_queues_in_order(raw_redis: redis.Redis,
+                                                              redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    taker = claimer(client, "w1", 4)
+    away = FOUR[(taker.home + 2) % 4]  # not its home
+    entries = [raw_request(HOT, v, protocol.reply_key(away, "c"))[1] for v in range(10)]
+    raw_redis.rpush(protocol.queue_key(away), *entries)
+    got: list[int] = []
+    for _ in range(10):
+        items = await taker.claim(4)
+        if items:
+            assert taker.source.tag == away
+            assert taker.source.inflight == protocol.inflight_key(away, "w1")
+            got += [codec.decode(i)[protocol.F_PAYLOAD] for i in items]
+    await client.aclose()
+    assert got == list(range(10))  # every entry, in its sub-queue's order
+    assert raw_redis.llen(protocol.inflight_key(away, "w1")) == 10
+
+
+async def test_shrinking_drains_the_sub_queues_above(raw_redis: redis.Redis,
+                                                     redis_url: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("redbatch.worker.shards.DRAIN_GRACE_S", 0.2)
+    client = aioredis.Redis.from_url(redis_url)
+    taker = claimer(client, "w2", 4)
+    taker.resize(1)  # shrunk: sub-queues 1..3 are still drained
+    late = [raw_request(HOT, v, protocol.reply_key(FOUR[3], "c"))[1] for v in range(3)]
+    raw_redis.rpush(protocol.queue_key(FOUR[3]), *late)
+    assert len(await taker.claim(4)) == 3 and taker.source.tag == FOUR[3]
+    await asyncio.sleep(0.3)
+    assert await taker.claim(4) == []
+    assert taker.high == 1, "a steal that found 1..3 empty past the grace ends the drain"
+    assert taker.seen == 4  # the reaper still looks at every list it may have used
+    await client.aclose()
+
+
+async def test_end_to_end_over_four_sub_queues(start_worker: Callable[..., Worker],
+                                               raw_redis: redis.Redis,
+                                               redis_url: str) -> None:
+    start_worker([hot])  # one worker: it serves the three sub-queues that are not home
+    start_worker([hot])
+    await wait_live(redis_url, HOT)
+    async with Client(redis_url, pack_rows=1) as client:
+        answers = await asyncio.gather(*(client.predict(HOT, v, timeout_s=20)
+                                         for v in range(300)))
+        assert answers == [v + 1 for v in range(300)]  # none lost, none mixed up
+        assert client.stats()["listeners"] == 4  # one reply list per sub-queue in use
+    assert all(markers(raw_redis, tag) > 0 for tag in FOUR)
+    assert sum(markers(raw_redis, tag) for tag in FOUR) == 300
+    assert all(raw_redis.llen(protocol.queue_key(tag)) == 0 for tag in FOUR)
+
+
+async def test_sub_queues_change_live(start_worker: Callable[..., Worker],
+                                      raw_redis: redis.Redis, redis_url: str) -> None:
+    start_worker([warm], config=TAKEOVER)
+    await wait_live(redis_url, "warm")
+    tags = protocol.sub_queue_tags("warm", 3)
+    async with Client(redis_url, pack_rows=1) as client:
+        await client.configure("warm", sub_queues=3)
+        await asyncio.sleep(1.2)  # the cached count is a second old at most
+        for start in range(0, 60, 3):  # 20 ticks, a choice each
+            assert await asyncio.gather(*(client.predict("warm", v)
+                                          for v in range(start, start + 3))) == \
+                [2 * v for v in range(start, start + 3)]
+        assert all(markers(raw_redis, tag) > 0 for tag in tags)  # grown: all three used
+        await client.configure("warm", sub_queues=1)
+        # a producer that has not seen the shrink yet: entries on sub-queue 2
+        reply_to = protocol.reply_key(tags[2], "late")
+        raw_redis.rpush(protocol.queue_key(tags[2]),
+                        *[raw_request("warm", v, reply_to)[1] for v in range(5)])
+        late = [await asyncio.to_thread(read_reply, raw_redis, reply_to) for _ in range(5)]
+        assert sorted(r.payload for r in late) == [0, 2, 4, 6, 8]  # drained, not stranded
+        await asyncio.sleep(1.2)
+        before = markers(raw_redis, tags[1]) + markers(raw_redis, tags[2])
+        assert await asyncio.gather(*(client.predict("warm", v) for v in range(20))) == \
+            [2 * v for v in range(20)]
+        assert markers(raw_redis, tags[1]) + markers(raw_redis, tags[2]) == before  # shrunk
+
+
+async def test_reaper_returns_entries_to_their_sub_queue(raw_redis: redis.Redis,
+                                                         redis_url: str) -> None:
+    lists = {tag: [raw_request(HOT, v, protocol.reply_key(tag, "c"))[1] for v in range(3)]
+             for tag in (FOUR[0], FOUR[2])}
+    for tag, entries in lists.items():
+        raw_redis.rpush(protocol.inflight_key(tag, "ghost"), *entries)
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    client = aioredis.Redis.from_url(redis_url)
+    reaper = Reaper(client, HOT, 3)
+    reaper.tags = lambda: FOUR
+    assert await reaper.reap("ghost") == 6
+    await client.aclose()
+    for tag in (FOUR[0], FOUR[2]):
+        assert queued(raw_redis, tag) == [0, 1, 2]  # its own sub-queue, in order
+        assert not raw_redis.exists(protocol.inflight_key(tag, "ghost"))
+    assert raw_redis.zscore(protocol.workers_key(HOT), "ghost") is None  # forgotten
+
+
+async def test_a_dead_workers_entries_are_answered_once(start_worker: Callable[..., Worker],
+                                                        raw_redis: redis.Redis,
+                                                        redis_url: str) -> None:
+    start_worker([hot], config=TAKEOVER)
+    await wait_live(redis_url, HOT)
+    reply_to = protocol.reply_key(FOUR[3], "once")
+    entries = [raw_request(HOT, v, reply_to)[1] for v in range(4)]
+    raw_redis.rpush(protocol.inflight_key(FOUR[3], "ghost"), *entries)
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    replies = [await asyncio.to_thread(read_reply, raw_redis, reply_to) for _ in range(4)]
+    assert sorted(r.payload for r in replies) == [1, 2, 3, 4]
+    await asyncio.sleep(0.3)
+    assert raw_redis.llen(reply_to) == 0
+
+
+async def test_depths_and_dead_letters_add_up_over_sub_queues(raw_redis: redis.Redis,
+                                                              redis_url: str) -> None:
+    raw_redis.set(protocol.meta_key(HOT), b'{"name":"hot","sub_queues":4}')
+    for index, tag in enumerate(FOUR):
+        raw_redis.rpush(protocol.queue_key(tag), *[b"x"] * (index + 1))
+        raw_redis.rpush(protocol.dead_letter_key(tag), b"dead")
+    client = aioredis.Redis.from_url(redis_url)
+    assert await queue_depths(client, HOT, raw_redis.get(protocol.meta_key(HOT))) == [10]
+    keys = await queues_of(client, HOT, None)  # what a bulk job paces on: every sub-queue
+    assert keys == [protocol.queue_key(tag) for tag in FOUR]
+    assert await wait_for_room(client, keys, 9, 0.2) >= 0.2  # 10 queued in all: it waits
+    await client.aclose()
+    status = read_model(raw_redis, HOT)  # redbatch status
+    assert (status.queue_depth, status.dead_letters) == (10, 4)
+
+
+async def test_the_gateway_refuses_by_the_sum_with_retry_after(
+        start_worker: Callable[..., Worker], raw_redis: redis.Redis, redis_url: str) -> None:
+    model, release = blocking_model("held2")
+    model.sub_queues = 2
+    start_worker([model])
+    tags = protocol.sub_queue_tags("held2", 2)
+
+    def queued_now() -> int:
+        return sum(raw_redis.llen(protocol.queue_key(tag)) for tag in tags)
+
+    async with gateway(redis_url, max_queue_len=4, default_timeout_s=10) as http:
+        await _wait_registered(http)
+        path = "/v1/models/held2/predict"
+        pending = [asyncio.create_task(http.post(path, json={"inputs": 0}))]  # held
+        await _until(lambda: any(raw_redis.keys(protocol.inflight_key(t, "*")) for t in tags))
+        for n in range(1, 5):  # one a tick: each sub-queue takes its share, 2
+            pending.append(asyncio.create_task(http.post(path, json={"inputs": n})))
+            await _until(lambda n=n: queued_now() == n)  # type: ignore[misc]
+        assert sorted(raw_redis.llen(protocol.queue_key(tag)) for tag in tags) == [2, 2]
+        resp = await http.post(path, json={"inputs": 99})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_full"
+        assert "(4 queued, cap 4" in resp.json()["error"]["message"]  # the sum, not 2
+        assert int(resp.headers["retry-after"]) >= 1
+        release.set()
+        assert [(await t).status_code for t in pending] == [200] * 5
+
+
+@batch(name="ranked", max_batch_size=8, batch_wait_timeout_s=0, priority_levels=2,
+       default_priority=2, sub_queues=2)
+def ranked(xs: list[int]) -> list[int]:
+    return [x - 1 for x in xs]
+
+
+async def test_priority_levels_within_each_sub_queue(start_worker: Callable[..., Worker],
+                                                     raw_redis: redis.Redis,
+                                                     redis_url: str) -> None:
+    start_worker([ranked])
+    await wait_live(redis_url, "ranked")
+    tags = protocol.sub_queue_tags("ranked", 2)
+    async with Client(redis_url, pack_rows=1) as client:
+        for start in range(0, 40, 2):  # 20 ticks: both sub-queues, both levels
+            assert await asyncio.gather(
+                client.predict("ranked", start, priority=1),
+                client.predict("ranked", start + 1)) == [start - 1, start]
+    assert all(markers(raw_redis, tag) > 0 for tag in tags)
+    for tag in tags:  # each sub-queue has its own level queues and bell, all drained
+        assert not raw_redis.exists(protocol.queue_key(tag, 1), protocol.queue_key(tag),
+                                    protocol.bell_key(tag))
