@@ -71,3 +71,18 @@ def counter_async() -> Model:
 
 
 crasher = Model("crasher", fn=counting, policy=policy(4, 0.2))
+
+
+def fixed_counting(batch: StreamBatch) -> Iterator[list[Any]]:
+    """Reads its inputs once, as Ray's streaming batches do (``continuous=False``):
+    a batch that changed under it would fail the contract."""
+    values = list(batch)
+    keys = batch.keys
+    STEPS.append(keys)
+    for i in range(max(v["n"] for v in values) + 1):
+        time.sleep(STEP_S)
+        yield [STOP if i >= v["n"] else f"{v.get('tag', '')}{i}" for v in values]
+
+
+def fixed(size: int = 2) -> Model:
+    return Model("fixed", fn=fixed_counting, policy=policy(size, 0.3), continuous=False)

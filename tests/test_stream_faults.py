@@ -1,0 +1,203 @@
+"""Streaming models under faults: hostile entries, cancels in fixed batches, junk
+claims, a failing batch loop, and the streams' client side, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import codec, protocol
+from redbatch.errors import RedbatchError, WorkerCrashed
+from redbatch.producer.client import Client
+from redbatch.producer.streams import ChunkQueue
+from redbatch.stream_wire import StreamChunk
+from redbatch.worker import stream as worker_stream
+from redbatch.worker.process import Worker
+from redbatch.worker.stats import WorkerStats
+from redbatch.worker.stream_reap import StreamReaper
+from tests import stream_models
+from tests.conftest import wait_live
+from tests.stream_models import counter, fixed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_steps() -> None:
+    stream_models.STEPS.clear()
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    assert check()
+
+
+def _idle(raw_redis: redis.Redis, model: str) -> bool:
+    """Nothing queued, nothing held in flight."""
+    inflight = raw_redis.keys(protocol.inflight_key(model, "*"))
+    return raw_redis.llen(protocol.queue_key(model)) == 0 and \
+        all(raw_redis.llen(k) == 0 for k in inflight)
+
+
+def _request(request_id: str, reply_to: str, value: Any, attempt: int = 0
+             ) -> protocol.Request:
+    now = protocol.now_ms()
+    return protocol.Request(request_id, "counter", now, now + 20_000, reply_to, value, attempt)
+
+
+async def test_an_entry_whose_reply_list_redis_refuses_is_dead_lettered_not_retried(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    raw_redis.set("rb:reply:evil", "x")  # a string where a list must be
+    evil = _request("evil1", "rb:reply:evil", {"n": 3})
+    async with Client(redis_url) as client:
+        stream = client.stream("counter", {"n": 40, "tag": "a"}, 8)
+        await stream.open()
+        raw_redis.rpush(protocol.queue_key("counter"), codec.encode(evil.to_wire(), "json"))
+        assert len([x async for x in stream]) == 40
+        await _until(lambda: raw_redis.llen(protocol.dead_letter_key("counter")) == 1)
+        assert [x async for x in client.stream("counter", {"n": 2}, 5)] == ["0", "1"]
+    assert b"evil1" in raw_redis.lindex(protocol.dead_letter_key("counter"), 0)
+    assert _idle(raw_redis, "counter")
+
+
+async def test_a_batch_loop_failing_on_an_entry_counts_its_attempts(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure of the worker's own loop (not Redis) returns the batch with attempt
+    + 1: an entry that fails it every time ends at ``max_attempts``."""
+    forward = worker_stream.StreamLoop.forward
+
+    async def failing(loop: worker_stream.StreamLoop) -> None:
+        if any(m.request.payload.get("tag") == "boom" for m in loop.members.values()):
+            raise RuntimeError("a failure outside the model")
+        await forward(loop)
+
+    monkeypatch.setattr(worker_stream.StreamLoop, "forward", failing)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        with pytest.raises(WorkerCrashed):
+            _ = [x async for x in client.stream("counter", {"n": 3, "tag": "boom"}, 10)]
+        assert [x async for x in client.stream("counter", {"n": 2}, 5)] == ["0", "1"]
+    dead = [codec.decode(raw) for raw in
+            raw_redis.lrange(protocol.dead_letter_key("counter"), 0, -1)]
+    # dead-lettered as last claimed: its third attempt (max_attempts 3) failed too
+    assert [(d[protocol.F_PAYLOAD]["tag"], d[protocol.F_ATTEMPT]) for d in dead] == \
+        [("boom", 2)]
+
+
+async def test_a_cancel_in_a_fixed_batch_never_pulls_a_newcomer_in(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([fixed()])
+    await wait_live(redis_url, "fixed")
+    async with Client(redis_url) as client:
+        a = client.stream("fixed", {"n": 20, "tag": "a"}, 10)
+        b = client.stream("fixed", {"n": 20, "tag": "b"}, 10)
+        await asyncio.gather(a.open(), b.open())
+        assert [await anext(b) for _ in range(2)] == ["b0", "b1"]
+        c = client.stream("fixed", {"n": 3, "tag": "c"}, 10)
+        await c.open()
+        await asyncio.sleep(0.05)
+        await b.aclose()  # a member of the run-to-completion batch leaves
+        assert [x async for x in a] == [f"a{i}" for i in range(20)]
+        assert [x async for x in c] == ["c0", "c1", "c2"]
+    assert all(len(keys) <= 2 for keys in stream_models.STEPS)
+
+
+async def test_a_claim_of_only_unreadable_entries_is_dead_lettered(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    for i in range(3):
+        raw_redis.rpush(protocol.queue_key("counter"), b"\xc1garbage%d" % i)
+        await asyncio.sleep(0.1)
+    await _until(lambda: raw_redis.llen(protocol.dead_letter_key("counter")) == 3)
+    assert _idle(raw_redis, "counter")
+
+
+async def test_a_request_cancelled_while_queued_is_never_stepped(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([counter(size=1)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        busy = client.stream("counter", {"n": 10}, 10)
+        assert await anext(busy) == "0"  # the one place is taken
+        stream = client.stream("counter", {"n": 3, "tag": "gone"}, 10)
+        await stream.open()
+        await stream.aclose()  # it waits in the queue, cancelled
+        assert len([x async for x in busy]) == 9
+        await _until(lambda: _idle(raw_redis, "counter"))
+    assert stream.request_id not in {key for keys in stream_models.STEPS for key in keys}
+    assert raw_redis.get(protocol.request_key("counter", stream.request_id)) == b"d"
+
+
+async def test_the_reaper_answers_an_addressable_unreadable_entry_and_counts_dead_letters(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    reply_to = protocol.reply_key("counter", "c1")
+    bad = codec.encode({"v": 1, "id": "bad1", "reply_to": reply_to}, "json")  # no deadline
+    spent = _request("spent1", reply_to, {"n": 3}, attempt=2)
+    raw_redis.rpush(protocol.inflight_key("counter", "dead"), bad,
+                    codec.encode(spent.to_wire(), "msgpack"), b"\xc1junk")
+    raw_redis.zadd(protocol.workers_key("counter"), {"dead": protocol.now_ms() - 1000})
+    counted: list[int] = []
+
+    class Stats(WorkerStats):
+        def dead_lettered(self, count: int) -> None:
+            counted.append(count)
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        reaper = StreamReaper(client, "counter", 3, Stats("counter", 4))
+        assert await reaper.reap("dead") == 0
+    finally:
+        await client.aclose()
+    assert counted == [3]
+    finals = [codec.decode(raw) for raw in raw_redis.lrange(reply_to, 0, -1)]
+    assert [(m["id"], m["seq"], m["error"]["code"]) for m in finals] == [
+        ("bad1", 0, "invalid_payload"), ("spent1", 0, "worker_crashed")]
+    assert raw_redis.llen(protocol.dead_letter_key("counter")) == 3
+
+
+# --- the client's side --------------------------------------------------------------
+def test_chunks_buffered_before_the_deadline_are_read_after_it() -> None:
+    async def read() -> list[StreamChunk]:
+        queue = ChunkQueue("r1", protocol.now_ms() - 60_000)  # long past, grace too
+        queue.put(StreamChunk("r1", 0, "x"))
+        queue.put(StreamChunk("r1", 1, last=True))
+        return [await queue.get(), await queue.get()]
+
+    chunks = asyncio.run(read())
+    assert [(c.seq, c.last) for c in chunks] == [(0, False), (1, True)]
+
+
+async def test_closing_a_stream_that_failed_on_the_client_side_cancels_it(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        stream = client.stream("counter", {"n": 10_000}, 20)
+        assert await anext(stream) == "0"
+        assert stream._queue is not None
+        stream._queue.fail(RedbatchError("a failure on the client's side"))
+        with pytest.raises(RedbatchError, match="client's side"):
+            await anext(stream)
+        await stream.aclose()
+        assert raw_redis.zscore(protocol.cancelled_key("counter"), stream.request_id)
+    marker = protocol.request_key("counter", stream.request_id)
+    await _until(lambda: raw_redis.get(marker) == b"d")
