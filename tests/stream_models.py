@@ -86,3 +86,12 @@ def fixed_counting(batch: StreamBatch) -> Iterator[list[Any]]:
 
 def fixed(size: int = 2) -> Model:
     return Model("fixed", fn=fixed_counting, policy=policy(size, 0.3), continuous=False)
+
+
+def raw_bytes(batch: StreamBatch) -> Iterator[list[Any]]:
+    """Yields bytes, which JSON cannot carry (a msgpack caller gets them whole)."""
+    yield [b"\x00\x01" for _ in batch]  # then it returns: its members end
+
+
+def bytes_model() -> Model:
+    return Model("bytesm", fn=raw_bytes, policy=policy(2, 0.0))

@@ -4,15 +4,18 @@ claims, a failing batch loop, and the streams' client side, against a real Redis
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
-from redbatch.errors import RedbatchError, WorkerCrashed
+from redbatch.errors import RedbatchError, RedisUnavailable, WorkerCrashed
+from redbatch.producer import streams
 from redbatch.producer.client import Client
 from redbatch.producer.streams import ChunkQueue
 from redbatch.stream_wire import StreamChunk
@@ -22,7 +25,8 @@ from redbatch.worker.stats import WorkerStats
 from redbatch.worker.stream_reap import StreamReaper
 from tests import stream_models
 from tests.conftest import wait_live
-from tests.stream_models import counter, fixed
+from tests.stream_models import bytes_model, counter, fixed
+from tests.test_disconnect import served
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -201,3 +205,74 @@ async def test_closing_a_stream_that_failed_on_the_client_side_cancels_it(
         assert raw_redis.zscore(protocol.cancelled_key("counter"), stream.request_id)
     marker = protocol.request_key("counter", stream.request_id)
     await _until(lambda: raw_redis.get(marker) == b"d")
+
+
+# --- the gateway ----------------------------------------------------------------------
+async def test_a_chunk_that_is_not_json_ends_the_http_stream_with_an_error_event(
+        start_worker: Callable[..., Worker], redis_url: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    start_worker([bytes_model()])
+    await wait_live(redis_url, "bytesm")
+    async with served(redis_url) as http:
+        response = await http.post("/v1/models/bytesm/predict", json={"n": 1},
+                                   headers={"x-timeout-ms": "5000"})
+        assert response.status_code == 200
+        events = [orjson.loads(line) for line in response.text.splitlines()]
+        assert [(e["last"], e["error"]["code"]) for e in events] == [(True, "model_error")]
+        whole = await http.post("/v2/models/bytesm/generate", json={"n": 1},
+                                headers={"x-timeout-ms": "5000"})
+        assert whole.status_code == 500 and "cannot be written as JSON" in whole.json()["error"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no traceback
+
+
+async def test_an_http_client_gone_before_its_first_chunk_cancels_its_stream(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([counter(size=1)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client, served(redis_url) as http:
+        busy = client.stream("counter", {"n": 30}, 10)
+        assert await anext(busy) == "0"  # the one place is taken: the next one waits
+        port = http.base_url.port
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        data = orjson.dumps({"n": 5, "tag": "late"})
+        writer.write(b"POST /v1/models/counter/predict HTTP/1.1\r\nhost: gw\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(data), data))
+        await writer.drain()
+        await _until(lambda: raw_redis.llen(protocol.queue_key("counter")) == 1)
+        writer.close()
+        cancelled = protocol.cancelled_key("counter")
+        await _until(lambda: raw_redis.zcard(cancelled) == 1)
+        assert len([x async for x in busy]) == 29
+        await _until(lambda: _idle(raw_redis, "counter"))
+    late = raw_redis.zrange(cancelled, 0, -1)[0].decode()
+    assert late not in {key for keys in stream_models.STEPS for key in keys}
+
+
+def test_closing_a_stream_never_waits_long_on_redis_nor_raises(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streams, "CANCEL_TIMEOUT_S", 0.05)
+
+    class Stalled:
+        def abandon(self, *_args: Any) -> None:
+            pass
+
+        async def mark_cancelled(self, *_args: Any) -> None:
+            await asyncio.sleep(60)  # a Redis that stalls
+
+        async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
+            return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
+
+    class Failing(Stalled):
+        async def mark_cancelled(self, *_args: Any) -> None:
+            raise RedisUnavailable("Redis is away")
+
+    async def close(client: Any) -> None:
+        stream = streams.Stream(client, "counter", {}, protocol.now_ms() + 60_000)
+        await stream.open()
+        await asyncio.wait_for(stream.aclose(), 1)
+
+    asyncio.run(close(Stalled()))
+    asyncio.run(close(Failing()))
