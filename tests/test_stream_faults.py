@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -14,6 +14,8 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, protocol
+from redbatch.api import streaming
+from redbatch.bench import stream as bench_stream
 from redbatch.errors import RedbatchError, RedisUnavailable, WorkerCrashed
 from redbatch.producer import streams
 from redbatch.producer.client import Client
@@ -278,3 +280,60 @@ def test_closing_a_stream_never_waits_long_on_redis_nor_raises(
 
     asyncio.run(close(Stalled()))
     asyncio.run(close(Failing()))
+
+
+async def test_the_stream_bench_warms_up_and_measures_enough_requests_per_level(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench_stream, "CONCURRENCY", (1, 2))
+    monkeypatch.setattr(bench_stream, "MIN_SAMPLES", 6)
+    server = bench_stream.NaiveServer(step_ms=0)
+    task = asyncio.create_task(server.serve())
+    opened: list[int] = []
+
+    def open_stream(prompt: str, tokens: int) -> AsyncIterator[Any]:
+        opened.append(tokens)
+        return server.stream(prompt, tokens)
+
+    try:
+        results = await bench_stream._levels(open_stream, "naive", 0, per_stream=1)
+    finally:
+        task.cancel()
+    assert [(r.streams, r.requests, len(r.ttft_ms)) for r in results] == [(1, 6, 6), (2, 6, 6)]
+    assert len(opened) == bench_stream.WARM_UP_STREAMS + 12  # the warm-up is not measured
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_stream_cancelled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streaming, "SEND_GRACE_S", 0.05)
+    cancels: list[str] = []
+
+    class Listening:
+        def abandon(self, *_args: Any) -> None:
+            pass
+
+        async def mark_cancelled(self, _model: str, request_id: str, _deadline: int) -> None:
+            cancels.append(request_id)
+
+        async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
+            return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
+
+    stream = streams.Stream(Listening(), "counter", {},  # type: ignore[arg-type]
+                            protocol.now_ms() - protocol.STREAM_GRACE_MS)
+    await stream.open()
+    answer = streaming.StreamAnswer(stream, StreamChunk("r1", 0, "x"),
+                                    streaming.v1_shapes("out"), False, "r1")
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(60)  # its TCP window stays shut
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    await asyncio.wait_for(answer({"type": "http"}, receive, send), 2)
+    await asyncio.sleep(0)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert cancels == ["r1"]
