@@ -35,7 +35,10 @@ def _items(batch: StreamBatch, sent: dict[str, int]) -> list[Any]:
         i = sent[key]
         if value.get("fail") == i:
             raise ValueError("asked to fail")
-        out.append(STOP if i >= value["n"] else f"{value.get('tag', '')}{i}")
+        if value.get("fail_one") == i:  # this member alone fails
+            out.append(ValueError("asked to fail this one"))
+        else:
+            out.append(STOP if i >= value["n"] else f"{value.get('tag', '')}{i}")
         sent[key] = i + 1
     return out
 

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redbatch import codec, protocol
 from redbatch.api import streaming
 from redbatch.bench import stream as bench_stream
-from redbatch.errors import RedbatchError, RedisUnavailable, WorkerCrashed
+from redbatch.errors import ModelError, RedbatchError, RedisUnavailable, WorkerCrashed
 from redbatch.producer import streams
 from redbatch.producer.client import Client
 from redbatch.producer.streams import ChunkQueue
@@ -337,3 +337,72 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_stream_cancelled(
     await asyncio.sleep(0)
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert cancels == ["r1"]
+
+
+# --- poison isolation -------------------------------------------------------------
+async def test_an_exception_yielded_for_one_member_fails_that_member_alone(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        bad = client.stream("counter", {"n": 5, "fail_one": 2}, 10)
+        good = client.stream("counter", {"n": 5, "tag": "g"}, 10)
+        await asyncio.gather(bad.open(), good.open())
+        seen: list[str] = []
+        with pytest.raises(ModelError, match="asked to fail this one"):
+            async for chunk in bad:
+                seen.append(chunk)
+        assert seen == ["0", "1"]
+        assert [x async for x in good] == [f"g{i}" for i in range(5)]
+    assert any(bad.request_id in keys and good.request_id in keys
+               for keys in stream_models.STEPS)
+
+
+async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    reply_to = protocol.reply_key("counter", "t1")
+    suspect = _request("suspect1", reply_to, {"n": 3, "tag": "s"})
+    suspect.suspect = True
+    async with Client(redis_url) as client:
+        busy = client.stream("counter", {"n": 15}, 10)
+        assert await anext(busy) == "0"
+        raw_redis.rpush(protocol.queue_key("counter"), codec.encode(suspect.to_wire(), "json"))
+        late = client.stream("counter", {"n": 2, "tag": "l"}, 10)
+        assert [x async for x in late] == ["l0", "l1"]  # a newcomer still joins
+        assert len([x async for x in busy]) == 14
+        await _until(lambda: raw_redis.llen(reply_to) == 4)
+    messages = [codec.decode(raw) for raw in raw_redis.lrange(reply_to, 0, -1)]
+    assert [m.get(protocol.F_PAYLOAD) for m in messages[:3]] == ["s0", "s1", "s2"]
+    assert messages[3]["ok"] is True
+    steps = stream_models.STEPS
+    alone = [i for i, keys in enumerate(steps) if "suspect1" in keys]
+    assert all(steps[i] == ["suspect1"] for i in alone)
+    assert max(i for i, keys in enumerate(steps) if busy.request_id in keys) < min(alone)
+    assert not raw_redis.keys(protocol.crashing_key("counter", "*"))  # named while it ran
+
+
+async def test_the_suspect_a_worker_died_running_alone_takes_the_blame_alone(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    reply_to = protocol.reply_key("counter", "c1")
+    culprit = _request("culprit", reply_to, {"n": 3}, attempt=1)
+    waiting = _request("waiting", reply_to, {"n": 3})
+    inflight = protocol.inflight_key("counter", "dead")
+    raw_redis.rpush(inflight, codec.encode(waiting.to_wire(), "msgpack"),
+                    codec.encode(culprit.to_wire(), "msgpack"))
+    raw_redis.set(protocol.crashing_key("counter", "dead"), "culprit")
+    raw_redis.zadd(protocol.workers_key("counter"), {"dead": protocol.now_ms() - 1000})
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await StreamReaper(client, "counter", 3).reap("dead") == 2
+    finally:
+        await client.aclose()
+    requeued = [codec.decode(raw) for raw in
+                raw_redis.lrange(protocol.queue_key("counter"), 0, -1)]
+    assert [(r["id"], r[protocol.F_ATTEMPT], r.get(protocol.F_SUSPECT)) for r in requeued] == \
+        [("waiting", 0, True), ("culprit", 2, True)]

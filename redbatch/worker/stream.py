@@ -87,6 +87,9 @@ class StreamRunner(BatchRunner):
         self.stream_link = LeanLink(self._redis)
         self.worker_id = self._worker_id
         self._blame = False  # the last serve failed on something other than Redis
+        # suspects (entries of a batch that failed a worker) claimed beside a running
+        # batch: still in the in-flight list, each runs alone once that batch ended
+        self.deferred: list[bytes] = []
 
     async def serve(self, stop: asyncio.Event) -> None:
         """As ``BatchRunner.serve``; after a failure other than Redis being away, the
@@ -94,7 +97,7 @@ class StreamRunner(BatchRunner):
         dead-lettered at ``max_attempts``, never retried forever)."""
         self.stream_reaper.blame = self._blame
         await self._return_unacked()
-        self._unacked, self._blame = True, False
+        self._unacked, self._blame, self.deferred = True, False, []
         self.claimer.stop = stop
         try:
             while not stop.is_set():
@@ -103,10 +106,25 @@ class StreamRunner(BatchRunner):
                 raws = await self.claimer.claim(self.model.policy.max_batch_size)
                 if raws:
                     await StreamLoop(self, stop).run(raws)
+                await self._run_suspects(stop)
         except Exception as exc:
             self._blame = not isinstance(exc, TRANSIENT)
             raise
         self._unacked = False
+
+    async def _run_suspects(self, stop: asyncio.Event) -> None:
+        """Each deferred suspect in a batch of its own, named in this worker's crashing
+        key meanwhile: if it kills the worker, it alone takes the blame (a stopping
+        worker leaves them to its return of the in-flight list)."""
+        while self.deferred and not stop.is_set():
+            await StreamLoop(self, stop, alone=True).run([self.deferred.pop(0)])
+
+    async def name_crashing(self, request_id: str | None) -> None:
+        """Name the suspect running alone (None: none runs now)."""
+        if request_id is None:
+            await self._redis.delete(self._crashing)
+        else:
+            await self._redis.set(self._crashing, request_id, ex=protocol.CRASHING_TTL_S)
 
     async def send(self, messages: list[Message], room: int
                    ) -> tuple[list[int], list[bytes]]:
@@ -214,9 +232,11 @@ def _next(gen: Iterator[Any]) -> Any:
 class StreamLoop:
     """One streaming batch, from its first claim until its last member ends."""
 
-    def __init__(self, runner: StreamRunner, stop: asyncio.Event) -> None:
+    def __init__(self, runner: StreamRunner, stop: asyncio.Event, alone: bool = False
+                 ) -> None:
         self.r = runner
         self.stop = stop
+        self.alone = alone  # a suspect's batch of one: it never grows
         self.batch = StreamBatch()
         self.members: dict[str, Member] = {}
         self.pending: list[Message] = []
@@ -231,6 +251,9 @@ class StreamLoop:
 
     async def run(self, raws: list[bytes]) -> None:
         await self.admit(raws)
+        suspect = next(iter(self.members), None) if self.alone else None
+        if suspect is not None:
+            await self.r.name_crashing(suspect)
         try:
             while self.running or self.pending:
                 await self.step()
@@ -238,6 +261,8 @@ class StreamLoop:
         finally:
             if self.gen is not None:
                 await self.r.close(self.gen)
+        if suspect is not None:
+            await self.r.name_crashing(None)  # (only once it ended: else it is to blame)
         log.info("model=%s stream batch: requests=%d joined=%d steps=%d", self.r.model.name,
                  len(raws) + self.joined, self.joined, self.steps)
 
@@ -263,9 +288,9 @@ class StreamLoop:
     def room(self) -> int:
         """Places to fill at this step; ``NO_CLAIM`` for a fixed batch, or stopping
         (not even the places of members that end at this step)."""
-        if self.stop.is_set() or not self.r.model.continuous:
+        if self.stop.is_set() or not self.r.model.continuous or self.alone:
             return NO_CLAIM
-        return max(0, self.r.model.policy.max_batch_size - self.running)
+        return max(0, self.r.model.policy.max_batch_size - self.running - len(self.r.deferred))
 
     def expire(self) -> None:
         now = protocol.now_ms()
@@ -313,8 +338,17 @@ class StreamLoop:
             member.steps += 1
             member.forward_ms += step_ms
             member.batch_size = max(member.batch_size, size)
-            self.pending.append(self.r.final(member) if item is STOP
-                                else self.r.chunk(member, item))
+            self.pending.append(self._message(member, item))
+
+    def _message(self, member: Member, item: Any) -> Message:
+        """A chunk; a final message for ``STOP``, or an exception (that member fails)."""
+        if item is STOP:
+            return self.r.final(member)
+        if isinstance(item, BaseException):
+            return self.r.final(member, item if isinstance(item, RedbatchError) else ModelError(
+                f"model {self.r.model.name!r} failed request {member.request.id}: "
+                f"{type(item).__name__}: {item}"))
+        return self.r.chunk(member, item)
 
     def settle(self, status: list[int]) -> None:
         """Members whose final message went out, or whose message was refused (a
@@ -345,6 +379,9 @@ class StreamLoop:
             error = _refusal(member.request, now, cancelled)
             if error is not None:
                 self.pending.append(self.r.final(member, error))
+                continue
+            if member.request.suspect and not self.alone:
+                self.r.deferred.append(member.raw)  # it runs alone after this batch
                 continue
             self.members[member.request.id] = member
             self.batch.add(member.request.id, member.request.payload)
