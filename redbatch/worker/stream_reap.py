@@ -4,8 +4,10 @@ A request whose chunks began to go out cannot run again (its caller would get th
 twice): its caller gets a final ``worker_crashed`` message, numbered after the last
 chunk sent.  A request that sent nothing goes back to the queue's front, as with any
 model (attempt + 1; at ``max_attempts`` it gets that final message and is
-dead-lettered).  Whether chunks went out is read from the request's marker in the
-same script that decides (``lua_stream.REAP``), so no chunk can slip in between.
+dead-lettered), marked suspect: a worker runs it alone, naming it in its crashing key,
+and a crash then blames that request alone.  Whether chunks went out is read from the
+request's marker in the same script that decides (``lua_stream.REAP``), so no chunk
+can slip in between.
 """
 
 from __future__ import annotations
