@@ -46,6 +46,14 @@ async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
     assert check()
 
 
+async def _live(start_worker: Callable[..., Worker], redis_url: str,
+                monkeypatch: pytest.MonkeyPatch, size: int = 4, step_s: float = 0.02) -> None:
+    """A counter of batches of ``size`` whose steps take ``step_s``, live."""
+    monkeypatch.setattr(stream_models, "STEP_S", step_s)
+    start_worker([counter(size=size)])
+    await wait_live(redis_url, "counter")
+
+
 def _idle(raw_redis: redis.Redis, model: str) -> bool:
     """Nothing queued, nothing held in flight."""
     inflight = raw_redis.keys(protocol.inflight_key(model, "*"))
@@ -136,9 +144,7 @@ async def test_a_claim_of_only_unreadable_entries_is_dead_lettered(
 async def test_a_request_cancelled_while_queued_is_never_stepped(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
-    start_worker([counter(size=1)])
-    await wait_live(redis_url, "counter")
+    await _live(start_worker, redis_url, monkeypatch, size=1)
     async with Client(redis_url) as client:
         busy = client.stream("counter", {"n": 10}, 10)
         assert await anext(busy) == "0"  # the one place is taken
@@ -193,9 +199,7 @@ def test_chunks_buffered_before_the_deadline_are_read_after_it() -> None:
 async def test_closing_a_stream_that_failed_on_the_client_side_cancels_it(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
-    start_worker([counter(size=4)])
-    await wait_live(redis_url, "counter")
+    await _live(start_worker, redis_url, monkeypatch)
     async with Client(redis_url) as client:
         stream = client.stream("counter", {"n": 10_000}, 20)
         assert await anext(stream) == "0"
@@ -230,9 +234,7 @@ async def test_a_chunk_that_is_not_json_ends_the_http_stream_with_an_error_event
 async def test_an_http_client_gone_before_its_first_chunk_cancels_its_stream(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
-    start_worker([counter(size=1)])
-    await wait_live(redis_url, "counter")
+    await _live(start_worker, redis_url, monkeypatch, size=1)
     async with Client(redis_url) as client, served(redis_url) as http:
         busy = client.stream("counter", {"n": 10_000}, 10)
         assert await anext(busy) == "0"  # the one place is taken: the next one waits
@@ -343,9 +345,7 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_stream_cancelled(
 async def test_an_exception_yielded_for_one_member_fails_that_member_alone(
         start_worker: Callable[..., Worker], redis_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
-    start_worker([counter(size=4)])
-    await wait_live(redis_url, "counter")
+    await _live(start_worker, redis_url, monkeypatch, step_s=0.01)
     async with Client(redis_url) as client:
         bad = client.stream("counter", {"n": 5, "fail_one": 2}, 10)
         good = client.stream("counter", {"n": 5, "tag": "g"}, 10)
@@ -363,9 +363,7 @@ async def test_an_exception_yielded_for_one_member_fails_that_member_alone(
 async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
-    start_worker([counter(size=4)])
-    await wait_live(redis_url, "counter")
+    await _live(start_worker, redis_url, monkeypatch)
     reply_to = protocol.reply_key("counter", "t1")
     suspect = _request("suspect1", reply_to, {"n": 3, "tag": "s"})
     suspect.suspect = True
