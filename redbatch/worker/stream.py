@@ -51,7 +51,10 @@ STEP_GRACE_S = 1.0  # a step may run this long past its members' latest deadline
 # another type: the entry is dead-lettered); lost track (a final error went instead)
 SENT, REFUSED, CANCELLED, REDIS_REFUSED, LOST = 0, 1, 2, 3, 4
 NO_CLAIM: Final = -1  # STEP's room when the batch may not grow (fixed, or stopping)
-TRANSIENT: Final = (RedisUnavailable, redis.ConnectionError, redis.TimeoutError, OSError)
+# a batch loop failing on these (Redis away, read-only, full) blames no request
+TRANSIENT: Final = (RedisUnavailable, redis.ConnectionError, redis.TimeoutError, OSError,
+                    redis.ReadOnlyError, redis.OutOfMemoryError,
+                    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 
 
 @dataclass(slots=True)
