@@ -37,9 +37,9 @@ LOST: Final = ("the worker lost track of this stream (its marker expired or chan
 # KEYS[2+2j]=marker of message j (j = 1..n)  KEYS[3+2j]=its reply_to
 # ARGV[1]=reply ttl s  ARGV[2]=room (entries to claim after the messages; -1: claim
 # nothing, not even in the places of members dropped here: a fixed batch, or stopping)
-# ARGV[3]=inflight ttl ms  ARGV[4]=n, then 7 per message from b = 5 + 7(j-1):
+# ARGV[3]=inflight ttl ms  ARGV[4]=n, then 6 per message from b = 5 + 6(j-1):
 # ARGV[b]=its raw entry  ARGV[b+1]=seq  ARGV[b+2]='1' if final  ARGV[b+3]=marker ttl ms
-# ARGV[b+4]=the encoded message  ARGV[b+5]=request id  ARGV[b+6]='json' or 'msgpack'
+# ARGV[b+4]=the encoded message  ARGV[b+5]=request id
 # Each message goes out only if its entry is still in this worker's in-flight list (a
 # reaper that took the list over answers it instead) and its seq is the next one its
 # marker expects (never a gap, never twice); a non-final message of a request in the
@@ -56,7 +56,7 @@ local n, room = tonumber(ARGV[4]), tonumber(ARGV[2])
 local claiming = room >= 0
 local status = {{}}
 for j = 1, n do
-  local b, marker, to = 5 + 7 * (j - 1), KEYS[2 + 2 * j], KEYS[3 + 2 * j]
+  local b, marker, to = 5 + 6 * (j - 1), KEYS[2 + 2 * j], KEYS[3 + 2 * j]
   local seq, final = tonumber(ARGV[b + 1]), ARGV[b + 2] == '1'
   local ours = redis.call('LPOS', KEYS[1], ARGV[b]) ~= false
   local m = ours and redis.pcall('GET', marker) or false
@@ -69,8 +69,8 @@ for j = 1, n do
     acked = ours
   elseif expect ~= seq then
     status[j] = 4
-    local last = final_error(ARGV[b + 5], m and expect or seq, ARGV[b + 6], 'internal',
-                             '{LOST}')
+    local fmt = string.sub(ARGV[b], 1, 1) == '{{' and 'json' or 'msgpack'  -- as its entry
+    local last = final_error(ARGV[b + 5], m and expect or seq, fmt, 'internal', '{LOST}')
     if not push(to, last, ARGV[1]) then status[j] = 3 end
   elseif not final and redis.call('ZSCORE', KEYS[3], ARGV[b + 5]) then
     status[j] = 2

@@ -359,8 +359,7 @@ def test_the_step_script_sends_each_seq_once_acks_finals_and_drops_cancelled(
         args: list[Any] = [60, 0, 60_000, len(messages)]
         for request, raw, seq, last in messages:
             keys += [protocol.request_key("counter", request.id), reply_to]
-            args += [raw, seq, int(last), 30_000, f"{request.id}:{seq}", request.id,
-                     "msgpack"]
+            args += [raw, seq, int(last), 30_000, f"{request.id}:{seq}", request.id]
         return step(keys=keys, args=args)
 
     # the cancelled one is dropped and acked, and its place taken at once

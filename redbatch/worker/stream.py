@@ -142,7 +142,7 @@ class StreamRunner(BatchRunner):
             keys += [protocol.request_key(self.model.name, request.id), request.reply_to]
             args += [message.member.raw, message.seq, 1 if message.last else 0,
                      protocol.marker_ttl_ms(request.deadline_ms, now), message.data,
-                     request.id, message.member.fmt]
+                     request.id]
         status, claimed, cancels = await self.stream_link.script(lua_stream.STEP, keys, args)
         self.claimer.cancels = self.claimer.cancels or cancels == 1
         return [int(s) for s in status], list(claimed)
