@@ -12,9 +12,31 @@ from redbatch import protocol
 
 _S = protocol.STREAMED_PREFIX
 
+# Shared by both scripts: push(to, data, ttl_s) is false when Redis refused the push (the
+# reply_to holds a value of another type: a hostile or broken caller), and
+# final_error(...) a final error message, encoded as its request was.
+_HELPERS: Final = f"""
+local function push(to, data, ttl_s)
+  local pushed = redis.pcall('RPUSH', to, data)
+  if type(pushed) == 'table' then return false end
+  redis.call('EXPIRE', to, ttl_s)
+  return true
+end
+local function final_error(id, seq, fmt, code, message)
+  local msg = {{v = {protocol.PROTOCOL_VERSION}, id = id, seq = seq, last = true,
+    ok = false, error = {{code = code, message = message}}}}
+  if fmt == 'json' then return cjson.encode(msg) end
+  return cmsgpack.pack(msg)
+end
+"""
+
+LOST: Final = ("the worker lost track of this stream (its marker expired or changed); "
+               "its stream ends here")
+
 # KEYS[1]=inflight  KEYS[2]=queue  KEYS[3]=cancelled set
 # KEYS[2+2j]=marker of message j (j = 1..n)  KEYS[3+2j]=its reply_to
-# ARGV[1]=reply ttl s  ARGV[2]=room (entries to claim after the messages)
+# ARGV[1]=reply ttl s  ARGV[2]=room (entries to claim after the messages; -1: claim
+# nothing, not even in the places of members dropped here: a fixed batch, or stopping)
 # ARGV[3]=inflight ttl ms  ARGV[4]=n, then 6 per message from b = 5 + 6(j-1):
 # ARGV[b]=its raw entry  ARGV[b+1]=seq  ARGV[b+2]='1' if final  ARGV[b+3]=marker ttl ms
 # ARGV[b+4]=the encoded message  ARGV[b+5]=request id
@@ -22,11 +44,16 @@ _S = protocol.STREAMED_PREFIX
 # reaper that took the list over answers it instead) and its seq is the next one its
 # marker expects (never a gap, never twice); a non-final message of a request in the
 # cancelled set is dropped, and its entry acked.  A final message turns the marker to
-# 'd' and acks the entry (LREM); a chunk turns it to 's<seq + 1>'.  Then up to
-# room (+ the members dropped here) entries move from the queue to the in-flight list.
-# Returns {{status of each message: 0 sent, 1 refused, 2 cancelled}, {claimed...}}.
-STEP: Final = f"""
+# 'd' and acks the entry (LREM); a chunk turns it to 's<seq + 1>'.  An entry still ours
+# whose marker expects another seq ends with a final 'internal' error (numbered as the
+# marker expects).  A push Redis refuses acks the entry (the worker dead-letters it).
+# Then, unless room is -1, up to room (+ the members dropped here) entries move from
+# the queue to the in-flight list.  Returns {{status of each message: 0 sent, 1
+# refused, 2 cancelled, 3 refused by Redis, 4 lost track}, {claimed...}, whether the
+# cancelled set exists}}.
+STEP: Final = _HELPERS + f"""
 local n, room = tonumber(ARGV[4]), tonumber(ARGV[2])
+local claiming = room >= 0
 local status = {{}}
 for j = 1, n do
   local b, marker, to = 5 + 6 * (j - 1), KEYS[2 + 2 * j], KEYS[3 + 2 * j]
@@ -36,25 +63,29 @@ for j = 1, n do
   if type(m) == 'table' then m = 'd' end  -- not a string (WRONGTYPE): never answered
   local expect = 0
   if m and string.sub(m, 1, 1) == '{_S}' then expect = tonumber(string.sub(m, 2)) end
-  if not ours or m == 'd' or expect ~= seq then
+  local acked = true
+  if not ours or m == 'd' then
     status[j] = 1
-    if ours then redis.call('LREM', KEYS[1], 1, ARGV[b]) end
+    acked = ours
+  elseif expect ~= seq then
+    status[j] = 4
+    local fmt = string.sub(ARGV[b], 1, 1) == '{{' and 'json' or 'msgpack'  -- as its entry
+    local last = final_error(ARGV[b + 5], m and expect or seq, fmt, 'internal', '{LOST}')
+    if not push(to, last, ARGV[1]) then status[j] = 3 end
   elseif not final and redis.call('ZSCORE', KEYS[3], ARGV[b + 5]) then
     status[j] = 2
-    redis.call('SET', marker, 'd', 'PX', ARGV[b + 3])
-    redis.call('LREM', KEYS[1], 1, ARGV[b])
+  elseif not push(to, ARGV[b + 4], ARGV[1]) then
+    status[j] = 3
   else
     status[j] = 0
-    redis.call('RPUSH', to, ARGV[b + 4])
-    redis.call('EXPIRE', to, ARGV[1])
-    if final then
-      redis.call('SET', marker, 'd', 'PX', ARGV[b + 3])
-      redis.call('LREM', KEYS[1], 1, ARGV[b])
-    else
-      redis.call('SET', marker, '{_S}' .. (seq + 1), 'PX', ARGV[b + 3])
-    end
+    acked = final
+    if not final then redis.call('SET', marker, '{_S}' .. (seq + 1), 'PX', ARGV[b + 3]) end
   end
-  if status[j] ~= 0 and not final then room = room + 1 end
+  if acked then
+    if status[j] ~= 1 then redis.call('SET', marker, 'd', 'PX', ARGV[b + 3]) end
+    redis.call('LREM', KEYS[1], 1, ARGV[b])
+  end
+  if claiming and status[j] ~= 0 and not final then room = room + 1 end
 end
 local items = {{}}
 if room > 0 then items = redis.call('LPOP', KEYS[2], room) or {{}} end
@@ -62,7 +93,7 @@ for i = 1, #items, 1000 do
   redis.call('RPUSH', KEYS[1], unpack(items, i, math.min(i + 999, #items)))
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
-return {{status, items}}
+return {{status, items, redis.call('EXISTS', KEYS[3])}}
 """
 
 # KEYS[1]=the dead (or returning) worker's inflight  KEYS[2]=queue  KEYS[3]=dead letters
@@ -71,16 +102,17 @@ return {{status, items}}
 # ARGV[1]=worker id  ARGV[2]=now ms, or 'force' (a worker returning its own entries)
 # ARGV[3]=sha1 hex of the in-flight entries read  ARGV[4]=reply ttl s
 # ARGV[5]=dead-letter ttl s  ARGV[6]=nd  ARGV[7..6+nd]=dead letters (unreadable entries)
-# ARGV[7+nd]=n, then 6 per entry from b = 8 + nd + 6(j-1): ARGV[b]=the entry to requeue
+# ARGV[7+nd]=n, then 7 per entry from b = 8 + nd + 7(j-1): ARGV[b]=the entry to requeue
 # ('' when it may not run again)  ARGV[b+1]=its raw entry  ARGV[b+2]=request id
 # ARGV[b+3]='json' or 'msgpack'  ARGV[b+4]=marker ttl ms  ARGV[b+5]=error message
+# ARGV[b+6]=error code
 # An entry whose marker says chunks went out ('s<n>') is never run again (its chunks
-# would repeat): its caller gets a final worker_crashed message numbered n.  An entry
-# already answered ('d') is dropped.  The others go back to the queue's front, in order,
-# or, when they may not run again, get a final worker_crashed message numbered 0 and
-# are dead-lettered.  Returns the number requeued, -1 if the lease is live again, -2 if
-# the in-flight list changed since it was read.
-REAP: Final = f"""
+# would repeat): its caller gets a final error message numbered n.  An entry already
+# answered ('d') is dropped.  The others go back to the queue's front, in order, or,
+# when they may not run again, get a final error message numbered 0 and are
+# dead-lettered.  Returns {{requeued, dead-lettered}}, or -1 if the lease is live again,
+# -2 if the in-flight list changed since it was read.
+REAP: Final = _HELPERS + f"""
 if ARGV[2] ~= 'force' then
   local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
   if lease and tonumber(lease) > tonumber(ARGV[2]) then return -1 end
@@ -93,28 +125,23 @@ local nd = tonumber(ARGV[6])
 local dead = {{}}
 for i = 7, 6 + nd do dead[#dead + 1] = ARGV[i] end
 local n = tonumber(ARGV[7 + nd])
-local function crashed(j, b, seq)
-  local msg = {{v = {protocol.PROTOCOL_VERSION}, id = ARGV[b + 2], seq = seq, last = true,
-    ok = false, error = {{code = 'worker_crashed', message = ARGV[b + 5]}}}}
-  local data
-  if ARGV[b + 3] == 'json' then data = cjson.encode(msg) else data = cmsgpack.pack(msg) end
-  local to = KEYS[5 + 2 * j]
-  local pushed = redis.pcall('RPUSH', to, data)  -- refused (WRONGTYPE): none to tell
-  if type(pushed) ~= 'table' then redis.call('EXPIRE', to, ARGV[4]) end
+local function ended(j, b, seq)  -- refused by Redis (WRONGTYPE): none to tell
+  push(KEYS[5 + 2 * j], final_error(ARGV[b + 2], seq, ARGV[b + 3], ARGV[b + 6], ARGV[b + 5]),
+       ARGV[4])
   redis.call('SET', KEYS[4 + 2 * j], 'd', 'PX', ARGV[b + 4])
 end
 local requeue = {{}}
 for j = 1, n do
-  local b = 8 + nd + 6 * (j - 1)
+  local b = 8 + nd + 7 * (j - 1)
   local m = redis.pcall('GET', KEYS[4 + 2 * j])
   if type(m) == 'table' then m = false end
   if m and string.sub(m, 1, 1) == '{_S}' then
-    crashed(j, b, tonumber(string.sub(m, 2)))
+    ended(j, b, tonumber(string.sub(m, 2)))
   elseif m ~= 'd' then
     if ARGV[b] ~= '' then
       requeue[#requeue + 1] = ARGV[b]
     else
-      crashed(j, b, 0)
+      ended(j, b, 0)
       dead[#dead + 1] = ARGV[b + 1]
     end
   end
@@ -131,5 +158,5 @@ if ARGV[2] ~= 'force' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('HDEL', KEYS[5], ARGV[1])
 end
-return #requeue
+return {{#requeue, #dead}}
 """

@@ -35,7 +35,10 @@ def _items(batch: StreamBatch, sent: dict[str, int]) -> list[Any]:
         i = sent[key]
         if value.get("fail") == i:
             raise ValueError("asked to fail")
-        out.append(STOP if i >= value["n"] else f"{value.get('tag', '')}{i}")
+        if value.get("fail_one") == i:  # this member alone fails
+            out.append(ValueError("asked to fail this one"))
+        else:
+            out.append(STOP if i >= value["n"] else f"{value.get('tag', '')}{i}")
         sent[key] = i + 1
     return out
 
@@ -71,3 +74,27 @@ def counter_async() -> Model:
 
 
 crasher = Model("crasher", fn=counting, policy=policy(4, 0.2))
+
+
+def fixed_counting(batch: StreamBatch) -> Iterator[list[Any]]:
+    """Reads its inputs once, as Ray's streaming batches do (``continuous=False``):
+    a batch that changed under it would fail the contract."""
+    values = list(batch)
+    keys = batch.keys
+    STEPS.append(keys)
+    for i in range(max(v["n"] for v in values) + 1):
+        time.sleep(STEP_S)
+        yield [STOP if i >= v["n"] else f"{v.get('tag', '')}{i}" for v in values]
+
+
+def fixed(size: int = 2) -> Model:
+    return Model("fixed", fn=fixed_counting, policy=policy(size, 0.3), continuous=False)
+
+
+def raw_bytes(batch: StreamBatch) -> Iterator[list[Any]]:
+    """Yields bytes, which JSON cannot carry (a msgpack caller gets them whole)."""
+    yield [b"\x00\x01" for _ in batch]  # then it returns: its members end
+
+
+def bytes_model() -> Model:
+    return Model("bytesm", fn=raw_bytes, policy=policy(2, 0.0))

@@ -364,12 +364,18 @@ def test_the_step_script_sends_each_seq_once_acks_finals_and_drops_cancelled(
 
     # the cancelled one is dropped and acked, and its place taken at once
     assert send((one, one_raw, 0, False), (two, two_raw, 0, False),
-                (gone, gone_raw, 0, False)) == [[0, 0, 2], [b"next"]]
-    assert send((one, one_raw, 0, False)) == [[1], [b"later"]]  # a repeat: refused, out
-    assert send((two, two_raw, 1, True)) == [[0], []]  # the final: sent, acked
-    assert raw_redis.lrange(reply_to, 0, -1) == [f"{one.id}:0".encode(),
-                                                 f"{two.id}:0".encode(),
-                                                 f"{two.id}:1".encode()]
+                (gone, gone_raw, 0, False)) == [[0, 0, 2], [b"next"], 1]
+    # a repeat of an entry still ours: not sent; its stream ends with a typed error,
+    # numbered as its caller expects, and the entry is acked
+    assert send((one, one_raw, 0, False)) == [[4], [b"later"], 1]
+    assert send((two, two_raw, 1, True)) == [[0], [], 1]  # the final: sent, acked
+    replies = raw_redis.lrange(reply_to, 0, -1)
+    assert [replies[0], replies[1], replies[3]] == [f"{one.id}:0".encode(),
+                                                    f"{two.id}:0".encode(),
+                                                    f"{two.id}:1".encode()]
+    lost = codec.decode(replies[2])
+    assert (lost["id"], lost["seq"], lost["last"], lost["error"]["code"]) == \
+        (one.id, 1, True, "internal")
     assert raw_redis.lrange(inflight, 0, -1) == [b"next", b"later"]
     assert [raw_redis.get(protocol.request_key("counter", r.id)) for r in (one, two, gone)] \
-        == [b"s1", b"d", b"d"]
+        == [b"d", b"d", b"d"]

@@ -158,3 +158,10 @@ def checked_priority(value: Any, where: str, info: ModelInfo) -> int | None:
         return levels.from_section(info.meta.get("priority")).resolve(info.name, value)
     except InvalidPayload as exc:
         raise BadRequest(f"{where}: {exc}") from exc
+
+
+def jsonable(obj: Any) -> Any:
+    """``orjson``'s ``default``: a tensor (anything with ``tolist``) as nested lists."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"cannot serialize {type(obj).__name__}")

@@ -181,7 +181,7 @@ class InferCore:
         if info.meta.get(protocol.F_STREAMING):
             return await self.stream(info, data, headers, arrived_ms, trace_id,
                                      streaming.v1_shapes(info.output_name),
-                                     streaming.wants_sse(headers))
+                                     streaming.wants_sse(headers), receive)
         value = body.model_input(data, info)
         deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
             headers, data, self.model_default_s(info), self.config.max_timeout_s))
@@ -206,7 +206,7 @@ class InferCore:
     async def stream(self, info: ModelInfo, data: dict[str, Any], headers: body.Headers,
                      arrived_ms: int, trace_id: str, shapes: tuple[streaming.Shape,
                                                                    streaming.Final],
-                     sse: bool) -> streaming.StreamAnswer:
+                     sse: bool, receive: Receive) -> streaming.StreamAnswer:
         """A streaming model's answer (``redbatch.api.streaming``): the body's fields
         are its input; the deadline bounds the whole stream."""
         deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
@@ -214,7 +214,7 @@ class InferCore:
         stream = self.client.stream(info.name, streaming.stream_input(data),
                                     deadline_ms=deadline_ms, trace_id=trace_id,
                                     max_queue_len=info.max_queue_len, chunks=True)
-        first = await streaming.first_chunk(stream)
+        first = await streaming.first_chunk(stream, receive)
         return streaming.StreamAnswer(stream, first, shapes, sse, trace_id or stream.request_id)
 
     # --- metrics ---------------------------------------------------------------
@@ -348,7 +348,7 @@ def reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response |
         response = from_exception(error_from_code(reply.error_code, reply.error_message))
         response.headers["x-request-id"] = request_id
         return response
-    content = orjson.dumps({info.output_name: reply.payload}, default=_jsonable,
+    content = orjson.dumps({info.output_name: reply.payload}, default=body.jsonable,
                            option=orjson.OPT_SERIALIZE_NUMPY)
     timings = reply.timings
     headers = [
@@ -362,9 +362,3 @@ def reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response |
         headers.append((b"x-redbatch-version", info.name.partition(protocol.VERSION_SEP)[2]
                         .encode()))
     return RawResponse(200, headers, content)
-
-
-def _jsonable(obj: Any) -> Any:
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    raise TypeError(f"cannot serialize {type(obj).__name__}")

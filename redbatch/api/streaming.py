@@ -6,8 +6,11 @@ newline-delimited JSON (``application/x-ndjson``, one object per line).  Each ch
 one event, ``{"seq": n, <output name>: chunk}``; the last event has ``"last": true``
 and the timings, or the stream's error.  The first chunk is awaited before the
 response starts, so that a request refused or failed before any chunk gets its usual
-status and JSON error.  A client that disconnects cancels its request: the worker
-drops it at its next step.  Triton's generate extension (``generate_stream``,
+status and JSON error.  A client that disconnects, before its first chunk or after,
+cancels its request: the worker drops it at its next step.  A chunk that cannot be
+written as JSON ends the stream with a ``model_error`` last event.  Sending is bounded
+by the deadline (plus ``STREAM_GRACE_MS`` and ``SEND_GRACE_S``): a client that stops
+reading is cut off.  Triton's generate extension (``generate_stream``,
 ``generate``) is served the same way (``v2_generate``).
 """
 
@@ -15,15 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from redbatch import protocol
 from redbatch.api import body
-from redbatch.errors import RedbatchError
+from redbatch.errors import BadRequest, ModelError, RedbatchError
 from redbatch.producer.streams import Stream
 from redbatch.stream_wire import StreamChunk
 
@@ -31,6 +35,8 @@ SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
 Shape = Callable[[StreamChunk], dict[str, Any]]  # a chunk's event
 Final = Callable[[Stream, RedbatchError | None], dict[str, Any]]  # the last event
+T = TypeVar("T")
+SEND_GRACE_S = 1.0  # the response may take this long past the stream's own end
 
 
 def wants_sse(headers: body.Headers) -> bool:
@@ -57,17 +63,34 @@ def v1_shapes(output_name: str) -> tuple[Shape, Final]:
     return shape, final
 
 
-async def first_chunk(stream: Stream) -> StreamChunk | None:
+async def first_chunk(stream: Stream, receive: Receive) -> StreamChunk | None:
     """The stream's first chunk (None: it ended without one); its error is raised,
-    and the request cancelled, before any byte of the response."""
+    and the request cancelled, before any byte of the response (a client that hangs
+    up meanwhile cancels it too)."""
     try:
-        chunk: StreamChunk = await anext(stream)
+        chunk: StreamChunk = await unless_gone(anext(stream), receive)
     except StopAsyncIteration:
         return None
     except BaseException:
-        await stream.aclose()
+        stream.close_soon()
         raise
     return chunk
+
+
+async def unless_gone(work: Awaitable[T], receive: Receive) -> T:
+    """``work``'s outcome; ``BadRequest`` (and ``work`` cancelled) if the client hangs
+    up first (its body was read: only the disconnect comes next)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():
+        raise BadRequest("the client disconnected before the answer")
+    return task.result()
 
 
 class StreamAnswer(Response):
@@ -82,28 +105,43 @@ class StreamAnswer(Response):
         self.shape, self.final = shapes
 
     def event(self, data: dict[str, Any]) -> bytes:
-        line = orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
+        line = orjson.dumps(data, default=body.jsonable, option=orjson.OPT_SERIALIZE_NUMPY)
         return b"data: " + line + b"\n\n" if self.sse else line + b"\n"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         gone = asyncio.create_task(_disconnect(receive))
+        budget_s = (self.stream.deadline_ms + protocol.STREAM_GRACE_MS
+                    - protocol.now_ms()) / 1000 + SEND_GRACE_S
         try:
-            last = await self._pump(send, gone)
-            if last is not None:
-                await send({"type": "http.response.body", "body": last})
+            async with asyncio.timeout(max(0.0, budget_s)):  # a reader that stalls
+                last = await self._pump(send, gone)
+                if last is not None:
+                    await send({"type": "http.response.body", "body": last})
+        except TimeoutError:
+            pass  # the response is left incomplete: the server drops the connection
         finally:
             gone.cancel()
-            await self.stream.aclose()  # a stream cut short: its request is cancelled
+            self.stream.close_soon()  # a stream cut short: its request is cancelled
+
+    def _chunk_event(self, chunk: StreamChunk) -> bytes | ModelError:
+        try:
+            return self.event(self.shape(chunk))
+        except TypeError as exc:  # (orjson's error) not JSON: the stream ends there
+            return ModelError(f"chunk {chunk.seq} of stream {self.stream.request_id} "
+                              f"cannot be written as JSON: {exc}")
 
     async def _pump(self, send: Send, gone: asyncio.Task[None]) -> bytes | None:
         """Send every chunk; the last event's bytes, or None once the client left."""
         chunk = self.first
         error: RedbatchError | None = None
         while chunk is not None:
-            await send({"type": "http.response.body", "body": self.event(self.shape(chunk)),
-                        "more_body": True})
+            event = self._chunk_event(chunk)
+            if isinstance(event, ModelError):
+                error = event
+                break
+            await send({"type": "http.response.body", "body": event, "more_body": True})
             step = asyncio.ensure_future(anext(self.stream))
             await asyncio.wait([step, gone], return_when=asyncio.FIRST_COMPLETED)
             if not step.done():

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from redbatch import protocol
 from redbatch.api import body, streaming
-from redbatch.errors import BadRequest, RedbatchError
+from redbatch.errors import BadRequest, ModelError, RedbatchError
 from redbatch.producer.streams import Stream
 from redbatch.stream_wire import StreamChunk
 
@@ -50,14 +51,21 @@ class GenerateApi:
         answer = await self._answer(request, sse=False)
         chunks = [] if answer.first is None else [answer.first.payload]
         try:
-            chunks += [chunk.payload async for chunk in answer.stream]
+            chunks += await streaming.unless_gone(_rest(answer.stream), request.receive)
         finally:
-            await answer.stream.aclose()
+            answer.stream.close_soon()  # (a stream cut short: its request is cancelled)
         name = request.path_params["name"]
         if all(isinstance(c, str) for c in chunks):
             return JSONResponse({"model_name": name, "model_version": VERSION,
                                  "text_output": "".join(chunks)})
-        return JSONResponse({"model_name": name, "model_version": VERSION, "output": chunks})
+        try:
+            content = orjson.dumps({"model_name": name, "model_version": VERSION,
+                                    "output": chunks}, default=body.jsonable,
+                                   option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError as exc:  # (orjson's error)
+            raise ModelError(f"model {name!r} yielded a chunk that cannot be written as "
+                             f"JSON: {exc}") from exc
+        return Response(content, media_type="application/json")
 
     async def _answer(self, request: Request, sse: bool) -> streaming.StreamAnswer:
         core, arrived_ms = self.gateway.core, protocol.now_ms()
@@ -71,4 +79,10 @@ class GenerateApi:
         data = body.parse_json(await core.read(headers, request.receive))
         params = data.pop("parameters", None)
         data = {**params, **data} if isinstance(params, dict) else data
-        return await core.stream(info, data, headers, arrived_ms, trace, v2_shapes(name), sse)
+        return await core.stream(info, data, headers, arrived_ms, trace, v2_shapes(name), sse,
+                                 request.receive)
+
+
+async def _rest(stream: Stream) -> list[Any]:
+    """The payloads of the stream's chunks still to come."""
+    return [chunk.payload async for chunk in stream]

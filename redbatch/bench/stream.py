@@ -11,7 +11,10 @@ members end at different steps.  ``--step-ms`` adds a fixed time to every step (
 each server alike), standing for an accelerator's pass, whose time hardly depends on
 the batch's size: the tiny model's own step costs less than the messages around it.
 The redbatch workers are separate processes (``redbatch worker``), on a private Redis
-unless ``--redis-url`` is given.
+unless ``--redis-url`` is given.  Each server first serves a few unmeasured warm-up
+streams (the model's first calls, the connections); each concurrency level measures at
+least ``MIN_SAMPLES`` requests (a caller streams more of them in turn at low
+concurrency), so that its p95 is not just the slowest of a handful.
 ``python -m redbatch.bench --stream`` (``scripts/bench --stream``).
 """
 
@@ -40,6 +43,8 @@ from redbatch.worker.model import Model
 from redbatch.worker.stream_batch import STOP, StreamBatch
 
 CONCURRENCY = (1, 16, 64)
+MIN_SAMPLES = 20  # requests measured per concurrency level, at least
+WARM_UP_STREAMS = 4  # unmeasured streams before the first level
 MIN_TOKENS, MAX_TOKENS = 8, 64
 MODEL = "generate"
 
@@ -153,9 +158,7 @@ async def _redbatch(url: str, server: str, step_ms: float, per_stream: int) -> l
             def open_stream(prompt: str, tokens: int) -> AsyncIterator[Any]:
                 return client.stream(MODEL, {"prompt": prompt, "max_tokens": tokens}, 600)
 
-            return [Result(server, step_ms, n, n * per_stream,
-                           *await _drive(open_stream, n, per_stream, seed=n))
-                    for n in CONCURRENCY]
+            return await _levels(open_stream, server, step_ms, per_stream)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -165,11 +168,21 @@ async def _naive(step_ms: float, per_stream: int) -> list[Result]:
     server = NaiveServer(step_ms)
     task = asyncio.create_task(server.serve())
     try:
-        return [Result("naive", step_ms, n, n * per_stream,
-                       *await _drive(server.stream, n, per_stream, seed=n))
-                for n in CONCURRENCY]
+        return await _levels(server.stream, "naive", step_ms, per_stream)
     finally:
         task.cancel()
+
+
+async def _levels(open_stream: Open, server: str, step_ms: float, per_stream: int
+                  ) -> list[Result]:
+    """A warm-up, then each concurrency level (at least ``MIN_SAMPLES`` requests)."""
+    await _drive(open_stream, WARM_UP_STREAMS, 1, seed=0)
+    results = []
+    for n in CONCURRENCY:
+        each = max(per_stream, math.ceil(MIN_SAMPLES / n))
+        results.append(Result(server, step_ms, n, n * each,
+                              *await _drive(open_stream, n, each, seed=n)))
+    return results
 
 
 async def run(url: str, per_stream: int, steps_ms: list[float]) -> list[dict[str, Any]]:
@@ -185,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="redbatch.bench --stream", description=__doc__)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     parser.add_argument("--per-stream", type=int, default=4,
-                        help="requests each concurrent caller streams in turn (4)")
+                        help="requests each concurrent caller streams in turn (4; more "
+                             f"at low concurrency: at least {MIN_SAMPLES} per level)")
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 5.0],
                         help="time added to every step, as an accelerator's pass: one "
                              "run each (0 5)")

@@ -11,6 +11,7 @@ rather than skip a chunk.  Every wait ends by the request's deadline plus
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from redbatch.producer.client import Client
 
 T = TypeVar("T")
+log = logging.getLogger("redbatch.producer")
+
+CANCEL_TIMEOUT_S = 2.0  # marking a closed stream cancelled in Redis takes at most this
+_CANCELS: set[asyncio.Task[None]] = set()  # cancels under way (a reference keeps them)
 
 
 class ChunkQueue:
@@ -58,10 +63,12 @@ class ChunkQueue:
             self._queue.put_nowait(exc)
 
     async def get(self) -> StreamChunk:
-        """The next message; ``DeadlineExceeded`` when none comes in time."""
+        """The next message (one already in, whatever the time); ``DeadlineExceeded``
+        when none comes in time."""
         wait_s = (self.deadline_ms + protocol.STREAM_GRACE_MS - protocol.now_ms()) / 1000
         try:
-            item = await asyncio.wait_for(self._queue.get(), max(0.0, wait_s))
+            item = self._queue.get_nowait() if not self._queue.empty() else \
+                await asyncio.wait_for(self._queue.get(), max(0.0, wait_s))
         except TimeoutError:
             raise DeadlineExceeded(f"stream {self.request_id}: no message before its "
                                    "deadline") from None
@@ -75,8 +82,9 @@ class Stream:
     ``StreamChunk`` messages, with their numbers), started by the first ``__anext__``.
     It ends after the last chunk, raising the stream's typed error if it failed;
     ``timings`` then holds the final message's timings.  ``aclose`` (or leaving
-    ``async with``) before the end cancels the request: its worker drops it at
-    the next step."""
+    ``async with``) before its final message came (an early exit, or a failure on
+    this side: a gap, too many chunks unread, its deadline) cancels the request: its
+    worker drops it at the next step."""
 
     def __init__(self, client: Client, model: str, inputs: Any, deadline_ms: int,
                  trace_id: str = "", max_queue_len: int | None = None,
@@ -91,7 +99,8 @@ class Stream:
         self._queue: ChunkQueue | None = None
         self.request_id = ""
         self.timings: dict[str, Any] = {}
-        self.done = False
+        self.done = False  # iteration is over
+        self.ended = False  # its final message came (or it was cancelled): none to cancel
 
     async def open(self) -> None:
         """Enqueue the request (once); its listener routes its messages here."""
@@ -115,20 +124,40 @@ class Stream:
             raise
         if not chunk.last:
             return chunk if self._chunks else chunk.payload
-        self.done = True
+        self.done = self.ended = True
         self.timings = chunk.timings
         if not chunk.ok:
             raise chunk.error()
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        """Cancel the request unless its stream ended."""
-        if self.done or self._queue is None:
-            self.done = True
-            return
+        """Cancel the request unless its final message came (``close_soon``, waited
+        for: at most ``CANCEL_TIMEOUT_S``, and never raising)."""
+        task = self.close_soon()
+        if task is not None:
+            await asyncio.shield(task)
+
+    def close_soon(self) -> asyncio.Task[None] | None:
+        """Cancel the request unless its final message came: its waiter fails now, and
+        a task marks it cancelled in Redis (bounded by ``CANCEL_TIMEOUT_S``; an error is
+        logged), off the caller's path.  The task, if any."""
         self.done = True
+        if self.ended or self._queue is None:
+            return None
+        self.ended = True
         self._client.abandon(self.request_id, BadRequest("the stream was closed"), self.model)
-        await self._client.mark_cancelled(self.model, self.request_id, self.deadline_ms)
+        task = asyncio.create_task(self._mark_cancelled())
+        _CANCELS.add(task)
+        task.add_done_callback(_CANCELS.discard)
+        return task
+
+    async def _mark_cancelled(self) -> None:
+        try:
+            await asyncio.wait_for(self._client.mark_cancelled(
+                self.model, self.request_id, self.deadline_ms), CANCEL_TIMEOUT_S)
+        except (RedbatchError, TimeoutError) as exc:
+            log.warning("could not mark stream %s of model %s cancelled: %s",
+                        self.request_id, self.model, exc or type(exc).__name__)
 
     async def __aenter__(self) -> Stream:
         return self

@@ -22,13 +22,17 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
+import redis
+
 from redbatch import codec, lua_stream, protocol
 from redbatch.codec import Format
 from redbatch.errors import (
+    BadRequest,
     DeadlineExceeded,
     InvalidPayload,
     ModelError,
     RedbatchError,
+    RedisUnavailable,
 )
 from redbatch.lean import LeanLink
 from redbatch.protocol import Request, Timings
@@ -42,7 +46,15 @@ log = logging.getLogger("redbatch.worker")
 
 END: Final = object()  # the generator returned
 STEP_GRACE_S = 1.0  # a step may run this long past its members' latest deadline
-SENT, REFUSED, CANCELLED = 0, 1, 2
+# a message's fate in lua_stream.STEP: sent; refused (no longer this worker's, or
+# answered); dropped (its caller cancelled); refused by Redis (its reply_to holds
+# another type: the entry is dead-lettered); lost track (a final error went instead)
+SENT, REFUSED, CANCELLED, REDIS_REFUSED, LOST = 0, 1, 2, 3, 4
+NO_CLAIM: Final = -1  # STEP's room when the batch may not grow (fixed, or stopping)
+# a batch loop failing on these (Redis away, read-only, full) blames no request
+TRANSIENT: Final = (RedisUnavailable, redis.ConnectionError, redis.TimeoutError, OSError,
+                    redis.ReadOnlyError, redis.OutOfMemoryError,
+                    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 
 
 @dataclass(slots=True)
@@ -72,27 +84,56 @@ class StreamRunner(BatchRunner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.reaper = StreamReaper(self._redis, self.model.name, self.reaper.max_attempts,
-                                   self.stats, self._dead_letters, reaper_id=self._worker_id,
-                                   same_slot=self._same_slot)
+        self.reaper = self.stream_reaper = StreamReaper(
+            self._redis, self.model.name, self.reaper.max_attempts, self.stats,
+            self._dead_letters, reaper_id=self._worker_id, same_slot=self._same_slot)
         self.stream_link = LeanLink(self._redis)
         self.worker_id = self._worker_id
         self.queue_claimer = self.claimer.sub(0)  # a streaming model has one queue
+        self._blame = False  # the last serve failed on something other than Redis
+        # suspects (entries of a batch that failed a worker) claimed beside a running
+        # batch: still in the in-flight list, each runs alone once that batch ended
+        self.deferred: list[bytes] = []
 
     async def serve(self, stop: asyncio.Event) -> None:
+        """As ``BatchRunner.serve``; after a failure other than Redis being away, the
+        entries returned count an attempt (an entry that fails the loop every time is
+        dead-lettered at ``max_attempts``, never retried forever)."""
+        self.stream_reaper.blame = self._blame
         await self._return_unacked()
-        self._unacked = True
+        self._unacked, self._blame, self.deferred = True, False, []
         self.claimer.stop = stop
-        while not stop.is_set():
-            if self.model.policy is not self._claimer_policy:
-                self._use_policy()  # a live knob change reaches the first claims too
-            raws = await self.queue_claimer.claim(self.model.policy.max_batch_size)
-            if raws:
-                await StreamLoop(self, stop).run(raws)
+        try:
+            while not stop.is_set():
+                if self.model.policy is not self._claimer_policy:
+                    self._use_policy()  # a live knob change reaches the first claims too
+                raws = await self.queue_claimer.claim(self.model.policy.max_batch_size)
+                if raws:
+                    await StreamLoop(self, stop).run(raws)
+                await self._run_suspects(stop)
+        except Exception as exc:
+            self._blame = not isinstance(exc, TRANSIENT)
+            raise
         self._unacked = False
 
-    async def send(self, messages: list[Message], room: int) -> tuple[list[int], list[bytes]]:
-        """The messages and the claim of up to ``room`` entries: one STEP script."""
+    async def _run_suspects(self, stop: asyncio.Event) -> None:
+        """Each deferred suspect in a batch of its own, named in this worker's crashing
+        key meanwhile: if it kills the worker, it alone takes the blame (a stopping
+        worker leaves them to its return of the in-flight list)."""
+        while self.deferred and not stop.is_set():
+            await StreamLoop(self, stop, alone=True).run([self.deferred.pop(0)])
+
+    async def name_crashing(self, request_id: str | None) -> None:
+        """Name the suspect running alone (None: none runs now)."""
+        if request_id is None:
+            await self._redis.delete(self._crashing)
+        else:
+            await self._redis.set(self._crashing, request_id, ex=protocol.CRASHING_TTL_S)
+
+    async def send(self, messages: list[Message], room: int
+                   ) -> tuple[list[int], list[bytes]]:
+        """The messages and the claim of up to ``room`` entries (``NO_CLAIM``: none,
+        whatever ends): one STEP script."""
         claimer = self.queue_claimer
         keys = [claimer.inflight, claimer.queue, claimer.cancelled]
         args: list[Any] = [protocol.REPLY_TTL_S, room, protocol.INFLIGHT_TTL_S * 1000,
@@ -102,9 +143,23 @@ class StreamRunner(BatchRunner):
             request = message.member.request
             keys += [protocol.request_key(self.model.name, request.id), request.reply_to]
             args += [message.member.raw, message.seq, 1 if message.last else 0,
-                     protocol.marker_ttl_ms(request.deadline_ms, now), message.data, request.id]
-        status, claimed = await self.stream_link.script(lua_stream.STEP, keys, args)
+                     protocol.marker_ttl_ms(request.deadline_ms, now), message.data,
+                     request.id]
+        status, claimed, cancels = await self.stream_link.script(lua_stream.STEP, keys, args)
+        self.queue_claimer.cancels = self.queue_claimer.cancels or cancels == 1
         return [int(s) for s in status], list(claimed)
+
+    async def cancelled(self, ids: list[str]) -> set[str]:
+        """Which of these requests their callers cancelled (asked only while the
+        cancelled set exists: no round trip otherwise)."""
+        if not self.queue_claimer.cancels or not ids:
+            return set()
+        try:
+            scores = await self.stream_link.execute("ZMSCORE", self.queue_claimer.cancelled, *ids)
+        except redis.ResponseError as exc:  # e.g. NOPERM: they run, and STEP drops them
+            log.warning("model=%s cannot read the cancelled set: %s", self.model.name, exc)
+            return set()
+        return {rid for rid, score in zip(ids, scores, strict=True) if score is not None}
 
     async def drop(self, raws: list[bytes]) -> None:
         """Dead-letter unreadable entries off the in-flight list (one MULTI)."""
@@ -182,9 +237,11 @@ def _next(gen: Iterator[Any]) -> Any:
 class StreamLoop:
     """One streaming batch, from its first claim until its last member ends."""
 
-    def __init__(self, runner: StreamRunner, stop: asyncio.Event) -> None:
+    def __init__(self, runner: StreamRunner, stop: asyncio.Event, alone: bool = False
+                 ) -> None:
         self.r = runner
         self.stop = stop
+        self.alone = alone  # a suspect's batch of one: it never grows
         self.batch = StreamBatch()
         self.members: dict[str, Member] = {}
         self.pending: list[Message] = []
@@ -198,13 +255,19 @@ class StreamLoop:
         return sum(not m.done for m in self.members.values())
 
     async def run(self, raws: list[bytes]) -> None:
-        self.admit(raws)
+        await self.admit(raws)
+        suspect = next(iter(self.members), None) if self.alone else None
+        if suspect is not None:
+            await self.r.name_crashing(suspect)
         try:
             while self.running or self.pending:
                 await self.step()
+            await self.flush()  # a claim of only unreadable entries never stepped
         finally:
             if self.gen is not None:
                 await self.r.close(self.gen)
+        if suspect is not None:
+            await self.r.name_crashing(None)  # (only once it ended: else it is to blame)
         log.info("model=%s stream batch: requests=%d joined=%d steps=%d", self.r.model.name,
                  len(raws) + self.joined, self.joined, self.steps)
 
@@ -213,20 +276,26 @@ class StreamLoop:
         if self.running:
             await self.forward()
         room = self.room()
-        if not self.pending and not room:
+        if not self.pending and room <= 0:
             return
         status, claimed = await self.r.send(self.pending, room)
         self.settle(status)
+        await self.flush()
+        self.joined += len(claimed)
+        await self.admit(claimed)
+
+    async def flush(self) -> None:
+        """Dead-letter the entries that cannot be run or answered."""
         if self.dropped:
             await self.r.drop(self.dropped)
             self.dropped = []
-        self.joined += len(claimed)
-        self.admit(claimed)
 
     def room(self) -> int:
-        if self.stop.is_set() or not self.r.model.continuous:
-            return 0
-        return max(0, self.r.model.policy.max_batch_size - self.running)
+        """Places to fill at this step; ``NO_CLAIM`` for a fixed batch, or stopping
+        (not even the places of members that end at this step)."""
+        if self.stop.is_set() or not self.r.model.continuous or self.alone:
+            return NO_CLAIM
+        return max(0, self.r.model.policy.max_batch_size - self.running - len(self.r.deferred))
 
     def expire(self) -> None:
         now = protocol.now_ms()
@@ -274,8 +343,17 @@ class StreamLoop:
             member.steps += 1
             member.forward_ms += step_ms
             member.batch_size = max(member.batch_size, size)
-            self.pending.append(self.r.final(member) if item is STOP
-                                else self.r.chunk(member, item))
+            self.pending.append(self._message(member, item))
+
+    def _message(self, member: Member, item: Any) -> Message:
+        """A chunk; a final message for ``STOP``, or an exception (that member fails)."""
+        if item is STOP:
+            return self.r.final(member)
+        if isinstance(item, BaseException):
+            return self.r.final(member, item if isinstance(item, RedbatchError) else ModelError(
+                f"model {self.r.model.name!r} failed request {member.request.id}: "
+                f"{type(item).__name__}: {item}"))
+        return self.r.chunk(member, item)
 
     def settle(self, status: list[int]) -> None:
         """Members whose final message went out, or whose message was refused (a
@@ -285,26 +363,30 @@ class StreamLoop:
             if message.last or code != SENT:
                 message.member.done = True
                 gone.add(message.member.request.id)
-            if code == REFUSED:
-                log.warning("model=%s request %s: its message was refused (its entry is "
-                            "no longer this worker's, or was answered)", self.r.model.name,
-                            message.member.request.id)
+            if code in _REFUSALS:
+                log.warning("model=%s request %s: %s", self.r.model.name,
+                            message.member.request.id, _REFUSALS[code])
+            if code == REDIS_REFUSED:
+                self.dropped.append(message.member.raw)
         self.pending = []
         if self.r.model.continuous:
             self.batch.remove(gone)
             for key in gone:
                 self.members.pop(key, None)
 
-    def admit(self, raws: list[bytes]) -> None:
-        """Claimed entries join the batch; one that cannot run gets its final error."""
+    async def admit(self, raws: list[bytes]) -> None:
+        """Claimed entries join the batch; one that cannot run (or whose caller
+        cancelled it) gets its final error."""
         now = protocol.now_ms()
-        for raw in raws:
-            member = self._member(raw, now)
-            if member is None:
-                continue
-            error = _refusal(member.request, now)
+        members = [m for m in (self._member(raw, now) for raw in raws) if m is not None]
+        cancelled = await self.r.cancelled([m.request.id for m in members])
+        for member in members:
+            error = _refusal(member.request, now, cancelled)
             if error is not None:
                 self.pending.append(self.r.final(member, error))
+                continue
+            if member.request.suspect and not self.alone:
+                self.r.deferred.append(member.raw)  # it runs alone after this batch
                 continue
             self.members[member.request.id] = member
             self.batch.add(member.request.id, member.request.payload)
@@ -326,12 +408,24 @@ class StreamLoop:
             return None
 
 
-def _refusal(request: Request, now: int) -> RedbatchError | None:
+def _refusal(request: Request, now: int, cancelled: set[str]) -> RedbatchError | None:
+    if request.id in cancelled:
+        return BadRequest(f"request {request.id} was cancelled by its caller")
     if request.deadline_ms <= now:
         return DeadlineExceeded(f"request {request.id} expired in the queue")
     if request.rows:
         return InvalidPayload("a streaming model takes one input per request (no rows)")
     return None
+
+
+_REFUSALS: Final = {
+    REFUSED: "its message was refused (its entry is no longer this worker's, or was "
+             "answered)",
+    REDIS_REFUSED: "Redis refused its message (its reply_to holds a value of another "
+                   "type); dead-lettered it",
+    LOST: "its marker expected another chunk number (it expired, or was changed); its "
+          "stream ended with an error",
+}
 
 
 def _length(items: Any) -> str:

@@ -4,71 +4,114 @@ A request whose chunks began to go out cannot run again (its caller would get th
 twice): its caller gets a final ``worker_crashed`` message, numbered after the last
 chunk sent.  A request that sent nothing goes back to the queue's front, as with any
 model (attempt + 1; at ``max_attempts`` it gets that final message and is
-dead-lettered).  Whether chunks went out is read from the request's marker in the
-same script that decides (``lua_stream.REAP``), so no chunk can slip in between.
+dead-lettered), marked suspect: a worker runs it alone, naming it in its crashing key,
+and a crash then blames that request alone.  Whether chunks went out is read from the
+request's marker in the same script that decides (``lua_stream.REAP``), so no chunk
+can slip in between.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 from redbatch import codec, lua_stream, protocol
-from redbatch.errors import InvalidPayload
+from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.protocol import Request
-from redbatch.worker.decode import parse_entry
+from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.reaper import NOT_ELECTED, Plan, Reaper
 
 CRASHED = "the worker serving this stream died mid-stream; its stream ends here"
 STOPPED = "the worker serving this stream stopped mid-stream; its stream ends here"
+PER_ENTRY = 7  # arguments per entry of lua_stream.REAP
+
+
+@dataclass(slots=True)
+class _Entry:
+    raw: bytes
+    request: Request | None  # None: unreadable
+    fmt: codec.Format
+    error: InvalidPayload | None = None  # why it is unreadable
 
 
 class StreamReaper(Reaper):
     """``Reaper`` for a streaming model (one priority level)."""
 
+    blame = False  # (set by its runner) a force reap after a failure bumps attempts too
+
     async def reap(self, worker_id: str, *, force: bool = False) -> int:
+        """As ``Reaper.reap``; ``force`` with ``blame`` (the worker's own batch loop
+        failed, e.g. on an entry Redis refuses) bumps attempts as a death would, so
+        that an entry that fails its worker every time reaches ``max_attempts``.  The
+        entries requeued after a failure are marked suspect (a worker runs each alone);
+        the one named in the worker's crashing key, if any, alone takes the blame."""
         if not force and not await self._elected(worker_id):
             return NOT_ELECTED
-        lists, _crashing = await self._read(worker_id, force, [self.model])
+        lists, crashing = await self._read(worker_id, force and not self.blame, [self.model])
         raws = lists[0]  # (a streaming model has one queue: no sub-queues, one level)
         keys = [protocol.inflight_key(self.model, worker_id), protocol.queue_key(self.model),
                 protocol.dead_letter_key(self.model), protocol.workers_key(self.model),
                 protocol.worker_info_key(self.model)]
         dead: list[bytes] = []
         per_entry: list[Any] = []
-        for raw in raws:
-            self._plan_one(raw, not force, keys, per_entry, dead)
+        entries = [self._entry(raw) for raw in raws]
+        named = crashing if any(e.request is not None and e.error is None and
+                                e.request.id == crashing for e in entries) else None
+        failed = not force or self.blame
+        for entry in entries:
+            self._plan_one(entry, failed, named, keys, per_entry, dead)
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         args = [worker_id, "force" if force else protocol.now_ms(), digest,
                 protocol.REPLY_TTL_S, self.dead_letters.ttl_s, len(dead), *dead,
-                len(per_entry) // 6, *per_entry]
+                len(per_entry) // PER_ENTRY, *per_entry]
         script = self._redis.register_script(lua_stream.REAP)
-        result = int(await script(keys=keys, args=args))
-        if result >= 0:
-            counted = Plan([b""] * result, [b""] * len(dead))  # what _done counts
-            await self._done(worker_id, force, counted, (len(raws), None), forget=not force)
-        return result
+        result: Any = await script(keys=keys, args=args)
+        if not isinstance(result, list):
+            return int(result)
+        requeued, dead_lettered = (int(x) for x in result)
+        counted = Plan([b""] * requeued, [b""] * dead_lettered)  # what _done counts
+        await self._done(worker_id, force, counted, (len(raws), named), forget=not force)
+        return requeued
 
-    def _plan_one(self, raw: bytes, bump: bool, keys: list[str], per_entry: list[Any],
-                  dead: list[bytes]) -> None:
+    def _entry(self, raw: bytes) -> _Entry:
+        """The entry's request; an unreadable one's sender, if it can be read."""
+        fmt = codec.sniff_format(raw)
         try:
-            request = parse_entry(raw, self.model, self._same_slot)
-        except InvalidPayload:
+            return _Entry(raw, parse_entry(raw, self.model, self._same_slot), fmt)
+        except InvalidPayload as exc:
+            addressed = addressable(raw, self.model, self._same_slot)
+            if addressed is None:
+                return _Entry(raw, None, fmt, exc)
+            return _Entry(raw, addressed[0], addressed[1], exc)
+
+    def _plan_one(self, entry: _Entry, failed: bool, named: str | None, keys: list[str],
+                  per_entry: list[Any], dead: list[bytes]) -> None:
+        """The entry's keys and arguments; an unreadable one is dead-lettered, and
+        answered ``invalid_payload`` when its id and reply_to can be read.  ``failed``:
+        the worker died or failed; ``named``: the suspect it was running alone."""
+        request, raw = entry.request, entry.raw
+        if request is None:
             dead.append(raw[:self.dead_letters.max_bytes])
             return
-        fmt = codec.sniff_format(raw)
+        if entry.error is not None:
+            requeued, code, message = b"", entry.error.code, str(entry.error)
+        else:
+            blamed = failed and named in (None, request.id)
+            requeued = self._requeued(request, blamed, failed, entry.fmt)
+            code, message = WorkerCrashed.code, CRASHED if failed else STOPPED
         keys += [protocol.request_key(self.model, request.id), request.reply_to]
         ttl = protocol.marker_ttl_ms(request.deadline_ms, protocol.now_ms())
-        per_entry += [self._requeued(request, bump, fmt), raw, request.id, fmt, ttl,
-                      CRASHED if bump else STOPPED]
+        per_entry += [requeued, raw, request.id, entry.fmt, ttl, message, code]
 
-    def _requeued(self, request: Request, bump: bool, fmt: codec.Format) -> bytes:
+    def _requeued(self, request: Request, blamed: bool, suspect: bool, fmt: codec.Format
+                  ) -> bytes:
         """The entry to requeue, or b"" when it may not run again."""
-        request.attempt += 1 if bump else 0
+        request.attempt += 1 if blamed else 0
+        request.suspect = request.suspect or suspect
         if request.attempt >= self.max_attempts:
             return b""
         with contextlib.suppress(InvalidPayload):
             return codec.encode(request.to_wire(), fmt)
         return b""
-

@@ -1,0 +1,406 @@
+"""Streaming models under faults: hostile entries, cancels in fixed batches, junk
+claims, a failing batch loop, and the streams' client side, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import codec, protocol
+from redbatch.api import streaming
+from redbatch.bench import stream as bench_stream
+from redbatch.errors import ModelError, RedbatchError, RedisUnavailable, WorkerCrashed
+from redbatch.producer import streams
+from redbatch.producer.client import Client
+from redbatch.producer.streams import ChunkQueue
+from redbatch.stream_wire import StreamChunk
+from redbatch.worker import stream as worker_stream
+from redbatch.worker.process import Worker
+from redbatch.worker.stats import WorkerStats
+from redbatch.worker.stream_reap import StreamReaper
+from tests import stream_models
+from tests.conftest import wait_live
+from tests.stream_models import bytes_model, counter, fixed
+from tests.test_disconnect import served
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_steps() -> None:
+    stream_models.STEPS.clear()
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    assert check()
+
+
+async def _live(start_worker: Callable[..., Worker], redis_url: str,
+                monkeypatch: pytest.MonkeyPatch, size: int = 4, step_s: float = 0.02) -> None:
+    """A counter of batches of ``size`` whose steps take ``step_s``, live."""
+    monkeypatch.setattr(stream_models, "STEP_S", step_s)
+    start_worker([counter(size=size)])
+    await wait_live(redis_url, "counter")
+
+
+def _idle(raw_redis: redis.Redis, model: str) -> bool:
+    """Nothing queued, nothing held in flight."""
+    inflight = raw_redis.keys(protocol.inflight_key(model, "*"))
+    return raw_redis.llen(protocol.queue_key(model)) == 0 and \
+        all(raw_redis.llen(k) == 0 for k in inflight)
+
+
+def _request(request_id: str, reply_to: str, value: Any, attempt: int = 0
+             ) -> protocol.Request:
+    now = protocol.now_ms()
+    return protocol.Request(request_id, "counter", now, now + 20_000, reply_to, value, attempt)
+
+
+async def test_an_entry_whose_reply_list_redis_refuses_is_dead_lettered_not_retried(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    raw_redis.set("rb:reply:evil", "x")  # a string where a list must be
+    evil = _request("evil1", "rb:reply:evil", {"n": 3})
+    async with Client(redis_url) as client:
+        stream = client.stream("counter", {"n": 40, "tag": "a"}, 8)
+        await stream.open()
+        raw_redis.rpush(protocol.queue_key("counter"), codec.encode(evil.to_wire(), "json"))
+        assert len([x async for x in stream]) == 40
+        await _until(lambda: raw_redis.llen(protocol.dead_letter_key("counter")) == 1)
+        assert [x async for x in client.stream("counter", {"n": 2}, 5)] == ["0", "1"]
+    assert b"evil1" in raw_redis.lindex(protocol.dead_letter_key("counter"), 0)
+    assert _idle(raw_redis, "counter")
+
+
+async def test_a_batch_loop_failing_on_an_entry_counts_its_attempts(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure of the worker's own loop (not Redis) returns the batch with attempt
+    + 1: an entry that fails it every time ends at ``max_attempts``."""
+    forward = worker_stream.StreamLoop.forward
+
+    async def failing(loop: worker_stream.StreamLoop) -> None:
+        if any(m.request.payload.get("tag") == "boom" for m in loop.members.values()):
+            raise RuntimeError("a failure outside the model")
+        await forward(loop)
+
+    monkeypatch.setattr(worker_stream.StreamLoop, "forward", failing)
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        with pytest.raises(WorkerCrashed):
+            _ = [x async for x in client.stream("counter", {"n": 3, "tag": "boom"}, 10)]
+        assert [x async for x in client.stream("counter", {"n": 2}, 5)] == ["0", "1"]
+    dead = [codec.decode(raw) for raw in
+            raw_redis.lrange(protocol.dead_letter_key("counter"), 0, -1)]
+    # dead-lettered as last claimed: its third attempt (max_attempts 3) failed too
+    assert [(d[protocol.F_PAYLOAD]["tag"], d[protocol.F_ATTEMPT]) for d in dead] == \
+        [("boom", 2)]
+
+
+async def test_a_cancel_in_a_fixed_batch_never_pulls_a_newcomer_in(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    start_worker([fixed()])
+    await wait_live(redis_url, "fixed")
+    async with Client(redis_url) as client:
+        a = client.stream("fixed", {"n": 20, "tag": "a"}, 10)
+        b = client.stream("fixed", {"n": 20, "tag": "b"}, 10)
+        await asyncio.gather(a.open(), b.open())
+        assert [await anext(b) for _ in range(2)] == ["b0", "b1"]
+        c = client.stream("fixed", {"n": 3, "tag": "c"}, 10)
+        await c.open()
+        await asyncio.sleep(0.05)
+        await b.aclose()  # a member of the run-to-completion batch leaves
+        assert [x async for x in a] == [f"a{i}" for i in range(20)]
+        assert [x async for x in c] == ["c0", "c1", "c2"]
+    assert all(len(keys) <= 2 for keys in stream_models.STEPS)
+
+
+async def test_a_claim_of_only_unreadable_entries_is_dead_lettered(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    for i in range(3):
+        raw_redis.rpush(protocol.queue_key("counter"), b"\xc1garbage%d" % i)
+        await asyncio.sleep(0.1)
+    await _until(lambda: raw_redis.llen(protocol.dead_letter_key("counter")) == 3)
+    assert _idle(raw_redis, "counter")
+
+
+async def test_a_request_cancelled_while_queued_is_never_stepped(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    await _live(start_worker, redis_url, monkeypatch, size=1)
+    async with Client(redis_url) as client:
+        busy = client.stream("counter", {"n": 10}, 10)
+        assert await anext(busy) == "0"  # the one place is taken
+        stream = client.stream("counter", {"n": 3, "tag": "gone"}, 10)
+        await stream.open()
+        await stream.aclose()  # it waits in the queue, cancelled
+        assert len([x async for x in busy]) == 9
+        await _until(lambda: _idle(raw_redis, "counter"))
+    assert stream.request_id not in {key for keys in stream_models.STEPS for key in keys}
+    assert raw_redis.get(protocol.request_key("counter", stream.request_id)) == b"d"
+
+
+async def test_the_reaper_answers_an_addressable_unreadable_entry_and_counts_dead_letters(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    reply_to = protocol.reply_key("counter", "c1")
+    bad = codec.encode({"v": 1, "id": "bad1", "reply_to": reply_to}, "json")  # no deadline
+    spent = _request("spent1", reply_to, {"n": 3}, attempt=2)
+    raw_redis.rpush(protocol.inflight_key("counter", "dead"), bad,
+                    codec.encode(spent.to_wire(), "msgpack"), b"\xc1junk")
+    raw_redis.zadd(protocol.workers_key("counter"), {"dead": protocol.now_ms() - 1000})
+    counted: list[int] = []
+
+    class Stats(WorkerStats):
+        def dead_lettered(self, count: int) -> None:
+            counted.append(count)
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        reaper = StreamReaper(client, "counter", 3, Stats("counter", 4))
+        assert await reaper.reap("dead") == 0
+    finally:
+        await client.aclose()
+    assert counted == [3]
+    finals = [codec.decode(raw) for raw in raw_redis.lrange(reply_to, 0, -1)]
+    assert [(m["id"], m["seq"], m["error"]["code"]) for m in finals] == [
+        ("bad1", 0, "invalid_payload"), ("spent1", 0, "worker_crashed")]
+    assert raw_redis.llen(protocol.dead_letter_key("counter")) == 3
+
+
+# --- the client's side --------------------------------------------------------------
+def test_chunks_buffered_before_the_deadline_are_read_after_it() -> None:
+    async def read() -> list[StreamChunk]:
+        queue = ChunkQueue("r1", protocol.now_ms() - 60_000)  # long past, grace too
+        queue.put(StreamChunk("r1", 0, "x"))
+        queue.put(StreamChunk("r1", 1, last=True))
+        return [await queue.get(), await queue.get()]
+
+    chunks = asyncio.run(read())
+    assert [(c.seq, c.last) for c in chunks] == [(0, False), (1, True)]
+
+
+async def test_closing_a_stream_that_failed_on_the_client_side_cancels_it(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    await _live(start_worker, redis_url, monkeypatch)
+    async with Client(redis_url) as client:
+        stream = client.stream("counter", {"n": 10_000}, 20)
+        assert await anext(stream) == "0"
+        assert stream._queue is not None
+        stream._queue.fail(RedbatchError("a failure on the client's side"))
+        with pytest.raises(RedbatchError, match="client's side"):
+            await anext(stream)
+        await stream.aclose()
+        assert raw_redis.zscore(protocol.cancelled_key("counter"), stream.request_id)
+    marker = protocol.request_key("counter", stream.request_id)
+    await _until(lambda: raw_redis.get(marker) == b"d")
+
+
+# --- the gateway ----------------------------------------------------------------------
+async def test_a_chunk_that_is_not_json_ends_the_http_stream_with_an_error_event(
+        start_worker: Callable[..., Worker], redis_url: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    start_worker([bytes_model()])
+    await wait_live(redis_url, "bytesm")
+    async with served(redis_url) as http:
+        response = await http.post("/v1/models/bytesm/predict", json={"n": 1},
+                                   headers={"x-timeout-ms": "5000"})
+        assert response.status_code == 200
+        events = [orjson.loads(line) for line in response.text.splitlines()]
+        assert [(e["last"], e["error"]["code"]) for e in events] == [(True, "model_error")]
+        whole = await http.post("/v2/models/bytesm/generate", json={"n": 1},
+                                headers={"x-timeout-ms": "5000"})
+        assert whole.status_code == 500 and "cannot be written as JSON" in whole.json()["error"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no traceback
+
+
+async def test_an_http_client_gone_before_its_first_chunk_cancels_its_stream(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    await _live(start_worker, redis_url, monkeypatch, size=1)
+    async with Client(redis_url) as client, served(redis_url) as http:
+        busy = client.stream("counter", {"n": 10_000}, 10)
+        assert await anext(busy) == "0"  # the one place is taken: the next one waits
+        port = http.base_url.port
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        data = orjson.dumps({"n": 5, "tag": "late"})
+        writer.write(b"POST /v1/models/counter/predict HTTP/1.1\r\nhost: gw\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(data), data))
+        await writer.drain()
+        await _until(lambda: raw_redis.llen(protocol.queue_key("counter")) == 1)
+        writer.close()
+        cancelled = protocol.cancelled_key("counter")
+        await _until(lambda: raw_redis.zcard(cancelled) == 1)
+        busy_marker = raw_redis.get(protocol.request_key("counter", busy.request_id))
+        assert busy_marker and busy_marker.startswith(b"s")  # cancelled while it waited
+        await busy.aclose()
+        await _until(lambda: _idle(raw_redis, "counter"))
+    late = {m.decode() for m in raw_redis.zrange(cancelled, 0, -1)} - {busy.request_id}
+    assert len(late) == 1 and not late & {key for keys in stream_models.STEPS for key in keys}
+
+
+def test_closing_a_stream_never_waits_long_on_redis_nor_raises(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streams, "CANCEL_TIMEOUT_S", 0.05)
+
+    class Stalled:
+        def abandon(self, *_args: Any) -> None:
+            pass
+
+        async def mark_cancelled(self, *_args: Any) -> None:
+            await asyncio.sleep(60)  # a Redis that stalls
+
+        async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
+            return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
+
+    class Failing(Stalled):
+        async def mark_cancelled(self, *_args: Any) -> None:
+            raise RedisUnavailable("Redis is away")
+
+    async def close(client: Any) -> None:
+        stream = streams.Stream(client, "counter", {}, protocol.now_ms() + 60_000)
+        await stream.open()
+        await asyncio.wait_for(stream.aclose(), 1)
+
+    asyncio.run(close(Stalled()))
+    asyncio.run(close(Failing()))
+
+
+async def test_the_stream_bench_warms_up_and_measures_enough_requests_per_level(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench_stream, "CONCURRENCY", (1, 2))
+    monkeypatch.setattr(bench_stream, "MIN_SAMPLES", 6)
+    server = bench_stream.NaiveServer(step_ms=0)
+    task = asyncio.create_task(server.serve())
+    opened: list[int] = []
+
+    def open_stream(prompt: str, tokens: int) -> AsyncIterator[Any]:
+        opened.append(tokens)
+        return server.stream(prompt, tokens)
+
+    try:
+        results = await bench_stream._levels(open_stream, "naive", 0, per_stream=1)
+    finally:
+        task.cancel()
+    assert [(r.streams, r.requests, len(r.ttft_ms)) for r in results] == [(1, 6, 6), (2, 6, 6)]
+    assert len(opened) == bench_stream.WARM_UP_STREAMS + 12  # the warm-up is not measured
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_stream_cancelled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streaming, "SEND_GRACE_S", 0.05)
+    cancels: list[str] = []
+
+    class Listening:
+        def abandon(self, *_args: Any) -> None:
+            pass
+
+        async def mark_cancelled(self, _model: str, request_id: str, _deadline: int) -> None:
+            cancels.append(request_id)
+
+        async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
+            return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
+
+    stream = streams.Stream(Listening(), "counter", {},  # type: ignore[arg-type]
+                            protocol.now_ms() - protocol.STREAM_GRACE_MS)
+    await stream.open()
+    answer = streaming.StreamAnswer(stream, StreamChunk("r1", 0, "x"),
+                                    streaming.v1_shapes("out"), False, "r1")
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(60)  # its TCP window stays shut
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    await asyncio.wait_for(answer({"type": "http"}, receive, send), 2)
+    await asyncio.sleep(0)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert cancels == ["r1"]
+
+
+# --- poison isolation -------------------------------------------------------------
+async def test_an_exception_yielded_for_one_member_fails_that_member_alone(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    await _live(start_worker, redis_url, monkeypatch, step_s=0.01)
+    async with Client(redis_url) as client:
+        bad = client.stream("counter", {"n": 5, "fail_one": 2}, 10)
+        good = client.stream("counter", {"n": 5, "tag": "g"}, 10)
+        await asyncio.gather(bad.open(), good.open())
+        seen: list[str] = []
+        with pytest.raises(ModelError, match="asked to fail this one"):
+            async for chunk in bad:
+                seen.append(chunk)
+        assert seen == ["0", "1"]
+        assert [x async for x in good] == [f"g{i}" for i in range(5)]
+    assert any(bad.request_id in keys and good.request_id in keys
+               for keys in stream_models.STEPS)
+
+
+async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    await _live(start_worker, redis_url, monkeypatch)
+    reply_to = protocol.reply_key("counter", "t1")
+    suspect = _request("suspect1", reply_to, {"n": 3, "tag": "s"})
+    suspect.suspect = True
+    async with Client(redis_url) as client:
+        busy = client.stream("counter", {"n": 15}, 10)
+        assert await anext(busy) == "0"
+        raw_redis.rpush(protocol.queue_key("counter"), codec.encode(suspect.to_wire(), "json"))
+        late = client.stream("counter", {"n": 2, "tag": "l"}, 10)
+        assert [x async for x in late] == ["l0", "l1"]  # a newcomer still joins
+        assert len([x async for x in busy]) == 14
+        await _until(lambda: raw_redis.llen(reply_to) == 4)
+    messages = [codec.decode(raw) for raw in raw_redis.lrange(reply_to, 0, -1)]
+    assert [m.get(protocol.F_PAYLOAD) for m in messages[:3]] == ["s0", "s1", "s2"]
+    assert messages[3]["ok"] is True
+    steps = stream_models.STEPS
+    alone = [i for i, keys in enumerate(steps) if "suspect1" in keys]
+    assert all(steps[i] == ["suspect1"] for i in alone)
+    assert max(i for i, keys in enumerate(steps) if busy.request_id in keys) < min(alone)
+    assert not raw_redis.keys(protocol.crashing_key("counter", "*"))  # named while it ran
+
+
+async def test_the_suspect_a_worker_died_running_alone_takes_the_blame_alone(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    reply_to = protocol.reply_key("counter", "c1")
+    culprit = _request("culprit", reply_to, {"n": 3}, attempt=1)
+    waiting = _request("waiting", reply_to, {"n": 3})
+    inflight = protocol.inflight_key("counter", "dead")
+    raw_redis.rpush(inflight, codec.encode(waiting.to_wire(), "msgpack"),
+                    codec.encode(culprit.to_wire(), "msgpack"))
+    raw_redis.set(protocol.crashing_key("counter", "dead"), "culprit")
+    raw_redis.zadd(protocol.workers_key("counter"), {"dead": protocol.now_ms() - 1000})
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await StreamReaper(client, "counter", 3).reap("dead") == 2
+    finally:
+        await client.aclose()
+    requeued = [codec.decode(raw) for raw in
+                raw_redis.lrange(protocol.queue_key("counter"), 0, -1)]
+    assert [(r["id"], r[protocol.F_ATTEMPT], r.get(protocol.F_SUSPECT)) for r in requeued] == \
+        [("waiting", 0, True), ("culprit", 2, True)]
