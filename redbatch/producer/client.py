@@ -17,6 +17,10 @@ from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, ReplicaWait, check_socket_timeout
 from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchError
+from redbatch.lean import LeanLink
+from redbatch.pipelines.book import PipelineBook
+from redbatch.pipelines.definition import Pipeline
+from redbatch.pipelines.enter import enter
 from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer, Outcome
 from redbatch.producer.listener import RequestFuture
@@ -113,6 +117,7 @@ class Client:
                 raise
             self._redis = redis
             self._admission = Admission(redis, self.max_queue_len)
+            self._pipelines = PipelineBook(redis)
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
@@ -290,6 +295,9 @@ class Client:
         deadline = self._deadline(timeout_s, deadline_ms)
         listeners = await self._ready(model, 1, deadline)
         level = 0 if priority is None else await self._level(model, priority)
+        if (pipeline := await self._pipeline(model)) is not None:
+            return await self._enter(pipeline, listeners, inputs, deadline, reply,
+                                     request_id, trace_id, level)
         request = self._request(model, inputs, deadline, request_id, listeners.reply_to(model),
                                 trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
@@ -317,6 +325,14 @@ class Client:
         if not inputs:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
+        if await self._pipeline(model) is not None:  # one entry per input (no packing)
+            if batched:
+                raise InvalidPayload(f"{model!r} is a pipeline: it takes one input per "
+                                     "request, not a batch of rows")
+            ids = list(request_ids) if request_ids else [None] * len(inputs)
+            return list(await asyncio.gather(*(self.submit(
+                model, x, reply=reply, request_id=rid, deadline_ms=deadline,
+                priority=priority) for x, rid in zip(inputs, ids, strict=True))))
         listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
@@ -335,6 +351,33 @@ class Client:
         await self._enqueued(self._push(model, requests, entries, max_queue_len, level),
                              requests, deadline)
         return futures
+
+    async def _pipeline(self, name: str) -> Pipeline | None:
+        """The pipeline called ``name`` (the registry, read once a second at most)."""
+        if self._listeners is None:
+            await self.start()
+        if not self._pipelines.fresh():
+            async with translated(self.settings):
+                await self._pipelines.refresh()
+        return self._pipelines.known(name)
+
+    async def _enter(self, pipeline: Pipeline, listeners: Listeners, inputs: Any,
+                     deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
+                     level: int) -> RequestFuture[Any]:
+        """A pipeline request: it enters the first stage, and its final reply comes to
+        this client's reply list of the pipeline (``redbatch.pipelines``)."""
+        rid = request_id or protocol.new_request_id()
+        future = listeners.expect(pipeline.name, rid, deadline_ms, reply)
+        try:
+            async with translated(self.settings):
+                levels = await self._admission.levels(pipeline.first)
+                await enter(LeanLink(self.redis), levels, pipeline, rid, inputs,
+                            reply_to=listeners.reply_to(pipeline.name),
+                            deadline_ms=deadline_ms, trace_id=trace_id, priority=level,
+                            fmt=self.fmt)
+        except Exception as exc:
+            listeners.fail(rid, exc, pipeline.name)
+        return future
 
     def _push(self, model: str, requests: list[Request], entries: list[bytes] | None,
               cap: int | None, level: int = 0) -> asyncio.Future[Outcome]:

@@ -1,0 +1,41 @@
+"""A pipeline request's context: what travels with it from stage to stage beside its
+payload (stored at each stage under ``context_key``, in the stage's slot)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from redbatch import protocol
+from redbatch.codec import Format
+from redbatch.protocol import Timings
+
+
+@dataclass
+class Context:
+    pipeline: str
+    route: list[str]  # the stages still ahead of the one that holds the request
+    reply_to: str  # the caller's reply list (in the pipeline's slot)
+    deadline_ms: int
+    enqueue_ms: int  # when the caller sent it (the first stage's enqueue)
+    priority: int = 0  # the level the caller asked for (0: each stage's default)
+    trace_id: str = ""
+    fmt: Format = "msgpack"  # the caller's encoding: the final reply's too
+    stages: list[dict[str, Any]] = field(default_factory=list)  # each stage's timings
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Context:
+        data: dict[str, Any] = orjson.loads(raw)
+        return cls(**data)
+
+    def passed(self, stage: str, timings: Timings) -> Context:
+        """The context for the next stage, once ``stage`` answered with ``timings``."""
+        done = {protocol.F_STAGE: stage, **timings.to_wire()}
+        return Context(self.pipeline, self.route[1:], self.reply_to, self.deadline_ms,
+                       self.enqueue_ms, self.priority, self.trace_id, self.fmt,
+                       [*self.stages, done])

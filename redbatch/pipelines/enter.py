@@ -1,0 +1,25 @@
+"""A producer's side of a pipeline request: it enters the first stage with its
+context (the caller's reply list, deadline, priority and trace id)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redbatch import protocol
+from redbatch.codec import Format
+from redbatch.lean import LeanLink
+from redbatch.levels import Levels
+from redbatch.pipelines import handoff
+from redbatch.pipelines.context import Context
+from redbatch.pipelines.definition import Pipeline
+
+
+async def enter(link: LeanLink, levels: Levels, pipeline: Pipeline, request_id: str,
+                inputs: Any, *, reply_to: str, deadline_ms: int, trace_id: str = "",
+                priority: int = 0, fmt: Format = "msgpack") -> bool:
+    """Queue a request of ``pipeline`` at its first stage (of ``levels``); its final
+    reply goes to ``reply_to`` (in the pipeline's slot).  False if a request of this
+    id was queued there already (a retried push)."""
+    ctx = Context(pipeline.name, list(pipeline.stages[1:]), reply_to, deadline_ms,
+                  protocol.now_ms(), priority, trace_id, fmt)
+    return await handoff.send(link, levels, pipeline.first, request_id, inputs, ctx)

@@ -1,0 +1,125 @@
+"""One stage's hand-off: takes its replies to pipeline requests from its outbox (under a
+lease), and hands each one on: to the next stage's queue, or to the caller as the final
+reply.  Every write is idempotent, so a record whose taker died is simply taken again
+once its lease expires (``docs/protocol.md`` §17)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import codec, lua, protocol
+from redbatch.errors import DeadlineExceeded, RedbatchError
+from redbatch.lean import LeanLink
+from redbatch.pipelines import handoff
+from redbatch.pipelines.context import Context
+from redbatch.protocol import Reply
+from redbatch.redis_conn import REDIS_ERRORS
+from redbatch.registry import LiveCache
+
+log = logging.getLogger("redbatch.pipelines")
+BACKOFF_CAP_S = 2.0
+
+
+class Mover:
+    """Hands on the replies of ``stage`` (a model of this worker) to pipeline requests."""
+
+    def __init__(self, redis: aioredis.Redis, stage: str, live: LiveCache,
+                 blocking: aioredis.Redis | None, wait_s: float) -> None:
+        self._redis = redis
+        self._link = LeanLink(redis)
+        self._blocking = blocking or redis
+        self.stage = stage
+        self._live = live
+        self._wait_s = wait_s
+        self._outbox = protocol.outbox_key(stage)
+        self._handoff = protocol.handoff_key(stage)
+        self.handed = 0  # records handed on by this mover
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Hand on until ``stop``, then once more (what the last batches left)."""
+        backoff_s = 0.05
+        while True:
+            try:
+                if not await self.step() and not stop.is_set():
+                    await self._wait()
+                backoff_s = 0.05
+            except (*REDIS_ERRORS, RedbatchError) as exc:
+                log.warning("stage=%s hand-off: %s: %s; retrying in %.2f s", self.stage,
+                            type(exc).__name__, exc, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, BACKOFF_CAP_S)
+            if stop.is_set():
+                await self._last_step()
+                return
+
+    async def _last_step(self) -> None:
+        try:
+            while await self.step():
+                pass
+        except (*REDIS_ERRORS, RedbatchError) as exc:
+            log.warning("stage=%s: hand-off records left for the other workers (%s)",
+                        self.stage, exc)
+
+    async def _wait(self) -> None:
+        """Until the outbox holds a record (a rotation onto itself: nothing taken), or
+        ``wait_s`` (then expired leases are looked at again)."""
+        await self._blocking.blmove(self._outbox, self._outbox,
+                                    self._wait_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
+
+    async def step(self) -> int:
+        """Take up to ``HANDOFF_TAKE`` records, hand each on, then mark them done."""
+        records: list[bytes] = list(await self._link.script(lua.HANDOFF_TAKE, [
+            self._outbox, self._handoff],
+            [protocol.HANDOFF_TAKE, protocol.now_ms(), protocol.HANDOFF_LEASE_MS]))
+        if not records:
+            return 0
+        replies = [_reply(record) for record in records]
+        keys = [protocol.context_key(self.stage, r.id if r else "") for r in replies]
+        contexts: list[Any] = await self._redis.mget(keys)
+        await asyncio.gather(*(self._hand_on(reply, raw)
+                               for reply, raw in zip(replies, contexts, strict=True)))
+        await self._link.script(lua.HANDOFF_DONE, [self._handoff, *keys], records)
+        self.handed += len(records)
+        return len(records)
+
+    async def _hand_on(self, reply: Reply | None, raw: bytes | None) -> None:
+        """One record: a Redis refusal of this request's own keys (another type of
+        value) drops it alone, logged."""
+        if reply is None or raw is None:  # handed on already (or expired): nothing left
+            return
+        try:
+            await self._hand_on_one(reply, Context.from_json(raw))
+        except redis.ResponseError as exc:
+            log.error("stage=%s: could not hand on request %s: %s", self.stage, reply.id,
+                      exc)
+
+    async def _hand_on_one(self, reply: Reply, ctx: Context) -> None:
+        if not reply.ok or not ctx.route:
+            await handoff.deliver(self._link, reply.id,
+                                  handoff.final_wire(reply, ctx.passed(self.stage,
+                                                                       reply.timings),
+                                                     self.stage), ctx)
+            return
+        nxt = ctx.route[0]
+        if protocol.now_ms() >= ctx.deadline_ms:  # dropped where it is: not computed
+            late = Reply(reply.id, False, error_code=DeadlineExceeded.code,
+                         error_message="deadline passed before the stage was reached")
+            await handoff.deliver(self._link, reply.id,
+                                  handoff.final_wire(late, ctx, nxt), ctx)
+            return
+        levels = (await self._live.get(nxt)).levels
+        await handoff.send(self._link, levels, nxt, reply.id, reply.payload,
+                           ctx.passed(self.stage, reply.timings))
+
+
+def _reply(record: bytes) -> Reply | None:
+    try:
+        return protocol.reply_from_wire(codec.decode(record))
+    except Exception:  # not a reply: nothing to hand on
+        log.exception("undecodable hand-off record dropped")
+        return None
