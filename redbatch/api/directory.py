@@ -71,7 +71,8 @@ class ModelDirectory:
         meta = orjson.loads(raw) if raw else {"name": name}
         if len(depths) > 1:  # a multi-level model: its depth counts every level
             meta["queue_depths"] = by_level(depths)
-        return {**meta, "queue_depth": sum(depths), "live_workers": len(workers),
+        return {"kind": "model", **meta, "queue_depth": sum(depths),  # a pipeline's: its own
+                "live_workers": len(workers),
                 "workers": workers}
 
     def known(self, name: str) -> bool:

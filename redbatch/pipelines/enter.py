@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from redbatch import protocol
+from redbatch.errors import InvalidPayload
 from redbatch.codec import Format
 from redbatch.lean import LeanLink
 from redbatch.levels import Levels
@@ -23,3 +24,14 @@ async def enter(link: LeanLink, levels: Levels, pipeline: Pipeline, request_id: 
     ctx = Context(pipeline.name, list(pipeline.stages[1:]), reply_to, deadline_ms,
                   protocol.now_ms(), priority, trace_id, fmt)
     return await handoff.send(link, levels, pipeline.first, request_id, inputs, ctx)
+
+
+def asked_priority(priority: int | None) -> int:
+    """The priority a pipeline request carries through its stages (each stage takes it
+    where it has that level, else its default): 1..MAX_PRIORITY_LEVELS, or 0 (none)."""
+    if priority is None or priority == 0:
+        return 0
+    if type(priority) is not int or not 1 <= priority <= protocol.MAX_PRIORITY_LEVELS:
+        raise InvalidPayload(f"priority must be 1..{protocol.MAX_PRIORITY_LEVELS} (1 most "
+                             f"urgent; 0 or none: each stage's default), got {priority!r}")
+    return priority

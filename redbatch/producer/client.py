@@ -20,7 +20,7 @@ from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchErro
 from redbatch.lean import LeanLink
 from redbatch.pipelines.book import PipelineBook
 from redbatch.pipelines.definition import Pipeline
-from redbatch.pipelines.enter import enter
+from redbatch.pipelines.enter import asked_priority, enter
 from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer, Outcome
 from redbatch.producer.listener import RequestFuture
@@ -294,10 +294,10 @@ class Client:
         out of its range: ``InvalidPayload``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
         listeners = await self._ready(model, 1, deadline)
-        level = 0 if priority is None else await self._level(model, priority)
         if (pipeline := await self._pipeline(model)) is not None:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
-                                     request_id, trace_id, level)
+                                     request_id, trace_id, asked_priority(priority))
+        level = 0 if priority is None else await self._level(model, priority)
         request = self._request(model, inputs, deadline, request_id, listeners.reply_to(model),
                                 trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so

@@ -1,0 +1,251 @@
+"""Pipelines: chained models served under their own name (``redbatch.pipelines``),
+handed on stage to stage through Redis, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from redbatch import Client, RedisSettings, codec, protocol
+from redbatch.api import create_app
+from redbatch.config import GatewayConfig
+from redbatch.errors import DeadlineExceeded, ModelError
+from redbatch.lean import LeanLink
+from redbatch.levels import ONE
+from redbatch.pipelines import Pipeline, handoff
+from redbatch.pipelines.context import Context
+from redbatch.pipelines.mover import Mover
+from redbatch.worker.model import Model
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from tests.conftest import FAST_WORKER, wait_live
+
+pytestmark = pytest.mark.timeout(30)
+POLICY = BatchPolicy(max_batch_size=16, batch_wait_timeout_s=0.0)
+CALC = Pipeline("calc", ["inc", "dbl"])
+
+
+def inc_fn(xs: list[int]) -> list[int]:
+    if -1 in xs:
+        raise ValueError("no -1 here")
+    return [x + 1 for x in xs]
+
+
+class Counted:
+    """``dbl``: doubles, and counts how often it saw each input."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def __call__(self, xs: list[int]) -> list[int]:
+        for x in xs:
+            self.seen[x] = self.seen.get(x, 0) + 1
+        return [2 * x for x in xs]
+
+
+def inc() -> Model:
+    return Model("inc", fn=inc_fn, policy=POLICY, inline=True)
+
+
+def dbl(counted: Counted, levels: int = 1) -> Model:
+    return Model("dbl", fn=counted, policy=POLICY, inline=True, priority_levels=levels,
+                 default_priority=levels)
+
+
+class Workers:
+    """Workers as tasks on the test's loop, each stoppable on its own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.running: list[tuple[asyncio.Event, asyncio.Task[None], Worker]] = []
+
+    def start(self, models: list[Model], pipelines: list[Pipeline] | None = None) -> Worker:
+        worker = Worker(models, RedisSettings(self.url), FAST_WORKER, pipelines=pipelines)
+        stop = asyncio.Event()
+        self.running.append((stop, asyncio.create_task(worker.run(stop)), worker))
+        return worker
+
+    async def stop(self, worker: Worker) -> None:
+        for stop, task, each in self.running:
+            if each is worker:
+                stop.set()
+                await asyncio.wait_for(task, 10)
+
+    async def stop_all(self) -> None:
+        for stop, _task, _worker in self.running:
+            stop.set()
+        for _stop, task, _worker in self.running:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def workers(redis_url: str) -> AsyncIterator[Workers]:
+    running = Workers(redis_url)
+    yield running
+    await running.stop_all()
+
+
+async def test_a_chain_answers_under_its_own_name(workers: Workers, redis_url: str) -> None:
+    counted = Counted()
+    workers.start([inc()], [CALC])
+    workers.start([dbl(counted)])
+    await wait_live(redis_url, "calc")
+    async with Client(redis_url) as client:
+        assert await client.predict("calc", 3, timeout_s=5) == 8
+        assert await client.predict_many("calc", list(range(10, 30)), timeout_s=5) == [
+            2 * (x + 1) for x in range(10, 30)]
+        assert await client.predict("inc", 3, timeout_s=5) == 4  # a stage stays a model
+    assert set(counted.seen.values()) == {1}
+
+
+async def test_v1_predict_and_the_models_listing(workers: Workers, redis_url: str) -> None:
+    workers.start([inc(), dbl(Counted())], [CALC])
+    await wait_live(redis_url, "calc")
+    app = create_app(GatewayConfig(), RedisSettings(redis_url))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10) as http:
+        resp = await http.post("/v1/models/calc/predict", json={"inputs": 4},
+                               headers={"x-request-id": "trace-v1"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"outputs": 10}
+        assert resp.headers["x-request-id"] == "trace-v1"
+        listing = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+        assert listing["calc"]["kind"] == "pipeline"
+        assert listing["calc"]["stages"] == ["inc", "dbl"]
+        assert listing["inc"]["kind"] == listing["dbl"]["kind"] == "model"
+        failed = await http.post("/v1/models/calc/predict", json={"inputs": -1})
+        assert failed.status_code == 500 or failed.status_code >= 400
+        assert "stage 'inc' failed" in failed.text
+
+
+async def test_a_stage_error_names_the_stage(workers: Workers, redis_url: str) -> None:
+    workers.start([inc(), dbl(Counted())], [CALC])
+    await wait_live(redis_url, "calc")
+    async with Client(redis_url) as client:
+        with pytest.raises(ModelError, match="stage 'inc' failed: .*no -1 here"):
+            await client.predict("calc", -1, timeout_s=5)
+        assert await client.predict("calc", 1, timeout_s=5) == 4
+
+
+async def test_deadline_priority_and_trace_travel_to_the_next_stage(
+        workers: Workers, redis_url: str, raw_redis: redis.Redis) -> None:
+    counted = Counted()
+    second = workers.start([dbl(counted, levels=2)])  # publishes its levels, then stops
+    await wait_live(redis_url, "dbl")
+    await workers.stop(second)
+    workers.start([inc()], [CALC])
+    await wait_live(redis_url, "calc")
+    async with Client(redis_url) as client:
+        deadline_ms = protocol.now_ms() + 8000
+        future = await client.submit("calc", 5, deadline_ms=deadline_ms, trace_id="trace-7",
+                                     priority=1, reply=True)
+        urgent = protocol.queue_key("dbl", 1)  # level 1 of dbl (its default is 2)
+        for _ in range(200):
+            if raw_redis.llen(urgent):
+                break
+            await asyncio.sleep(0.02)
+        entry = protocol.request_from_wire(codec.decode(raw_redis.lindex(urgent, 0)))
+        assert (entry.id, entry.payload, entry.deadline_ms) == (future.request_id, 6,
+                                                                deadline_ms)
+        assert (entry.trace_id, entry.priority) == ("trace-7", 1)
+        assert entry.reply_to == protocol.outbox_key("dbl")
+        workers.start([dbl(counted, levels=2)])
+        reply = await future
+        assert reply.ok and reply.payload == 12
+
+
+async def test_an_expired_request_is_dropped_at_the_stage_it_reached(
+        workers: Workers, redis_url: str, raw_redis: redis.Redis) -> None:
+    counted = Counted()
+    workers.start([inc()], [CALC])
+    await wait_live(redis_url, "calc")
+    async with Client(redis_url) as client:
+        with pytest.raises(DeadlineExceeded):
+            await client.predict("calc", 7, timeout_s=0.3)
+        assert raw_redis.llen(protocol.queue_key("dbl")) == 1  # it reached dbl's queue
+        workers.start([dbl(counted)])
+        for _ in range(200):
+            if not raw_redis.llen(protocol.queue_key("dbl")):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        assert counted.seen == {}  # answered deadline_exceeded, never computed
+        assert await client.predict("calc", 1, timeout_s=5) == 4
+
+
+async def test_a_hand_off_sent_twice_is_queued_once(redis_url: str,
+                                                    raw_redis: redis.Redis) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    link = LeanLink(client)
+    ctx = Context("calc", [], protocol.reply_key("calc", "c1"), protocol.now_ms() + 5000,
+                  protocol.now_ms())
+    assert await handoff.send(link, ONE, "dbl", "req-1", 3, ctx)
+    assert not await handoff.send(link, ONE, "dbl", "req-1", 3, ctx)
+    assert raw_redis.llen(protocol.queue_key("dbl")) == 1
+    wire = {"v": 1, "id": "req-1", "ok": True, "payload": 6, "timings": {}}
+    assert await handoff.deliver(link, "req-1", wire, ctx)
+    assert not await handoff.deliver(link, "req-1", wire, ctx)  # one final reply
+    assert raw_redis.llen(ctx.reply_to) == 1
+    await link.release()
+    await client.aclose()
+
+
+async def test_a_hand_off_whose_sender_died_is_resent_once(
+        workers: Workers, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first movers to take records die after sending them on but before marking
+    them done (their DONE never runs): once the lease expires the records are taken
+    again and sent again; the markers keep it to one entry and one reply each."""
+    monkeypatch.setattr(protocol, "HANDOFF_LEASE_MS", 300)
+    died: list[int] = []
+    real_step = Mover.step
+
+    async def dying_step(self: Mover) -> int:
+        if len(died) >= 3:
+            return await real_step(self)
+        real_script = self._link.script
+
+        async def no_done(source: str, keys: list[Any], args: list[Any]) -> Any:
+            if "ZREM" in source:
+                died.append(len(args))
+                raise ConnectionError("died between the two steps")
+            return await real_script(source, keys, args)
+
+        self._link.script = no_done  # type: ignore[method-assign]
+        try:
+            return await real_step(self)
+        finally:
+            self._link.script = real_script  # type: ignore[method-assign]
+
+    monkeypatch.setattr(Mover, "step", dying_step)
+    counted = Counted()
+    workers.start([inc(), dbl(counted)], [CALC])
+    await wait_live(redis_url, "calc")
+    async with Client(redis_url) as client:
+        n = 60
+        results = await client.predict_many("calc", list(range(n)), timeout_s=15)
+        assert results == [2 * (x + 1) for x in range(n)]
+        assert died  # some hand-offs did die half-way
+        assert counted.seen == {x + 1: 1 for x in range(n)}  # computed once each
+        assert client.stats()["duplicates"] == 0
+
+
+def test_a_pipeline_is_checked() -> None:
+    from redbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="appears twice"):
+        Pipeline("p", ["a", "a"])
+    with pytest.raises(ConfigError, match="at least one stage"):
+        Pipeline("p", [])
+    with pytest.raises(ConfigError):
+        Pipeline("bad name", ["a"])
+    assert Pipeline.from_json(CALC.to_json()) == CALC
+
+
+_ = Callable
