@@ -23,6 +23,10 @@ default_timeout_s = 5             # deadline of its requests that set none
 priority_levels = 2               # priority levels of every model of the target
 default_priority = 2              # the level of requests that name none
 priority_caps = [1000, 100]       # each priority level's queue cap (models of 2 levels)
+
+[[pipelines]]             # a chain of the models above, served under its own name
+name = "classify_text"
+stages = ["tok", "textcls"]
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
@@ -42,6 +46,7 @@ from typing import Any, TypeVar
 from redbatch import knobs, protocol
 from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
+from redbatch.pipelines.definition import Pipeline, pipelines
 
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
@@ -68,6 +73,7 @@ class Deployment:
     gateway: GatewayConfig
     gateway_values: dict[str, Any]
     models: list[ModelEntry]
+    pipelines: list[Pipeline] = dataclasses.field(default_factory=list)
 
 
 def load(path: str | Path) -> Deployment:
@@ -76,7 +82,7 @@ def load(path: str | Path) -> Deployment:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    _only(data, {"redis_url", "gateway", "worker", "models"}, "")
+    _only(data, {"redis_url", "gateway", "worker", "models", "pipelines"}, "")
     redis_url = data.get("redis_url")
     if redis_url is not None and not isinstance(redis_url, str):
         raise ConfigError("redis_url: must be a string")
@@ -88,7 +94,8 @@ def load(path: str | Path) -> Deployment:
     if not isinstance(models, list) or not models:
         raise ConfigError("models: need at least one [[models]] table")
     return Deployment(redis_url, gateway, gateway_values,
-                      [_model(m, worker, f"models[{i}]") for i, m in enumerate(models)])
+                      [_model(m, worker, f"models[{i}]") for i, m in enumerate(models)],
+                      pipelines(data.get("pipelines", [])))
 
 
 def _model(raw: Any, defaults: dict[str, Any], where: str) -> ModelEntry:

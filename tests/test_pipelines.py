@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import redis
+from rich.console import Console
 
 from redbatch import Client, RedisSettings, codec, protocol
 from redbatch.api import create_app
@@ -129,7 +130,7 @@ async def test_a_stage_error_names_the_stage(workers: Workers, redis_url: str) -
     workers.start([inc(), dbl(Counted())], [CALC])
     await wait_live(redis_url, "calc")
     async with Client(redis_url) as client:
-        with pytest.raises(ModelError, match="stage 'inc' failed: .*no -1 here"):
+        with pytest.raises(ModelError, match=r"stage 'inc' failed: .*no -1 here"):
             await client.predict("calc", -1, timeout_s=5)
         assert await client.predict("calc", 1, timeout_s=5) == 4
 
@@ -248,4 +249,43 @@ def test_a_pipeline_is_checked() -> None:
     assert Pipeline.from_json(CALC.to_json()) == CALC
 
 
-_ = Callable
+
+async def test_a_pipeline_stored_in_redis_is_served_and_shown_by_status(
+        workers: Workers, redis_url: str, raw_redis: redis.Redis) -> None:
+    """Declared in the registry alone (as ``redbatch up -c FILE`` does): the workers of
+    its stages take it up; ``status`` shows each stage's queue and throughput."""
+    from redbatch import status
+    from redbatch.pipelines import status as pipeline_status
+    from redbatch.pipelines.definition import publish_sync
+
+    publish_sync(raw_redis, [CALC])
+    workers.start([inc()])
+    workers.start([dbl(Counted())])
+    await wait_live(redis_url, "calc")
+    async with Client(redis_url) as client:
+        assert await client.predict_many("calc", list(range(40)), timeout_s=5) == [
+            2 * (x + 1) for x in range(40)]
+    await asyncio.sleep(0.5)  # the workers publish their counters with the heartbeat
+    snap = await asyncio.to_thread(status.sample, raw_redis, 0.01)
+    (calc,) = pipeline_status.read(raw_redis, snap)
+    assert [s.stage for s in calc.stages] == ["inc", "dbl"]
+    assert all(s.live_workers == 1 and s.queue_depth == 0 and s.handoff_backlog == 0
+               for s in calc.stages)
+    assert snap["inc"].items == snap["dbl"].items == 40
+    console = Console(record=True, width=200)
+    console.print(pipeline_status.table([calc]))
+    assert "1. inc" in console.export_text() and "2. dbl" in console.export_text()
+
+
+def test_the_configuration_file_declares_pipelines(tmp_path: Any) -> None:
+    from redbatch import configfile
+    from redbatch.errors import ConfigError
+
+    path = tmp_path / "rb.toml"
+    path.write_text("[[models]]\ntarget='redbatch.demo:models'\n"
+                    "[[pipelines]]\nname='classify_text'\nstages=['tok', 'textcls']\n")
+    assert configfile.load(path).pipelines == [Pipeline("classify_text", ["tok", "textcls"])]
+    path.write_text("[[models]]\ntarget='redbatch.demo:models'\n"
+                    "[[pipelines]]\nname='p'\nstages='tok'\n")
+    with pytest.raises(ConfigError, match=r"pipelines\[0\]\.stages"):
+        configfile.load(path)

@@ -77,3 +77,25 @@ def publish_sync(redis: Any, pipelines: Iterable[Pipeline]) -> None:
     mapping = registry_mapping(pipelines)
     if mapping:
         redis.hset(protocol.PIPELINES_KEY, mapping=mapping)
+
+
+def pipelines(raw: Any) -> list[Pipeline]:
+    """The ``[[pipelines]]`` tables of a configuration file, checked (each error names
+    its table: ``pipelines[0].stages: ...``)."""
+    if not isinstance(raw, list):
+        raise ConfigError("pipelines: must be a list of [[pipelines]] tables")
+    return [_table(table, f"pipelines[{i}]") for i, table in enumerate(raw)]
+
+
+def _table(table: Any, where: str) -> Pipeline:
+    if not isinstance(table, dict) or set(table) - {"name", "stages"}:
+        raise ConfigError(f"{where}: must be a table of name and stages")
+    name, stages = table.get("name"), table.get("stages")
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}.name: must be a string")
+    if not isinstance(stages, list) or not all(isinstance(s, str) for s in stages):
+        raise ConfigError(f"{where}.stages: must be a list of model names")
+    try:
+        return Pipeline(name, stages)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc

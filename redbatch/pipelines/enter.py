@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from redbatch import protocol
-from redbatch.errors import InvalidPayload
 from redbatch.codec import Format
+from redbatch.errors import InvalidPayload
 from redbatch.lean import LeanLink
 from redbatch.levels import Levels
 from redbatch.pipelines import handoff
