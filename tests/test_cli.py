@@ -53,7 +53,8 @@ def test_up_uses_redis_url_when_set(spawn: Callable[..., Proc], redis_url: str) 
     wait_http(f"http://127.0.0.1:{port}/readyz", 90, proc)
     assert "using REDIS_URL" in proc.log()
     assert "embedded" not in proc.log()
-    assert redis.Redis.from_url(redis_url).zcard("rb:models") == 6  # the demo models
+    # the demo models and the demo pipeline
+    assert redis.Redis.from_url(redis_url).zcard("rb:models") == 8
 
 
 @batch(name="triple", batch_wait_timeout_s=0.01)

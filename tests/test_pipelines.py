@@ -274,7 +274,8 @@ async def test_a_pipeline_stored_in_redis_is_served_and_shown_by_status(
     assert snap["inc"].items == snap["dbl"].items == 40
     console = Console(record=True, width=200)
     console.print(pipeline_status.table([calc]))
-    assert "1. inc" in console.export_text() and "2. dbl" in console.export_text()
+    text = console.export_text()
+    assert "1. inc" in text and "2. dbl" in text
 
 
 def test_the_configuration_file_declares_pipelines(tmp_path: Any) -> None:
