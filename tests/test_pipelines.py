@@ -122,8 +122,15 @@ async def test_v1_predict_and_the_models_listing(workers: Workers, redis_url: st
         assert listing["calc"]["stages"] == ["inc", "dbl"]
         assert listing["inc"]["kind"] == listing["dbl"]["kind"] == "model"
         failed = await http.post("/v1/models/calc/predict", json={"inputs": -1})
-        assert failed.status_code == 500 or failed.status_code >= 400
-        assert "stage 'inc' failed" in failed.text
+        assert failed.status_code == 500 and "stage 'inc' failed" in failed.text
+        v2 = await http.post("/v2/models/calc/infer", json={"inputs": [
+            {"name": "inputs", "datatype": "INT64", "shape": [3], "data": [41, 0, -2]}]})
+        assert v2.status_code == 200, v2.text
+        assert v2.json()["outputs"][0]["data"] == [84, 2, -2]
+        assert v2.json()["model_name"] == "calc"
+        bad_row = await http.post("/v2/models/calc/infer", json={"inputs": [
+            {"name": "inputs", "datatype": "INT64", "shape": [2], "data": [1, -1]}]})
+        assert bad_row.status_code == 500 and "stage 'inc' failed" in bad_row.text
 
 
 async def test_a_stage_error_names_the_stage(workers: Workers, redis_url: str) -> None:

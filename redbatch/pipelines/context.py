@@ -24,6 +24,7 @@ class Context:
     trace_id: str = ""
     fmt: Format = "msgpack"  # the caller's encoding: the final reply's too
     stages: list[dict[str, Any]] = field(default_factory=list)  # each stage's timings
+    rows: int = 0  # a multi-row request's rows (docs/protocol.md §3.1); 0: one input
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -38,4 +39,4 @@ class Context:
         done = {protocol.F_STAGE: stage, **timings.to_wire()}
         return Context(self.pipeline, self.route[1:], self.reply_to, self.deadline_ms,
                        self.enqueue_ms, self.priority, self.trace_id, self.fmt,
-                       [*self.stages, done])
+                       [*self.stages, done], self.rows)

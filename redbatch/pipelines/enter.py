@@ -17,12 +17,13 @@ from redbatch.pipelines.definition import Pipeline
 
 async def enter(link: LeanLink, levels: Levels, pipeline: Pipeline, request_id: str,
                 inputs: Any, *, reply_to: str, deadline_ms: int, trace_id: str = "",
-                priority: int = 0, fmt: Format = "msgpack") -> bool:
+                priority: int = 0, fmt: Format = "msgpack", rows: int = 0) -> bool:
     """Queue a request of ``pipeline`` at its first stage (of ``levels``); its final
-    reply goes to ``reply_to`` (in the pipeline's slot).  False if a request of this
-    id was queued there already (a retried push)."""
+    reply goes to ``reply_to`` (in the pipeline's slot); ``rows``: a batch of that many
+    rows, each stage answering all of them at once.  False if a request of this id was
+    queued there already (a retried push)."""
     ctx = Context(pipeline.name, list(pipeline.stages[1:]), reply_to, deadline_ms,
-                  protocol.now_ms(), priority, trace_id, fmt)
+                  protocol.now_ms(), priority, trace_id, fmt, rows=rows)
     return await handoff.send(link, levels, pipeline.first, request_id, inputs, ctx)
 
 

@@ -28,7 +28,7 @@ def stage_entry(stage: str, request_id: str, payload: Any, ctx: Context, level: 
     request = Request(id=request_id, model=stage, enqueue_ms=protocol.now_ms(),
                       deadline_ms=ctx.deadline_ms, reply_to=protocol.outbox_key(stage),
                       payload=payload, trace_id=ctx.trace_id,
-                      priority=level or ctx.priority)
+                      priority=level or ctx.priority, rows=ctx.rows)
     return codec.encode(request.to_wire(), ctx.fmt)
 
 
@@ -51,9 +51,11 @@ async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payl
 
 def final_wire(reply: Reply, ctx: Context, stage: str) -> dict[str, Any]:
     """The caller's reply: ``reply`` with each stage's timings, and on an error the
-    stage that failed, named in the message too."""
+    stage that failed, named in the message too (a failed row's as well)."""
     wire = reply.to_wire()
     wire[protocol.F_STAGES] = ctx.stages
+    for row in wire.get(protocol.F_ROW_ERRORS, []):
+        row[protocol.F_MESSAGE] = f"stage {stage!r} failed: {row[protocol.F_MESSAGE]}"
     if not reply.ok:
         error = wire[protocol.F_ERROR]
         error[protocol.F_STAGE] = stage

@@ -99,7 +99,7 @@ class Mover:
                       exc)
 
     async def _hand_on_one(self, reply: Reply, ctx: Context) -> None:
-        if not reply.ok or not ctx.route:
+        if not reply.ok or reply.row_errors or not ctx.route:  # the final reply
             await handoff.deliver(self._link, reply.id,
                                   handoff.final_wire(reply, ctx.passed(self.stage,
                                                                        reply.timings),

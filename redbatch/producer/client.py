@@ -325,14 +325,13 @@ class Client:
         if not inputs:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
-        if await self._pipeline(model) is not None:  # one entry per input (no packing)
-            if batched:
-                raise InvalidPayload(f"{model!r} is a pipeline: it takes one input per "
-                                     "request, not a batch of rows")
+        if (pipeline := await self._pipeline(model)) is not None:  # one entry per input
+            listeners = await self._ready(model, len(inputs), deadline)
             ids = list(request_ids) if request_ids else [None] * len(inputs)
-            return list(await asyncio.gather(*(self.submit(
-                model, x, reply=reply, request_id=rid, deadline_ms=deadline,
-                priority=priority) for x, rid in zip(inputs, ids, strict=True))))
+            return list(await asyncio.gather(*(
+                self._enter(pipeline, listeners, x, deadline, reply, rid, "",
+                            asked_priority(priority), _rows(x) if batched else 0)
+                for x, rid in zip(inputs, ids, strict=True))))
         listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
@@ -363,7 +362,7 @@ class Client:
 
     async def _enter(self, pipeline: Pipeline, listeners: Listeners, inputs: Any,
                      deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
-                     level: int) -> RequestFuture[Any]:
+                     level: int, rows: int = 0) -> RequestFuture[Any]:
         """A pipeline request: it enters the first stage, and its final reply comes to
         this client's reply list of the pipeline (``redbatch.pipelines``)."""
         rid = request_id or protocol.new_request_id()
@@ -374,7 +373,7 @@ class Client:
                 await enter(LeanLink(self.redis), levels, pipeline, rid, inputs,
                             reply_to=listeners.reply_to(pipeline.name),
                             deadline_ms=deadline_ms, trace_id=trace_id, priority=level,
-                            fmt=self.fmt)
+                            fmt=self.fmt, rows=rows)
         except Exception as exc:
             listeners.fail(rid, exc, pipeline.name)
         return future
