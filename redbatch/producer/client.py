@@ -118,6 +118,7 @@ class Client:
             self._redis = redis
             self._admission = Admission(redis, self.max_queue_len)
             self._pipelines = PipelineBook(redis)
+            self._pipeline_link = LeanLink(redis)  # one held connection: pipeline entries
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
@@ -370,7 +371,7 @@ class Client:
         try:
             async with translated(self.settings):
                 levels = await self._admission.levels(pipeline.first)
-                await enter(LeanLink(self.redis), levels, pipeline, rid, inputs,
+                await enter(self._pipeline_link, levels, pipeline, rid, inputs,
                             reply_to=listeners.reply_to(pipeline.name),
                             deadline_ms=deadline_ms, trace_id=trace_id, priority=level,
                             fmt=self.fmt, rows=rows)
