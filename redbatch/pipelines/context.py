@@ -3,7 +3,7 @@ payload (stored at each stage under ``context_key``, in the stage's slot)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -27,7 +27,7 @@ class Context:
     rows: int = 0  # a multi-row request's rows (docs/protocol.md §3.1); 0: one input
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)  # (orjson writes a dataclass as its fields)
 
     @classmethod
     def from_json(cls, raw: bytes) -> Context:

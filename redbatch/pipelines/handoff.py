@@ -4,10 +4,13 @@ by its marker in the pipeline's slot)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import NoScriptError
+
 from redbatch import codec, lua, protocol
-from redbatch.lean import LeanLink
+from redbatch.lean import LeanLink, script_sha
 from redbatch.levels import Levels
 from redbatch.pipelines.context import Context
 from redbatch.protocol import Reply, Request
@@ -32,10 +35,23 @@ def stage_entry(stage: str, request_id: str, payload: Any, ctx: Context, level: 
     return codec.encode(request.to_wire(), ctx.fmt)
 
 
-async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payload: Any,
-               ctx: Context) -> bool:
-    """Queue the request at ``stage`` with its context; False if it was queued there
-    already (a hand-off sent again)."""
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One hand-off script call: its keys all in the slot of ``tag``."""
+
+    source: str
+    keys: list[str]
+    args: list[Any]
+    tag: str
+
+    def wire(self) -> tuple[Any, ...]:
+        return ("EVALSHA", script_sha(self.source), len(self.keys), *self.keys, *self.args)
+
+
+def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx: Context
+                 ) -> Command:
+    """Queue the request at ``stage`` (of ``levels``) with its context: the script
+    answers 0 if it was queued there already (a hand-off sent again)."""
     level = stage_level(levels, ctx.priority)
     keys = [protocol.request_key(stage, request_id), protocol.context_key(stage, request_id)]
     if levels.many:
@@ -44,9 +60,15 @@ async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payl
         keys.append(protocol.queue_key(stage))
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
     entry = stage_entry(stage, request_id, payload, ctx, level)
-    sent = await link.script(lua.HANDOFF_SEND, keys, [
-        ttl_ms, ctx.to_json(), entry, protocol.QUEUE_TTL_S * 1000])
-    return bool(sent)
+    return Command(lua.HANDOFF_SEND, keys,
+                   [ttl_ms, ctx.to_json(), entry, protocol.QUEUE_TTL_S * 1000], stage)
+
+
+async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payload: Any,
+               ctx: Context) -> bool:
+    """``send_command``, run: False if the request was queued at ``stage`` already."""
+    command = send_command(levels, stage, request_id, payload, ctx)
+    return bool(await link.script(command.source, command.keys, command.args))
 
 
 def final_wire(reply: Reply, ctx: Context, stage: str) -> dict[str, Any]:
@@ -63,11 +85,29 @@ def final_wire(reply: Reply, ctx: Context, stage: str) -> dict[str, Any]:
     return wire
 
 
-async def deliver(link: LeanLink, request_id: str, wire: dict[str, Any], ctx: Context
-                  ) -> bool:
-    """Push the final reply to the caller, at most once; False if it had one."""
+def deliver_command(request_id: str, wire: dict[str, Any], ctx: Context) -> Command:
+    """Push the final reply to the caller, at most once: the script answers 0 if the
+    request had its reply already."""
     keys = [protocol.request_key(ctx.pipeline, request_id), ctx.reply_to]
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
-    sent = await link.script(lua.HANDOFF_DELIVER, keys, [
-        ttl_ms, codec.encode(wire, ctx.fmt), protocol.REPLY_TTL_S])
-    return bool(sent)
+    return Command(lua.HANDOFF_DELIVER, keys,
+                   [ttl_ms, codec.encode(wire, ctx.fmt), protocol.REPLY_TTL_S], ctx.pipeline)
+
+
+async def deliver(link: LeanLink, request_id: str, wire: dict[str, Any], ctx: Context
+                  ) -> bool:
+    """``deliver_command``, run: False if the request had its reply already."""
+    command = deliver_command(request_id, wire, ctx)
+    return bool(await link.script(command.source, command.keys, command.args))
+
+
+async def run_group(link: LeanLink, commands: list[Command]) -> list[Any]:
+    """Commands of one slot in one write; their replies, errors in place (a key of
+    another type refuses its own request alone).  Sent once more after loading the
+    scripts if Redis lost them."""
+    replies = await link.pipeline_replies(*(c.wire() for c in commands))
+    if any(isinstance(r, NoScriptError) for r in replies):
+        for source in {c.source for c in commands}:
+            await link.execute("SCRIPT", "LOAD", source)
+        replies = await link.pipeline_replies(*(c.wire() for c in commands))
+    return replies

@@ -72,7 +72,8 @@ class Mover:
                                     self._wait_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
 
     async def step(self) -> int:
-        """Take up to ``HANDOFF_TAKE`` records, hand each on, then mark them done."""
+        """Take up to ``HANDOFF_TAKE`` records, hand them on (one write per slot they
+        go to), then mark them done."""
         records: list[bytes] = list(await self._link.script(lua.HANDOFF_TAKE, [
             self._outbox, self._handoff],
             [protocol.HANDOFF_TAKE, protocol.now_ms(), protocol.HANDOFF_LEASE_MS]))
@@ -81,40 +82,41 @@ class Mover:
         replies = [_reply(record) for record in records]
         keys = [protocol.context_key(self.stage, r.id if r else "") for r in replies]
         contexts: list[Any] = await self._redis.mget(keys)
-        await asyncio.gather(*(self._hand_on(reply, raw)
-                               for reply, raw in zip(replies, contexts, strict=True)))
+        groups: dict[str, list[handoff.Command]] = {}
+        for reply, raw in zip(replies, contexts, strict=True):
+            if reply is not None and raw is not None:  # else handed on already (expired)
+                command = await self._plan(reply, Context.from_json(raw))
+                groups.setdefault(command.tag, []).append(command)
+        await asyncio.gather(*(self._run(group) for group in groups.values()))
         await self._link.script(lua.HANDOFF_DONE, [self._handoff, *keys], records)
         self.handed += len(records)
         return len(records)
 
-    async def _hand_on(self, reply: Reply | None, raw: bytes | None) -> None:
-        """One record: a Redis refusal of this request's own keys (another type of
-        value) drops it alone, logged."""
-        if reply is None or raw is None:  # handed on already (or expired): nothing left
-            return
-        try:
-            await self._hand_on_one(reply, Context.from_json(raw))
-        except redis.ResponseError as exc:
-            log.error("stage=%s: could not hand on request %s: %s", self.stage, reply.id,
-                      exc)
+    async def _run(self, commands: list[handoff.Command]) -> None:
+        """One slot's commands; a Redis refusal of a request's own keys (another type
+        of value) drops that request alone, logged."""
+        for command, result in zip(commands, await handoff.run_group(self._link, commands),
+                                   strict=True):
+            if isinstance(result, redis.ResponseError):
+                log.error("stage=%s: could not hand on a request (keys %s): %s",
+                          self.stage, command.keys[:2], result)
 
-    async def _hand_on_one(self, reply: Reply, ctx: Context) -> None:
+    async def _plan(self, reply: Reply, ctx: Context) -> handoff.Command:
+        """Where this reply goes: the caller (the last stage, or an error: the stage
+        named), or the next stage's queue; a request past its deadline is answered
+        ``deadline_exceeded`` here, never computed further."""
         if not reply.ok or reply.row_errors or not ctx.route:  # the final reply
-            await handoff.deliver(self._link, reply.id,
-                                  handoff.final_wire(reply, ctx.passed(self.stage,
-                                                                       reply.timings),
-                                                     self.stage), ctx)
-            return
+            done = ctx.passed(self.stage, reply.timings)
+            return handoff.deliver_command(
+                reply.id, handoff.final_wire(reply, done, self.stage), ctx)
         nxt = ctx.route[0]
         if protocol.now_ms() >= ctx.deadline_ms:  # dropped where it is: not computed
             late = Reply(reply.id, False, error_code=DeadlineExceeded.code,
                          error_message="deadline passed before the stage was reached")
-            await handoff.deliver(self._link, reply.id,
-                                  handoff.final_wire(late, ctx, nxt), ctx)
-            return
+            return handoff.deliver_command(reply.id, handoff.final_wire(late, ctx, nxt), ctx)
         levels = (await self._live.get(nxt)).levels
-        await handoff.send(self._link, levels, nxt, reply.id, reply.payload,
-                           ctx.passed(self.stage, reply.timings))
+        return handoff.send_command(levels, nxt, reply.id, reply.payload,
+                                    ctx.passed(self.stage, reply.timings))
 
 
 def _reply(record: bytes) -> Reply | None:
