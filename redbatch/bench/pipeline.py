@@ -7,7 +7,8 @@ stages called one after the other by the Python client (``predict("tok", text)``
 
 1. one request at a time (latency p50/p99: the pipeline's hand-off against the client's
    round trip between the stages);
-2. ``CONCURRENCY`` requests in flight (texts/s).
+2. ``CONCURRENCY`` requests in flight (texts/s, and the worker process's CPU time per
+   text: the pipeline's hand-offs run in the stages' worker processes).
 
 The texts are ``TEXTS`` deterministic ones of 8 to 64 words.
 """
@@ -56,6 +57,15 @@ async def _latencies(client: Client, call: Any, bodies: list[str]) -> list[float
     return out
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) that process ``pid`` and its children (the worker
+    replicas) used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return own + sum(cpu_s(int(child)) for child in children)
+
+
 async def _rate(client: Client, call: Any, bodies: list[str]) -> float:
     queue = list(range(LOADED))
 
@@ -68,10 +78,11 @@ async def _rate(client: Client, call: Any, bodies: list[str]) -> float:
     return LOADED / (time.perf_counter() - started)
 
 
-async def _measure(url: str) -> dict[str, Any]:
+async def _measure(url: str, pid: int) -> dict[str, Any]:
     bodies = texts()
     calls = {"pipeline": pipeline_call, "chained": chained_call}
-    res: dict[str, Any] = {name: {"ms": [], "rates": []} for name in calls}
+    res: dict[str, Any] = {name: {"ms": [], "rates": [], "worker_cpu_ms": []}
+                           for name in calls}
     async with Client(url) as client:
         for call in calls.values():  # warm-up, and the two agree
             await asyncio.gather(*(call(client, b) for b in bodies))
@@ -80,7 +91,9 @@ async def _measure(url: str) -> dict[str, Any]:
         for _ in range(ROUNDS):
             for name, call in calls.items():
                 res[name]["ms"] += await _latencies(client, call, bodies)
+                before = cpu_s(pid)
                 res[name]["rates"].append(await _rate(client, call, bodies))
+                res[name]["worker_cpu_ms"].append((cpu_s(pid) - before) * 1000 / LOADED)
     return res
 
 
@@ -95,7 +108,7 @@ def run(logdir: Path) -> dict[str, Any]:
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         run_loop(_wait_live(embedded.url))
-        return run_loop(_measure(embedded.url))
+        return run_loop(_measure(embedded.url, worker.pid))
     finally:
         worker.terminate()
         worker.wait(30)
@@ -130,4 +143,5 @@ def report(res: dict[str, Any]) -> None:
         print(f"  {name:9s} one at a time p50 {np.percentile(ms, 50):6.2f} ms  p99 "
               f"{np.percentile(ms, 99):6.2f} ms   {CONCURRENCY} in flight "
               f"{np.median(rates):7.1f} texts/s (rounds: "
-              f"{', '.join(f'{r:.0f}' for r in rates)})")
+              f"{', '.join(f'{r:.0f}' for r in rates)}), worker CPU "
+              f"{np.median(res[name]['worker_cpu_ms']):.2f} ms/text")
