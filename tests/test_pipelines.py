@@ -297,3 +297,38 @@ def test_the_configuration_file_declares_pipelines(tmp_path: Any) -> None:
                     "[[pipelines]]\nname='p'\nstages='tok'\n")
     with pytest.raises(ConfigError, match=r"pipelines\[0\]\.stages"):
         configfile.load(path)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+async def test_a_worker_killed_between_stages_loses_nothing(
+        workers: Workers, redis_url: str, spawn: Any, raw_redis: redis.Redis) -> None:
+    """A worker process dies in its hand-off (records taken, none handed on yet): once
+    the lease of its records expires another worker of the stage hands them on.  Ledger
+    over every request: one reply each, each right, the next stage computed once each."""
+    import sys
+
+    from tests.pipeline_models import DIE_ON
+
+    proc = spawn([sys.executable, "-m", "tests.pipeline_models", redis_url], name="inc")
+    await wait_live(redis_url, "calc")
+    counted = Counted()
+    inputs = [*range(200, 260), DIE_ON - 1]
+    async with Client(redis_url) as client:
+        first = await client.submit_many("calc", inputs[:30], timeout_s=40)
+        for _ in range(300):  # let the doomed worker take the first ones alone
+            if raw_redis.zcard(protocol.handoff_key("inc")) or proc.popen.poll() is not None:
+                break
+            await asyncio.sleep(0.02)
+        rest = await client.submit_many("calc", inputs[30:], timeout_s=40)
+        for _ in range(500):
+            if proc.popen.poll() is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert proc.popen.returncode == 17, proc.log()  # it died in the hand-off
+        workers.start([inc(), dbl(counted)])  # the survivors: the stage's other workers
+        results = await asyncio.gather(*first, *rest)
+        assert results == [2 * (x + 1) for x in inputs]
+        assert counted.seen == {x + 1: 1 for x in inputs}  # the next stage: once each
+        assert client.stats()["duplicates"] == 0
+    assert raw_redis.zcard(protocol.handoff_key("inc")) == 0
