@@ -66,8 +66,10 @@ class Workers:
         self.url = url
         self.running: list[tuple[asyncio.Event, asyncio.Task[None], Worker]] = []
 
-    def start(self, models: list[Model], pipelines: list[Pipeline] | None = None) -> Worker:
-        worker = Worker(models, RedisSettings(self.url), FAST_WORKER, pipelines=pipelines)
+    def start(self, models: list[Model], pipelines: list[Pipeline] | None = None,
+              settings: RedisSettings | None = None) -> Worker:
+        worker = Worker(models, settings or RedisSettings(self.url), FAST_WORKER,
+                        pipelines=pipelines)
         stop = asyncio.Event()
         self.running.append((stop, asyncio.create_task(worker.run(stop)), worker))
         return worker
@@ -332,3 +334,26 @@ async def test_a_worker_killed_between_stages_loses_nothing(
         assert counted.seen == {x + 1: 1 for x in inputs}  # the next stage: once each
         assert client.stats()["duplicates"] == 0
     assert raw_redis.zcard(protocol.handoff_key("inc")) == 0
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(90)
+async def test_a_pipeline_on_redis_cluster(workers: Workers, redis_cluster: Any) -> None:
+    """Every step in one slot: the stages and the pipeline on different nodes."""
+    from redbatch.redis_conn import sync_client
+
+    settings = RedisSettings(redis_cluster.url, socket_timeout_s=3.0, connect_timeout_s=0.5)
+    owners = {redis_cluster.owner(protocol.queue_key(n)).port for n in ("inc", "dbl", "calc")}
+    assert len(owners) > 1  # the hand-offs cross nodes
+    counted = Counted()
+    workers.start([inc()], [CALC], settings)
+    workers.start([dbl(counted)], None, settings)
+    await wait_live(redis_cluster.url, "calc")
+    async with Client(settings=settings) as client:
+        assert await client.predict_many("calc", list(range(30)), timeout_s=20) == [
+            2 * (x + 1) for x in range(30)]
+        with pytest.raises(ModelError, match="stage 'inc' failed"):
+            await client.predict("calc", -1, timeout_s=20)
+    check = sync_client(settings)
+    assert check.zcard(protocol.handoff_key("inc")) == 0
+    check.close()
