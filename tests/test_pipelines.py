@@ -217,21 +217,12 @@ async def test_a_hand_off_whose_sender_died_is_resent_once(
     real_step = Mover.step
 
     async def dying_step(self: Mover) -> int:
-        if len(died) >= 3:
-            return await real_step(self)
-        real_script = self._link.script
-
-        async def no_done(source: str, keys: list[Any], args: list[Any]) -> Any:
-            if "ZREM" in source:
-                died.append(len(args))
-                raise ConnectionError("died between the two steps")
-            return await real_script(source, keys, args)
-
-        self._link.script = no_done  # type: ignore[method-assign]
-        try:
-            return await real_step(self)
-        finally:
-            self._link.script = real_script  # type: ignore[method-assign]
+        taken = await real_step(self)
+        if taken and len(died) < 3:  # sent on, not marked done: the process "dies"
+            died.append(taken)
+            self.done = None
+            raise ConnectionError("died between the two steps")
+        return taken
 
     monkeypatch.setattr(Mover, "step", dying_step)
     counted = Counted()
@@ -333,6 +324,10 @@ async def test_a_worker_killed_between_stages_loses_nothing(
         assert results == [2 * (x + 1) for x in inputs]
         assert counted.seen == {x + 1: 1 for x in inputs}  # the next stage: once each
         assert client.stats()["duplicates"] == 0
+    for _ in range(100):  # the last records are marked done with the next take
+        if not raw_redis.zcard(protocol.handoff_key("inc")):
+            break
+        await asyncio.sleep(0.05)
     assert raw_redis.zcard(protocol.handoff_key("inc")) == 0
 
 
@@ -355,5 +350,40 @@ async def test_a_pipeline_on_redis_cluster(workers: Workers, redis_cluster: Any)
         with pytest.raises(ModelError, match="stage 'inc' failed"):
             await client.predict("calc", -1, timeout_s=20)
     check = sync_client(settings)
+    for _ in range(100):  # the last records are marked done with the next take
+        if not check.zcard(protocol.handoff_key("inc")):
+            break
+        await asyncio.sleep(0.05)
     assert check.zcard(protocol.handoff_key("inc")) == 0
     check.close()
+
+
+async def test_a_reply_list_of_another_type_costs_its_request_alone(
+        workers: Workers, redis_url: str, raw_redis: redis.Redis,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from redbatch.pipelines.enter import enter
+
+    workers.start([inc(), dbl(Counted())], [CALC])
+    await wait_live(redis_url, "calc")
+    bad, good = protocol.reply_key("calc", "bad"), protocol.reply_key("calc", "good")
+    raw_redis.set(bad, "not a list")
+    client = redis.asyncio.Redis.from_url(redis_url)
+    link = LeanLink(client)
+    deadline_ms = protocol.now_ms() + 10_000
+    for request_id, reply_to in (("r-bad", bad), ("r-good", good)):
+        await enter(link, ONE, CALC, request_id, 1, reply_to=reply_to, deadline_ms=deadline_ms)
+    got = await asyncio.to_thread(raw_redis.blpop, [good], 10)
+    assert got is not None
+    assert protocol.reply_from_wire(codec.decode(got[1])).payload == 4
+    for _ in range(100):
+        if "could not hand on" in caplog.text:
+            break
+        await asyncio.sleep(0.05)
+    assert "could not hand on" in caplog.text and "WRONGTYPE" in caplog.text
+    for _ in range(100):  # marked done with the mover's next take: not retried for ever
+        if not raw_redis.zcard(protocol.handoff_key("dbl")):
+            break
+        await asyncio.sleep(0.05)
+    assert raw_redis.zcard(protocol.handoff_key("dbl")) == 0
+    await link.release()
+    await client.aclose()

@@ -105,9 +105,12 @@ async def run_group(link: LeanLink, commands: list[Command]) -> list[Any]:
     """Commands of one slot in one write; their replies, errors in place (a key of
     another type refuses its own request alone).  Sent once more after loading the
     scripts if Redis lost them."""
-    replies = await link.pipeline_replies(*(c.wire() for c in commands))
-    if any(isinstance(r, NoScriptError) for r in replies):
-        for source in {c.source for c in commands}:
-            await link.execute("SCRIPT", "LOAD", source)
+    try:  # (a cluster link raises a lone command's error rather than return it)
         replies = await link.pipeline_replies(*(c.wire() for c in commands))
-    return replies
+        if not any(isinstance(r, NoScriptError) for r in replies):
+            return replies
+    except NoScriptError:
+        pass
+    for source in {c.source for c in commands}:
+        await link.execute("SCRIPT", "LOAD", source)
+    return await link.pipeline_replies(*(c.wire() for c in commands))

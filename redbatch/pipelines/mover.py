@@ -39,6 +39,8 @@ class Mover:
         self._outbox = protocol.outbox_key(stage)
         self._handoff = protocol.handoff_key(stage)
         self.handed = 0  # records handed on by this mover
+        # the last step's records, handed on: marked done with the next take (one write)
+        self.done: handoff.Command | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hand on until ``stop``, then once more (what the last batches left)."""
@@ -72,11 +74,9 @@ class Mover:
                                     self._wait_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
 
     async def step(self) -> int:
-        """Take up to ``HANDOFF_TAKE`` records, hand them on (one write per slot they
-        go to), then mark them done."""
-        records: list[bytes] = list(await self._link.script(lua.HANDOFF_TAKE, [
-            self._outbox, self._handoff],
-            [protocol.HANDOFF_TAKE, protocol.now_ms(), protocol.HANDOFF_LEASE_MS]))
+        """Take up to ``HANDOFF_TAKE`` records and hand them on (one write per slot they
+        go to); they are marked done with the next step's take."""
+        records = await self._take()
         if not records:
             return 0
         replies = [_reply(record) for record in records]
@@ -88,15 +88,33 @@ class Mover:
                 command = await self._plan(reply, Context.from_json(raw))
                 groups.setdefault(command.tag, []).append(command)
         await asyncio.gather(*(self._run(group) for group in groups.values()))
-        await self._link.script(lua.HANDOFF_DONE, [self._handoff, *keys], records)
+        self.done = handoff.Command(lua.HANDOFF_DONE, [self._handoff, *keys], list(records),
+                                    self.stage)
         self.handed += len(records)
         return len(records)
+
+    async def _take(self) -> list[bytes]:
+        """The take script, after the last step's done in the same write."""
+        take = handoff.Command(lua.HANDOFF_TAKE, [self._outbox, self._handoff], [
+            protocol.HANDOFF_TAKE, protocol.now_ms(), protocol.HANDOFF_LEASE_MS], self.stage)
+        commands = [take] if self.done is None else [self.done, take]
+        replies = await handoff.run_group(self._link, commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        self.done = None
+        return list(replies[-1])
 
     async def _run(self, commands: list[handoff.Command]) -> None:
         """One slot's commands; a Redis refusal of a request's own keys (another type
         of value) drops that request alone, logged."""
-        for command, result in zip(commands, await handoff.run_group(self._link, commands),
-                                   strict=True):
+        try:
+            results = await handoff.run_group(self._link, commands)
+        except redis.ResponseError as exc:  # a cluster link raises a lone command's error
+            if len(commands) > 1:
+                raise
+            results = [exc]
+        for command, result in zip(commands, results, strict=True):
             if isinstance(result, redis.ResponseError):
                 log.error("stage=%s: could not hand on a request (keys %s): %s",
                           self.stage, command.keys[:2], result)
