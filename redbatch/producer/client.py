@@ -53,6 +53,10 @@ class Client:
     is queued.  ``require_workers=False`` queues them anyway, for a worker that starts
     later (a batch job filled ahead of its workers).
 
+    A pipeline's name (``redbatch.pipelines``, ``docs/models.md``) is served like a
+    model's: its request enters the first stage and its reply comes from the last (the
+    registry of pipelines is read once a second at most).
+
     ``replica_wait`` (default: ``REDBATCH_WAIT_REPLICAS`` and
     ``REDBATCH_WAIT_TIMEOUT_MS``, off) follows each enqueue with a Redis ``WAIT``
     for that many replicas, bounded by the request's deadline; a WAIT that ends short
