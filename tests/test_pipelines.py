@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import redis
 from rich.console import Console
@@ -387,3 +388,15 @@ async def test_a_reply_list_of_another_type_costs_its_request_alone(
     assert raw_redis.zcard(protocol.handoff_key("dbl")) == 0
     await link.release()
     await client.aclose()
+
+
+def test_the_demo_tokenizer() -> None:
+    from redbatch.errors import InvalidPayload
+    from redbatch.pipelines.tokenizer import UNKNOWN_ID, token_ids, tokenize
+
+    ids = token_ids("Some words, some WORDS!")
+    assert ids.dtype == np.int64 and len(ids) == 4 and ids[0] == ids[2] and ids[1] == ids[3]
+    assert token_ids("...").tolist() == [UNKNOWN_ID]
+    assert len(token_ids("w " * 2000)) == 512
+    with pytest.raises(InvalidPayload, match="must be a string"):
+        tokenize(["fine", 3])

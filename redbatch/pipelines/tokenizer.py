@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.bench.textcls import MAX_LEN, VOCAB
+from redbatch.errors import InvalidPayload
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
@@ -27,7 +28,12 @@ def token_ids(text: str) -> np.ndarray[Any, np.dtype[np.int64]]:
 
 
 def tokenize(texts: list[Any]) -> list[np.ndarray[Any, np.dtype[np.int64]]]:
-    return [token_ids(str(text)) for text in texts]
+    """Each text's ids; a batch holding a text that is not a string raises
+    ``InvalidPayload`` (the worker then isolates that one request: a 422)."""
+    for text in texts:
+        if not isinstance(text, str):
+            raise InvalidPayload(f"text must be a string, got {type(text).__name__}")
+    return [token_ids(text) for text in texts]
 
 
 def tokenizer_model(name: str = "tok", policy: BatchPolicy | None = None) -> Model:
