@@ -399,3 +399,14 @@ for i = 1, #ARGV do
 end
 return #ARGV
 """
+
+# KEYS[1]=a merge stage's parts of one request  ARGV[1]=branch stage  ARGV[2]=its output
+# ARGV[3]=branches of the fan-out  ARGV[4]=ttl ms
+# One branch's output, kept once (a part sent again changes nothing).  Returns every
+# part (HGETALL) once all branches are in, else an empty list.
+HANDOFF_PART: Final = """
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[3]) then return {} end
+return redis.call('HGETALL', KEYS[1])
+"""

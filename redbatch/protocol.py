@@ -214,6 +214,12 @@ def handoff_key(stage: str) -> str:
     return f"{PREFIX}:{{{stage}}}:handoff"
 
 
+def parts_key(stage: str, request_id: str) -> str:
+    """Hash: a merge stage's inputs for one request, branch stage -> its output (each
+    written once, ``HSETNX``), until every branch of the fan-out is in."""
+    return f"{PREFIX}:{{{stage}}}:parts:{request_id}"
+
+
 def context_key(stage: str, request_id: str) -> str:
     """String: a pipeline request's context (JSON) while it is at ``stage``: its
     pipeline, remaining route, final reply list, deadline, priority and trace id."""

@@ -288,6 +288,9 @@ def test_the_configuration_file_declares_pipelines(tmp_path: Any) -> None:
                     "[[pipelines]]\nname='classify_text'\nstages=['tok', 'textcls']\n")
     assert configfile.load(path).pipelines == [Pipeline("classify_text", ["tok", "textcls"])]
     path.write_text("[[models]]\ntarget='redbatch.demo:models'\n"
+                    "[[pipelines]]\nname='fan'\nstages=['inc', ['fa', 'fb'], 'mrg']\n")
+    assert configfile.load(path).pipelines == [FAN]
+    path.write_text("[[models]]\ntarget='redbatch.demo:models'\n"
                     "[[pipelines]]\nname='p'\nstages='tok'\n")
     with pytest.raises(ConfigError, match=r"pipelines\[0\]\.stages"):
         configfile.load(path)
@@ -400,3 +403,62 @@ def test_the_demo_tokenizer() -> None:
     assert len(token_ids("w " * 2000)) == 512
     with pytest.raises(InvalidPayload, match="must be a string"):
         tokenize(["fine", 3])
+
+
+FAN = Pipeline("fan", ["inc", ["fa", "fb"], "mrg"])
+
+
+def fa_fn(xs: list[int]) -> list[int]:
+    return [10 * x for x in xs]
+
+
+def fb_fn(xs: list[int]) -> list[int]:
+    if 13 in xs:
+        raise ValueError("no 13 on this branch")
+    return [x + 100 for x in xs]
+
+
+async def test_a_fan_out_and_its_merge(workers: Workers, redis_url: str,
+                                       raw_redis: redis.Redis) -> None:
+    """``inc`` feeds ``fa`` and ``fb`` side by side; ``mrg`` gets both outputs, by
+    branch; a branch's error names that branch."""
+    merged: list[dict[str, int]] = []
+
+    def mrg_fn(parts: list[dict[str, int]]) -> list[int]:
+        merged.extend(parts)
+        return [p["fa"] + p["fb"] for p in parts]
+
+    workers.start([inc(), Model("mrg", fn=mrg_fn, policy=POLICY, inline=True)], [FAN])
+    workers.start([Model("fa", fn=fa_fn, policy=POLICY, inline=True),
+                   Model("fb", fn=fb_fn, policy=POLICY, inline=True)])
+    await wait_live(redis_url, "fan")
+    async with Client(redis_url) as client:
+        assert await client.predict("fan", 1, timeout_s=5) == 20 + 102
+        assert await client.predict_many("fan", list(range(20, 40)), timeout_s=5) == [
+            10 * (x + 1) + x + 101 for x in range(20, 40)]
+        with pytest.raises(ModelError, match=r"stage 'fb' failed: .*no 13"):
+            await client.predict("fan", 12, timeout_s=5)
+    assert len(merged) == 21 and {"fa", "fb"} == set(merged[0])  # once per request
+    listing = raw_redis.hget(protocol.PIPELINES_KEY, "fan")
+    assert Pipeline.from_json(listing) == FAN
+
+
+async def test_a_merge_part_sent_twice_is_kept_once(raw_redis: redis.Redis) -> None:
+    from redbatch import lua
+
+    key = protocol.parts_key("mrg", "r1")
+    part = lua.HANDOFF_PART
+    assert raw_redis.eval(part, 1, key, "fa", b"A", 2, 5000) == []
+    assert raw_redis.eval(part, 1, key, "fa", b"A2", 2, 5000) == []  # sent again: no change
+    assert raw_redis.eval(part, 1, key, "fb", b"B", 2, 5000) == [b"fa", b"A", b"fb", b"B"]
+    assert 0 < raw_redis.pttl(key) <= 5000
+
+
+def test_a_fan_out_is_checked() -> None:
+    from redbatch.errors import ConfigError
+
+    assert FAN.models == ("inc", "fa", "fb", "mrg") and FAN.last == "mrg"
+    for stages in (["a", ["b", "c"]], [["b", "c"], "d"], ["a", ["b"], "d"],
+                   ["a", ["b", "c"], ["d", "e"], "f"]):
+        with pytest.raises(ConfigError, match="fan-out"):
+            Pipeline("p", stages)

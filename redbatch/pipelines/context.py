@@ -16,7 +16,8 @@ from redbatch.protocol import Timings
 @dataclass
 class Context:
     pipeline: str
-    route: list[str]  # the stages still ahead of the one that holds the request
+    route: list[str | list[str]]  # the steps ahead of the stage that holds it (a list:
+    # a fan-out)
     reply_to: str  # the caller's reply list (in the pipeline's slot)
     deadline_ms: int
     enqueue_ms: int  # when the caller sent it (the first stage's enqueue)
@@ -25,6 +26,8 @@ class Context:
     fmt: Format = "msgpack"  # the caller's encoding: the final reply's too
     stages: list[dict[str, Any]] = field(default_factory=list)  # each stage's timings
     rows: int = 0  # a multi-row request's rows (docs/protocol.md §3.1); 0: one input
+    branch: str = ""  # on a fan-out's branch: its stage (its output's name at the merge)
+    branches: list[str] = field(default_factory=list)  # ... and every branch's stage
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)  # (orjson writes a dataclass as its fields)
@@ -34,9 +37,11 @@ class Context:
         data: dict[str, Any] = orjson.loads(raw)
         return cls(**data)
 
-    def passed(self, stage: str, timings: Timings) -> Context:
-        """The context for the next stage, once ``stage`` answered with ``timings``."""
+    def passed(self, stage: str, timings: Timings, branch: str = "",
+               branches: list[str] | None = None) -> Context:
+        """The context for the next step, once ``stage`` answered with ``timings``
+        (``branch``: for one branch of a fan-out among ``branches``)."""
         done = {protocol.F_STAGE: stage, **timings.to_wire()}
         return Context(self.pipeline, self.route[1:], self.reply_to, self.deadline_ms,
                        self.enqueue_ms, self.priority, self.trace_id, self.fmt,
-                       [*self.stages, done], self.rows)
+                       [*self.stages, done], self.rows, branch, branches or [])

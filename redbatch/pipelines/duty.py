@@ -68,7 +68,7 @@ class PipelineDuty:
                                    mapping=registry_mapping(self._declared))  # type: ignore[arg-type]
         known = parse_registry(await self._redis.hgetall(protocol.PIPELINES_KEY))
         for pipe in known.values():
-            for stage in pipe.stages:
+            for stage in pipe.models:
                 if stage in self._models and stage not in self.movers:
                     self._start(stage, mover_stop)
         fronted = [p for p in known.values() if p.first in self._models]
@@ -83,7 +83,7 @@ class PipelineDuty:
         log.info("stage=%s: handing on its pipeline requests", stage)
 
     async def _beat(self, fronted: list[Pipeline]) -> None:
-        lasts: list[Any] = await self._redis.mget([protocol.meta_key(p.stages[-1])
+        lasts: list[Any] = await self._redis.mget([protocol.meta_key(p.last)
                                                    for p in fronted])
         now = protocol.now_ms()
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -98,7 +98,7 @@ class PipelineDuty:
         pipe.zadd(workers, {wid: now + self._lease_ms})
         pipe.zremrangebyscore(workers, "-inf", now - STALE_LEASES_MS)
         pipe.expire(workers, protocol.WORKERS_TTL_S)
-        info = {"worker_id": wid, "stages": list(pipeline.stages), protocol.F_ROWS: False}
+        info = {"worker_id": wid, "stages": pipeline.stages, protocol.F_ROWS: False}
         for key in (protocol.worker_info_key(name), protocol.worker_capacity_key(name)):
             pipe.hset(key, wid, orjson.dumps(info))
             pipe.expire(key, protocol.WORKERS_TTL_S)
@@ -125,7 +125,7 @@ def pipeline_meta(pipeline: Pipeline, first: dict[str, Any], last: bytes | None
     """A pipeline's metadata: its first stage's inputs, limits and levels, its last
     stage's outputs (once that stage's metadata is known), ``kind`` and ``stages``."""
     meta = {**first, "name": pipeline.name, "kind": "pipeline",
-            "stages": list(pipeline.stages)}
+            "stages": pipeline.stages}
     meta.pop("outputs", None)
     if last:
         last_meta = orjson.loads(last)

@@ -22,8 +22,9 @@ async def enter(link: LeanLink, levels: Levels, pipeline: Pipeline, request_id: 
     reply goes to ``reply_to`` (in the pipeline's slot); ``rows``: a batch of that many
     rows, each stage answering all of them at once.  False if a request of this id was
     queued there already (a retried push)."""
-    ctx = Context(pipeline.name, list(pipeline.stages[1:]), reply_to, deadline_ms,
-                  protocol.now_ms(), priority, trace_id, fmt, rows=rows)
+    route = [_route_step(s) for s in pipeline.stages[1:]]
+    ctx = Context(pipeline.name, route, reply_to, deadline_ms, protocol.now_ms(), priority,
+                  trace_id, fmt, rows=rows)
     return await handoff.send(link, levels, pipeline.first, request_id, inputs, ctx)
 
 
@@ -36,3 +37,7 @@ def asked_priority(priority: int | None) -> int:
         raise InvalidPayload(f"priority must be 1..{protocol.MAX_PRIORITY_LEVELS} (1 most "
                              f"urgent; 0 or none: each stage's default), got {priority!r}")
     return priority
+
+
+def _route_step(step: str | tuple[str, ...]) -> str | list[str]:
+    return step if isinstance(step, str) else list(step)

@@ -85,8 +85,8 @@ class Mover:
         groups: dict[str, list[handoff.Command]] = {}
         for reply, raw in zip(replies, contexts, strict=True):
             if reply is not None and raw is not None:  # else handed on already (expired)
-                command = await self._plan(reply, Context.from_json(raw))
-                groups.setdefault(command.tag, []).append(command)
+                for command in await self._plan(reply, Context.from_json(raw)):
+                    groups.setdefault(command.tag, []).append(command)
         await asyncio.gather(*(self._run(group) for group in groups.values()))
         self.done = handoff.Command(lua.HANDOFF_DONE, [self._handoff, *keys], list(records),
                                     self.stage)
@@ -119,22 +119,45 @@ class Mover:
                 log.error("stage=%s: could not hand on a request (keys %s): %s",
                           self.stage, command.keys[:2], result)
 
-    async def _plan(self, reply: Reply, ctx: Context) -> handoff.Command:
+    async def _plan(self, reply: Reply, ctx: Context) -> list[handoff.Command]:
         """Where this reply goes: the caller (the last stage, or an error: the stage
-        named), or the next stage's queue; a request past its deadline is answered
-        ``deadline_exceeded`` here, never computed further."""
+        named), the next stage's queue, each branch of a fan-out, or a merge stage's
+        parts; a request past its deadline is answered ``deadline_exceeded`` here,
+        never computed further."""
         if not reply.ok or reply.row_errors or not ctx.route:  # the final reply
             done = ctx.passed(self.stage, reply.timings)
-            return handoff.deliver_command(
-                reply.id, handoff.final_wire(reply, done, self.stage), ctx)
+            return [handoff.deliver_command(
+                reply.id, handoff.final_wire(reply, done, self.stage), ctx)]
         nxt = ctx.route[0]
         if protocol.now_ms() >= ctx.deadline_ms:  # dropped where it is: not computed
             late = Reply(reply.id, False, error_code=DeadlineExceeded.code,
                          error_message="deadline passed before the stage was reached")
-            return handoff.deliver_command(reply.id, handoff.final_wire(late, ctx, nxt), ctx)
-        levels = (await self._live.get(nxt)).levels
-        return handoff.send_command(levels, nxt, reply.id, reply.payload,
-                                    ctx.passed(self.stage, reply.timings))
+            named = nxt if isinstance(nxt, str) else ",".join(nxt)
+            return [handoff.deliver_command(reply.id, handoff.final_wire(late, ctx, named),
+                                            ctx)]
+        if isinstance(nxt, list):  # a fan-out: each branch gets the output
+            return [handoff.send_command(
+                (await self._live.get(branch)).levels, branch, reply.id, reply.payload,
+                ctx.passed(self.stage, reply.timings, branch, nxt)) for branch in nxt]
+        if ctx.branch:  # the end of a branch: its part of the merge stage's input
+            return await self._part(reply, ctx, nxt)
+        return [handoff.send_command((await self._live.get(nxt)).levels, nxt, reply.id,
+                                     reply.payload, ctx.passed(self.stage, reply.timings))]
+
+    async def _part(self, reply: Reply, ctx: Context, merge: str) -> list[handoff.Command]:
+        """Keep this branch's output at the merge stage (once); the branch that brings
+        the last part sends the merge stage's input, a map branch -> output (sent
+        again, after a death, it is deduplicated as any hand-off)."""
+        ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
+        got: list[bytes] = await self._link.script(
+            lua.HANDOFF_PART, [protocol.parts_key(merge, reply.id)],
+            [ctx.branch, codec.encode({"p": reply.payload}), len(ctx.branches), ttl_ms])
+        if not got:
+            return []  # the other branches are still on their way
+        parts = {got[i].decode(): codec.decode(got[i + 1])["p"] for i in range(0, len(got), 2)}
+        merged = {branch: parts[branch] for branch in ctx.branches}
+        return [handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
+                                     merged, ctx.passed(self.stage, reply.timings))]
 
 
 def _reply(record: bytes) -> Reply | None:

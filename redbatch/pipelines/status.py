@@ -33,7 +33,7 @@ def read(client: redis.Redis, models: dict[str, ModelStatus]) -> list[PipelineSt
     """Every registered pipeline, its stages' figures taken from ``models`` (a sample)."""
     raw: Any = client.hgetall(protocol.PIPELINES_KEY)
     return [PipelineStatus(name, [_stage(client, stage, models.get(stage))
-                                  for stage in pipe.stages])
+                                  for stage in pipe.models])
             for name, pipe in sorted(parse_registry(raw).items())]
 
 
