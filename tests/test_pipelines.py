@@ -208,24 +208,30 @@ async def test_a_hand_off_sent_twice_is_queued_once(redis_url: str,
     await client.aclose()
 
 
-async def test_a_hand_off_whose_sender_died_is_resent_once(
-        workers: Workers, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first movers to take records die after sending them on but before marking
-    them done (their DONE never runs): once the lease expires the records are taken
-    again and sent again; the markers keep it to one entry and one reply each."""
+def dying_movers(monkeypatch: pytest.MonkeyPatch, deaths: int = 3) -> list[int]:
+    """The first ``deaths`` mover steps that take records "die" after sending them on
+    but before marking them done (their DONE never goes out); leases of 300 ms."""
     monkeypatch.setattr(protocol, "HANDOFF_LEASE_MS", 300)
     died: list[int] = []
     real_step = Mover.step
 
     async def dying_step(self: Mover) -> int:
         taken = await real_step(self)
-        if taken and len(died) < 3:  # sent on, not marked done: the process "dies"
+        if taken and len(died) < deaths:  # sent on, not marked done: the process "dies"
             died.append(taken)
             self.done = None
             raise ConnectionError("died between the two steps")
         return taken
 
     monkeypatch.setattr(Mover, "step", dying_step)
+    return died
+
+
+async def test_a_hand_off_whose_sender_died_is_resent_once(
+        workers: Workers, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the lease of the dead movers' records expires they are taken again and sent
+    again; the markers keep it to one entry and one reply each."""
+    died = dying_movers(monkeypatch)
     counted = Counted()
     workers.start([inc(), dbl(counted)], [CALC])
     await wait_live(redis_url, "calc")
@@ -462,3 +468,26 @@ def test_a_fan_out_is_checked() -> None:
                    ["a", ["b", "c"], ["d", "e"], "f"]):
         with pytest.raises(ConfigError, match="fan-out"):
             Pipeline("p", stages)
+
+
+async def test_a_fan_out_whose_movers_died_merges_once(
+        workers: Workers, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Branch sends, parts and merge inputs sent again after the movers died between
+    their two steps: the merge stage still runs once per request."""
+    died = dying_movers(monkeypatch, deaths=6)
+    merged = Counted()
+
+    def mrg_fn(parts: list[dict[str, int]]) -> list[int]:
+        return merged([p["fa"] + p["fb"] for p in parts])
+
+    workers.start([inc(), Model("mrg", fn=mrg_fn, policy=POLICY, inline=True),
+                   Model("fa", fn=fa_fn, policy=POLICY, inline=True),
+                   Model("fb", fn=fb_fn, policy=POLICY, inline=True)], [FAN])
+    await wait_live(redis_url, "fan")
+    inputs = list(range(20, 60))
+    async with Client(redis_url) as client:
+        results = await client.predict_many("fan", inputs, timeout_s=15)
+        assert results == [2 * (10 * (x + 1) + x + 101) for x in inputs]
+        assert len(died) == 6
+        assert merged.seen == {10 * (x + 1) + x + 101: 1 for x in inputs}
+        assert client.stats()["duplicates"] == 0
