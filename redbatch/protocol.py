@@ -199,7 +199,7 @@ HANDOFF_LEASE_MS: Final = 5000  # a taken hand-off record not done by then is ta
 HANDOFF_TAKE: Final = 64  # hand-off records taken per step
 F_STAGE: Final = "stage"  # error map of a pipeline's reply: the stage that failed
 F_STAGES: Final = "stages"  # a pipeline's final reply: each stage's timings, in order
-F_PIPELINE: Final = "pipeline"  # a hand-off context: the pipeline's name
+F_PART: Final = "p"  # a merge stage's part: one branch's output
 
 
 def outbox_key(stage: str) -> str:

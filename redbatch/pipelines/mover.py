@@ -151,10 +151,12 @@ class Mover:
         ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
         got: list[bytes] = await self._link.script(
             lua.HANDOFF_PART, [protocol.parts_key(merge, reply.id)],
-            [ctx.branch, codec.encode({"p": reply.payload}), len(ctx.branches), ttl_ms])
+            [ctx.branch, codec.encode({protocol.F_PART: reply.payload}), len(ctx.branches),
+             ttl_ms])
         if not got:
             return []  # the other branches are still on their way
-        parts = {got[i].decode(): codec.decode(got[i + 1])["p"] for i in range(0, len(got), 2)}
+        parts = {got[i].decode(): codec.decode(got[i + 1])[protocol.F_PART]
+                 for i in range(0, len(got), 2)}
         merged = {branch: parts[branch] for branch in ctx.branches}
         return [handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
                                      merged, ctx.passed(self.stage, reply.timings))]
