@@ -181,6 +181,7 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     log.info("redis: %s", redis.safe_url)
     try:
         if not stop.is_set():
+            _declare_pipelines(args, redis)
             _up(entries, gateway_config, redis, _log_level(args), stop)
     finally:
         if embedded:
@@ -189,6 +190,24 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
 
 
 Entry = tuple[str, WorkerConfig, dict[str, Any]]
+
+
+def _declare_pipelines(args: argparse.Namespace, redis: RedisSettings) -> None:
+    """Store the ``[[pipelines]]`` of ``-c FILE`` in Redis: the workers of their stages
+    take them up from there (``redbatch.pipelines``)."""
+    if not args.config:
+        return
+    from redbatch import configfile
+    from redbatch.pipelines.definition import publish_sync
+    from redbatch.redis_conn import sync_client
+
+    declared = configfile.load(args.config).pipelines
+    if declared:
+        client = sync_client(redis)
+        try:
+            publish_sync(client, declared)
+        finally:
+            client.close()
 
 
 def _up_plan(args: argparse.Namespace) -> tuple[GatewayConfig, list[Entry], str | None]:

@@ -25,6 +25,10 @@ default_priority = 2              # the level of requests that name none
 priority_caps = [1000, 100]       # each priority level's queue cap (models of 2 levels)
 version = "2"                     # serve the target's models as this version (canaries)
 sub_queues = 1                    # a hot model's queue split over this many (hash slots)
+
+[[pipelines]]             # a chain of the models above, served under its own name
+name = "classify_text"
+stages = ["tok", "textcls"]
 ```
 
 A bad file fails at start with a ``ConfigError`` that names the field
@@ -44,6 +48,7 @@ from typing import Any, TypeVar
 from redbatch import knobs, protocol
 from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
+from redbatch.pipelines.definition import Pipeline, pipelines
 
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch")
@@ -70,6 +75,7 @@ class Deployment:
     gateway: GatewayConfig
     gateway_values: dict[str, Any]
     models: list[ModelEntry]
+    pipelines: list[Pipeline] = dataclasses.field(default_factory=list)
 
 
 def load(path: str | Path) -> Deployment:
@@ -78,7 +84,7 @@ def load(path: str | Path) -> Deployment:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    _only(data, {"redis_url", "gateway", "worker", "models"}, "")
+    _only(data, {"redis_url", "gateway", "worker", "models", "pipelines"}, "")
     redis_url = data.get("redis_url")
     if redis_url is not None and not isinstance(redis_url, str):
         raise ConfigError("redis_url: must be a string")
@@ -90,7 +96,8 @@ def load(path: str | Path) -> Deployment:
     if not isinstance(models, list) or not models:
         raise ConfigError("models: need at least one [[models]] table")
     return Deployment(redis_url, gateway, gateway_values,
-                      [_model(m, worker, f"models[{i}]") for i, m in enumerate(models)])
+                      [_model(m, worker, f"models[{i}]") for i, m in enumerate(models)],
+                      pipelines(data.get("pipelines", [])))
 
 
 def _model(raw: Any, defaults: dict[str, Any], where: str) -> ModelEntry:

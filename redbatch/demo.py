@@ -19,6 +19,10 @@
   (float32 scalar) give ``y = x * scale`` and ``norm = |y|``; body
   ``{"inputs": {"x": [1, 2, 3, 4], "scale": 2}}``, reply
   ``{"outputs": {"y": [2, 4, 6, 8], "norm": 10.95...}}``.
+* ``tok``: a word tokenizer (CPU pre-processing); body ``{"text": "some words"}``, reply
+  ``{"input_ids": [ids]}``.
+* ``classify_text``: a pipeline of ``tok`` then ``textcls``; body
+  ``{"text": "some words"}``, reply ``{"logits": [4 floats]}``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import numpy as np
 from redbatch.bench.mlp import W2_IN, build_mlp
 from redbatch.bench.textcls import MAX_LEN, build_served
 from redbatch.generate import generate_model
+from redbatch.pipelines import Pipeline
+from redbatch.pipelines.tokenizer import tokenizer_model
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
@@ -71,7 +77,7 @@ def pair(batch: dict[str, Any]) -> dict[str, Any]:
     return {"y": y, "norm": np.linalg.norm(y, axis=1)}
 
 
-def models() -> list[Model]:
+def models() -> list[Model | Pipeline]:
     policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.005)
     mlp = torch_model("mlp", build_mlp, TensorSpec("float32", (W2_IN,)), policy,
                       input_name="x", output_name="y")
@@ -79,4 +85,5 @@ def models() -> list[Model]:
                  input_name="x", output_name="y", inline=True)
     textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN),
                           policy, input_name="input_ids", output_name="logits")
-    return [mlp, echo, echo_tokens(policy), textcls, adder, pair, generate_model()]
+    return [mlp, echo, echo_tokens(policy), textcls, adder, pair, generate_model(),
+            tokenizer_model(), Pipeline("classify_text", ["tok", "textcls"])]

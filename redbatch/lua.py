@@ -351,3 +351,71 @@ return {{#caps, measured, tostring(capacity), tostring(served)}}
 """
 
 PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, LIVE_SUMMARY)  # loaded when a Client starts
+
+# --- pipelines (docs/protocol.md §17) ------------------------------------------------
+# KEYS[1]=the stage's request marker  KEYS[2]=the request's context at the stage
+# KEYS[3]=the stage's queue (of the request's level)  KEYS[4]=the bell (multi-level only)
+# ARGV[1]=marker and context ttl ms  ARGV[2]=context  ARGV[3]=entry  ARGV[4]=queue ttl ms
+# A pipeline request enters a stage: deduplicated by its marker (SET NX), so that a
+# hand-off sent again (its sender died before it could mark it done) is not queued
+# twice.  Returns 1 if it was queued, 0 if it was there already.
+HANDOFF_SEND: Final = """
+if not redis.call('SET', KEYS[1], 'q', 'NX', 'PX', ARGV[1]) then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
+redis.call('RPUSH', KEYS[3], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
+if KEYS[4] then
+  if redis.call('EXISTS', KEYS[4]) == 0 then redis.call('RPUSH', KEYS[4], 1) end
+  redis.call('PEXPIRE', KEYS[4], ARGV[4])
+end
+return 1
+"""
+
+# KEYS[1]=the pipeline's request marker  KEYS[2]=the caller's reply list
+# ARGV[1]=marker ttl ms  ARGV[2]=reply  ARGV[3]=reply list ttl s
+# A pipeline's final reply, at most once per request id (first writer wins, as PUBLISH).
+# Returns 1 if it was sent, 0 if the request had been answered already.
+HANDOFF_DELIVER: Final = """
+if redis.call('GET', KEYS[1]) == 'd' then return 0 end
+redis.call('SET', KEYS[1], 'd', 'PX', ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+# KEYS[1]=a stage's outbox  KEYS[2]=its hand-off set
+# ARGV[1]=max records  ARGV[2]=now (epoch ms)  ARGV[3]=lease ms
+# Takes hand-off records under a lease: first those whose lease expired (their taker
+# died), then new ones from the outbox's head.  Returns the records.
+HANDOFF_TAKE: Final = f"""
+local n, now = tonumber(ARGV[1]), tonumber(ARGV[2])
+local items = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, n)
+if #items < n then
+  local fresh = redis.call('LPOP', KEYS[1], n - #items) or {{}}
+  for i = 1, #fresh do items[#items + 1] = fresh[i] end
+end
+for i = 1, #items do redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), items[i]) end
+if #items > 0 then redis.call('EXPIRE', KEYS[2], {protocol.INFLIGHT_TTL_S}) end
+return items
+"""
+
+# KEYS[1]=a stage's hand-off set  KEYS[1+i]=record i's context at the stage
+# ARGV[i]=record i.  The records were handed on: drop them and their contexts.
+HANDOFF_DONE: Final = """
+for i = 1, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('DEL', KEYS[1 + i])
+end
+return #ARGV
+"""
+
+# KEYS[1]=a merge stage's parts of one request  ARGV[1]=branch stage  ARGV[2]=its output
+# ARGV[3]=branches of the fan-out  ARGV[4]=ttl ms
+# One branch's output, kept once (a part sent again changes nothing).  Returns every
+# part (HGETALL) once all branches are in, else an empty list.
+HANDOFF_PART: Final = """
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[3]) then return {} end
+return redis.call('HGETALL', KEYS[1])
+"""

@@ -266,6 +266,39 @@ def legacy_reply_key(client_id: str) -> str:
     return f"{PREFIX}:reply:{{{client_id}}}"
 
 
+# --- pipelines (docs/protocol.md §17) -------------------------------------------
+PIPELINES_KEY: Final = f"{PREFIX}:pipelines"  # hash: pipeline name -> JSON definition
+HANDOFF_LEASE_MS: Final = 5000  # a taken hand-off record not done by then is taken again
+HANDOFF_TAKE: Final = 64  # hand-off records taken per step
+F_STAGE: Final = "stage"  # error map of a pipeline's reply: the stage that failed
+F_STAGES: Final = "stages"  # a pipeline's final reply: each stage's timings, in order
+F_PART: Final = "p"  # a merge stage's part: one branch's output
+
+
+def outbox_key(stage: str) -> str:
+    """List: a stage's replies to pipeline requests (their ``reply_to``), in the
+    stage's slot; the hand-off takes them from here to the next stage."""
+    return f"{PREFIX}:reply:{{{stage}}}:pipeline"
+
+
+def handoff_key(stage: str) -> str:
+    """Sorted set: hand-off records (outbox replies) being handed on -> lease expiry
+    (epoch ms); a record whose lease expired is taken again (its sender died)."""
+    return f"{PREFIX}:{{{stage}}}:handoff"
+
+
+def parts_key(stage: str, request_id: str) -> str:
+    """Hash: a merge stage's inputs for one request, branch stage -> its output (each
+    written once, ``HSETNX``), until every branch of the fan-out is in."""
+    return f"{PREFIX}:{{{stage}}}:parts:{request_id}"
+
+
+def context_key(stage: str, request_id: str) -> str:
+    """String: a pipeline request's context (JSON) while it is at ``stage``: its
+    pipeline, remaining route, final reply list, deadline, priority and trace id."""
+    return f"{PREFIX}:{{{stage}}}:pctx:{request_id}"
+
+
 def hash_tag(key: str) -> str | None:
     """The Redis Cluster hash tag of ``key`` (between its first ``{`` and the next
     ``}``, if not empty), or None when the whole key is hashed."""

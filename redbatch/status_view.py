@@ -13,6 +13,7 @@ from rich.table import Table
 from redbatch import status
 from redbatch.config import RedisSettings
 from redbatch.errors import RedisUnavailable
+from redbatch.pipelines import status as pipeline_status
 from redbatch.redis_conn import sync_client
 
 COLUMNS = ("model", "queue", "workers (devices)", "items/s", "max batch / window",
@@ -100,9 +101,13 @@ def run(settings: RedisSettings, *, as_json: bool, watch: bool, interval_s: floa
             _watch(client, interval_s)
         else:
             snap = status.sample(client, interval_s)
-            print(json.dumps(status.as_json(snap), indent=2) if as_json else "", end="")
+            pipes = pipeline_status.read(client, snap)
+            print(json.dumps({**status.as_json(snap), "pipelines": pipeline_status.as_json(
+                pipes)}, indent=2) if as_json else "", end="")
             if not as_json:
                 Console().print(table(snap))
+                if pipes:
+                    Console().print(pipeline_status.table(pipes))
     except redis.RedisError as exc:
         raise RedisUnavailable(f"cannot read redis at {settings.safe_url}: {exc}") from exc
     finally:

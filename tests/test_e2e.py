@@ -16,6 +16,7 @@ import torch
 from redbatch import Client
 from redbatch.bench import textcls
 from redbatch.bench.mlp import build_mlp
+from redbatch.pipelines.tokenizer import token_ids
 from tests.conftest import Proc, free_port, redbatch_cmd, wait_http, wait_live
 from tests.test_textcls import REFERENCE
 
@@ -55,7 +56,8 @@ async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]
         assert pair.json() == {"outputs": {"y": [0.0, 6.0, 0.0, 8.0], "norm": 10.0}}
         models = (await http.get("/v1/models")).json()["models"]
         assert {m["name"] for m in models} == {"mlp", "echo", "echo_tokens", "textcls", "adder",
-                                               "pair", "generate"}
+                                               "pair", "generate", "tok",
+                                               "classify_text"}
         assert [m["name"] for m in models if m["streaming"]] == ["generate"]
         sse = await http.post("/v1/models/generate/predict",
                               json={"prompt": "hello", "max_tokens": 16},
@@ -66,6 +68,15 @@ async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]
                              json={"text_input": "hello", "max_tokens": 16})
         assert v2.text.count("data: ") == 17
         assert all(m["live_workers"] == 1 for m in models)
+        assert {m["name"]: m["kind"] for m in models if m["kind"] == "pipeline"} == {
+            "classify_text": "pipeline"}
+        scores = await http.post("/v1/models/classify_text/predict",
+                                 json={"text": "some words"})
+        assert scores.status_code == 200, scores.text
+        ids = token_ids("some words").tolist()  # the stages called one after the other
+        direct = await http.post("/v1/models/textcls/predict", json={"input_ids": ids})
+        np.testing.assert_allclose(scores.json()["logits"], direct.json()["logits"],
+                                   atol=1e-5)
 
 
 async def test_textcls_serves_bodies_of_different_lengths(stack: tuple[str, Proc, Proc],

@@ -89,7 +89,8 @@ class ModelDirectory:
         meta = orjson.loads(raw) if raw else {"name": name}
         if len(depths) > 1:  # a multi-level model: its depth counts every level
             meta["queue_depths"] = by_level(depths)
-        return {**meta, protocol.F_STREAMING: meta.get(protocol.F_STREAMING) is True,
+        return {"kind": "model", **meta,  # a pipeline's: its own
+                protocol.F_STREAMING: meta.get(protocol.F_STREAMING) is True,
                 "queue_depth": sum(depths), "live_workers": len(workers),
                 "workers": workers}
 

@@ -384,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priority", action="store_true",
                         help="only the priority overload scenario (about a minute: "
                              "bench/priority.py)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="only the pipeline overhead (about a minute: bench/pipeline.py)")
     parser.add_argument("--replica-wait", action="store_true",
                         help="only the cost of REDBATCH_WAIT_REPLICAS: W2's producer path "
                              "against a primary and a replica, WAIT off and on "
@@ -411,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="redbatch-bench-"))
     if args.priority:
         return run_priority(out, logdir)
+    if args.pipeline:
+        return run_pipeline(out, logdir)
     if args.replica_wait:
         return run_replica_wait(out, logdir, args)
     if args.shards:
@@ -443,6 +447,14 @@ def run_shards(out: Path, logdir: Path, args: argparse.Namespace) -> int:
     if shards.plot(res, png):
         print(f"plot: {png}")
     return _saved(out, "shards", res, logdir)
+
+
+def run_pipeline(out: Path, logdir: Path) -> int:
+    from redbatch.bench import pipeline
+
+    res = pipeline.run(logdir)
+    pipeline.report(res)
+    return _saved(out, "pipeline", res, logdir)
 
 
 def run_priority(out: Path, logdir: Path) -> int:

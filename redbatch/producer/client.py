@@ -17,6 +17,10 @@ from redbatch.checks import check_eviction
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, ReplicaWait, check_socket_timeout
 from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchError
+from redbatch.lean import LeanLink
+from redbatch.pipelines.book import PipelineBook
+from redbatch.pipelines.definition import Pipeline
+from redbatch.pipelines.enter import asked_priority, enter
 from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer, Outcome
 from redbatch.producer.listener import RequestFuture
@@ -49,6 +53,10 @@ class Client:
     ``NoLiveWorkers`` (both looked up once a second at most), as over HTTP: nothing
     is queued.  ``require_workers=False`` queues them anyway, for a worker that starts
     later (a batch job filled ahead of its workers).
+
+    A pipeline's name (``redbatch.pipelines``, ``docs/models.md``) is served like a
+    model's: its request enters the first stage and its reply comes from the last (the
+    registry of pipelines is read once a second at most).
 
     ``replica_wait`` (default: ``REDBATCH_WAIT_REPLICAS`` and
     ``REDBATCH_WAIT_TIMEOUT_MS``, off) follows each enqueue with a Redis ``WAIT``
@@ -114,6 +122,8 @@ class Client:
                 raise
             self._redis = redis
             self._admission = Admission(redis, self.max_queue_len)
+            self._pipelines = PipelineBook(redis)
+            self._pipeline_link = LeanLink(redis)  # one held connection: pipeline entries
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
@@ -354,6 +364,9 @@ class Client:
         deadline = self._deadline(timeout_s, deadline_ms)
         model = await self._routed(model, version, deadline)
         listeners = await self._ready(model, 1, deadline)
+        if (pipeline := await self._pipeline(model)) is not None:
+            return await self._enter(pipeline, listeners, inputs, deadline, reply,
+                                     request_id, trace_id, asked_priority(priority))
         level = 0 if priority is None else await self._level(model, priority)
         tag = await self._route(model, request_id)
         request = self._request(model, inputs, deadline, request_id, listeners.reply_to(tag),
@@ -385,6 +398,13 @@ class Client:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
         model = await self._routed(model, version, deadline)
+        if (pipeline := await self._pipeline(model)) is not None:  # one entry per input
+            listeners = await self._ready(model, len(inputs), deadline)
+            ids = list(request_ids) if request_ids else [None] * len(inputs)
+            return list(await asyncio.gather(*(
+                self._enter(pipeline, listeners, x, deadline, reply, rid, "",
+                            asked_priority(priority), _rows(x) if batched else 0)
+                for x, rid in zip(inputs, ids, strict=True))))
         listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
         ids = list(request_ids) if request_ids else [None] * len(inputs)
@@ -411,6 +431,33 @@ class Client:
         if version is None and not self.require_workers:
             return model
         return await self.route(model, version, deadline_ms)
+
+    async def _pipeline(self, name: str) -> Pipeline | None:
+        """The pipeline called ``name`` (the registry, read once a second at most)."""
+        if self._listeners is None:
+            await self.start()
+        if not self._pipelines.fresh():
+            async with translated(self.settings):
+                await self._pipelines.refresh()
+        return self._pipelines.known(name)
+
+    async def _enter(self, pipeline: Pipeline, listeners: Listeners, inputs: Any,
+                     deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
+                     level: int, rows: int = 0) -> RequestFuture[Any]:
+        """A pipeline request: it enters the first stage, and its final reply comes to
+        this client's reply list of the pipeline (``redbatch.pipelines``)."""
+        rid = request_id or protocol.new_request_id()
+        future = listeners.expect(pipeline.name, rid, deadline_ms, reply)
+        try:
+            async with translated(self.settings):
+                levels = await self._admission.levels(pipeline.first)
+                await enter(self._pipeline_link, levels, pipeline, rid, inputs,
+                            reply_to=listeners.reply_to(pipeline.name),
+                            deadline_ms=deadline_ms, trace_id=trace_id, priority=level,
+                            fmt=self.fmt, rows=rows)
+        except Exception as exc:
+            listeners.fail(rid, exc, pipeline.name)
+        return future
 
     def _push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
               cap: int | None, level: int = 0) -> asyncio.Future[Outcome]:

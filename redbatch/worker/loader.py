@@ -7,12 +7,19 @@ from collections.abc import Iterable
 from typing import Any
 
 from redbatch.errors import ConfigError
+from redbatch.pipelines.definition import Pipeline
 from redbatch.worker.model import Model
 
 
 def load_models(target: str) -> list[Model]:
     """``OBJECT`` may be a Model, a list of Models, or a zero-argument callable that
     returns either (called in the worker process, after it was spawned)."""
+    return load_target(target)[0]
+
+
+def load_target(target: str) -> tuple[list[Model], list[Pipeline]]:
+    """The models of ``target`` (as ``load_models``), and the pipelines its list
+    declares beside them (``Pipeline`` objects)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"worker target {target!r} must look like MODULE:OBJECT")
@@ -28,13 +35,14 @@ def load_models(target: str) -> list[Model]:
     return _as_models(obj, target)
 
 
-def _as_models(obj: Any, target: str) -> list[Model]:
+def _as_models(obj: Any, target: str) -> tuple[list[Model], list[Pipeline]]:
     if isinstance(obj, Model):
-        return [obj]
+        return [obj], []
     if isinstance(obj, Iterable) and not isinstance(obj, str | bytes):
-        models = list(obj)
+        items = list(obj)
+        models = [m for m in items if not isinstance(m, Pipeline)]
         if models and all(isinstance(m, Model) for m in models):
-            return _unique(models, target)
+            return _unique(models, target), [p for p in items if isinstance(p, Pipeline)]
     elif callable(obj):
         return _as_models(obj(), target)
     raise ConfigError(f"{target!r} is not a Model, a list of Models, or a factory of them")

@@ -20,11 +20,13 @@ from redbatch import defaults, lua, metrics, protocol
 from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
+from redbatch.pipelines.definition import Pipeline
+from redbatch.pipelines.duty import PipelineDuty
 from redbatch.redis_conn import REDIS_ERRORS, async_client, is_cluster
 from redbatch.worker import heartbeat
 from redbatch.worker.drain import Drain
 from redbatch.worker.live import LiveKnobs
-from redbatch.worker.loader import load_models
+from redbatch.worker.loader import load_target
 from redbatch.worker.model import Model, is_stream_fn
 from redbatch.worker.replies import DeadLetters
 from redbatch.worker.runner import BatchRunner
@@ -64,9 +66,11 @@ class Worker:
     heartbeat that renews the lease and reaps workers whose lease expired."""
 
     def __init__(self, models: list[Model], redis: RedisSettings, config: WorkerConfig,
-                 device: str = "cpu", worker_id: str | None = None) -> None:
+                 device: str = "cpu", worker_id: str | None = None,
+                 pipelines: list[Pipeline] | None = None) -> None:
         check_socket_timeout(redis, config.block_timeout_s)
         self.models = models
+        self.pipelines = pipelines or []  # declared here (stored in Redis at start)
         self.redis_settings = redis
         self.config = config
         self.device = device
@@ -80,7 +84,7 @@ class Worker:
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop  # set by the heartbeat too, once its versions are drained
-        redis = async_client(self.redis_settings, max_connections=2 * len(self.models) + 4)
+        redis = async_client(self.redis_settings, max_connections=3 * len(self.models) + 4)
         # one connection per model for its blocking pops, so CLIENT UNBLOCK can end them
         # (a cluster routes each command to a node: no connection of our own to unblock)
         blocking = [None if is_cluster(redis) else
@@ -155,6 +159,7 @@ class Worker:
                                                  functools.partial(r.serve, stop), stop))
                  for r in self.runners]
         heart = asyncio.create_task(_keep_going("heartbeat", beat, beating))
+        duty = asyncio.create_task(self._duty(redis).run(beating))  # hand-offs: till the end
         log.info("worker %s serving %s on %s", self.worker_id,
                  ",".join(m.name for m in self.models), self.device)
         self.on_serving()
@@ -165,8 +170,17 @@ class Worker:
         await asyncio.gather(*pending, return_exceptions=True)
         beating.set()
         await heart
+        await duty
         await self._leave(redis)
         return not pending
+
+    def _duty(self, redis: aioredis.Redis) -> PipelineDuty:
+        """The pipelines' part: hand-offs of the stages served here (``redbatch.pipelines``)."""
+        self.pipeline_duty = PipelineDuty(
+            redis, self.models, self.worker_id, self.pipelines,
+            self.config.heartbeat_interval_s, self.config.lease_ttl_s,
+            wait_s=self.config.block_timeout_s)
+        return self.pipeline_duty
 
     async def _leave(self, redis: aioredis.Redis) -> None:
         """Return any unfinished batch to the queue's front, then deregister; give up
@@ -232,8 +246,9 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
 
     setup_logging(log_level)
     set_threads(config.threads)  # before anything imports torch; Worker.run applies it too
-    models = with_overrides(load_models(target), overrides or {})
-    worker = Worker(models, redis, config, device=device)
+    loaded, pipelines = load_target(target)
+    models = with_overrides(loaded, overrides or {})
+    worker = Worker(models, redis, config, device=device, pipelines=pipelines)
     worker.on_serving = on_serving or worker.on_serving
     if config.metrics_port:
         serve_metrics(config.metrics_port + index)

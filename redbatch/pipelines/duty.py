@@ -1,0 +1,133 @@
+"""A worker's part in the pipelines it serves stages of: it stores the pipelines it
+declares, runs a hand-off (``Mover``) for each stage it serves, and, where it serves a
+pipeline's first stage, keeps the pipeline registered under its own name (a lease and
+metadata, as a model's), so that gateways and clients route to it like to a model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from redbatch import protocol
+from redbatch.pipelines.definition import Pipeline, parse_registry, registry_mapping
+from redbatch.pipelines.mover import Mover
+from redbatch.redis_conn import REDIS_ERRORS
+from redbatch.registry import LiveCache
+from redbatch.worker.model import Model
+
+log = logging.getLogger("redbatch.pipelines")
+STALE_LEASES_MS = 60_000  # a pipeline's lapsed leases are dropped this long after
+
+
+class PipelineDuty:
+    def __init__(self, redis: aioredis.Redis, models: list[Model], worker_id: str,
+                 declared: list[Pipeline], interval_s: float, lease_ttl_s: float,
+                 blocking: aioredis.Redis | None = None, wait_s: float = 1.0) -> None:
+        self._redis = redis
+        self._models = {m.name: m for m in models}
+        self._worker_id = worker_id
+        self._declared = declared
+        self._interval_s = interval_s
+        self._lease_ms = round(lease_ttl_s * 1000)
+        self._blocking = blocking
+        self._wait_s = wait_s
+        self._live = LiveCache(redis)
+        self.movers: dict[str, Mover] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fronted: set[str] = set()  # pipelines whose first stage this worker serves
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Look at the registry every ``interval_s`` until ``stop``; then the movers
+        finish their last step and this worker leaves its pipelines."""
+        mover_stop = asyncio.Event()
+        try:
+            while not stop.is_set():
+                try:
+                    await self.tick(mover_stop)
+                except REDIS_ERRORS as exc:
+                    log.warning("pipelines: %s: %s", type(exc).__name__, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._interval_s)
+        finally:
+            mover_stop.set()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._live.aclose()
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self._leave()
+
+    async def tick(self, mover_stop: asyncio.Event) -> None:
+        """Store the declared pipelines, start the movers of new stages, renew the
+        leases of the pipelines fronted here."""
+        if self._declared:
+            await self._redis.hset(protocol.PIPELINES_KEY,
+                                   mapping=registry_mapping(self._declared))  # type: ignore[arg-type]
+        known = parse_registry(await self._redis.hgetall(protocol.PIPELINES_KEY))
+        for pipe in known.values():
+            for stage in pipe.models:
+                if stage in self._models and stage not in self.movers:
+                    self._start(stage, mover_stop)
+        fronted = [p for p in known.values() if p.first in self._models]
+        self._fronted = {p.name for p in fronted}
+        if fronted:
+            await self._beat(fronted)
+
+    def _start(self, stage: str, stop: asyncio.Event) -> None:
+        mover = Mover(self._redis, stage, self._live, self._blocking, self._wait_s)
+        self.movers[stage] = mover
+        self._tasks.append(asyncio.create_task(mover.run(stop)))
+        log.info("stage=%s: handing on its pipeline requests", stage)
+
+    async def _beat(self, fronted: list[Pipeline]) -> None:
+        lasts: list[Any] = await self._redis.mget([protocol.meta_key(p.last)
+                                                   for p in fronted])
+        now = protocol.now_ms()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for pipeline, last in zip(fronted, lasts, strict=True):
+                self._beat_one(pipe, pipeline, last, now)
+            pipe.zadd(protocol.MODELS_KEY, {p.name: now for p in fronted})
+            await pipe.execute()
+
+    def _beat_one(self, pipe: Any, pipeline: Pipeline, last: bytes | None, now: int) -> None:
+        name, wid = pipeline.name, self._worker_id
+        workers = protocol.workers_key(name)
+        pipe.zadd(workers, {wid: now + self._lease_ms})
+        pipe.zremrangebyscore(workers, "-inf", now - STALE_LEASES_MS)
+        pipe.expire(workers, protocol.WORKERS_TTL_S)
+        info = {"worker_id": wid, "stages": pipeline.stages, protocol.F_ROWS: False}
+        for key in (protocol.worker_info_key(name), protocol.worker_capacity_key(name)):
+            pipe.hset(key, wid, orjson.dumps(info))
+            pipe.expire(key, protocol.WORKERS_TTL_S)
+        pipe.set(protocol.meta_key(name), orjson.dumps(
+            pipeline_meta(pipeline, self._models[pipeline.first].meta(), last)),
+            ex=protocol.META_TTL_S)
+
+    async def _leave(self) -> None:
+        if not self._fronted:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name in self._fronted:
+                pipe.zrem(protocol.workers_key(name), self._worker_id)
+                pipe.hdel(protocol.worker_info_key(name), self._worker_id)
+                pipe.hdel(protocol.worker_capacity_key(name), self._worker_id)
+            await pipe.execute()
+
+
+OUTPUT_FIELDS = ("output_name", "outputs")
+
+
+def pipeline_meta(pipeline: Pipeline, first: dict[str, Any], last: bytes | None
+                  ) -> dict[str, Any]:
+    """A pipeline's metadata: its first stage's inputs, limits and levels, its last
+    stage's outputs (once that stage's metadata is known), ``kind`` and ``stages``."""
+    meta = {**first, "name": pipeline.name, "kind": "pipeline",
+            "stages": pipeline.stages}
+    meta.pop("outputs", None)
+    if last:
+        last_meta = orjson.loads(last)
+        meta.update({k: last_meta[k] for k in OUTPUT_FIELDS if k in last_meta})
+    return meta

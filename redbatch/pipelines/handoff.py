@@ -1,0 +1,116 @@
+"""The two writes of a hand-off, each one script in ONE slot: a pipeline request
+entering a stage (deduplicated by its marker there), and its final reply (at most once,
+by its marker in the pipeline's slot)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from redbatch import codec, lua, protocol
+from redbatch.lean import LeanLink, script_sha
+from redbatch.levels import Levels
+from redbatch.pipelines.context import Context
+from redbatch.protocol import Reply, Request
+
+
+def stage_level(levels: Levels, priority: int) -> int:
+    """The level a request that asked for ``priority`` takes at a stage of ``levels``:
+    its own where the stage has it, else the stage's default (0: one level)."""
+    if not levels.many:
+        return 0
+    return priority if 0 < priority <= levels.count else levels.default
+
+
+def stage_entry(stage: str, request_id: str, payload: Any, ctx: Context, level: int
+                ) -> bytes:
+    """The queue entry of a pipeline request at ``stage``: its deadline and trace id,
+    answered into the stage's outbox."""
+    request = Request(id=request_id, model=stage, enqueue_ms=protocol.now_ms(),
+                      deadline_ms=ctx.deadline_ms, reply_to=protocol.outbox_key(stage),
+                      payload=payload, trace_id=ctx.trace_id,
+                      priority=level or ctx.priority, rows=ctx.rows)
+    return codec.encode(request.to_wire(), ctx.fmt)
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One hand-off script call: its keys all in the slot of ``tag``."""
+
+    source: str
+    keys: list[str]
+    args: list[Any]
+    tag: str
+
+    def wire(self) -> tuple[Any, ...]:
+        return ("EVALSHA", script_sha(self.source), len(self.keys), *self.keys, *self.args)
+
+
+def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx: Context
+                 ) -> Command:
+    """Queue the request at ``stage`` (of ``levels``) with its context: the script
+    answers 0 if it was queued there already (a hand-off sent again)."""
+    level = stage_level(levels, ctx.priority)
+    keys = [protocol.request_key(stage, request_id), protocol.context_key(stage, request_id)]
+    if levels.many:
+        keys += [levels.queues(stage)[level - 1], protocol.bell_key(stage)]
+    else:
+        keys.append(protocol.queue_key(stage))
+    ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
+    entry = stage_entry(stage, request_id, payload, ctx, level)
+    return Command(lua.HANDOFF_SEND, keys,
+                   [ttl_ms, ctx.to_json(), entry, protocol.QUEUE_TTL_S * 1000], stage)
+
+
+async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payload: Any,
+               ctx: Context) -> bool:
+    """``send_command``, run: False if the request was queued at ``stage`` already."""
+    command = send_command(levels, stage, request_id, payload, ctx)
+    return bool(await link.script(command.source, command.keys, command.args))
+
+
+def final_wire(reply: Reply, ctx: Context, stage: str) -> dict[str, Any]:
+    """The caller's reply: ``reply`` with each stage's timings, and on an error the
+    stage that failed, named in the message too (a failed row's as well)."""
+    wire = reply.to_wire()
+    wire[protocol.F_STAGES] = ctx.stages
+    for row in wire.get(protocol.F_ROW_ERRORS, []):
+        row[protocol.F_MESSAGE] = f"stage {stage!r} failed: {row[protocol.F_MESSAGE]}"
+    if not reply.ok:
+        error = wire[protocol.F_ERROR]
+        error[protocol.F_STAGE] = stage
+        error[protocol.F_MESSAGE] = f"stage {stage!r} failed: {reply.error_message}"
+    return wire
+
+
+def deliver_command(request_id: str, wire: dict[str, Any], ctx: Context) -> Command:
+    """Push the final reply to the caller, at most once: the script answers 0 if the
+    request had its reply already."""
+    keys = [protocol.request_key(ctx.pipeline, request_id), ctx.reply_to]
+    ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
+    return Command(lua.HANDOFF_DELIVER, keys,
+                   [ttl_ms, codec.encode(wire, ctx.fmt), protocol.REPLY_TTL_S], ctx.pipeline)
+
+
+async def deliver(link: LeanLink, request_id: str, wire: dict[str, Any], ctx: Context
+                  ) -> bool:
+    """``deliver_command``, run: False if the request had its reply already."""
+    command = deliver_command(request_id, wire, ctx)
+    return bool(await link.script(command.source, command.keys, command.args))
+
+
+async def run_group(link: LeanLink, commands: list[Command]) -> list[Any]:
+    """Commands of one slot in one write; their replies, errors in place (a key of
+    another type refuses its own request alone).  Sent once more after loading the
+    scripts if Redis lost them."""
+    try:  # (a cluster link raises a lone command's error rather than return it)
+        replies = await link.pipeline_replies(*(c.wire() for c in commands))
+        if not any(isinstance(r, NoScriptError) for r in replies):
+            return replies
+    except NoScriptError:
+        pass
+    for source in {c.source for c in commands}:
+        await link.execute("SCRIPT", "LOAD", source)
+    return await link.pipeline_replies(*(c.wire() for c in commands))

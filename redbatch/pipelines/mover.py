@@ -1,0 +1,170 @@
+"""One stage's hand-off: takes its replies to pipeline requests from its outbox (under a
+lease), and hands each one on: to the next stage's queue, or to the caller as the final
+reply.  Every write is idempotent, so a record whose taker died is simply taken again
+once its lease expires (``docs/protocol.md`` §17)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import codec, lua, protocol
+from redbatch.errors import DeadlineExceeded, RedbatchError
+from redbatch.lean import LeanLink
+from redbatch.pipelines import handoff
+from redbatch.pipelines.context import Context
+from redbatch.protocol import Reply
+from redbatch.redis_conn import REDIS_ERRORS
+from redbatch.registry import LiveCache
+
+log = logging.getLogger("redbatch.pipelines")
+BACKOFF_CAP_S = 2.0
+
+
+class Mover:
+    """Hands on the replies of ``stage`` (a model of this worker) to pipeline requests."""
+
+    def __init__(self, redis: aioredis.Redis, stage: str, live: LiveCache,
+                 blocking: aioredis.Redis | None, wait_s: float) -> None:
+        self._redis = redis
+        self._link = LeanLink(redis)
+        self._blocking = blocking or redis
+        self.stage = stage
+        self._live = live
+        self._wait_s = wait_s
+        self._outbox = protocol.outbox_key(stage)
+        self._handoff = protocol.handoff_key(stage)
+        self.handed = 0  # records handed on by this mover
+        # the last step's records, handed on: marked done with the next take (one write)
+        self.done: handoff.Command | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Hand on until ``stop``, then once more (what the last batches left)."""
+        backoff_s = 0.05
+        while True:
+            try:
+                if not await self.step() and not stop.is_set():
+                    await self._wait()
+                backoff_s = 0.05
+            except (*REDIS_ERRORS, RedbatchError) as exc:
+                log.warning("stage=%s hand-off: %s: %s; retrying in %.2f s", self.stage,
+                            type(exc).__name__, exc, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, BACKOFF_CAP_S)
+            if stop.is_set():
+                await self._last_step()
+                return
+
+    async def _last_step(self) -> None:
+        try:
+            while await self.step():
+                pass
+        except (*REDIS_ERRORS, RedbatchError) as exc:
+            log.warning("stage=%s: hand-off records left for the other workers (%s)",
+                        self.stage, exc)
+
+    async def _wait(self) -> None:
+        """Until the outbox holds a record (a rotation onto itself: nothing taken), or
+        ``wait_s`` (then expired leases are looked at again)."""
+        await self._blocking.blmove(self._outbox, self._outbox,
+                                    self._wait_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
+
+    async def step(self) -> int:
+        """Take up to ``HANDOFF_TAKE`` records and hand them on (one write per slot they
+        go to); they are marked done with the next step's take."""
+        records = await self._take()
+        if not records:
+            return 0
+        replies = [_reply(record) for record in records]
+        keys = [protocol.context_key(self.stage, r.id if r else "") for r in replies]
+        contexts: list[Any] = await self._redis.mget(keys)
+        groups: dict[str, list[handoff.Command]] = {}
+        for reply, raw in zip(replies, contexts, strict=True):
+            if reply is not None and raw is not None:  # else handed on already (expired)
+                for command in await self._plan(reply, Context.from_json(raw)):
+                    groups.setdefault(command.tag, []).append(command)
+        await asyncio.gather(*(self._run(group) for group in groups.values()))
+        self.done = handoff.Command(lua.HANDOFF_DONE, [self._handoff, *keys], list(records),
+                                    self.stage)
+        self.handed += len(records)
+        return len(records)
+
+    async def _take(self) -> list[bytes]:
+        """The take script, after the last step's done in the same write."""
+        take = handoff.Command(lua.HANDOFF_TAKE, [self._outbox, self._handoff], [
+            protocol.HANDOFF_TAKE, protocol.now_ms(), protocol.HANDOFF_LEASE_MS], self.stage)
+        commands = [take] if self.done is None else [self.done, take]
+        replies = await handoff.run_group(self._link, commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        self.done = None
+        return list(replies[-1])
+
+    async def _run(self, commands: list[handoff.Command]) -> None:
+        """One slot's commands; a Redis refusal of a request's own keys (another type
+        of value) drops that request alone, logged."""
+        try:
+            results = await handoff.run_group(self._link, commands)
+        except redis.ResponseError as exc:  # a cluster link raises a lone command's error
+            if len(commands) > 1:
+                raise
+            results = [exc]
+        for command, result in zip(commands, results, strict=True):
+            if isinstance(result, redis.ResponseError):
+                log.error("stage=%s: could not hand on a request (keys %s): %s",
+                          self.stage, command.keys[:2], result)
+
+    async def _plan(self, reply: Reply, ctx: Context) -> list[handoff.Command]:
+        """Where this reply goes: the caller (the last stage, or an error: the stage
+        named), the next stage's queue, each branch of a fan-out, or a merge stage's
+        parts; a request past its deadline is answered ``deadline_exceeded`` here,
+        never computed further."""
+        if not reply.ok or reply.row_errors or not ctx.route:  # the final reply
+            done = ctx.passed(self.stage, reply.timings)
+            return [handoff.deliver_command(
+                reply.id, handoff.final_wire(reply, done, self.stage), ctx)]
+        nxt = ctx.route[0]
+        if protocol.now_ms() >= ctx.deadline_ms:  # dropped where it is: not computed
+            late = Reply(reply.id, False, error_code=DeadlineExceeded.code,
+                         error_message="deadline passed before the stage was reached")
+            named = nxt if isinstance(nxt, str) else ",".join(nxt)
+            return [handoff.deliver_command(reply.id, handoff.final_wire(late, ctx, named),
+                                            ctx)]
+        if isinstance(nxt, list):  # a fan-out: each branch gets the output
+            return [handoff.send_command(
+                (await self._live.get(branch)).levels, branch, reply.id, reply.payload,
+                ctx.passed(self.stage, reply.timings, branch, nxt)) for branch in nxt]
+        if ctx.branch:  # the end of a branch: its part of the merge stage's input
+            return await self._part(reply, ctx, nxt)
+        return [handoff.send_command((await self._live.get(nxt)).levels, nxt, reply.id,
+                                     reply.payload, ctx.passed(self.stage, reply.timings))]
+
+    async def _part(self, reply: Reply, ctx: Context, merge: str) -> list[handoff.Command]:
+        """Keep this branch's output at the merge stage (once); the branch that brings
+        the last part sends the merge stage's input, a map branch -> output (sent
+        again, after a death, it is deduplicated as any hand-off)."""
+        ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
+        got: list[bytes] = await self._link.script(
+            lua.HANDOFF_PART, [protocol.parts_key(merge, reply.id)],
+            [ctx.branch, codec.encode({protocol.F_PART: reply.payload}), len(ctx.branches),
+             ttl_ms])
+        if not got:
+            return []  # the other branches are still on their way
+        parts = {got[i].decode(): codec.decode(got[i + 1])[protocol.F_PART]
+                 for i in range(0, len(got), 2)}
+        merged = {branch: parts[branch] for branch in ctx.branches}
+        return [handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
+                                     merged, ctx.passed(self.stage, reply.timings))]
+
+
+def _reply(record: bytes) -> Reply | None:
+    try:
+        return protocol.reply_from_wire(codec.decode(record))
+    except Exception:  # not a reply: nothing to hand on
+        log.exception("undecodable hand-off record dropped")
+        return None
