@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from redis.exceptions import WatchError
 
 from redbatch import protocol
-from redbatch.errors import InvalidKnob, NoLiveWorkers, UnknownModel
+from redbatch.errors import InvalidKnob, NoLiveWorkers, RedisUnavailable, UnknownModel
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -55,9 +56,10 @@ class Table:
 
     @property
     def latest(self) -> str | None:
-        """The pinned latest, else the highest version not draining (numeric order
-        when every version is a number), else None."""
-        if self.pinned_latest in self.versions:
+        """The pinned latest unless it is draining, else the highest version not
+        draining (numeric order when every version is a number), else None."""
+        pinned = self.versions.get(self.pinned_latest or "")
+        if pinned is not None and not pinned.draining:
             return self.pinned_latest
         open_ = [v for v, row in self.versions.items() if not row.draining]
         return max(open_, key=_order_key(open_)) if open_ else None
@@ -168,7 +170,7 @@ def check_weight(version: str, weight: Any) -> float:
     if not ok or not 0 <= weight <= 1e9:
         raise InvalidKnob(f"the weight of version {version!r} must be a number 0..1e9, "
                           f"got {weight!r}")
-    return float(weight)
+    return float(weight) + 0.0  # never -0.0
 
 
 async def load(redis: aioredis.Redis, model: str) -> Table:
@@ -182,24 +184,52 @@ async def change(redis: aioredis.Redis, model: str, *,
                  weights: Mapping[str, Any] | None = None, latest: str | None = None,
                  drain: str | None = None, undrain: str | None = None) -> Table:
     """Set weights (version -> weight; the versions named only), the pinned latest
-    (``""`` unpins it), drain a version (weight 0, draining) or take it back; checked
-    against the stored table (a version must exist: its workers registered it), then
-    stored in one transaction.  Returns the new table."""
-    table = await load(redis, model)
+    (``""`` unpins it), drain a version (weight 0, draining; a pinned latest drained is
+    unpinned) or take it back; checked against the stored table (a version must exist:
+    its workers registered it; a draining one cannot be pinned), then stored in one
+    transaction that the table was not changed meanwhile (``WATCH``; retried, so that
+    concurrent changes never lose each other's writes).  Returns the new table."""
+    protocol.check_model_name(model)
+    key = protocol.versions_key(model)
+    for _ in range(CHANGE_TRIES):
+        async with redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(key)
+            table = decode(await pipe.hgetall(key))
+            new = edited(table, model, weights or {}, latest, drain, undrain)
+            pipe.multi()
+            _store(pipe, key, new)
+            try:
+                await pipe.execute()
+            except WatchError:
+                continue
+            return new
+    raise RedisUnavailable(f"the versions of model {model!r} kept changing; try again")
+
+
+CHANGE_TRIES = 20  # a change retried this often when others change the table meanwhile
+
+
+def edited(table: Table, model: str, weights: Mapping[str, Any], latest: str | None,
+           drain: str | None, undrain: str | None) -> Table:
+    """``table`` with a change applied (``change``'s arguments), every version named
+    checked first (``UnknownModel``), then every weight (``InvalidKnob``)."""
+    for version in (*weights, drain, undrain, latest or None):
+        if version is not None:
+            _known(table, model, version)
     rows = dict(table.versions)
-    for version, weight in (weights or {}).items():
-        rows[_known(table, model, version)] = Version(check_weight(version, weight),
-                                                      rows[version].draining)
-    if drain is not None:
-        rows[_known(table, model, drain)] = Version(0.0, True)
+    for version, weight in weights.items():
+        rows[version] = Version(check_weight(version, weight), rows[version].draining)
     if undrain is not None:
-        rows[_known(table, model, undrain)] = Version(rows[undrain].weight, False)
+        rows[undrain] = Version(rows[undrain].weight, False)
+    if drain is not None:
+        rows[drain] = Version(0.0, True)
     pinned = table.pinned_latest if latest is None else (latest or None)
-    if pinned is not None:
-        _known(table, model, pinned)
-    new = Table(rows, pinned)
-    await _store(redis, model, new)
-    return new
+    if pinned is not None and rows[pinned].draining:
+        if latest:
+            raise InvalidKnob(f"version {pinned!r} of model {model!r} is draining: it "
+                              "cannot be latest (undrain it first)")
+        pinned = None  # the pinned latest drained: latest is the highest again
+    return Table(rows, pinned)
 
 
 def _known(table: Table, model: str, version: str) -> str:
@@ -210,16 +240,14 @@ def _known(table: Table, model: str, version: str) -> str:
     return version
 
 
-async def _store(redis: aioredis.Redis, model: str, table: Table) -> None:
-    key = protocol.versions_key(model)
+def _store(pipe: Any, key: str, table: Table) -> None:
     mapping = {v: orjson.dumps(row.to_json()) for v, row in table.versions.items()}
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
-        if table.pinned_latest is None:
-            pipe.hdel(key, protocol.LATEST_FIELD)
-        else:
-            pipe.hset(key, protocol.LATEST_FIELD, orjson.dumps(table.pinned_latest))
-        await pipe.execute()
+    if mapping:
+        pipe.hset(key, mapping=mapping)
+    if table.pinned_latest is None:
+        pipe.hdel(key, protocol.LATEST_FIELD)
+    else:
+        pipe.hset(key, protocol.LATEST_FIELD, orjson.dumps(table.pinned_latest))
 
 
 CHANGE_FIELDS = ("weights", "latest", "drain", "undrain")

@@ -259,3 +259,50 @@ def test_config_file_serves_a_target_as_a_version(tmp_path: Path) -> None:
     assert batch(name="m", version="4")(adder(1)).name == "m@4"
     with pytest.raises(ConfigError, match="is version '2', not '3'"):
         Model("m@2", fn=adder(1), version="3")
+
+
+# --- the operators' changes: checked, atomic --------------------------------------------
+async def test_unknown_versions_in_a_change_are_404_not_500(two: Client,
+                                                            redis_url: str) -> None:
+    async with gateway(redis_url) as http:
+        for change in ({"weights": {"9": 1}}, {"undrain": "9"}, {"weights": {"x/../y": 1}},
+                       {"weights": {"@latest": 3}}, {"latest": "@latest"}):
+            resp = await http.patch("/v1/models/vm/versions", json=change)
+            assert resp.status_code == 404, (change, resp.text)
+            assert "has no version" in resp.json()["error"]["message"]
+    for kwargs in ({"weights": {"9": 1.0}}, {"undrain": "9"}):
+        with pytest.raises(UnknownModel, match="no version '9'; its versions: 1, 2"):
+            await two.versions(MODEL, **kwargs)  # type: ignore[arg-type]
+    assert (await versions.load(two.redis, MODEL)).versions == {"1": Version(),
+                                                                "2": Version()}
+
+
+def test_a_draining_pinned_latest_takes_no_traffic() -> None:
+    table = Table({"1": Version(0.0, draining=True), "2": Version()}, pinned_latest="1")
+    assert table.latest == "2"
+    assert {table.route(MODEL, None) for _ in range(50)} == {"vm@2"}
+    pinned = Table({"1": Version(), "2": Version()}, pinned_latest="1")
+    assert versions.edited(pinned, MODEL, {}, None, "1", None).pinned_latest is None
+    with pytest.raises(ConfigError, match="is draining: it cannot be latest"):
+        versions.edited(Table({"1": Version(0.0, draining=True), "2": Version()}), MODEL,
+                        {}, "1", None, None)
+
+
+async def test_draining_the_pinned_latest_unpins_it(two: Client) -> None:
+    await two.versions(MODEL, latest="1")
+    await two.versions(MODEL, drain="1")
+    table = await versions.load(two.redis, MODEL)
+    assert table.pinned_latest is None and table.latest == "2"
+    assert table.route(MODEL, None) == "vm@2"
+
+
+async def test_concurrent_changes_keep_each_others_writes(two: Client, redis_url: str
+                                                          ) -> None:
+    async with Client(redis_url) as other:
+        await other.start()
+        for weight in range(1, 11):
+            await versions.change(two.redis, MODEL, undrain="1")
+            await asyncio.gather(versions.change(two.redis, MODEL, drain="1"),
+                                 versions.change(other.redis, MODEL, weights={"2": weight}))
+            table = await versions.load(two.redis, MODEL)
+            assert table.versions == {"1": Version(0.0, True), "2": Version(float(weight))}
