@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from redbatch import Client, ConfigError, Model, batch, configfile, protocol, versions
+from redbatch import Client, ConfigError, Model, batch, configfile, defaults, protocol, versions
 from redbatch.cli import main
 from redbatch.errors import NoLiveWorkers, UnknownModel
 from redbatch.versions import Table, Version
@@ -306,3 +306,85 @@ async def test_concurrent_changes_keep_each_others_writes(two: Client, redis_url
                                  versions.change(other.redis, MODEL, weights={"2": weight}))
             table = await versions.load(two.redis, MODEL)
             assert table.versions == {"1": Version(0.0, True), "2": Version(float(weight))}
+
+
+# --- draining: nothing left behind ----------------------------------------------------
+@pytest.fixture
+def quick_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(defaults, "DRAIN_SETTLE_S", 0.3)
+
+
+async def _drained(worker: Worker) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 8
+    while not worker.drained:
+        assert loop.time() < deadline, "the drained worker never stopped"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.usefixtures("quick_settle")
+async def test_a_dead_peers_in_flight_is_served_before_the_drain_ends(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    old = start_worker([version(1)])
+    start_worker([version(2)])
+    await _served(redis_url, "vm@1", "vm@2")
+    # a second worker of version 1 died with a request in flight; its lease runs on
+    raw_redis.zadd(protocol.workers_key("vm@1"), {"ghost": protocol.now_ms() + 1500})
+    raw_redis.rpush(protocol.inflight_key("vm@1", "ghost"), b"junk")
+    async with Client(redis_url) as client:
+        await client.versions(MODEL, drain="1")
+    await _drained(old)
+    assert raw_redis.llen(protocol.inflight_key("vm@1", "ghost")) == 0  # reaped, then served
+    assert raw_redis.llen(protocol.queue_key("vm@1")) == 0
+
+
+@pytest.mark.usefixtures("quick_settle")
+async def test_a_drained_version_refuses_late_pushes_until_served_again(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    old = start_worker([version(1)])
+    start_worker([version(2)])
+    await _served(redis_url, "vm@1", "vm@2")
+    async with Client(redis_url) as client:
+        await client.versions(MODEL, drain="1")
+        await _drained(old)
+    # a producer that routed before the drain pushes now (no cached check stops it)
+    async with Client(redis_url, require_workers=False) as late:
+        with pytest.raises(NoLiveWorkers, match="no live worker"):
+            await late.predict("vm@1", 1, 2.0)
+        assert raw_redis.llen(protocol.queue_key("vm@1")) == 0  # nothing left behind
+        assert await late.predict("vm@2", 1, 2.0) == 201  # other versions: as before
+        async with Client(redis_url) as client:
+            await client.versions(MODEL, undrain="1")
+        start_worker([version(1)])  # served again: open again
+        await _served(redis_url, "vm@1")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 3
+        while raw_redis.exists(protocol.closed_key("vm@1")):
+            assert loop.time() < deadline, "the version was never reopened"
+            await asyncio.sleep(0.05)
+        assert await late.predict("vm@1", 1, 2.0) == 101
+
+
+@pytest.mark.usefixtures("quick_settle")
+async def test_a_version_of_levels_and_sub_queues_drains_and_closes_each(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    ranked = batch(name="lv", version="3", max_batch_size=8, batch_wait_timeout_s=0,
+                   priority_levels=2, default_priority=2, sub_queues=2)(adder(3))
+    worker = start_worker([ranked])
+    await _served(redis_url, "lv@3")
+    tags = protocol.sub_queue_tags("lv@3", 2)
+    assert tags == ["lv@3", "lv@3:1"]
+    async with Client(redis_url, pack_rows=1) as client:
+        for start in range(0, 12, 2):  # both sub-queues, both levels
+            assert await asyncio.gather(client.predict("lv", start, priority=1),
+                                        client.predict("lv", start + 1, version="3")) == \
+                [start + 3, start + 4]
+        await client.versions("lv", drain="3")
+        await _drained(worker)
+    assert all(raw_redis.exists(protocol.closed_key(tag)) for tag in tags)
+    async with Client(redis_url, require_workers=False, pack_rows=1) as late:
+        for priority in (1, 2, 1, 2):
+            with pytest.raises(NoLiveWorkers):
+                await late.predict("lv@3", 1, 2.0, priority=priority)
+    assert not any(raw_redis.exists(protocol.queue_key(tag, 1), protocol.queue_key(tag))
+                   for tag in tags)
