@@ -388,3 +388,14 @@ async def test_a_version_of_levels_and_sub_queues_drains_and_closes_each(
                 await late.predict("lv@3", 1, 2.0, priority=priority)
     assert not any(raw_redis.exists(protocol.queue_key(tag, 1), protocol.queue_key(tag))
                    for tag in tags)
+
+
+async def test_a_served_name_is_refused_while_its_version_drains(two: Client,
+                                                                 redis_url: str) -> None:
+    await two.versions(MODEL, drain="1")
+    with pytest.raises(NoLiveWorkers, match="draining"):
+        await two.predict("vm@1", 1)
+    assert await two.predict("vm@2", 1) == 201
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/models/vm@1/predict", json={"inputs": 5})
+        assert resp.status_code == 503 and "draining" in resp.text

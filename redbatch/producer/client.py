@@ -178,10 +178,21 @@ class Client:
         for a second: no read per request)."""
         if version is not None:
             protocol.check_version(version)
+        elif protocol.VERSION_SEP in model:  # a version's served name: as if pinned
+            return await self._served_version(model, deadline_ms)
         table = self._admission.table_cached(model) if self._listeners is not None else None
         if table is None:  # stale or not started: read (once for every caller)
             table = await self.table(model, deadline_ms)
         return table.route(model, version)
+
+    async def _served_version(self, name: str, deadline_ms: int | None) -> str:
+        """``name`` (``<model>@<version>``), checked against its model's table like a
+        pinned version (a draining one refused), when the table lists it."""
+        protocol.check_model_name(name)
+        model, version = protocol.split_name(name)
+        assert version is not None
+        table = await self.table(model, deadline_ms)
+        return table.route(model, version) if version in table.versions else name
 
     def cached_pick(self, model: str) -> str | None:
         """The version a request for ``model`` that pins none goes to, picked by weight
