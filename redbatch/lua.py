@@ -364,6 +364,29 @@ return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs
         redis.call('HGETALL', KEYS[5])}}
 """
 
+# KEYS[1]=versions hash (the model's routing table)  KEYS[2]=the model's own workers zset
+# (its workers served without versions; the same slot, ``{model}``)
+# ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0.
+# A worker registers its version: a version already in the table keeps its row (an
+# operator's weight stays); a new one gets weight 0 (requests that pin it only, until an
+# operator promotes it) while the model is served already, by another version not
+# draining or by live workers without versions, else no weight.  Returns the row.
+REGISTER_VERSION: Final = """
+local row = redis.call('HGET', KEYS[1], ARGV[1])
+if row then return row end
+local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if not serving and string.sub(all[i], 1, 1) ~= '@' then
+    local ok, r = pcall(cjson.decode, all[i + 1])
+    serving = not (ok and type(r) == 'table' and (r['draining'] == true or r['base'] == true))
+  end
+end
+row = serving and ARGV[4] or ARGV[3]
+redis.call('HSET', KEYS[1], ARGV[1], row)
+return row
+"""
+
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.
 # What the autoscaling gauges need of a model's live workers (read at scrape time, never
 # on the request path), read-only: how many hold a live lease, the sum of their

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -34,14 +34,19 @@ RNG = random.Random()  # the weighted pick's; tests seed it
 
 @dataclass(frozen=True)
 class Version:
-    """One version's row of the table: its weight (None: never set) and whether it
-    is draining (no new traffic; its workers stop once its queue is empty)."""
+    """One version's row of the table: its weight (None: never set; 0: no share of
+    the requests that pin no version), whether it is draining (no new traffic; its
+    workers stop once its queue is empty), and whether it is the model's unversioned
+    workers (``base``: version "1" of a model with live workers served without
+    versions, reached under the model's own name)."""
 
     weight: float | None = None
     draining: bool = False
+    base: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"weight": self.weight, "draining": self.draining}
+        row = {"weight": self.weight, "draining": self.draining}
+        return {**row, "base": True} if self.base else row
 
 
 @dataclass(frozen=True)
@@ -57,12 +62,15 @@ class Table:
     @property
     def latest(self) -> str | None:
         """The pinned latest unless it is draining, else the highest version not
-        draining (numeric order when every version is a number), else None."""
+        draining whose weight is not 0 (a version registered while another served
+        has weight 0 until promoted: ``NEW_ROW``), else the highest not draining
+        (numeric order when every version is a number), else None."""
         pinned = self.versions.get(self.pinned_latest or "")
         if pinned is not None and not pinned.draining:
             return self.pinned_latest
         open_ = [v for v, row in self.versions.items() if not row.draining]
-        return max(open_, key=_order_key(open_)) if open_ else None
+        promoted = [v for v in open_ if self.versions[v].weight != 0.0] or open_
+        return max(promoted, key=_order_key(promoted)) if promoted else None
 
     def weights(self) -> dict[str, float]:
         """The versions that take unpinned traffic and their weights: those with a
@@ -106,7 +114,13 @@ class Table:
         elif self.versions[version].draining:
             raise NoLiveWorkers(f"version {version!r} of model {model!r} is draining; "
                                 f"send to another version ({', '.join(self.ordered())})")
-        return protocol.served_name(model, version)
+        return self.served(model, version)
+
+    def served(self, model: str, version: str) -> str:
+        """The served name of a version in the table: ``<model>@<version>``, or the
+        model's own name for its unversioned workers (``Version.base``)."""
+        row = self.versions.get(version)
+        return model if row is not None and row.base else protocol.served_name(model, version)
 
     def ordered(self) -> list[str]:
         """The versions, lowest first (numeric order when all are numbers)."""
@@ -126,11 +140,22 @@ def _order_key(versions: list[str]) -> Any:
     return str
 
 
-def decode(raw: Mapping[Any, Any] | list[Any] | None) -> Table:
+def decode(raw: Mapping[Any, Any] | list[Any] | None, base_live: bool = False) -> Table:
     """The table from a ``versions_key`` hash (a mapping, or ``HGETALL``'s flat list
-    as a script returns it); unreadable rows count as a version without a weight."""
+    as a script returns it); unreadable rows count as a version without a weight.
+    ``base_live``: the model has live workers served without versions, which count as
+    version "1" (``Version.base``) unless a worker registered a version "1"; without
+    them, a stored base row is left out."""
     if not raw:
         return EMPTY
+    table = _decoded(raw)
+    rows = {v: row for v, row in table.versions.items() if base_live or not row.base}
+    if base_live and UNVERSIONED not in rows:
+        rows[UNVERSIONED] = Version(base=True)
+    return Table(rows, table.pinned_latest)
+
+
+def _decoded(raw: Mapping[Any, Any] | list[Any]) -> Table:
     pairs = raw.items() if isinstance(raw, Mapping) else zip(raw[::2], raw[1::2], strict=True)
     rows: dict[str, Version] = {}
     latest: str | None = None
@@ -160,7 +185,7 @@ def _row(data: Any) -> Version:
     weight = data.get("weight")
     ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight >= 0
     return Version(float(weight) if ok and weight is not None else None,
-                   data.get("draining") is True)
+                   data.get("draining") is True, data.get("base") is True)
 
 
 # --- the operators' changes ---------------------------------------------------------
@@ -174,10 +199,19 @@ def check_weight(version: str, weight: Any) -> float:
 
 
 async def load(redis: aioredis.Redis, model: str) -> Table:
-    """The model's table as stored (one read)."""
+    """The model's table as stored, with its unversioned workers if live (one round
+    trip)."""
     protocol.check_model_name(model)
-    raw: Any = await redis.hgetall(protocol.versions_key(model))
-    return decode(raw)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(protocol.versions_key(model))
+        _base_live(pipe, model)
+        raw, live = await pipe.execute()
+    return decode(raw, int(live) > 0)
+
+
+def _base_live(redis: Any, model: str) -> Any:
+    """The live workers of ``model`` served without versions (a pipeline's command)."""
+    return redis.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf")
 
 
 async def change(redis: aioredis.Redis, model: str, *,
@@ -194,9 +228,9 @@ async def change(redis: aioredis.Redis, model: str, *,
     for _ in range(CHANGE_TRIES):
         async with redis.pipeline(transaction=True) as pipe:
             await pipe.watch(key)
-            table = decode(await pipe.hgetall(key))
+            table = decode(await pipe.hgetall(key), int(await _base_live(pipe, model)) > 0)
             new = edited(table, model, weights or {}, latest, drain, undrain)
-            pipe.multi()
+            pipe.multi()  # type: ignore[no-untyped-call]
             _store(pipe, key, new)
             try:
                 await pipe.execute()
@@ -218,11 +252,11 @@ def edited(table: Table, model: str, weights: Mapping[str, Any], latest: str | N
             _known(table, model, version)
     rows = dict(table.versions)
     for version, weight in weights.items():
-        rows[version] = Version(check_weight(version, weight), rows[version].draining)
+        rows[version] = replace(rows[version], weight=check_weight(version, weight))
     if undrain is not None:
-        rows[undrain] = Version(rows[undrain].weight, False)
+        rows[undrain] = replace(rows[undrain], draining=False)
     if drain is not None:
-        rows[drain] = Version(0.0, True)
+        rows[drain] = replace(rows[drain], weight=0.0, draining=True)
     pinned = table.pinned_latest if latest is None else (latest or None)
     if pinned is not None and rows[pinned].draining:
         if latest:
@@ -280,10 +314,10 @@ async def describe(redis: aioredis.Redis, model: str, table: Table | None = None
     now = protocol.now_ms()
     async with redis.pipeline(transaction=False) as pipe:
         for version in table.ordered():
-            pipe.zcount(protocol.workers_key(protocol.served_name(model, version)), now, "+inf")
+            pipe.zcount(protocol.workers_key(table.served(model, version)), now, "+inf")
         live = await pipe.execute()
     return {"model": model, "latest": latest, "pinned_latest": table.pinned_latest,
-            "versions": [{"version": v, "name": protocol.served_name(model, v),
+            "versions": [{"version": v, "name": table.served(model, v),
                           **table.versions[v].to_json(),
                           "share": round(weights.get(v, 0.0) / total, 6),
                           "latest": v == latest, "live_workers": int(n)}

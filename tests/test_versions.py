@@ -51,8 +51,9 @@ async def _served(url: str, *names: str) -> None:
 async def two(start_worker: Callable[..., Worker], redis_url: str) -> AsyncIterator[Client]:
     """Versions 1 and 2 of ``vm``, each on its own worker, and a client."""
     start_worker([version(1)])
+    await _served(redis_url, "vm@1")  # registered first: version 2 comes as a canary
     start_worker([version(2)])
-    await _served(redis_url, "vm@1", "vm@2")
+    await _served(redis_url, "vm@2")
     async with Client(redis_url) as client:
         yield client
 
@@ -109,15 +110,15 @@ async def test_two_versions_side_by_side_pinned_and_latest(two: Client,
                                                            raw_redis: redis.Redis) -> None:
     assert await two.predict(MODEL, 1, version="1") == 101
     assert await two.predict(MODEL, 1, version="2") == 201
-    assert await two.predict(MODEL, 1) == 201  # no weights: latest, the highest
-    assert two.cached_pick(MODEL) == "2"  # the table just read: the gateway's label
+    assert await two.predict(MODEL, 1) == 101  # version 2 came as a canary: weight 0
+    assert two.cached_pick(MODEL) == "1"  # the table just read: the gateway's label
     assert two.cached_pick("vm@2") is None  # a version has no versions
     assert await two.predict("vm@1", 1) == 101  # a served name is a model of its own
     with pytest.raises(UnknownModel, match="no version '3'"):
         await two.predict(MODEL, 1, version="3")
     shown = await two.versions(MODEL)
     assert [(r["version"], r["latest"], r["live_workers"]) for r in shown["versions"]] == \
-        [("1", False, 1), ("2", True, 1)]
+        [("1", True, 1), ("2", False, 1)]
 
 
 async def test_weights_change_live_within_two_seconds(two: Client) -> None:
@@ -143,6 +144,7 @@ async def _answers_become(client: Client, expected: set[int]) -> None:
 
 
 async def test_http_v1_and_v2_pinned_versions(two: Client, redis_url: str) -> None:
+    await two.versions(MODEL, latest="2")  # promoted
     async with gateway(redis_url) as http:
         resp = await http.post("/v1/models/vm/versions/1/predict", json={"inputs": 5})
         assert resp.status_code == 200, resp.text
@@ -274,7 +276,7 @@ async def test_unknown_versions_in_a_change_are_404_not_500(two: Client,
         with pytest.raises(UnknownModel, match="no version '9'; its versions: 1, 2"):
             await two.versions(MODEL, **kwargs)  # type: ignore[arg-type]
     assert (await versions.load(two.redis, MODEL)).versions == {"1": Version(),
-                                                                "2": Version()}
+                                                                "2": Version(0.0)}
 
 
 def test_a_draining_pinned_latest_takes_no_traffic() -> None:
@@ -399,3 +401,36 @@ async def test_a_served_name_is_refused_while_its_version_drains(two: Client,
     async with gateway(redis_url) as http:
         resp = await http.post("/v1/models/vm@1/predict", json={"inputs": 5})
         assert resp.status_code == 503 and "draining" in resp.text
+
+
+# --- a new version takes no traffic by surprise -----------------------------------------
+async def test_a_new_version_is_a_canary_until_promoted(two: Client) -> None:
+    table = await versions.load(two.redis, MODEL)
+    assert table.versions == {"1": Version(), "2": Version(0.0)} and table.latest == "1"
+    assert set(await asyncio.gather(*(two.predict(MODEL, 1) for _ in range(20)))) == {101}
+    assert await two.predict(MODEL, 1, version="2") == 201  # pinned: served at once
+    await two.versions(MODEL, latest="2")  # promoted
+    await _answers_become(two, {201})
+
+
+async def test_an_unversioned_model_counts_as_version_1_beside_a_new_one(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([Model(MODEL, fn=adder(0), policy=BatchPolicy(max_batch_size=4,
+                                                                 batch_wait_timeout_s=0.002))])
+    await wait_live(redis_url, MODEL)
+    start_worker([version(2)])
+    await _served(redis_url, "vm@2")
+    async with Client(redis_url) as client:
+        assert set(await asyncio.gather(*(client.predict(MODEL, 1) for _ in range(20)))) \
+            == {1}  # still the workers served without versions
+        assert await client.predict(MODEL, 1, version="1") == 1
+        assert await client.predict(MODEL, 1, version="2") == 201
+        shown = await client.versions(MODEL, weights={"1": 50, "2": 50})
+        assert [(r["version"], r["name"], r["share"], r["live_workers"])
+                for r in shown["versions"]] == [("1", MODEL, 0.5, 1), ("2", "vm@2", 0.5, 1)]
+        await _answers_become(client, {1, 201})
+    async with gateway(redis_url) as http:
+        models = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+    assert [(r["version"], r["name"]) for r in models[MODEL]["versions"]] == \
+        [("1", MODEL), ("2", "vm@2")]
+    assert models[MODEL]["live_workers"] == 2

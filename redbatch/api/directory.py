@@ -77,7 +77,7 @@ class ModelDirectory:
         for row in rows:
             row["queue_depth"] = sum(await queue_depths(
                 self._redis, row["name"], await self._redis.get(protocol.meta_key(row["name"]))))
-        latest = protocol.served_name(name, table.latest) if table.latest else served[0]
+        latest = table.served(name, table.latest) if table.latest else served[0]
         return {**await self._describe(latest), "name": name, "versions": rows,
                 "queue_depth": sum(r["queue_depth"] for r in rows),
                 "live_workers": sum(r["live_workers"] for r in rows)}

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import lua, protocol
 from redbatch.worker.model import Model
 from redbatch.worker.stats import WorkerStats
 
@@ -71,17 +71,21 @@ async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
 
 
 NEW_VERSION_ROW = orjson.dumps({"weight": None, "draining": False})
+CANARY_ROW = orjson.dumps({"weight": 0.0, "draining": False})  # while another serves
 
 
 def _version_rows(pipe: Any, models: list[Model]) -> dict[str, int]:
-    """Register each versioned model's version in its routing table (``HSETNX``: an
-    operator's weights stay) and read its row back; where each row answers."""
+    """Register each versioned model's version in its routing table
+    (``lua.REGISTER_VERSION``: an operator's weights stay; a version new to a model
+    served already takes no unpinned traffic until promoted) and read its row back;
+    where each row answers."""
     rows: dict[str, int] = {}
     for model in models:
         if model.version is not None:
-            key = protocol.versions_key(protocol.split_name(model.name)[0])
-            pipe.hsetnx(key, model.version, NEW_VERSION_ROW)
-            pipe.hget(key, model.version)
+            base = protocol.split_name(model.name)[0]
+            pipe.eval(lua.REGISTER_VERSION, 2, protocol.versions_key(base),
+                      protocol.workers_key(base), model.version, protocol.now_ms(),
+                      NEW_VERSION_ROW, CANARY_ROW)
             rows[model.name] = len(pipe) - 1
     return rows
 
