@@ -434,3 +434,34 @@ async def test_an_unversioned_model_counts_as_version_1_beside_a_new_one(
     assert [(r["version"], r["name"]) for r in models[MODEL]["versions"]] == \
         [("1", MODEL), ("2", "vm@2")]
     assert models[MODEL]["live_workers"] == 2
+
+
+# --- streaming models in versions ---------------------------------------------------------
+async def test_a_streaming_model_in_versions(start_worker: Callable[..., Worker],
+                                             redis_url: str) -> None:
+    from tests.stream_models import counting, policy
+    start_worker([Model("gen", fn=counting, policy=policy(4, 0.002), version="2")])
+    await _served(redis_url, "gen@2")
+    ask = {"n": 2, "tag": "t"}
+    async with Client(redis_url) as client:
+        unpinned = [c async for c in client.stream("gen", ask, 3.0)]
+        assert unpinned and unpinned == [c async for c in client.stream("gen", ask, 3.0,
+                                                                          version="2")]
+        assert [c async for c in client.stream("gen@2", ask, 3.0)] == unpinned
+        stream = client.stream("gen", ask, 3.0)
+        await stream.open()
+        assert stream.model == "gen@2"
+        await stream.aclose()
+        with pytest.raises(UnknownModel, match="no version '5'"):
+            await client.stream("gen", ask, 3.0, version="5").open()
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/models/gen/predict", json=ask)
+        assert resp.status_code == 200 and resp.headers["x-redbatch-version"] == "2"
+        for path in ("/v2/models/gen/generate", "/v2/models/gen/versions/2/generate"):
+            resp = await http.post(path, json=ask)
+            assert resp.status_code == 200, resp.text
+            assert (resp.json()["model_name"], resp.json()["model_version"]) == ("gen", "2")
+        resp = await http.post("/v2/models/gen/versions/2/generate_stream", json=ask)
+        assert resp.status_code == 200 and '"model_version":"2"' in resp.text
+        assert (await http.post("/v2/models/gen/versions/7/generate", json=ask)).status_code \
+            == 404

@@ -215,7 +215,12 @@ class InferCore:
                                     deadline_ms=deadline_ms, trace_id=trace_id,
                                     max_queue_len=info.max_queue_len, chunks=True)
         first = await streaming.first_chunk(stream)
-        return streaming.StreamAnswer(stream, first, shapes, sse, trace_id or stream.request_id)
+        answer = streaming.StreamAnswer(stream, first, shapes, sse,
+                                        trace_id or stream.request_id)
+        if protocol.VERSION_SEP in info.name:  # a version answers: which one
+            answer.raw_headers.append((b"x-redbatch-version", info.name.partition(
+                protocol.VERSION_SEP)[2].encode()))
+        return answer
 
     # --- metrics ---------------------------------------------------------------
     async def metered(self, model: str, respond: Awaitable[AnswerT]) -> AnswerT:

@@ -537,5 +537,7 @@ def v2_routes(gateway: Gateway) -> list[Route]:
         (f"{version}/infer", api.infer, "POST"),
         (f"{model}/generate", generate.generate, "POST"),
         (f"{model}/generate_stream", generate.generate_stream, "POST"),
+        (f"{version}/generate", generate.generate, "POST"),
+        (f"{version}/generate_stream", generate.generate_stream, "POST"),
     ]
     return [Route(path, _v2_errors(handler), methods=[method]) for path, handler, method in routes]

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from redbatch import protocol
 from redbatch.api import body, streaming
-from redbatch.errors import BadRequest, RedbatchError
+from redbatch.errors import BadRequest, RedbatchError, UnknownModel
 from redbatch.producer.streams import Stream
 from redbatch.stream_wire import StreamChunk
 
@@ -24,16 +24,22 @@ if TYPE_CHECKING:
 VERSION = "1"
 
 
-def v2_shapes(name: str) -> tuple[streaming.Shape, streaming.Final]:
+def served_version(served: str) -> str:
+    """The version a served name answers as (``VERSION`` for a model served without
+    versions)."""
+    return protocol.split_name(served)[1] or VERSION
+
+
+def v2_shapes(name: str, version: str = VERSION) -> tuple[streaming.Shape, streaming.Final]:
     def shape(chunk: StreamChunk) -> dict[str, Any]:
         key = "text_output" if isinstance(chunk.payload, str) else "output"
-        return {"model_name": name, "model_version": VERSION, key: chunk.payload,
+        return {"model_name": name, "model_version": version, key: chunk.payload,
                 "seq": chunk.seq}
 
     def final(stream: Stream, error: RedbatchError | None) -> dict[str, Any]:
         if error is not None:
             return {"error": str(error), "code": error.code}
-        return {"model_name": name, "model_version": VERSION, "text_output": "",
+        return {"model_name": name, "model_version": version, "text_output": "",
                 "last": True, "timings": stream.timings}
 
     return shape, final
@@ -53,22 +59,26 @@ class GenerateApi:
             chunks += [chunk.payload async for chunk in answer.stream]
         finally:
             await answer.stream.aclose()
-        name = request.path_params["name"]
+        named = {"model_name": request.path_params["name"],
+                 "model_version": served_version(answer.stream.model)}
         if all(isinstance(c, str) for c in chunks):
-            return JSONResponse({"model_name": name, "model_version": VERSION,
-                                 "text_output": "".join(chunks)})
-        return JSONResponse({"model_name": name, "model_version": VERSION, "output": chunks})
+            return JSONResponse({**named, "text_output": "".join(chunks)})
+        return JSONResponse({**named, "output": chunks})
 
     async def _answer(self, request: Request, sse: bool) -> streaming.StreamAnswer:
         core, arrived_ms = self.gateway.core, protocol.now_ms()
         name = request.path_params["name"]
         headers: body.Headers = dict(request.scope["headers"])
         trace = body.trace_id(headers)
-        info = await core.served(name, headers, arrived_ms)
+        version = request.path_params.get("version")  # /v2/models/{name}/versions/{v}/...
+        if version is not None and not protocol.VERSION_RE.fullmatch(version):
+            raise UnknownModel(f"model {name!r} has no version {version!r}")
+        info = await core.served(name, headers, arrived_ms, version)
         if not info.meta.get(protocol.F_STREAMING):
             raise BadRequest(f"model {name!r} does not stream: use its infer endpoint")
         body.check_content_type(headers)
         data = body.parse_json(await core.read(headers, request.receive))
         params = data.pop("parameters", None)
         data = {**params, **data} if isinstance(params, dict) else data
-        return await core.stream(info, data, headers, arrived_ms, trace, v2_shapes(name), sse)
+        return await core.stream(info, data, headers, arrived_ms, trace,
+                                 v2_shapes(name, served_version(info.name)), sse)

@@ -474,12 +474,14 @@ class Client:
 
     def stream(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                trace_id: str = "", deadline_ms: int | None = None,
-               max_queue_len: int | None = None, chunks: bool = False) -> Stream:
+               max_queue_len: int | None = None, chunks: bool = False,
+               version: str | None = None) -> Stream:
         """A streaming model's chunks for one input: ``async for chunk in
         client.stream(model, x)`` (``chunks=True``: numbered ``StreamChunk``s).  The
-        deadline bounds the whole stream; ``Stream.aclose`` cancels it."""
+        deadline bounds the whole stream; ``Stream.aclose`` cancels it.  ``version``:
+        as for ``submit`` (``Stream.model``: the served name it went to)."""
         return Stream(self, model, inputs, self._deadline(timeout_s, deadline_ms),
-                      trace_id, max_queue_len, chunks)
+                      trace_id, max_queue_len, chunks, version)
 
     async def _open_stream(self, model: str, inputs: Any, deadline_ms: int,
                           trace_id: str = "", max_queue_len: int | None = None
