@@ -324,12 +324,20 @@ async def _drained(worker: Worker) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _start_1_then_2(start_worker: Callable[..., Worker], redis_url: str) -> Worker:
+    """Versions 1 and 2 (a canary: it registers second), each on its own worker; the
+    worker of version 1."""
+    old = start_worker([version(1)])
+    await _served(redis_url, "vm@1")
+    start_worker([version(2)])
+    await _served(redis_url, "vm@2")
+    return old
+
+
 @pytest.mark.usefixtures("quick_settle")
 async def test_a_dead_peers_in_flight_is_served_before_the_drain_ends(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
-    old = start_worker([version(1)])
-    start_worker([version(2)])
-    await _served(redis_url, "vm@1", "vm@2")
+    old = await _start_1_then_2(start_worker, redis_url)
     # a second worker of version 1 died with a request in flight; its lease runs on
     raw_redis.zadd(protocol.workers_key("vm@1"), {"ghost": protocol.now_ms() + 1500})
     raw_redis.rpush(protocol.inflight_key("vm@1", "ghost"), b"junk")
@@ -343,9 +351,7 @@ async def test_a_dead_peers_in_flight_is_served_before_the_drain_ends(
 @pytest.mark.usefixtures("quick_settle")
 async def test_a_drained_version_refuses_late_pushes_until_served_again(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
-    old = start_worker([version(1)])
-    start_worker([version(2)])
-    await _served(redis_url, "vm@1", "vm@2")
+    old = await _start_1_then_2(start_worker, redis_url)
     async with Client(redis_url) as client:
         await client.versions(MODEL, drain="1")
         await _drained(old)
