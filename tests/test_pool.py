@@ -226,3 +226,14 @@ def test_a_replica_that_drained_its_versions_is_not_restarted(
     pool.now += 600
     pool._check(pool.replicas[0])
     assert len(pool.spawned) == 1 and pool.replicas[0].drained
+
+
+
+def test_a_pool_whose_every_replica_drained_returns(make_pool: Callable[..., FakePool]
+                                                    ) -> None:
+    pool = make_pool()
+    pool.serve()
+    pool.proc.die(defaults.DRAINED_EXIT_CODE)
+    stop = threading.Event()
+    pool.supervise(stop, tick_s=0.01)  # returns (it idled forever before)
+    assert len(pool.spawned) == 1 and pool.replicas[0].drained and not pool.failure

@@ -151,8 +151,9 @@ class Pool:
         self.replicas = [self._new_replica(i) for i in range(self.config.replicas)]
 
     def supervise(self, stop: threading.Event, tick_s: float = defaults.POOL_TICK_S) -> None:
-        """Restart exited replicas (with capped backoff) until ``stop`` is set, or until
-        the pool gives up (then ``stop`` is set too).  Blocks on the processes'
+        """Restart exited replicas (with capped backoff) until ``stop`` is set, until
+        every replica drained its versions, or until the pool gives up (then ``stop``
+        is set too).  Blocks on the processes'
         sentinels, so an exit is seen at once."""
         while not (stop.is_set() or self._stopping.is_set()):
             sentinels = [r.process.sentinel for r in self.replicas if r.process.is_alive()]
@@ -164,6 +165,9 @@ class Pool:
                 break
             for replica in self.replicas:
                 self._check(replica)
+            if self.replicas and all(r.drained for r in self.replicas):
+                log.info("every worker replica drained its versions: the pool stops")
+                break
         self._stopping.set()
         if self.failure:
             stop.set()
