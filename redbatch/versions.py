@@ -223,7 +223,7 @@ async def change(redis: aioredis.Redis, model: str, *,
     its workers registered it; a draining one cannot be pinned), then stored in one
     transaction that the table was not changed meanwhile (``WATCH``; retried, so that
     concurrent changes never lose each other's writes).  Returns the new table."""
-    protocol.check_model_name(model)
+    check_base(model)
     key = protocol.versions_key(model)
     for _ in range(CHANGE_TRIES):
         async with redis.pipeline(transaction=True) as pipe:
@@ -264,6 +264,16 @@ def edited(table: Table, model: str, weights: Mapping[str, Any], latest: str | N
                               "cannot be latest (undrain it first)")
         pinned = None  # the pinned latest drained: latest is the highest again
     return Table(rows, pinned)
+
+
+def check_base(model: str) -> None:
+    """``UnknownModel`` for a version's served name (``m@v`` has no versions of its
+    own: its model's table is ``m``'s), and for a name that is none."""
+    protocol.check_model_name(model)
+    base, version = protocol.split_name(model)
+    if version is not None:
+        raise UnknownModel(f"{model!r} is version {version!r} of model {base!r}: its "
+                           f"versions are {base!r}'s")
 
 
 def _known(table: Table, model: str, version: str) -> str:
@@ -308,6 +318,7 @@ async def describe(redis: aioredis.Redis, model: str, table: Table | None = None
     """The table as ``GET /v1/models/{model}/versions`` and ``redbatch versions`` show
     it: each version with its served name, weight, share of unpinned traffic, whether
     it is latest or draining, and its live workers."""
+    check_base(model)
     table = await load(redis, model) if table is None else table
     weights, latest = table.weights(), table.latest
     total = sum(weights.values()) or 1.0

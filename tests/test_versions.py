@@ -16,6 +16,7 @@ import redis
 from redbatch import Client, ConfigError, Model, batch, configfile, defaults, protocol, versions
 from redbatch.cli import main
 from redbatch.errors import NoLiveWorkers, UnknownModel
+from redbatch.producer import SyncClient
 from redbatch.versions import Table, Version
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
@@ -272,6 +273,8 @@ async def test_unknown_versions_in_a_change_are_404_not_500(two: Client,
             resp = await http.patch("/v1/models/vm/versions", json=change)
             assert resp.status_code == 404, (change, resp.text)
             assert "has no version" in resp.json()["error"]["message"]
+        resp = await http.get("/v1/models/vm@1/versions")
+        assert resp.status_code == 404 and "is version '1' of model 'vm'" in resp.text
     for kwargs in ({"weights": {"9": 1.0}}, {"undrain": "9"}):
         with pytest.raises(UnknownModel, match="no version '9'; its versions: 1, 2"):
             await two.versions(MODEL, **kwargs)  # type: ignore[arg-type]
@@ -415,6 +418,12 @@ async def test_a_new_version_is_a_canary_until_promoted(two: Client) -> None:
     assert table.versions == {"1": Version(), "2": Version(0.0)} and table.latest == "1"
     assert set(await asyncio.gather(*(two.predict(MODEL, 1) for _ in range(20)))) == {101}
     assert await two.predict(MODEL, 1, version="2") == 201  # pinned: served at once
+    sync = SyncClient(two.settings.url)
+    try:
+        assert await asyncio.to_thread(sync.predict_many, MODEL, [1, 2], 5.0, version="2") \
+            == [201, 202]
+    finally:
+        await asyncio.to_thread(sync.close)
     await two.versions(MODEL, latest="2")  # promoted
     await _answers_become(two, {201})
 
