@@ -480,3 +480,12 @@ async def test_a_streaming_model_in_versions(start_worker: Callable[..., Worker]
         assert resp.status_code == 200 and '"model_version":"2"' in resp.text
         assert (await http.post("/v2/models/gen/versions/7/generate", json=ask)).status_code \
             == 404
+
+
+async def test_a_request_split_by_a_cold_table_is_counted_under_its_model(
+        two: Client, redis_url: str) -> None:
+    async with gateway(redis_url) as http:  # its copy of the table: not read yet
+        assert (await http.post("/v1/models/vm/predict", json={"inputs": 5})).status_code \
+            == 200
+        scraped = (await http.get("/metrics")).text
+    assert 'redbatch_requests_total{model="vm",outcome="ok"} 1.0' in scraped, scraped

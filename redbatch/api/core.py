@@ -241,7 +241,7 @@ class InferCore:
         """Model names from URLs become labels only once a worker registered them (a
         version's served name: else its model's, as version "1" of one served
         without versions)."""
-        if self.directory.known(model):
+        if self.directory.known(model) or self.client.has_versions(model):
             return model
         base = model.partition(protocol.VERSION_SEP)[0]
         return base if base != model and self.directory.known(base) else \

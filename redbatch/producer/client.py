@@ -201,6 +201,11 @@ class Client:
         table = self._admission.table_cached(model) if self._listeners is not None else None
         return table.choose() if table else None
 
+    def has_versions(self, model: str) -> bool:
+        """Whether ``model``'s cached table lists versions (no I/O; False when stale)."""
+        table = self._admission.table_cached(model) if self._listeners is not None else None
+        return bool(table)
+
     async def table(self, model: str, deadline_ms: int | None = None) -> versions.Table:
         """``model``'s version routing table (empty: served without versions), read
         with its live summary (cached for a second)."""
