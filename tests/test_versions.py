@@ -212,6 +212,7 @@ async def test_listing_gives_each_model_its_versions(two: Client, redis_url: str
     assert [(r["version"], r["weight"], r["share"], r["live_workers"]) for r in rows] == \
         [("1", 95.0, 0.95, 1), ("2", 5.0, 0.05, 1)]
     assert all("queue_depth" in r for r in rows) and models["vm"]["live_workers"] == 2
+    assert len(models["vm"]["workers"]) == 2  # every version's, not latest's alone
     assert [r["version"] for r in models["plain"]["versions"]] == ["1"]
 
 
