@@ -364,6 +364,29 @@ return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs
         redis.call('HGETALL', KEYS[5])}}
 """
 
+# KEYS[1]=versions hash (the model's routing table)
+# ARGV[1]=n  ARGV[2..1+2n]=the hash's fields and values as the caller read them
+# ARGV[2+2n]=the pinned latest to store ('' deletes it)  ARGV[3+2n..]=fields and values
+# An operator's change, stored only if the table is still what the caller read (a
+# compare-and-set: the caller reads, checks and edits, then retries on a 0), so that
+# two changes at once never lose each other's writes.  Reads with HGETALL and HMGET
+# only (the documented least-privilege user has no HGET or HLEN).  Returns 1 if
+# stored, else 0.
+CHANGE_VERSIONS: Final = f"""
+local n = tonumber(ARGV[1])
+if #redis.call('HGETALL', KEYS[1]) ~= 2 * n then return 0 end
+for i = 2, 2 * n, 2 do
+  if redis.call('HMGET', KEYS[1], ARGV[i])[1] ~= ARGV[i + 1] then return 0 end
+end
+if #ARGV > 2 + 2 * n then redis.call('HSET', KEYS[1], unpack(ARGV, 3 + 2 * n)) end
+if ARGV[2 + 2 * n] == '' then
+  redis.call('HDEL', KEYS[1], '{protocol.LATEST_FIELD}')
+else
+  redis.call('HSET', KEYS[1], '{protocol.LATEST_FIELD}', ARGV[2 + 2 * n])
+end
+return 1
+"""
+
 # KEYS[1]=versions hash (the model's routing table)  KEYS[2]=the model's own workers zset
 # (its workers served without versions; the same slot, ``{model}``)
 # ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0.
@@ -372,7 +395,7 @@ return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs
 # operator promotes it) while the model is served already, by another version not
 # draining or by live workers without versions, else no weight.  Returns the row.
 REGISTER_VERSION: Final = """
-local row = redis.call('HGET', KEYS[1], ARGV[1])
+local row = redis.call('HMGET', KEYS[1], ARGV[1])[1]
 if row then return row end
 local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
 local all = redis.call('HGETALL', KEYS[1])

@@ -218,8 +218,8 @@ def config_key(model: str) -> str:
 def versions_key(model: str) -> str:
     """Hash of a model served in versions, in the model's own slot (``{<model>}``, no
     version): ``<version>`` -> JSON ``{"weight": number|null, "draining": bool}``, one
-    field per version (a worker adds its version's with ``HSETNX`` when it
-    registers), and ``@latest`` -> JSON version, the pinned ``latest`` if set.  No TTL."""
+    field per version (a worker adds its version's with ``lua.REGISTER_VERSION``
+    when it registers), and ``@latest`` -> JSON version, the pinned ``latest`` if set.  No TTL."""
     return f"{PREFIX}:{{{model}}}:versions"
 
 

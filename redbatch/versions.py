@@ -20,9 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from redis.exceptions import WatchError
 
-from redbatch import protocol
+from redbatch import lua, protocol
 from redbatch.errors import InvalidKnob, NoLiveWorkers, RedisUnavailable, UnknownModel
 
 if TYPE_CHECKING:
@@ -220,24 +219,31 @@ async def change(redis: aioredis.Redis, model: str, *,
     """Set weights (version -> weight; the versions named only), the pinned latest
     (``""`` unpins it), drain a version (weight 0, draining; a pinned latest drained is
     unpinned) or take it back; checked against the stored table (a version must exist:
-    its workers registered it; a draining one cannot be pinned), then stored in one
-    transaction that the table was not changed meanwhile (``WATCH``; retried, so that
+    its workers registered it; a draining one cannot be pinned), then stored only if
+    the table was not changed meanwhile (``lua.CHANGE_VERSIONS``; retried, so that
     concurrent changes never lose each other's writes).  Returns the new table."""
     check_base(model)
     key = protocol.versions_key(model)
+    script = redis.register_script(lua.CHANGE_VERSIONS)
     for _ in range(CHANGE_TRIES):
-        async with redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(key)
-            table = decode(await pipe.hgetall(key), int(await _base_live(pipe, model)) > 0)
-            new = edited(table, model, weights or {}, latest, drain, undrain)
-            pipe.multi()  # type: ignore[no-untyped-call]
-            _store(pipe, key, new)
-            try:
-                await pipe.execute()
-            except WatchError:
-                continue
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(key)
+            _base_live(pipe, model)
+            raw, live = await pipe.execute()
+        new = edited(decode(raw, int(live) > 0), model, weights or {}, latest, drain,
+                     undrain)
+        if int(await script(keys=[key], args=_change_args(raw, new))):
             return new
     raise RedisUnavailable(f"the versions of model {model!r} kept changing; try again")
+
+
+def _change_args(raw: Mapping[bytes, bytes], table: Table) -> list[Any]:
+    """``CHANGE_VERSIONS``'s arguments: the hash as read, then ``table`` to store."""
+    seen = [item for pair in raw.items() for item in pair]
+    rows = [item for v, row in table.versions.items()
+            for item in (v, orjson.dumps(row.to_json()))]
+    latest = b"" if table.pinned_latest is None else orjson.dumps(table.pinned_latest)
+    return [len(raw), *seen, latest, *rows]
 
 
 CHANGE_TRIES = 20  # a change retried this often when others change the table meanwhile
@@ -282,16 +288,6 @@ def _known(table: Table, model: str, version: str) -> str:
                            + (f"; its versions: {', '.join(table.ordered())}" if table
                               else ": no worker registered a version of it"))
     return version
-
-
-def _store(pipe: Any, key: str, table: Table) -> None:
-    mapping = {v: orjson.dumps(row.to_json()) for v, row in table.versions.items()}
-    if mapping:
-        pipe.hset(key, mapping=mapping)
-    if table.pinned_latest is None:
-        pipe.hdel(key, protocol.LATEST_FIELD)
-    else:
-        pipe.hset(key, protocol.LATEST_FIELD, orjson.dumps(table.pinned_latest))
 
 
 CHANGE_FIELDS = ("weights", "latest", "drain", "undrain")

@@ -223,6 +223,8 @@ def test_cli_sets_weights_and_shows_them(two: Client, redis_url: str,
     assert "95.0%" in out and "5.0%" in out
     assert main(["versions", MODEL, "--drain", "4", "--redis-url", redis_url]) == 2
     assert "no version '4'" in capsys.readouterr().err
+    assert main(["config", MODEL, "max_batch_size=2", "--redis-url", redis_url]) == 2
+    assert "its versions are models of their own: vm@1, vm@2" in capsys.readouterr().err
 
 
 # --- draining -------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class Worker:
                 log.warning("%s", warning)
 
         async def first() -> None:
-            for script in (lua.CLAIM, lua.CLAIM_LEVELS, lua.PUBLISH, lua.REAP):
+            for script in (lua.CLAIM, lua.CLAIM_LEVELS, lua.PUBLISH, lua.REAP,
+                           lua.REGISTER_VERSION):
                 await redis.script_load(script)
             await self._beat(redis)
 
