@@ -438,9 +438,10 @@ class V2Api:
         """The info of the path's version (of ``latest`` when it names none), and the
         model's versions (None: served without versions)."""
         name, version = self._name(request)
-        table = await self.gateway.client.table(name)
+        lookup_ms = protocol.now_ms() + round(1000 * self.gateway.core.config.default_timeout_s)
+        table = await self.gateway.client.table(name, lookup_ms)
         served = table.route(name, table.latest if version is None else version)
-        return await self.gateway.directory.get(served), table.ordered() or None
+        return await self.gateway.directory.get(served, lookup_ms), table.ordered() or None
 
     async def _model(self, request: Request) -> ModelInfo:
         return (await self._versions(request))[0]
