@@ -6,11 +6,14 @@ worker nor a web framework.
 Each version is served as its own model, ``<model>@<version>`` (``protocol.served_name``),
 with its own queue, workers and metrics.  A request that names no version goes to
 one by weight: among the versions with a weight above 0 that are not draining, in
-proportion to it; when none has one, to ``latest`` (the pinned one, else the highest
-version, in numeric order when every version is a number).  A request that pins a
-version goes to it, unless it is unknown (``UnknownModel``, 404) or draining
-(``NoLiveWorkers``, 503).  Producers read the table with the model's live summary
-(``registry.LiveCache``, at most once a second per model): never once per request."""
+proportion to it; when none has one, to ``latest`` (``Table.latest``: the pinned one,
+else the highest version that is not a canary).  A version registered while the
+model is served already is a canary (weight 0, ``lua.REGISTER_VERSION``): pinned
+requests only until promoted.  Live workers of the model served without versions
+count as version "1" (``Version.base``).  A request that pins a version goes to it,
+unless it is unknown (``UnknownModel``, 404) or draining (``NoLiveWorkers``, 503).
+Producers read the table with the model's live summary (``registry.LiveCache``, at
+most once a second per model): never once per request."""
 
 from __future__ import annotations
 
@@ -278,8 +281,8 @@ def check_base(model: str) -> None:
     protocol.check_model_name(model)
     base, version = protocol.split_name(model)
     if version is not None:
-        raise UnknownModel(f"{model!r} is version {version!r} of model {base!r}: its "
-                           f"versions are {base!r}'s")
+        raise UnknownModel(f"{model!r} is version {version!r} of model {base!r}, which "
+                           "holds the table of its versions")
 
 
 def _known(table: Table, model: str, version: str) -> str:
