@@ -22,6 +22,7 @@ log = logging.getLogger("redbatch.pool")
 RESTART_BACKOFF_CAP_S = 10.0
 HEALTHY_UPTIME_S = 60.0  # a replica up this long before it exits starts its backoff over
 SERVING = b"serving"  # what a replica reports once its batch loops run
+DRAINED = b"drained"  # what it reports as it exits after draining its versions
 MAX_REPORT_BYTES = 4096
 
 
@@ -51,7 +52,8 @@ def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
         if device in {"auto", "cuda"} or "," in device:
             device = replica_device(device, index, _gpu_count())
         run_worker_process(target, redis, config, device, log_level, index, overrides,
-                           on_serving=functools.partial(_report, report, SERVING))
+                           on_serving=functools.partial(_report, report, SERVING),
+                           on_drained=functools.partial(_report, report, DRAINED))
     except KeyboardInterrupt:  # Ctrl-C while starting: the pool is stopping anyway
         return
     except Exception as exc:
@@ -110,6 +112,7 @@ class _Replica:
     failed_starts: int = 0  # exits in a row of processes that never served
     last_error: str = ""
     drained: bool = False  # stopped after draining its versions: not restarted
+    said_drained: bool = False  # it reported DRAINED (an exit code 3 alone is a crash)
 
 
 class Pool:
@@ -177,7 +180,7 @@ class Pool:
         if (self._stopping.is_set() or replica.drained or replica.process.is_alive()
                 or self._clock() < replica.next_start):
             return
-        if replica.process.exitcode == defaults.DRAINED_EXIT_CODE:
+        if replica.process.exitcode == defaults.DRAINED_EXIT_CODE and replica.said_drained:
             replica.drained = True
             log.info("worker replica %d drained its versions and stopped; not restarted",
                      replica.index)
@@ -200,6 +203,8 @@ class Pool:
                 message = replica.report.recv_bytes(MAX_REPORT_BYTES)
                 if message == SERVING:
                     replica.served, replica.failed_starts = True, 0
+                elif message == DRAINED:
+                    replica.said_drained = True
                 else:
                     replica.last_error = message.decode(errors="replace")
 
