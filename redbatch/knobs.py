@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from redbatch import levels, protocol
+from redbatch import levels, protocol, versions
 from redbatch.errors import InvalidKnob, UnknownModel
 
 if TYPE_CHECKING:
@@ -214,9 +214,13 @@ async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict
     async with redis.pipeline(transaction=False) as pipe:
         pipe.get(protocol.meta_key(model))
         pipe.hgetall(protocol.config_key(model))
-        meta, raw = await pipe.execute()
+        pipe.hgetall(protocol.versions_key(model))
+        meta, raw, served = await pipe.execute()
     if not meta:
-        raise UnknownModel(f"unknown model {model!r}: no worker serves it")
+        names = [protocol.served_name(model, v) for v in versions.decode(served).versions]
+        raise UnknownModel(f"unknown model {model!r}: no worker serves it" + (
+            f"; its versions are models of their own: {', '.join(sorted(names))}"
+            if names else ""))
     data = orjson.loads(meta)
     base = {**model_defaults(data),
             "priority_levels": levels.from_section(data.get("priority")).count}

@@ -31,13 +31,22 @@ end
 """
 
 
+# The refusal of an enqueue into a closed sub-queue (a drained version's: the closed
+# marker is the script's last key): {0, -1[, -1]}, nothing pushed.
+def _closed_check(depths: int) -> str:
+    return ("if redis.call('EXISTS', KEYS[#KEYS]) == 1 then return {0" + ", -1" * depths
+            + "} end\n")
+
+
 # KEYS[1]=queue  KEYS[1+i]=marker of entry i
 # ARGV[1]=cap  ARGV[2]=queue ttl ms  ARGV[2+i]=marker ttl ms of entry i  ARGV[2+n+i]=entry i
 # Pushes entries in order while the queue is under its cap.  An entry whose marker
 # already exists (a retried push) is not pushed again but counts as accepted.
 # Returns {how many entries, in order, were accepted; the queue's length after}.
-ENQUEUE: Final = """
-local n = #KEYS - 1
+# ENQUEUE_OPEN (a versioned name's): one more key last, the sub-queue's closed marker.
+def _enqueue(closed: bool) -> str:
+    return (_closed_check(1) if closed else "") + f"""
+local n = #KEYS - {2 if closed else 1}
 local depth = redis.call('LLEN', KEYS[1])
 local room = tonumber(ARGV[1]) - depth
 """ + _push_loop("1", "2") + """if pushed > 0 then
@@ -45,6 +54,10 @@ local room = tonumber(ARGV[1]) - depth
 end
 return {accepted, depth + pushed}
 """
+
+
+ENQUEUE: Final = _enqueue(closed=False)
+ENQUEUE_OPEN: Final = _enqueue(closed=True)
 
 # KEYS[1]=queue  KEYS[2]=inflight  ARGV[1]=max count  ARGV[2]=inflight ttl ms.
 # Moves up to ARGV[1] entries from the queue's head to the in-flight list's tail.
@@ -71,9 +84,11 @@ return items
 # leave room, and rings the bell (a list of one element) if it pushed any.
 # Returns {how many entries, in order, were accepted; entries queued at this level and
 # above after; entries at this level after}.
-ENQUEUE_LEVEL: Final = """
+# ENQUEUE_LEVEL_OPEN (a versioned name's): one more key last, the closed marker.
+def _enqueue_level(closed: bool) -> str:
+    return (_closed_check(2) if closed else "") + f"""
 local a = tonumber(ARGV[4])
-local n = #KEYS - 2 - a
+local n = #KEYS - 2 - a{" - 1" if closed else ""}
 local ahead = 0
 for i = 3, 2 + a do ahead = ahead + redis.call('LLEN', KEYS[i]) end
 local own = redis.call('LLEN', KEYS[1])
@@ -85,6 +100,24 @@ local room = math.min(tonumber(ARGV[1]) - ahead - own, tonumber(ARGV[2]) - own)
 end
 own = own + pushed
 return {accepted, ahead + own, own}
+"""
+
+
+ENQUEUE_LEVEL: Final = _enqueue_level(closed=False)
+ENQUEUE_LEVEL_OPEN: Final = _enqueue_level(closed=True)
+
+# KEYS[1]=the closed marker of a draining version's sub-queue  KEYS[2..]=its queues and
+# the in-flight lists of it of every worker the version registered (live or not)
+# ARGV[1]=marker ttl ms.
+# Closes the sub-queue (sets the marker: ENQUEUE_OPEN refuses from then on) if, and only
+# if, every list is empty: nothing queued, nothing in flight, not even a dead worker's
+# that its reaper has yet to requeue.  Returns 1 if closed, else 0.
+DRAIN_CLOSE: Final = """
+for i = 2, #KEYS do
+  if redis.call('LLEN', KEYS[i]) > 0 then return 0 end
+end
+redis.call('SET', KEYS[1], 1, 'PX', ARGV[1])
+return 1
 """
 
 # KEYS[1]=bell  KEYS[2]=inflight  KEYS[3..]=the level queues, most urgent first
@@ -331,6 +364,52 @@ return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs
         redis.call('HGETALL', KEYS[5])}}
 """
 
+# KEYS[1]=versions hash (the model's routing table)
+# ARGV[1]=n  ARGV[2..1+2n]=the hash's fields and values as the caller read them
+# ARGV[2+2n]=the pinned latest to store ('' deletes it)  ARGV[3+2n..]=fields and values
+# An operator's change, stored only if the table is still what the caller read (a
+# compare-and-set: the caller reads, checks and edits, then retries on a 0), so that
+# two changes at once never lose each other's writes.  Reads with HGETALL and HMGET
+# only (the documented least-privilege user has no HGET or HLEN).  Returns 1 if
+# stored, else 0.
+CHANGE_VERSIONS: Final = f"""
+local n = tonumber(ARGV[1])
+if #redis.call('HGETALL', KEYS[1]) ~= 2 * n then return 0 end
+for i = 2, 2 * n, 2 do
+  if redis.call('HMGET', KEYS[1], ARGV[i])[1] ~= ARGV[i + 1] then return 0 end
+end
+if #ARGV > 2 + 2 * n then redis.call('HSET', KEYS[1], unpack(ARGV, 3 + 2 * n)) end
+if ARGV[2 + 2 * n] == '' then
+  redis.call('HDEL', KEYS[1], '{protocol.LATEST_FIELD}')
+else
+  redis.call('HSET', KEYS[1], '{protocol.LATEST_FIELD}', ARGV[2 + 2 * n])
+end
+return 1
+"""
+
+# KEYS[1]=versions hash (the model's routing table)  KEYS[2]=the model's own workers zset
+# (its workers served without versions; the same slot, ``{model}``)
+# ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0.
+# A worker registers its version: a version already in the table keeps its row (an
+# operator's weight stays); a new one gets weight 0 (requests that pin it only, until an
+# operator promotes it) while the model is served already, by another version not
+# draining or by live workers without versions, else no weight.  Returns the row.
+REGISTER_VERSION: Final = """
+local row = redis.call('HMGET', KEYS[1], ARGV[1])[1]
+if row then return row end
+local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if not serving and string.sub(all[i], 1, 1) ~= '@' then
+    local ok, r = pcall(cjson.decode, all[i + 1])
+    serving = not (ok and type(r) == 'table' and (r['draining'] == true or r['base'] == true))
+  end
+end
+row = serving and ARGV[4] or ARGV[3]
+redis.call('HSET', KEYS[1], ARGV[1], row)
+return row
+"""
+
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.
 # What the autoscaling gauges need of a model's live workers (read at scrape time, never
 # on the request path), read-only: how many hold a live lease, the sum of their
@@ -350,7 +429,8 @@ end
 return {{#caps, measured, tostring(capacity), tostring(served)}}
 """
 
-PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, LIVE_SUMMARY)  # loaded when a Client starts
+PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, ENQUEUE_OPEN, ENQUEUE_LEVEL_OPEN,
+                           LIVE_SUMMARY)  # loaded when a Client starts
 
 # --- pipelines (docs/protocol.md §17) ------------------------------------------------
 # KEYS[1]=the stage's request marker  KEYS[2]=the request's context at the stage

@@ -174,6 +174,19 @@ def inflight_key(model: str, worker_id: str) -> str:
     return f"{PREFIX}:{{{model}}}:inflight:{worker_id}"
 
 
+def closed_key(tag: str) -> str:
+    """String, set while a drained version's sub-queue ``tag`` is closed: the last
+    worker of a draining version sets it in the step that finds the sub-queue and every
+    in-flight list of it empty (``lua.DRAIN_CLOSE``), and the enqueue of a versioned
+    name refuses while it exists (503, ``no_workers``), so that nothing is queued
+    where no worker will come.  A worker of the version deletes it when it starts.
+    Expires after ``CLOSED_TTL_S``."""
+    return f"{PREFIX}:{{{tag}}}:closed"
+
+
+CLOSED_TTL_S: Final = 7 * 24 * 3600  # a drained version's sub-queue stays closed this long
+
+
 def workers_key(model: str) -> str:
     """Sorted set: worker id -> lease expiry (epoch ms)."""
     return f"{PREFIX}:{{{model}}}:workers"
@@ -205,8 +218,8 @@ def config_key(model: str) -> str:
 def versions_key(model: str) -> str:
     """Hash of a model served in versions, in the model's own slot (``{<model>}``, no
     version): ``<version>`` -> JSON ``{"weight": number|null, "draining": bool}``, one
-    field per version (a worker adds its version's with ``HSETNX`` when it
-    registers), and ``@latest`` -> JSON version, the pinned ``latest`` if set.  No TTL."""
+    field per version (a worker adds its version's with ``lua.REGISTER_VERSION``
+    when it registers), and ``@latest`` -> JSON version, the pinned ``latest`` if set.  No TTL."""
     return f"{PREFIX}:{{{model}}}:versions"
 
 

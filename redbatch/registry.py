@@ -116,7 +116,7 @@ class LiveCache:
         live, items_per_s, rows, known, levels, subs, table = reply
         return LiveSummary(time.monotonic(), int(live), float(items_per_s), bool(int(rows)),
                            bool(int(known)), from_summary(levels), sub_queue_count(subs),
-                           versions.decode(table))
+                           versions.decode(table, int(live) > 0))
 
 
 def sub_queue_count(value: Any) -> int:

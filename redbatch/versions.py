@@ -6,23 +6,26 @@ worker nor a web framework.
 Each version is served as its own model, ``<model>@<version>`` (``protocol.served_name``),
 with its own queue, workers and metrics.  A request that names no version goes to
 one by weight: among the versions with a weight above 0 that are not draining, in
-proportion to it; when none has one, to ``latest`` (the pinned one, else the highest
-version, in numeric order when every version is a number).  A request that pins a
-version goes to it, unless it is unknown (``UnknownModel``, 404) or draining
-(``NoLiveWorkers``, 503).  Producers read the table with the model's live summary
-(``registry.LiveCache``, at most once a second per model): never once per request."""
+proportion to it; when none has one, to ``latest`` (``Table.latest``: the pinned one,
+else the highest version that is not a canary).  A version registered while the
+model is served already is a canary (weight 0, ``lua.REGISTER_VERSION``): pinned
+requests only until promoted.  Live workers of the model served without versions
+count as version "1" (``Version.base``).  A request that pins a version goes to it,
+unless it is unknown (``UnknownModel``, 404) or draining (``NoLiveWorkers``, 503).
+Producers read the table with the model's live summary (``registry.LiveCache``, at
+most once a second per model): never once per request."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from redbatch import protocol
-from redbatch.errors import InvalidKnob, NoLiveWorkers, UnknownModel
+from redbatch import lua, protocol
+from redbatch.errors import InvalidKnob, NoLiveWorkers, RedisUnavailable, UnknownModel
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -33,14 +36,19 @@ RNG = random.Random()  # the weighted pick's; tests seed it
 
 @dataclass(frozen=True)
 class Version:
-    """One version's row of the table: its weight (None: never set) and whether it
-    is draining (no new traffic; its workers stop once its queue is empty)."""
+    """One version's row of the table: its weight (None: never set; 0: no share of
+    the requests that pin no version), whether it is draining (no new traffic; its
+    workers stop once its queue is empty), and whether it is the model's unversioned
+    workers (``base``: version "1" of a model with live workers served without
+    versions, reached under the model's own name)."""
 
     weight: float | None = None
     draining: bool = False
+    base: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"weight": self.weight, "draining": self.draining}
+        row = {"weight": self.weight, "draining": self.draining}
+        return {**row, "base": True} if self.base else row
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,16 @@ class Table:
 
     @property
     def latest(self) -> str | None:
-        """The pinned latest, else the highest version not draining (numeric order
-        when every version is a number), else None."""
-        if self.pinned_latest in self.versions:
+        """The pinned latest unless it is draining, else the highest version not
+        draining whose weight is not 0 (a version registered while another served
+        has weight 0 until promoted: ``NEW_ROW``), else the highest not draining
+        (numeric order when every version is a number), else None."""
+        pinned = self.versions.get(self.pinned_latest or "")
+        if pinned is not None and not pinned.draining:
             return self.pinned_latest
         open_ = [v for v, row in self.versions.items() if not row.draining]
-        return max(open_, key=_order_key(open_)) if open_ else None
+        promoted = [v for v in open_ if self.versions[v].weight != 0.0] or open_
+        return max(promoted, key=_order_key(promoted)) if promoted else None
 
     def weights(self) -> dict[str, float]:
         """The versions that take unpinned traffic and their weights: those with a
@@ -104,7 +116,13 @@ class Table:
         elif self.versions[version].draining:
             raise NoLiveWorkers(f"version {version!r} of model {model!r} is draining; "
                                 f"send to another version ({', '.join(self.ordered())})")
-        return protocol.served_name(model, version)
+        return self.served(model, version)
+
+    def served(self, model: str, version: str) -> str:
+        """The served name of a version in the table: ``<model>@<version>``, or the
+        model's own name for its unversioned workers (``Version.base``)."""
+        row = self.versions.get(version)
+        return model if row is not None and row.base else protocol.served_name(model, version)
 
     def ordered(self) -> list[str]:
         """The versions, lowest first (numeric order when all are numbers)."""
@@ -124,11 +142,22 @@ def _order_key(versions: list[str]) -> Any:
     return str
 
 
-def decode(raw: Mapping[Any, Any] | list[Any] | None) -> Table:
+def decode(raw: Mapping[Any, Any] | list[Any] | None, base_live: bool = False) -> Table:
     """The table from a ``versions_key`` hash (a mapping, or ``HGETALL``'s flat list
-    as a script returns it); unreadable rows count as a version without a weight."""
+    as a script returns it); unreadable rows count as a version without a weight.
+    ``base_live``: the model has live workers served without versions, which count as
+    version "1" (``Version.base``) unless a worker registered a version "1"; without
+    them, a stored base row is left out."""
     if not raw:
         return EMPTY
+    table = _decoded(raw)
+    rows = {v: row for v, row in table.versions.items() if base_live or not row.base}
+    if base_live and UNVERSIONED not in rows:
+        rows[UNVERSIONED] = Version(base=True)
+    return Table(rows, table.pinned_latest)
+
+
+def _decoded(raw: Mapping[Any, Any] | list[Any]) -> Table:
     pairs = raw.items() if isinstance(raw, Mapping) else zip(raw[::2], raw[1::2], strict=True)
     rows: dict[str, Version] = {}
     latest: str | None = None
@@ -158,7 +187,7 @@ def _row(data: Any) -> Version:
     weight = data.get("weight")
     ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight >= 0
     return Version(float(weight) if ok and weight is not None else None,
-                   data.get("draining") is True)
+                   data.get("draining") is True, data.get("base") is True)
 
 
 # --- the operators' changes ---------------------------------------------------------
@@ -168,38 +197,92 @@ def check_weight(version: str, weight: Any) -> float:
     if not ok or not 0 <= weight <= 1e9:
         raise InvalidKnob(f"the weight of version {version!r} must be a number 0..1e9, "
                           f"got {weight!r}")
-    return float(weight)
+    return float(weight) + 0.0  # never -0.0
 
 
 async def load(redis: aioredis.Redis, model: str) -> Table:
-    """The model's table as stored (one read)."""
+    """The model's table as stored, with its unversioned workers if live (one round
+    trip)."""
     protocol.check_model_name(model)
-    raw: Any = await redis.hgetall(protocol.versions_key(model))
-    return decode(raw)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(protocol.versions_key(model))
+        _base_live(pipe, model)
+        raw, live = await pipe.execute()
+    return decode(raw, int(live) > 0)
+
+
+def _base_live(redis: Any, model: str) -> Any:
+    """The live workers of ``model`` served without versions (a pipeline's command)."""
+    return redis.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf")
 
 
 async def change(redis: aioredis.Redis, model: str, *,
                  weights: Mapping[str, Any] | None = None, latest: str | None = None,
                  drain: str | None = None, undrain: str | None = None) -> Table:
     """Set weights (version -> weight; the versions named only), the pinned latest
-    (``""`` unpins it), drain a version (weight 0, draining) or take it back; checked
-    against the stored table (a version must exist: its workers registered it), then
-    stored in one transaction.  Returns the new table."""
-    table = await load(redis, model)
+    (``""`` unpins it), drain a version (weight 0, draining; a pinned latest drained is
+    unpinned) or take it back; checked against the stored table (a version must exist:
+    its workers registered it; a draining one cannot be pinned), then stored only if
+    the table was not changed meanwhile (``lua.CHANGE_VERSIONS``; retried, so that
+    concurrent changes never lose each other's writes).  Returns the new table."""
+    check_base(model)
+    key = protocol.versions_key(model)
+    script = redis.register_script(lua.CHANGE_VERSIONS)
+    for _ in range(CHANGE_TRIES):
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(key)
+            _base_live(pipe, model)
+            raw, live = await pipe.execute()
+        new = edited(decode(raw, int(live) > 0), model, weights or {}, latest, drain,
+                     undrain)
+        if int(await script(keys=[key], args=_change_args(raw, new))):
+            return new
+    raise RedisUnavailable(f"the versions of model {model!r} kept changing; try again")
+
+
+def _change_args(raw: Mapping[bytes, bytes], table: Table) -> list[Any]:
+    """``CHANGE_VERSIONS``'s arguments: the hash as read, then ``table`` to store."""
+    seen = [item for pair in raw.items() for item in pair]
+    rows = [item for v, row in table.versions.items()
+            for item in (v, orjson.dumps(row.to_json()))]
+    latest = b"" if table.pinned_latest is None else orjson.dumps(table.pinned_latest)
+    return [len(raw), *seen, latest, *rows]
+
+
+CHANGE_TRIES = 20  # a change retried this often when others change the table meanwhile
+
+
+def edited(table: Table, model: str, weights: Mapping[str, Any], latest: str | None,
+           drain: str | None, undrain: str | None) -> Table:
+    """``table`` with a change applied (``change``'s arguments), every version named
+    checked first (``UnknownModel``), then every weight (``InvalidKnob``)."""
+    for version in (*weights, drain, undrain, latest or None):
+        if version is not None:
+            _known(table, model, version)
     rows = dict(table.versions)
-    for version, weight in (weights or {}).items():
-        rows[_known(table, model, version)] = Version(check_weight(version, weight),
-                                                      rows[version].draining)
-    if drain is not None:
-        rows[_known(table, model, drain)] = Version(0.0, True)
+    for version, weight in weights.items():
+        rows[version] = replace(rows[version], weight=check_weight(version, weight))
     if undrain is not None:
-        rows[_known(table, model, undrain)] = Version(rows[undrain].weight, False)
+        rows[undrain] = replace(rows[undrain], draining=False)
+    if drain is not None:
+        rows[drain] = replace(rows[drain], weight=0.0, draining=True)
     pinned = table.pinned_latest if latest is None else (latest or None)
-    if pinned is not None:
-        _known(table, model, pinned)
-    new = Table(rows, pinned)
-    await _store(redis, model, new)
-    return new
+    if pinned is not None and rows[pinned].draining:
+        if latest:
+            raise InvalidKnob(f"version {pinned!r} of model {model!r} is draining: it "
+                              "cannot be latest (undrain it first)")
+        pinned = None  # the pinned latest drained: latest is the highest again
+    return Table(rows, pinned)
+
+
+def check_base(model: str) -> None:
+    """``UnknownModel`` for a version's served name (``m@v`` has no versions of its
+    own: its model's table is ``m``'s), and for a name that is none."""
+    protocol.check_model_name(model)
+    base, version = protocol.split_name(model)
+    if version is not None:
+        raise UnknownModel(f"{model!r} is version {version!r} of model {base!r}, which "
+                           "holds the table of its versions")
 
 
 def _known(table: Table, model: str, version: str) -> str:
@@ -208,18 +291,6 @@ def _known(table: Table, model: str, version: str) -> str:
                            + (f"; its versions: {', '.join(table.ordered())}" if table
                               else ": no worker registered a version of it"))
     return version
-
-
-async def _store(redis: aioredis.Redis, model: str, table: Table) -> None:
-    key = protocol.versions_key(model)
-    mapping = {v: orjson.dumps(row.to_json()) for v, row in table.versions.items()}
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
-        if table.pinned_latest is None:
-            pipe.hdel(key, protocol.LATEST_FIELD)
-        else:
-            pipe.hset(key, protocol.LATEST_FIELD, orjson.dumps(table.pinned_latest))
-        await pipe.execute()
 
 
 CHANGE_FIELDS = ("weights", "latest", "drain", "undrain")
@@ -246,16 +317,17 @@ async def describe(redis: aioredis.Redis, model: str, table: Table | None = None
     """The table as ``GET /v1/models/{model}/versions`` and ``redbatch versions`` show
     it: each version with its served name, weight, share of unpinned traffic, whether
     it is latest or draining, and its live workers."""
+    check_base(model)
     table = await load(redis, model) if table is None else table
     weights, latest = table.weights(), table.latest
     total = sum(weights.values()) or 1.0
     now = protocol.now_ms()
     async with redis.pipeline(transaction=False) as pipe:
         for version in table.ordered():
-            pipe.zcount(protocol.workers_key(protocol.served_name(model, version)), now, "+inf")
+            pipe.zcount(protocol.workers_key(table.served(model, version)), now, "+inf")
         live = await pipe.execute()
     return {"model": model, "latest": latest, "pinned_latest": table.pinned_latest,
-            "versions": [{"version": v, "name": protocol.served_name(model, v),
+            "versions": [{"version": v, "name": table.served(model, v),
                           **table.versions[v].to_json(),
                           "share": round(weights.get(v, 0.0) / total, 6),
                           "latest": v == latest, "live_workers": int(n)}

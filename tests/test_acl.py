@@ -3,13 +3,14 @@ start, what it cannot do (CLIENT UNBLOCK, CONFIG GET refused)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
 
-from redbatch import Client, batch, protocol, scaling
+from redbatch import Client, batch, defaults, protocol, scaling
 from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
 from redbatch.worker.claim import LMOVE_REFUSED
 from redbatch.worker.process import Worker
@@ -91,3 +92,32 @@ async def test_a_user_without_lmove_claims_by_script(
         await serves(start_worker, acl_server, url)
     assert caplog.text.count(LMOVE_REFUSED) == 1, caplog.text
     assert "retrying" not in caplog.text, caplog.text
+
+
+async def test_the_documented_user_serves_versions_and_drains_them(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Registering a version, changing the split and draining: scripts and plain reads
+    only (no EVAL, WATCH or HSETNX, which the documented user lacks)."""
+    monkeypatch.setattr(defaults, "DRAIN_SETTLE_S", 0.3)
+    url = acl_url(acl_server, documented_rules())
+
+    def plus(step: int) -> Callable[[list[int]], list[int]]:
+        return lambda xs: [x + step for x in xs]
+
+    with caplog.at_level(logging.WARNING):
+        old = start_worker([batch(name="acl_v", version="1")(plus(100))], url=url)
+        await wait_live(acl_server.url, "acl_v@1")
+        start_worker([batch(name="acl_v", version="2")(plus(200))], url=url)
+        await wait_live(acl_server.url, "acl_v@2")
+        async with Client(url) as client:
+            assert await client.predict("acl_v", 1, timeout_s=10) == 101  # 2: a canary
+            await client.versions("acl_v", weights={"1": 0, "2": 1})
+            await client.versions("acl_v", drain="1")
+            assert await client.predict("acl_v", 1, timeout_s=10, version="2") == 201
+        for _ in range(100):
+            if old.drained:
+                break
+            await asyncio.sleep(0.05)
+    assert old.drained
+    assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text

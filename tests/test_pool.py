@@ -14,7 +14,7 @@ from redbatch import defaults
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.errors import ConfigError
 from redbatch.worker import pool as pool_module
-from redbatch.worker.pool import HEALTHY_UPTIME_S, SERVING, Pool
+from redbatch.worker.pool import DRAINED, HEALTHY_UPTIME_S, SERVING, Pool
 
 
 class FakeReport:
@@ -221,8 +221,30 @@ def test_a_replica_that_drained_its_versions_is_not_restarted(
         make_pool: Callable[..., FakePool]) -> None:
     pool = make_pool()
     pool.serve()
+    pool.spawned[-1][1].messages.append(DRAINED)
     pool.proc.die(defaults.DRAINED_EXIT_CODE)
     pool._check(pool.replicas[0])
     pool.now += 600
     pool._check(pool.replicas[0])
     assert len(pool.spawned) == 1 and pool.replicas[0].drained
+
+
+def test_a_replica_exiting_with_3_for_its_own_reasons_is_restarted(
+        make_pool: Callable[..., FakePool]) -> None:
+    pool = make_pool()
+    pool.serve()
+    pool.proc.die(defaults.DRAINED_EXIT_CODE)  # no DRAINED report: the model's sys.exit(3)
+    pool._check(pool.replicas[0])
+    assert len(pool.spawned) == 2 and not pool.replicas[0].drained
+
+
+
+def test_a_pool_whose_every_replica_drained_returns(make_pool: Callable[..., FakePool]
+                                                    ) -> None:
+    pool = make_pool()
+    pool.serve()
+    pool.spawned[-1][1].messages.append(DRAINED)
+    pool.proc.die(defaults.DRAINED_EXIT_CODE)
+    stop = threading.Event()
+    pool.supervise(stop, tick_s=0.01)  # returns (it idled forever before)
+    assert len(pool.spawned) == 1 and pool.replicas[0].drained and not pool.failure

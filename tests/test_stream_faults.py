@@ -268,6 +268,9 @@ def test_closing_a_stream_never_waits_long_on_redis_nor_raises(
         async def mark_cancelled(self, *_args: Any) -> None:
             await asyncio.sleep(60)  # a Redis that stalls
 
+        async def _routed(self, model: str, *_args: Any) -> str:
+            return model  # (no versions here)
+
         async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
             return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
 
@@ -315,6 +318,9 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_stream_cancelled(
 
         async def mark_cancelled(self, _model: str, request_id: str, _deadline: int) -> None:
             cancels.append(request_id)
+
+        async def _routed(self, model: str, *_args: Any) -> str:
+            return model  # (no versions here)
 
         async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
             return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)

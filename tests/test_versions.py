@@ -13,9 +13,10 @@ import httpx
 import pytest
 import redis
 
-from redbatch import Client, ConfigError, Model, batch, configfile, protocol, versions
+from redbatch import Client, ConfigError, Model, batch, configfile, defaults, protocol, versions
 from redbatch.cli import main
 from redbatch.errors import NoLiveWorkers, UnknownModel
+from redbatch.producer import SyncClient
 from redbatch.versions import Table, Version
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
@@ -51,8 +52,9 @@ async def _served(url: str, *names: str) -> None:
 async def two(start_worker: Callable[..., Worker], redis_url: str) -> AsyncIterator[Client]:
     """Versions 1 and 2 of ``vm``, each on its own worker, and a client."""
     start_worker([version(1)])
+    await _served(redis_url, "vm@1")  # registered first: version 2 comes as a canary
     start_worker([version(2)])
-    await _served(redis_url, "vm@1", "vm@2")
+    await _served(redis_url, "vm@2")
     async with Client(redis_url) as client:
         yield client
 
@@ -109,15 +111,15 @@ async def test_two_versions_side_by_side_pinned_and_latest(two: Client,
                                                            raw_redis: redis.Redis) -> None:
     assert await two.predict(MODEL, 1, version="1") == 101
     assert await two.predict(MODEL, 1, version="2") == 201
-    assert await two.predict(MODEL, 1) == 201  # no weights: latest, the highest
-    assert two.cached_pick(MODEL) == "2"  # the table just read: the gateway's label
+    assert await two.predict(MODEL, 1) == 101  # version 2 came as a canary: weight 0
+    assert two.cached_pick(MODEL) == "1"  # the table just read: the gateway's label
     assert two.cached_pick("vm@2") is None  # a version has no versions
     assert await two.predict("vm@1", 1) == 101  # a served name is a model of its own
     with pytest.raises(UnknownModel, match="no version '3'"):
         await two.predict(MODEL, 1, version="3")
     shown = await two.versions(MODEL)
     assert [(r["version"], r["latest"], r["live_workers"]) for r in shown["versions"]] == \
-        [("1", False, 1), ("2", True, 1)]
+        [("1", True, 1), ("2", False, 1)]
 
 
 async def test_weights_change_live_within_two_seconds(two: Client) -> None:
@@ -143,6 +145,7 @@ async def _answers_become(client: Client, expected: set[int]) -> None:
 
 
 async def test_http_v1_and_v2_pinned_versions(two: Client, redis_url: str) -> None:
+    await two.versions(MODEL, latest="2")  # promoted
     async with gateway(redis_url) as http:
         resp = await http.post("/v1/models/vm/versions/1/predict", json={"inputs": 5})
         assert resp.status_code == 200, resp.text
@@ -209,6 +212,7 @@ async def test_listing_gives_each_model_its_versions(two: Client, redis_url: str
     assert [(r["version"], r["weight"], r["share"], r["live_workers"]) for r in rows] == \
         [("1", 95.0, 0.95, 1), ("2", 5.0, 0.05, 1)]
     assert all("queue_depth" in r for r in rows) and models["vm"]["live_workers"] == 2
+    assert len(models["vm"]["workers"]) == 2  # every version's, not latest's alone
     assert [r["version"] for r in models["plain"]["versions"]] == ["1"]
 
 
@@ -219,6 +223,8 @@ def test_cli_sets_weights_and_shows_them(two: Client, redis_url: str,
     assert "95.0%" in out and "5.0%" in out
     assert main(["versions", MODEL, "--drain", "4", "--redis-url", redis_url]) == 2
     assert "no version '4'" in capsys.readouterr().err
+    assert main(["config", MODEL, "max_batch_size=2", "--redis-url", redis_url]) == 2
+    assert "its versions are models of their own: vm@1, vm@2" in capsys.readouterr().err
 
 
 # --- draining -------------------------------------------------------------------------
@@ -259,3 +265,230 @@ def test_config_file_serves_a_target_as_a_version(tmp_path: Path) -> None:
     assert batch(name="m", version="4")(adder(1)).name == "m@4"
     with pytest.raises(ConfigError, match="is version '2', not '3'"):
         Model("m@2", fn=adder(1), version="3")
+
+
+# --- the operators' changes: checked, atomic --------------------------------------------
+async def test_unknown_versions_in_a_change_are_404_not_500(two: Client,
+                                                            redis_url: str) -> None:
+    async with gateway(redis_url) as http:
+        for change in ({"weights": {"9": 1}}, {"undrain": "9"}, {"weights": {"x/../y": 1}},
+                       {"weights": {"@latest": 3}}, {"latest": "@latest"}):
+            resp = await http.patch("/v1/models/vm/versions", json=change)
+            assert resp.status_code == 404, (change, resp.text)
+            assert "has no version" in resp.json()["error"]["message"]
+        resp = await http.get("/v1/models/vm@1/versions")
+        assert resp.status_code == 404 and "is version '1' of model 'vm'" in resp.text
+    for kwargs in ({"weights": {"9": 1.0}}, {"undrain": "9"}):
+        with pytest.raises(UnknownModel, match="no version '9'; its versions: 1, 2"):
+            await two.versions(MODEL, **kwargs)  # type: ignore[arg-type]
+    assert (await versions.load(two.redis, MODEL)).versions == {"1": Version(),
+                                                                "2": Version(0.0)}
+
+
+def test_a_draining_pinned_latest_takes_no_traffic() -> None:
+    table = Table({"1": Version(0.0, draining=True), "2": Version()}, pinned_latest="1")
+    assert table.latest == "2"
+    assert {table.route(MODEL, None) for _ in range(50)} == {"vm@2"}
+    pinned = Table({"1": Version(), "2": Version()}, pinned_latest="1")
+    assert versions.edited(pinned, MODEL, {}, None, "1", None).pinned_latest is None
+    with pytest.raises(ConfigError, match="is draining: it cannot be latest"):
+        versions.edited(Table({"1": Version(0.0, draining=True), "2": Version()}), MODEL,
+                        {}, "1", None, None)
+
+
+async def test_draining_the_pinned_latest_unpins_it(two: Client) -> None:
+    await two.versions(MODEL, latest="1")
+    await two.versions(MODEL, drain="1")
+    table = await versions.load(two.redis, MODEL)
+    assert table.pinned_latest is None and table.latest == "2"
+    assert table.route(MODEL, None) == "vm@2"
+
+
+async def test_concurrent_changes_keep_each_others_writes(two: Client, redis_url: str
+                                                          ) -> None:
+    async with Client(redis_url) as other:
+        await other.start()
+        for weight in range(1, 11):
+            await versions.change(two.redis, MODEL, undrain="1")
+            await asyncio.gather(versions.change(two.redis, MODEL, drain="1"),
+                                 versions.change(other.redis, MODEL, weights={"2": weight}))
+            table = await versions.load(two.redis, MODEL)
+            assert table.versions == {"1": Version(0.0, True), "2": Version(float(weight))}
+
+
+# --- draining: nothing left behind ----------------------------------------------------
+@pytest.fixture
+def quick_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(defaults, "DRAIN_SETTLE_S", 0.3)
+
+
+async def _drained(worker: Worker) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 8
+    while not worker.drained:
+        assert loop.time() < deadline, "the drained worker never stopped"
+        await asyncio.sleep(0.05)
+
+
+async def _start_1_then_2(start_worker: Callable[..., Worker], redis_url: str) -> Worker:
+    """Versions 1 and 2 (a canary: it registers second), each on its own worker; the
+    worker of version 1."""
+    old = start_worker([version(1)])
+    await _served(redis_url, "vm@1")
+    start_worker([version(2)])
+    await _served(redis_url, "vm@2")
+    return old
+
+
+@pytest.mark.usefixtures("quick_settle")
+async def test_a_dead_peers_in_flight_is_served_before_the_drain_ends(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    old = await _start_1_then_2(start_worker, redis_url)
+    # a second worker of version 1 died with a request in flight; its lease runs on
+    raw_redis.zadd(protocol.workers_key("vm@1"), {"ghost": protocol.now_ms() + 1500})
+    raw_redis.rpush(protocol.inflight_key("vm@1", "ghost"), b"junk")
+    async with Client(redis_url) as client:
+        await client.versions(MODEL, drain="1")
+    await _drained(old)
+    assert raw_redis.llen(protocol.inflight_key("vm@1", "ghost")) == 0  # reaped, then served
+    assert raw_redis.llen(protocol.queue_key("vm@1")) == 0
+
+
+@pytest.mark.usefixtures("quick_settle")
+async def test_a_drained_version_refuses_late_pushes_until_served_again(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    old = await _start_1_then_2(start_worker, redis_url)
+    async with Client(redis_url) as client:
+        await client.versions(MODEL, drain="1")
+        await _drained(old)
+    # a producer that routed before the drain pushes now (no cached check stops it)
+    async with Client(redis_url, require_workers=False) as late:
+        with pytest.raises(NoLiveWorkers, match="no live worker"):
+            await late.predict("vm@1", 1, 2.0)
+        assert raw_redis.llen(protocol.queue_key("vm@1")) == 0  # nothing left behind
+        assert await late.predict("vm@2", 1, 2.0) == 201  # other versions: as before
+        async with Client(redis_url) as client:
+            await client.versions(MODEL, undrain="1")
+        start_worker([version(1)])  # served again: open again
+        await _served(redis_url, "vm@1")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 3
+        while raw_redis.exists(protocol.closed_key("vm@1")):
+            assert loop.time() < deadline, "the version was never reopened"
+            await asyncio.sleep(0.05)
+        assert await late.predict("vm@1", 1, 2.0) == 101
+
+
+@pytest.mark.usefixtures("quick_settle")
+async def test_a_version_of_levels_and_sub_queues_drains_and_closes_each(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    ranked = batch(name="lv", version="3", max_batch_size=8, batch_wait_timeout_s=0,
+                   priority_levels=2, default_priority=2, sub_queues=2)(adder(3))
+    worker = start_worker([ranked])
+    await _served(redis_url, "lv@3")
+    tags = protocol.sub_queue_tags("lv@3", 2)
+    assert tags == ["lv@3", "lv@3:1"]
+    async with Client(redis_url, pack_rows=1) as client:
+        for start in range(0, 12, 2):  # both sub-queues, both levels
+            assert await asyncio.gather(client.predict("lv", start, priority=1),
+                                        client.predict("lv", start + 1, version="3")) == \
+                [start + 3, start + 4]
+        await client.versions("lv", drain="3")
+        await _drained(worker)
+    assert all(raw_redis.exists(protocol.closed_key(tag)) for tag in tags)
+    async with Client(redis_url, require_workers=False, pack_rows=1) as late:
+        for priority in (1, 2, 1, 2):
+            with pytest.raises(NoLiveWorkers):
+                await late.predict("lv@3", 1, 2.0, priority=priority)
+    assert not any(raw_redis.exists(protocol.queue_key(tag, 1), protocol.queue_key(tag))
+                   for tag in tags)
+
+
+async def test_a_served_name_is_refused_while_its_version_drains(two: Client,
+                                                                 redis_url: str) -> None:
+    await two.versions(MODEL, drain="1")
+    with pytest.raises(NoLiveWorkers, match="draining"):
+        await two.predict("vm@1", 1)
+    assert await two.predict("vm@2", 1) == 201
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/models/vm@1/predict", json={"inputs": 5})
+        assert resp.status_code == 503 and "draining" in resp.text
+
+
+# --- a new version takes no traffic by surprise -----------------------------------------
+async def test_a_new_version_is_a_canary_until_promoted(two: Client) -> None:
+    table = await versions.load(two.redis, MODEL)
+    assert table.versions == {"1": Version(), "2": Version(0.0)} and table.latest == "1"
+    assert set(await asyncio.gather(*(two.predict(MODEL, 1) for _ in range(20)))) == {101}
+    assert await two.predict(MODEL, 1, version="2") == 201  # pinned: served at once
+    sync = SyncClient(two.settings.url)
+    try:
+        assert await asyncio.to_thread(sync.predict_many, MODEL, [1, 2], 5.0, version="2") \
+            == [201, 202]
+    finally:
+        await asyncio.to_thread(sync.close)
+    await two.versions(MODEL, latest="2")  # promoted
+    await _answers_become(two, {201})
+
+
+async def test_an_unversioned_model_counts_as_version_1_beside_a_new_one(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([Model(MODEL, fn=adder(0), policy=BatchPolicy(max_batch_size=4,
+                                                                 batch_wait_timeout_s=0.002))])
+    await wait_live(redis_url, MODEL)
+    start_worker([version(2)])
+    await _served(redis_url, "vm@2")
+    async with Client(redis_url) as client:
+        assert set(await asyncio.gather(*(client.predict(MODEL, 1) for _ in range(20)))) \
+            == {1}  # still the workers served without versions
+        assert await client.predict(MODEL, 1, version="1") == 1
+        assert await client.predict(MODEL, 1, version="2") == 201
+        shown = await client.versions(MODEL, weights={"1": 50, "2": 50})
+        assert [(r["version"], r["name"], r["share"], r["live_workers"])
+                for r in shown["versions"]] == [("1", MODEL, 0.5, 1), ("2", "vm@2", 0.5, 1)]
+        await _answers_become(client, {1, 201})
+    async with gateway(redis_url) as http:
+        models = {m["name"]: m for m in (await http.get("/v1/models")).json()["models"]}
+    assert [(r["version"], r["name"]) for r in models[MODEL]["versions"]] == \
+        [("1", MODEL), ("2", "vm@2")]
+    assert models[MODEL]["live_workers"] == 2
+
+
+# --- streaming models in versions ---------------------------------------------------------
+async def test_a_streaming_model_in_versions(start_worker: Callable[..., Worker],
+                                             redis_url: str) -> None:
+    from tests.stream_models import counting, policy
+    start_worker([Model("gen", fn=counting, policy=policy(4, 0.002), version="2")])
+    await _served(redis_url, "gen@2")
+    ask = {"n": 2, "tag": "t"}
+    async with Client(redis_url) as client:
+        unpinned = [c async for c in client.stream("gen", ask, 3.0)]
+        assert unpinned and unpinned == [c async for c in client.stream("gen", ask, 3.0,
+                                                                          version="2")]
+        assert [c async for c in client.stream("gen@2", ask, 3.0)] == unpinned
+        stream = client.stream("gen", ask, 3.0)
+        await stream.open()
+        assert stream.model == "gen@2"
+        await stream.aclose()
+        with pytest.raises(UnknownModel, match="no version '5'"):
+            await client.stream("gen", ask, 3.0, version="5").open()
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/models/gen/predict", json=ask)
+        assert resp.status_code == 200 and resp.headers["x-redbatch-version"] == "2"
+        for path in ("/v2/models/gen/generate", "/v2/models/gen/versions/2/generate"):
+            resp = await http.post(path, json=ask)
+            assert resp.status_code == 200, resp.text
+            assert (resp.json()["model_name"], resp.json()["model_version"]) == ("gen", "2")
+        resp = await http.post("/v2/models/gen/versions/2/generate_stream", json=ask)
+        assert resp.status_code == 200 and '"model_version":"2"' in resp.text
+        assert (await http.post("/v2/models/gen/versions/7/generate", json=ask)).status_code \
+            == 404
+
+
+async def test_a_request_split_by_a_cold_table_is_counted_under_its_model(
+        two: Client, redis_url: str) -> None:
+    async with gateway(redis_url) as http:  # its copy of the table: not read yet
+        assert (await http.post("/v1/models/vm/predict", json={"inputs": 5})).status_code \
+            == 200
+        scraped = (await http.get("/metrics")).text
+    assert 'redbatch_requests_total{model="vm",outcome="ok"} 1.0' in scraped, scraped

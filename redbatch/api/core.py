@@ -215,7 +215,12 @@ class InferCore:
                                     deadline_ms=deadline_ms, trace_id=trace_id,
                                     max_queue_len=info.max_queue_len, chunks=True)
         first = await streaming.first_chunk(stream, receive)
-        return streaming.StreamAnswer(stream, first, shapes, sse, trace_id or stream.request_id)
+        answer = streaming.StreamAnswer(stream, first, shapes, sse,
+                                        trace_id or stream.request_id)
+        if protocol.VERSION_SEP in info.name:  # a version answers: which one
+            answer.raw_headers.append((b"x-redbatch-version", info.name.partition(
+                protocol.VERSION_SEP)[2].encode()))
+        return answer
 
     # --- metrics ---------------------------------------------------------------
     async def metered(self, model: str, respond: Awaitable[AnswerT]) -> AnswerT:
@@ -236,7 +241,7 @@ class InferCore:
         """Model names from URLs become labels only once a worker registered them (a
         version's served name: else its model's, as version "1" of one served
         without versions)."""
-        if self.directory.known(model):
+        if self.directory.known(model) or self.client.has_versions(model):
             return model
         base = model.partition(protocol.VERSION_SEP)[0]
         return base if base != model and self.directory.known(base) else \

@@ -61,8 +61,9 @@ class ModelDirectory:
     async def listing(self) -> list[dict[str, Any]]:
         """Every known model with its queue depth, live workers and ``versions``; a
         model served in versions is one entry (its latest version's fields, under the
-        model's name, with the queue depths and live workers of every version summed),
-        with a row per version."""
+        model's name, with the queue depths and live workers of every version summed,
+        and every version's workers), with a row per version (its own queue depth, and
+        depths per level for a multi-level version)."""
         async with translated(self._settings):
             groups = by_model(await self._model_names())
             return [await self._entry(name, groups[name]) for name in sorted(groups)]
@@ -74,13 +75,17 @@ class ModelDirectory:
                 name, entry["live_workers"], entry["queue_depth"])]}
         table = await versions.load(self._redis, name)
         rows = (await versions.describe(self._redis, name, table))["versions"]
-        for row in rows:
-            row["queue_depth"] = sum(await queue_depths(
-                self._redis, row["name"], await self._redis.get(protocol.meta_key(row["name"]))))
-        latest = protocol.served_name(name, table.latest) if table.latest else served[0]
-        return {**await self._describe(latest), "name": name, "versions": rows,
+        described = {row["name"]: await self._describe(row["name"]) for row in rows}
+        for row in rows:  # each version's own depths (its levels may differ)
+            row.update({k: v for k, v in described[row["name"]].items()
+                        if k in ("queue_depth", "queue_depths")})
+        latest = table.served(name, table.latest) if table.latest else served[0]
+        entry = {**(described.get(latest) or await self._describe(latest)), "name": name}
+        entry.pop("queue_depths", None)
+        return {**entry, "versions": rows,
                 "queue_depth": sum(r["queue_depth"] for r in rows),
-                "live_workers": sum(r["live_workers"] for r in rows)}
+                "live_workers": sum(r["live_workers"] for r in rows),
+                "workers": [w for d in described.values() for w in d["workers"]]}
 
     async def _describe(self, name: str) -> dict[str, Any]:
         raw = await self._redis.get(protocol.meta_key(name))

@@ -76,9 +76,9 @@ def _get(summary: str, ok: Schema, errors: dict[str, Schema], tag: str,
 EMPTY_OK: Schema = {"description": "yes (empty body)"}
 
 
-def _generate(summary: str, ok: Schema) -> Schema:
+def _generate(summary: str, ok: Schema, params: list[Schema] | None = None) -> Schema:
     """Triton's generate extension (``v2_generate``): the body is the model's input."""
-    return {"post": {"summary": summary, "tags": ["v2"], "parameters": [MODEL],
+    return {"post": {"summary": summary, "tags": ["v2"], "parameters": params or [MODEL],
                      "requestBody": {"required": True, "content": {"application/json": {
                          "schema": {"type": "object"}}}},
                      "responses": {"200": ok, **_v2_errors("400", "404", "503", "504")}}}
@@ -218,13 +218,20 @@ def _v2_paths() -> dict[str, Schema]:
                                  [MODEL, VERSION]),
         f"{model}/infer": _infer([MODEL]),
         f"{version}/infer": _infer([MODEL, VERSION]),
-        f"{model}/generate": _generate("a streaming model's chunks, joined",
-                                       _json("text_output", {"type": "object"})),
-        f"{model}/generate_stream": _generate(
+        **_generate_paths(model, [MODEL]),
+        **_generate_paths(version, [MODEL, VERSION]),
+        **_v2_repository_paths(model, version),
+    }
+
+
+def _generate_paths(path: str, params: list[Schema]) -> dict[str, Schema]:
+    return {
+        f"{path}/generate": _generate("a streaming model's chunks, joined",
+                                      _json("text_output", {"type": "object"}), params),
+        f"{path}/generate_stream": _generate(
             "a streaming model's chunks as Server-Sent Events",
             {"description": "one event per chunk", "content": {"text/event-stream": {
-                "schema": {"type": "string"}}}}),
-        **_v2_repository_paths(model, version),
+                "schema": {"type": "string"}}}}, params),
     }
 
 

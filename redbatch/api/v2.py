@@ -438,9 +438,10 @@ class V2Api:
         """The info of the path's version (of ``latest`` when it names none), and the
         model's versions (None: served without versions)."""
         name, version = self._name(request)
-        table = await self.gateway.client.table(name)
+        lookup_ms = protocol.now_ms() + round(1000 * self.gateway.core.config.default_timeout_s)
+        table = await self.gateway.client.table(name, lookup_ms)
         served = table.route(name, table.latest if version is None else version)
-        return await self.gateway.directory.get(served), table.ordered() or None
+        return await self.gateway.directory.get(served, lookup_ms), table.ordered() or None
 
     async def _model(self, request: Request) -> ModelInfo:
         return (await self._versions(request))[0]
@@ -537,5 +538,7 @@ def v2_routes(gateway: Gateway) -> list[Route]:
         (f"{version}/infer", api.infer, "POST"),
         (f"{model}/generate", generate.generate, "POST"),
         (f"{model}/generate_stream", generate.generate_stream, "POST"),
+        (f"{version}/generate", generate.generate, "POST"),
+        (f"{version}/generate_stream", generate.generate_stream, "POST"),
     ]
     return [Route(path, _v2_errors(handler), methods=[method]) for path, handler, method in routes]

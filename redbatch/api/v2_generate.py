@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from redbatch import protocol
 from redbatch.api import body, streaming
-from redbatch.errors import BadRequest, ModelError, RedbatchError
+from redbatch.errors import BadRequest, ModelError, RedbatchError, UnknownModel
 from redbatch.producer.streams import Stream
 from redbatch.stream_wire import StreamChunk
 
@@ -25,16 +25,22 @@ if TYPE_CHECKING:
 VERSION = "1"
 
 
-def v2_shapes(name: str) -> tuple[streaming.Shape, streaming.Final]:
+def served_version(served: str) -> str:
+    """The version a served name answers as (``VERSION`` for a model served without
+    versions)."""
+    return protocol.split_name(served)[1] or VERSION
+
+
+def v2_shapes(name: str, version: str = VERSION) -> tuple[streaming.Shape, streaming.Final]:
     def shape(chunk: StreamChunk) -> dict[str, Any]:
         key = "text_output" if isinstance(chunk.payload, str) else "output"
-        return {"model_name": name, "model_version": VERSION, key: chunk.payload,
+        return {"model_name": name, "model_version": version, key: chunk.payload,
                 "seq": chunk.seq}
 
     def final(stream: Stream, error: RedbatchError | None) -> dict[str, Any]:
         if error is not None:
             return {"error": str(error), "code": error.code}
-        return {"model_name": name, "model_version": VERSION, "text_output": "",
+        return {"model_name": name, "model_version": version, "text_output": "",
                 "last": True, "timings": stream.timings}
 
     return shape, final
@@ -55,12 +61,11 @@ class GenerateApi:
         finally:
             answer.stream.close_soon()  # (a stream cut short: its request is cancelled)
         name = request.path_params["name"]
+        named = {"model_name": name, "model_version": served_version(answer.stream.model)}
         if all(isinstance(c, str) for c in chunks):
-            return JSONResponse({"model_name": name, "model_version": VERSION,
-                                 "text_output": "".join(chunks)})
+            return JSONResponse({**named, "text_output": "".join(chunks)})
         try:
-            content = orjson.dumps({"model_name": name, "model_version": VERSION,
-                                    "output": chunks}, default=body.jsonable,
+            content = orjson.dumps({**named, "output": chunks}, default=body.jsonable,
                                    option=orjson.OPT_SERIALIZE_NUMPY)
         except TypeError as exc:  # (orjson's error)
             raise ModelError(f"model {name!r} yielded a chunk that cannot be written as "
@@ -72,14 +77,18 @@ class GenerateApi:
         name = request.path_params["name"]
         headers: body.Headers = dict(request.scope["headers"])
         trace = body.trace_id(headers)
-        info = await core.served(name, headers, arrived_ms)
+        version = request.path_params.get("version")  # /v2/models/{name}/versions/{v}/...
+        if version is not None and not protocol.VERSION_RE.fullmatch(version):
+            raise UnknownModel(f"model {name!r} has no version {version!r}")
+        info = await core.served(name, headers, arrived_ms, version)
         if not info.meta.get(protocol.F_STREAMING):
             raise BadRequest(f"model {name!r} does not stream: use its infer endpoint")
         body.check_content_type(headers)
         data = body.parse_json(await core.read(headers, request.receive))
         params = data.pop("parameters", None)
         data = {**params, **data} if isinstance(params, dict) else data
-        return await core.stream(info, data, headers, arrived_ms, trace, v2_shapes(name), sse,
+        return await core.stream(info, data, headers, arrived_ms, trace,
+                                 v2_shapes(name, served_version(info.name)), sse,
                                  request.receive)
 
 

@@ -188,10 +188,21 @@ class Client:
         for a second: no read per request)."""
         if version is not None:
             protocol.check_version(version)
+        elif protocol.VERSION_SEP in model:  # a version's served name: as if pinned
+            return await self._served_version(model, deadline_ms)
         table = self._admission.table_cached(model) if self._listeners is not None else None
         if table is None:  # stale or not started: read (once for every caller)
             table = await self.table(model, deadline_ms)
         return table.route(model, version)
+
+    async def _served_version(self, name: str, deadline_ms: int | None) -> str:
+        """``name`` (``<model>@<version>``), checked against its model's table like a
+        pinned version (a draining one refused), when the table lists it."""
+        protocol.check_model_name(name)
+        model, version = protocol.split_name(name)
+        assert version is not None
+        table = await self.table(model, deadline_ms)
+        return table.route(model, version) if version in table.versions else name
 
     def cached_pick(self, model: str) -> str | None:
         """The version a request for ``model`` that pins none goes to, picked by weight
@@ -199,6 +210,11 @@ class Client:
         no versions (the gateway labels its request metrics with it)."""
         table = self._admission.table_cached(model) if self._listeners is not None else None
         return table.choose() if table else None
+
+    def has_versions(self, model: str) -> bool:
+        """Whether ``model``'s cached table lists versions (no I/O; False when stale)."""
+        table = self._admission.table_cached(model) if self._listeners is not None else None
+        return bool(table)
 
     async def table(self, model: str, deadline_ms: int | None = None) -> versions.Table:
         """``model``'s version routing table (empty: served without versions), read
@@ -510,12 +526,14 @@ class Client:
 
     def stream(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                trace_id: str = "", deadline_ms: int | None = None,
-               max_queue_len: int | None = None, chunks: bool = False) -> Stream:
+               max_queue_len: int | None = None, chunks: bool = False,
+               version: str | None = None) -> Stream:
         """A streaming model's chunks for one input: ``async for chunk in
         client.stream(model, x)`` (``chunks=True``: numbered ``StreamChunk``s).  The
-        deadline bounds the whole stream; ``Stream.aclose`` cancels it."""
+        deadline bounds the whole stream; ``Stream.aclose`` cancels it.  ``version``:
+        as for ``submit`` (``Stream.model``: the served name it went to)."""
         return Stream(self, model, inputs, self._deadline(timeout_s, deadline_ms),
-                      trace_id, max_queue_len, chunks)
+                      trace_id, max_queue_len, chunks, version)
 
     async def _open_stream(self, model: str, inputs: Any, deadline_ms: int,
                           trace_id: str = "", max_queue_len: int | None = None

@@ -17,11 +17,11 @@ from redis.exceptions import NoScriptError
 from redbatch import defaults, lua, protocol
 from redbatch.codec import Format
 from redbatch.config import RedisSettings, ReplicaWait
-from redbatch.errors import QueueFull
+from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.levels import Levels
 from redbatch.producer import packing
-from redbatch.producer.admission import Admission
+from redbatch.producer.admission import Admission, no_live_workers
 from redbatch.producer.packing import Failures, RoutePack, Unit
 from redbatch.producer.replication import ReplicaWaiter
 from redbatch.producer.routing import Router, sub_cap
@@ -50,6 +50,7 @@ class Target:
     source: str
     keys: tuple[str, ...]
     args: tuple[Any, ...]
+    tail: tuple[str, ...] = ()  # keys after the markers: a versioned name's closed marker
 
 
 def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
@@ -171,7 +172,7 @@ class Enqueuer:
                             _routed(route, tag) if packing_on and route else None)
 
     async def _enqueue(self, tag: str, pushes: list[Push], units: list[Unit], level: int,
-                       levels: Levels) -> tuple[list[Unit], QueueFull | None]:
+                       levels: Levels) -> tuple[list[Unit], RedbatchError | None]:
         """Push the units under the queue cap (a multi-level model's: the entries at
         ``level`` and above, and ``level``'s own cap): the refused ones, and why.  A
         model of S sub-queues caps each at its share of the model's cap
@@ -183,6 +184,8 @@ class Enqueuer:
         shared = sub_cap(cap, count) if count > 1 else cap
         accepted, depths = await self._run(tag, _target(tag, shared, level, levels),
                                            [u.request for u in units], [u.entry for u in units])
+        if depths[0] < 0:  # a drained version's closed sub-queue
+            return units, no_live_workers(model)
         if count > 1:
             self.router.learned(tag, depths[0])
         if accepted == len(units):
@@ -241,7 +244,7 @@ def _tally(target: Target, calls: list[tuple[list[str], list[Any]]], results: li
            ) -> tuple[int, list[int]]:
     """The entries accepted by the script's calls (in order, up to the first refusal),
     and the depths after the last."""
-    sizes = [len(keys) - len(target.keys) for keys, _args in calls]
+    sizes = [len(keys) - len(target.keys) - len(target.tail) for keys, _args in calls]
     return accepted_prefix([int(r[0]) for r in results], sizes), \
         [int(d) for d in results[-1][1:]]
 
@@ -254,15 +257,21 @@ def _routed(route: RoutePack, tag: str) -> RoutePack:
 
 def _target(tag: str, cap: int, level: int, levels: Levels) -> Target:
     """Sub-queue ``tag``'s plain queue (one level), or its level ``level``'s queue,
-    which the cap counts with the more urgent ones, and the bell."""
+    which the cap counts with the more urgent ones, and the bell.  A version's
+    sub-queue (``m@v``, ``m@v:1``...) is refused once its drain closed it
+    (``protocol.closed_key``): the script's variant that checks the marker."""
     ttl_ms = protocol.QUEUE_TTL_S * 1000
+    versioned = protocol.VERSION_SEP in tag
+    tail = (protocol.closed_key(tag),) if versioned else ()
     if not levels.many:
-        return Target(lua.ENQUEUE, (protocol.queue_key(tag),), (cap, ttl_ms))
+        return Target(lua.ENQUEUE_OPEN if versioned else lua.ENQUEUE,
+                      (protocol.queue_key(tag),), (cap, ttl_ms), tail)
     queues = levels.queues(tag)
     ahead = queues[:level - 1]
     own_cap = levels.cap(level)
-    return Target(lua.ENQUEUE_LEVEL, (queues[level - 1], protocol.bell_key(tag), *ahead),
-                  (cap, cap if own_cap is None else own_cap, ttl_ms, len(ahead)))
+    return Target(lua.ENQUEUE_LEVEL_OPEN if versioned else lua.ENQUEUE_LEVEL,
+                  (queues[level - 1], protocol.bell_key(tag), *ahead),
+                  (cap, cap if own_cap is None else own_cap, ttl_ms, len(ahead)), tail)
 
 
 def _calls(tag: str, target: Target, requests: list[Request], entries: list[bytes]
@@ -271,7 +280,7 @@ def _calls(tag: str, target: Target, requests: list[Request], entries: list[byte
     calls = []
     for start in range(0, len(requests), ENQUEUE_CHUNK):
         chunk = requests[start:start + ENQUEUE_CHUNK]
-        keys = [*target.keys, *(protocol.request_key(tag, r.id) for r in chunk)]
+        keys = [*target.keys, *(protocol.request_key(tag, r.id) for r in chunk), *target.tail]
         ttls = [protocol.marker_ttl_ms(r.deadline_ms, now) for r in chunk]
         args: list[Any] = [*target.args, *ttls, *entries[start:start + ENQUEUE_CHUNK]]
         calls.append((keys, args))
@@ -284,7 +293,7 @@ def _own_cap(pushes: list[Push]) -> int | None:
     return min(caps) if caps else None
 
 
-def _add_refused(failed: Failures, refused: list[Unit], full: QueueFull) -> None:
+def _add_refused(failed: Failures, refused: list[Unit], full: RedbatchError) -> None:
     """Each request of a refused entry (a pack's members too) fails with ``full``."""
     for unit in refused:
         for index, request in unit.members:

@@ -88,9 +88,10 @@ class Stream:
 
     def __init__(self, client: Client, model: str, inputs: Any, deadline_ms: int,
                  trace_id: str = "", max_queue_len: int | None = None,
-                 chunks: bool = False) -> None:
+                 chunks: bool = False, version: str | None = None) -> None:
         self._client = client
-        self.model = model
+        self.model = model  # once open: the served name it went to (a version's)
+        self._version = version
         self._inputs = inputs
         self.deadline_ms = deadline_ms
         self._trace_id = trace_id
@@ -105,6 +106,8 @@ class Stream:
     async def open(self) -> None:
         """Enqueue the request (once); its listener routes its messages here."""
         if self._queue is None:
+            self.model = await self._client._routed(self.model, self._version,
+                                                    self.deadline_ms)
             self.request_id, self._queue = await self._client._open_stream(
                 self.model, self._inputs, self.deadline_ms, self._trace_id,
                 self._max_queue_len)

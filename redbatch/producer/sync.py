@@ -75,10 +75,10 @@ class SyncClient:
 
     def predict_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
                      *, reply: bool = False, return_exceptions: bool = False,
-                     priority: int | None = None) -> list[Any]:
+                     priority: int | None = None, version: str | None = None) -> list[Any]:
         coro = self._client.predict_many(model, inputs, timeout_s, reply=reply,
                                          return_exceptions=return_exceptions,
-                                         priority=priority)
+                                         priority=priority, version=version)
         return self._call(coro, self._budget(timeout_s))
 
     def stream(self, model: str, inputs: Any, timeout_s: float | None = None,

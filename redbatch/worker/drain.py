@@ -1,7 +1,11 @@
 """Draining a version (``redbatch versions MODEL --drain V``): a worker whose every
 model is a draining version keeps serving until every producer has seen the drain
-(``defaults.DRAIN_SETTLE_S`` after the worker saw it), then stops once the versions'
-queues and its own in-flight lists are empty: nothing queued is left behind."""
+(``defaults.DRAIN_SETTLE_S`` after the worker saw it), then stops once it closed every
+sub-queue of its versions: in one step per sub-queue (``lua.DRAIN_CLOSE``), once nothing
+is queued there nor in flight from it (a dead peer's included: its reaper requeues them
+first), it sets the sub-queue's closed marker, and from then on an enqueue there is
+refused (``lua.ENQUEUE_OPEN``: 503, ``no_workers``), so that nothing is ever queued where
+no worker will come, however late a producer that routed before the drain pushes."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from redbatch import defaults, protocol, versions
+from redbatch import defaults, lua, protocol, versions
 from redbatch.worker.model import Model
 
 log = logging.getLogger("redbatch.worker")
@@ -24,6 +28,7 @@ class Drain:
         self._models = models
         self._worker_id = worker_id
         self._seen_at: float | None = None  # monotonic, when every model was draining
+        self._opened = False  # the sub-queues' closed markers deleted (not draining)
 
     def draining(self, rows: dict[str, Any]) -> bool:
         """Whether every model is a version marked draining (``rows``: each versioned
@@ -36,18 +41,44 @@ class Drain:
         return every
 
     async def done(self, redis: aioredis.Redis, rows: dict[str, Any]) -> bool:
-        """Whether to stop now: draining for ``DRAIN_SETTLE_S`` already, and nothing
-        queued or in flight (one round trip, only while draining)."""
-        if not self.draining(rows) or self._seen_at is None or \
-                time.monotonic() - self._seen_at < defaults.DRAIN_SETTLE_S:
+        """Whether to stop now: draining for ``DRAIN_SETTLE_S`` already, and every
+        sub-queue of every model closed (``close``).  A worker of a version not
+        draining reopens its sub-queues once (a version undrained, or served again)."""
+        if not self.draining(rows):
+            if not self._opened:
+                await self._reopen(redis)
             return False
-        async with redis.pipeline(transaction=False) as pipe:
-            for model in self._models:
-                for key in model.priorities.queues(model.name):
-                    pipe.llen(key)
-                pipe.llen(protocol.inflight_key(model.name, self._worker_id))
-            left = sum(int(n) for n in await pipe.execute())
-        return left == 0
+        if self._seen_at is None or time.monotonic() - self._seen_at < defaults.DRAIN_SETTLE_S:
+            return False
+        self._opened = False
+        for model in self._models:
+            if not await close(redis, model, self._worker_id):
+                return False
+        return True
+
+    async def _reopen(self, redis: aioredis.Redis) -> None:
+        keys = [protocol.closed_key(tag) for model in self._models
+                for tag in protocol.sub_queue_tags(model.name, model.sub_queues)]
+        await redis.delete(*keys)
+        self._opened = True
+
+
+async def close(redis: aioredis.Redis, model: Model, worker_id: str) -> bool:
+    """Close each sub-queue of a draining version (``lua.DRAIN_CLOSE``: atomically, once
+    nothing is queued there and nothing is in flight from it, a dead worker's that its
+    reaper has yet to requeue included), so that nothing can be queued where no worker
+    will come; whether every one is closed (a closed one stays closed: the version is
+    draining, so no producer routes to it)."""
+    ids: Any = await redis.zrange(protocol.workers_key(model.name), 0, -1)
+    workers = {worker_id, *(i.decode() for i in ids)}
+    script = redis.register_script(lua.DRAIN_CLOSE)
+    ttl_ms = protocol.CLOSED_TTL_S * 1000
+    for tag in protocol.sub_queue_tags(model.name, model.sub_queues):
+        keys = [protocol.closed_key(tag), *model.priorities.queues(tag),
+                *(protocol.inflight_key(tag, w) for w in sorted(workers))]
+        if not int(await script(keys=keys, args=[ttl_ms])):
+            return False
+    return True
 
 
 def _draining(model: Model, raw: Any) -> bool:

@@ -11,8 +11,10 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
-from redbatch import protocol
+from redbatch import lua, protocol
+from redbatch.lean import script_sha
 from redbatch.worker.model import Model
 from redbatch.worker.stats import WorkerStats
 
@@ -50,7 +52,18 @@ class Beat:
 async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
                fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float) -> Beat:
     """Renew this worker's lease, its published fields (per model: ``published``) and
-    its models' metadata, and read each model's knob overrides, in one round trip."""
+    its models' metadata, and read each model's knob overrides, in one round trip
+    (sent once more, after loading it, when Redis lost ``REGISTER_VERSION``: the
+    beat's other commands are idempotent)."""
+    try:
+        return await _beat(redis, models, worker_id, fields, lease_ttl_s)
+    except NoScriptError:
+        await redis.script_load(lua.REGISTER_VERSION)
+        return await _beat(redis, models, worker_id, fields, lease_ttl_s)
+
+
+async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
+                fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float) -> Beat:
     now = protocol.now_ms()
     lease_until = now + round(lease_ttl_s * 1000)
     scans: list[int] = []  # where each model's scan of expired leases answers
@@ -71,17 +84,22 @@ async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
 
 
 NEW_VERSION_ROW = orjson.dumps({"weight": None, "draining": False})
+CANARY_ROW = orjson.dumps({"weight": 0.0, "draining": False})  # while another serves
+REGISTER_SHA = script_sha(lua.REGISTER_VERSION)
 
 
 def _version_rows(pipe: Any, models: list[Model]) -> dict[str, int]:
-    """Register each versioned model's version in its routing table (``HSETNX``: an
-    operator's weights stay) and read its row back; where each row answers."""
+    """Register each versioned model's version in its routing table
+    (``lua.REGISTER_VERSION``: an operator's weights stay; a version new to a model
+    served already takes no unpinned traffic until promoted) and read its row back;
+    where each row answers."""
     rows: dict[str, int] = {}
     for model in models:
         if model.version is not None:
-            key = protocol.versions_key(protocol.split_name(model.name)[0])
-            pipe.hsetnx(key, model.version, NEW_VERSION_ROW)
-            pipe.hget(key, model.version)
+            base = protocol.split_name(model.name)[0]
+            pipe.execute_command("EVALSHA", REGISTER_SHA, 2, protocol.versions_key(base),
+                                 protocol.workers_key(base), model.version,
+                                 protocol.now_ms(), NEW_VERSION_ROW, CANARY_ROW)
             rows[model.name] = len(pipe) - 1
     return rows
 

@@ -22,6 +22,7 @@ log = logging.getLogger("redbatch.pool")
 RESTART_BACKOFF_CAP_S = 10.0
 HEALTHY_UPTIME_S = 60.0  # a replica up this long before it exits starts its backoff over
 SERVING = b"serving"  # what a replica reports once its batch loops run
+DRAINED = b"drained"  # what it reports as it exits after draining its versions
 MAX_REPORT_BYTES = 4096
 
 
@@ -51,7 +52,8 @@ def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
         if device in {"auto", "cuda"} or "," in device:
             device = replica_device(device, index, _gpu_count())
         run_worker_process(target, redis, config, device, log_level, index, overrides,
-                           on_serving=functools.partial(_report, report, SERVING))
+                           on_serving=functools.partial(_report, report, SERVING),
+                           on_drained=functools.partial(_report, report, DRAINED))
     except KeyboardInterrupt:  # Ctrl-C while starting: the pool is stopping anyway
         return
     except Exception as exc:
@@ -110,6 +112,7 @@ class _Replica:
     failed_starts: int = 0  # exits in a row of processes that never served
     last_error: str = ""
     drained: bool = False  # stopped after draining its versions: not restarted
+    said_drained: bool = False  # it reported DRAINED (an exit code 3 alone is a crash)
 
 
 class Pool:
@@ -151,8 +154,9 @@ class Pool:
         self.replicas = [self._new_replica(i) for i in range(self.config.replicas)]
 
     def supervise(self, stop: threading.Event, tick_s: float = defaults.POOL_TICK_S) -> None:
-        """Restart exited replicas (with capped backoff) until ``stop`` is set, or until
-        the pool gives up (then ``stop`` is set too).  Blocks on the processes'
+        """Restart exited replicas (with capped backoff) until ``stop`` is set, until
+        every replica drained its versions, or until the pool gives up (then ``stop``
+        is set too).  Blocks on the processes'
         sentinels, so an exit is seen at once."""
         while not (stop.is_set() or self._stopping.is_set()):
             sentinels = [r.process.sentinel for r in self.replicas if r.process.is_alive()]
@@ -164,6 +168,9 @@ class Pool:
                 break
             for replica in self.replicas:
                 self._check(replica)
+            if self.replicas and all(r.drained for r in self.replicas):
+                log.info("every worker replica drained its versions: the pool stops")
+                break
         self._stopping.set()
         if self.failure:
             stop.set()
@@ -173,7 +180,7 @@ class Pool:
         if (self._stopping.is_set() or replica.drained or replica.process.is_alive()
                 or self._clock() < replica.next_start):
             return
-        if replica.process.exitcode == defaults.DRAINED_EXIT_CODE:
+        if replica.process.exitcode == defaults.DRAINED_EXIT_CODE and replica.said_drained:
             replica.drained = True
             log.info("worker replica %d drained its versions and stopped; not restarted",
                      replica.index)
@@ -196,6 +203,8 @@ class Pool:
                 message = replica.report.recv_bytes(MAX_REPORT_BYTES)
                 if message == SERVING:
                     replica.served, replica.failed_starts = True, 0
+                elif message == DRAINED:
+                    replica.said_drained = True
                 else:
                     replica.last_error = message.decode(errors="replace")
 

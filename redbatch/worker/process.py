@@ -125,7 +125,8 @@ class Worker:
                 log.warning("%s", warning)
 
         async def first() -> None:
-            for script in (lua.CLAIM, lua.CLAIM_LEVELS, lua.PUBLISH, lua.REAP):
+            for script in (lua.CLAIM, lua.CLAIM_LEVELS, lua.PUBLISH, lua.REAP,
+                           lua.REGISTER_VERSION):
                 await redis.script_load(script)
             await self._beat(redis)
 
@@ -236,10 +237,12 @@ async def _main(worker: Worker) -> None:
 def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, device: str,
                        log_level: str = defaults.LOG_LEVEL, index: int = 0,
                        overrides: dict[str, Any] | None = None,
-                       on_serving: Callable[[], object] | None = None) -> None:
+                       on_serving: Callable[[], object] | None = None,
+                       on_drained: Callable[[], object] | None = None) -> None:
     """Entry point of a spawned worker process (replica ``index``); ``overrides``
     replace the models' batching knobs and limits (``redbatch up -c FILE``);
-    ``on_serving`` is called once the batch loops run."""
+    ``on_serving`` is called once the batch loops run, ``on_drained`` before it exits
+    with ``DRAINED_EXIT_CODE``."""
     from redbatch.configfile import with_overrides
     from redbatch.heap import freeze_startup_heap
     from redbatch.logs import setup_logging
@@ -255,6 +258,8 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
     freeze_startup_heap()  # redbatch.heap: no full collection walks torch under load
     run_loop(_main(worker))
     if worker.drained:  # the pool does not restart it
+        if on_drained is not None:
+            on_drained()
         sys.exit(defaults.DRAINED_EXIT_CODE)
 
 
