@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -314,3 +315,48 @@ async def test_priority_levels_within_each_sub_queue(start_worker: Callable[...,
     for tag in tags:  # each sub-queue has its own level queues and bell, all drained
         assert not raw_redis.exists(protocol.queue_key(tag, 1), protocol.queue_key(tag),
                                     protocol.bell_key(tag))
+
+
+async def test_entries_reaped_above_a_shrunk_count_are_drained_again(
+        raw_redis: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("redbatch.worker.shards.DRAIN_GRACE_S", 0.0)
+    client = aioredis.Redis.from_url(redis_url)
+    taker = claimer(client, "w3", 4)
+    taker.resize(2)
+    assert await taker.claim(4) == [] and taker.high == 2  # 2..3 found empty: drained
+    # a dead worker held a batch of sub-queue 3: the reaper puts it back there
+    raw_redis.rpush(protocol.inflight_key(FOUR[3], "ghost"),
+                    *[raw_request(HOT, v, protocol.reply_key(FOUR[3], "c"))[1] for v in range(3)])
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    reaper = Reaper(client, HOT, 3)
+    reaper.tags, reaper.requeued = (lambda: FOUR), taker.reopen  # as the runner wires it
+    assert await reaper.reap("ghost") == 3
+    got: list[int] = []
+    for _ in range(4):
+        got += [codec.decode(i)[protocol.F_PAYLOAD] for i in await taker.claim(4)]
+    await client.aclose()
+    assert got == [0, 1, 2], "the requeued batch is claimed again, not stranded"
+    assert taker.source.tag == FOUR[3]
+
+
+@batch(name="halved", max_batch_size=8, batch_wait_timeout_s=0, sub_queues=2)
+def halved(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+async def test_a_dead_worker_is_reaped_over_every_sub_queue_it_saw(
+        start_worker: Callable[..., Worker], raw_redis: redis.Redis, redis_url: str) -> None:
+    worker = start_worker([halved], config=TAKEOVER)  # started after a shrink from 4
+    await wait_live(redis_url, "halved")
+    info = raw_redis.hget(protocol.worker_info_key("halved"), worker.worker_id)
+    assert orjson.loads(info)[protocol.F_SUB_QUEUES_SEEN] == 2  # what it publishes
+    tag = protocol.sub_queue_tag("halved", 3)  # a sub-queue this worker never knew
+    reply_to = protocol.reply_key(tag, "ghosted")
+    raw_redis.rpush(protocol.inflight_key(tag, "ghost"),
+                    *[raw_request("halved", v, reply_to)[1] for v in range(3)])
+    raw_redis.hset(protocol.worker_info_key("halved"), "ghost",
+                   orjson.dumps({"worker_id": "ghost", protocol.F_SUB_QUEUES_SEEN: 4}))
+    raw_redis.zadd(protocol.workers_key("halved"), {"ghost": protocol.now_ms() - 1})
+    replies = [await asyncio.to_thread(read_reply, raw_redis, reply_to, 10) for _ in range(3)]
+    assert sorted(r.payload for r in replies) == [1, 2, 3]  # reaped, drained, answered
+    assert not raw_redis.exists(protocol.inflight_key(tag, "ghost"))

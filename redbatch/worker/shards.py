@@ -139,6 +139,20 @@ class ShardClaimer:
         self.count = count
         self.high = max(self.high, count)
         self.seen = max(self.seen, count)
+        self._retime()
+
+    def reopen(self, index: int) -> None:
+        """Entries went back into sub-queue ``index`` (a reap, or this worker returning
+        its own batch): one at or above the count is drained again, for the grace."""
+        if index < self.count:
+            return
+        self._shrunk_at = time.monotonic()
+        self.high = max(self.high, index + 1)
+        self.seen = max(self.seen, index + 1)
+        self._retime()
+
+    def _retime(self) -> None:
+        """Every sub-queue's blocking wait, after ``high`` changed (``_wait_s``)."""
         for claimer in self._subs.values():
             claimer.block_timeout_s = self._wait_s()
 
