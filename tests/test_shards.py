@@ -18,7 +18,7 @@ from redbatch import Client, batch, codec, protocol
 from redbatch.errors import QueueFull
 from redbatch.jobs.throttle import queues_of, wait_for_room
 from redbatch.levels import queue_depths
-from redbatch.producer.routing import STICK, Router, sub_cap
+from redbatch.producer.routing import STICK, Router, room_cap
 from redbatch.status import read_model
 from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
@@ -86,7 +86,7 @@ def test_tags_keep_one_sub_queue_on_the_models_keys() -> None:
     picks = [router.pick("m", 4) for _ in range(STICK + 1)]  # one tick
     assert len(set(picks[:STICK])) == 1 and picks[STICK] != picks[0]  # then the other
     router.tick()  # a new tick chooses anew (the other of the two was shorter)
-    assert sub_cap(40, 4) == 10 and sub_cap(41, 4) == 11
+    assert room_cap(40, 30) == 10 and room_cap(40, 45) == -5  # the model's room
 
 
 async def test_power_of_two_choices_balances_and_keeps_fifo(raw_redis: redis.Redis,
@@ -122,8 +122,8 @@ async def test_admission_counts_every_sub_queue(raw_redis: redis.Redis,
         depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
         refused = [f.exception() for f in first if f.done()]
         assert all(isinstance(e, QueueFull) for e in refused)
-        # each sub-queue takes its share (100) at most, and they fill evenly
-        assert 380 <= sum(depths) <= 400 and all(d <= 100 for d in depths), depths
+        # together they hold the model's cap at most
+        assert 380 <= sum(depths) <= 400 and all(d > 0 for d in depths), depths
         assert len(refused) == 1000 - sum(depths)
         again = await client.submit(HOT, 100, timeout_s=30)
         with pytest.raises(QueueFull) as full:
@@ -131,6 +131,24 @@ async def test_admission_counts_every_sub_queue(raw_redis: redis.Redis,
     await asyncio.gather(*first, return_exceptions=True)  # failed by the close
     assert full.value.retry_after_s >= 1.0  # the gateway's 503 Retry-After
     assert f"({sum(depths)} queued, cap 400" in str(full.value)  # the model's, summed
+
+
+async def test_a_burst_below_the_models_cap_goes_in_whole(raw_redis: redis.Redis,
+                                                          redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    async with Client(redis_url, require_workers=False, pack_rows=1,
+                      max_queue_len=40) as client:
+        many = await client.submit_many(HOT, list(range(20)), timeout_s=30)  # one push
+        tick = await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)  # one tick
+                                      for v in range(20, 40)))
+        await asyncio.sleep(0.2)  # every push answered
+        refused = [f for f in many + tick if f.done()]
+        assert not refused, f"{len(refused)} refused with 40 queued, model cap 40"
+        assert sum(raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR) == 40
+        with pytest.raises(QueueFull) as full:  # the model is full now: its cap holds
+            await client.predict(HOT, 99, timeout_s=30)
+        assert "(40 queued, cap 40" in str(full.value)
+    await asyncio.gather(*many, *tick, return_exceptions=True)  # failed by the close
 
 
 def claimer(client: aioredis.Redis, worker_id: str, count: int) -> ShardClaimer:

@@ -24,7 +24,7 @@ from redbatch.producer import packing
 from redbatch.producer.admission import Admission
 from redbatch.producer.packing import Failures, RoutePack, Unit
 from redbatch.producer.replication import ReplicaWaiter
-from redbatch.producer.routing import Router, sub_cap
+from redbatch.producer.routing import Router, room_cap
 from redbatch.protocol import Request
 from redbatch.redis_conn import drop_idle, is_stale, translated
 
@@ -174,13 +174,13 @@ class Enqueuer:
                        levels: Levels) -> tuple[list[Unit], QueueFull | None]:
         """Push the units under the queue cap (a multi-level model's: the entries at
         ``level`` and above, and ``level``'s own cap): the refused ones, and why.  A
-        model of S sub-queues caps each at its share of the model's cap
-        (``routing.sub_cap``); a refusal counts the entries of every sub-queue
-        (``Router.total``)."""
+        model of S sub-queues caps each at the model's cap less what the others hold
+        as this process knows (``routing.room_cap``); a refusal
+        counts the entries of every sub-queue (``Router.total``)."""
         own, model = _own_cap(pushes), protocol.model_of_tag(tag)
         cap = await self._admission.cap(model, min(u.request.deadline_ms for u in units), own)
         count = await self._admission.sub_queues(model)
-        shared = sub_cap(cap, count) if count > 1 else cap
+        shared = room_cap(cap, self.router.others(tag, count)) if count > 1 else cap
         accepted, depths = await self._run(tag, _target(tag, shared, level, levels),
                                            [u.request for u in units], [u.entry for u in units])
         if count > 1:

@@ -86,8 +86,19 @@ class Router:
         return sum(self.depth(tag) for tag in protocol.sub_queue_tags(model, count))
 
 
-def sub_cap(cap: int, count: int) -> int:
-    """The cap of one sub-queue of a model of ``count`` whose queue cap is ``cap``: its
-    share, rounded up, so that the sub-queues together hold about ``cap`` (at most
-    ``count - 1`` more)."""
-    return -(-cap // count)
+    def others(self, tag: str, count: int) -> int:
+        """The entries this process knows in the sub-queues of ``tag``'s model other
+        than ``tag`` (with the requests it routed there since it learned them)."""
+        model = protocol.model_of_tag(tag)
+        return sum(self._guess(other) for other in protocol.sub_queue_tags(model, count)
+                   if other != tag)
+
+
+def room_cap(cap: int, others: int) -> int:
+    """The cap that one sub-queue's push is held to, for a model whose queue cap is
+    ``cap``: the cap less what the other sub-queues hold as far as this process knows
+    (``Router.others``).  A tick's requests and a ``submit_many`` join one sub-queue:
+    they go in whole while the model has room.  Producers that do not know each other's
+    pushes (lengths older than ``DEPTH_FRESH_S``, sub-queues a process never pushed to)
+    can overshoot the model's cap by what they missed, never one sub-queue the cap."""
+    return cap - others
