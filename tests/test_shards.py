@@ -7,6 +7,7 @@ a dead worker's entries to the sub-queue they came from."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import orjson
@@ -378,3 +379,59 @@ async def test_a_dead_worker_is_reaped_over_every_sub_queue_it_saw(
     replies = [await asyncio.to_thread(read_reply, raw_redis, reply_to, 10) for _ in range(3)]
     assert sorted(r.payload for r in replies) == [1, 2, 3]  # reaped, drained, answered
     assert not raw_redis.exists(protocol.inflight_key(tag, "ghost"))
+
+
+def commands(raw: redis.Redis) -> int:
+    """Commands Redis ran since its last ``CONFIG RESETSTAT``, a test's own excluded."""
+    stats = raw.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items()
+               if not k.startswith(("cmdstat_info", "cmdstat_config", "cmdstat_rpush")))
+
+
+def one_queue(worker_id: str, count: int) -> Callable[[aioredis.Redis], ShardClaimer]:
+    """A sharded claimer whose plain wait (one sub-queue) is a second."""
+    policy = BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0)
+    return lambda client: ShardClaimer(
+        lambda tag, wait_s: Claimer(client, HOT, worker_id, policy, wait_s, tag=tag),
+        HOT, worker_id, count, 1.0)
+
+
+async def test_after_a_shrink_to_one_the_claim_blocks_its_whole_wait(
+        raw_redis: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("redbatch.worker.shards.DRAIN_GRACE_S", 0.1)
+    client = aioredis.Redis.from_url(redis_url)
+    taker = one_queue("w4", 3)(client)
+    taker.resize(1)
+    for _ in range(10):  # traffic on sub-queue 0 while the others drain: busy claims
+        raw_redis.rpush(protocol.queue_key(HOT), b"x")
+        await taker.claim(4)
+    while taker.high > 1:
+        await taker.claim(4)
+    raw_redis.config_resetstat()
+    until = time.monotonic() + 1.0
+    while time.monotonic() < until:  # idle, one sub-queue: blocking pops of 1 s
+        assert await taker.claim(4) == []
+    pops = raw_redis.info("commandstats")["cmdstat_blmove"]["calls"]
+    await client.aclose()
+    assert pops <= 2, f"{pops} blocking pops in a second: a short wait was left behind"
+    assert taker.sub(0).block_timeout_s == 1.0
+
+
+async def test_light_traffic_does_not_keep_workers_polling(raw_redis: redis.Redis,
+                                                           redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    taker = one_queue("w5", 3)(client)
+    tags = protocol.sub_queue_tags(HOT, 3)
+    raw_redis.config_resetstat()
+    got = 0
+    for i in range(5):  # a request every 0.3 s, a different sub-queue each time
+        raw_redis.rpush(protocol.queue_key(tags[i % 3]), b"x")
+        until = time.monotonic() + 0.3
+        while time.monotonic() < until:
+            got += len(await taker.claim(4))
+    calls = commands(raw_redis)
+    await client.aclose()
+    assert got == 5
+    # polls back off after a request (idle claims block): about 300; polling every
+    # 2 ms for half a second after each request took 3,000 and more
+    assert calls < 1200, calls
