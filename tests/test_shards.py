@@ -16,16 +16,18 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import Client, batch, codec, protocol
-from redbatch.errors import QueueFull
+from redbatch.errors import ConfigError, InvalidKnob, QueueFull
 from redbatch.jobs.throttle import queues_of, wait_for_room
 from redbatch.levels import queue_depths
 from redbatch.producer.routing import STICK, Router, room_cap
 from redbatch.status import read_model
 from redbatch.worker.claim import Claimer
+from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.shards import ShardClaimer
+from tests import stream_models
 from tests.conftest import wait_live
 from tests.test_backpressure import _until, blocking_model
 from tests.test_gateway import _wait_registered, gateway
@@ -435,3 +437,21 @@ async def test_light_traffic_does_not_keep_workers_polling(raw_redis: redis.Redi
     # polls back off after a request (idle claims block): about 300; polling every
     # 2 ms for half a second after each request took 3,000 and more
     assert calls < 1200, calls
+
+
+async def test_a_streaming_model_keeps_one_sub_queue(raw_redis: redis.Redis,
+                                                     redis_url: str) -> None:
+    with pytest.raises(ConfigError, match="sub_queues must be 1 for a streaming model"):
+        Model("streamy", fn=stream_models.counting, sub_queues=2)
+    model = stream_models.counter(name="streamy")
+    with pytest.raises(ConfigError, match="sub_queues must be 1"):  # the live knob
+        model.apply_knobs({**model.knob_defaults, "sub_queues": 3})
+    assert model.sub_queues == 1
+    raw_redis.set(protocol.meta_key("streamy"), orjson.dumps(model.meta()))
+    async with Client(redis_url, require_workers=False) as client:
+        with pytest.raises(InvalidKnob, match="sub_queues must be 1"):  # configure refuses
+            await client.configure("streamy", sub_queues=2)
+        assert not raw_redis.exists(protocol.config_key("streamy"))
+        # an override stored by hand: producers still push to the one queue it serves
+        raw_redis.hset(protocol.config_key("streamy"), "sub_queues", "3")
+        assert await client._admission.sub_queues("streamy") == 1
