@@ -455,3 +455,25 @@ async def test_a_streaming_model_keeps_one_sub_queue(raw_redis: redis.Redis,
         # an override stored by hand: producers still push to the one queue it serves
         raw_redis.hset(protocol.config_key("streamy"), "sub_queues", "3")
         assert await client._admission.sub_queues("streamy") == 1
+
+
+async def test_caller_ids_join_their_own_sub_queue_in_submit_many(raw_redis: redis.Redis,
+                                                                   redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    ids = [f"mine-{n}" for n in range(12)]
+    owner = {rid: Router().pick(HOT, 4, rid) for rid in ids}  # where ``submit`` sends each
+    assert len(set(owner.values())) > 1
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        futures = await client.submit_many(HOT, list(range(12)), timeout_s=30,
+                                           request_ids=ids)
+        assert [f.request_id for f in futures] == ids  # in input order
+        for rid in ids:
+            assert raw_redis.exists(protocol.request_key(owner[rid], rid)), rid
+        async with Client(redis_url, require_workers=False) as retrying:  # a retry
+            again = await retrying.submit(HOT, 3, timeout_s=30, request_id="mine-3")
+            await asyncio.sleep(0.1)
+        assert sum(raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR) == 12  # deduped
+        for tag in FOUR:
+            assert sorted(queued(raw_redis, tag)) == \
+                [n for n, rid in enumerate(ids) if owner[rid] == tag]
+    await asyncio.gather(*futures, again, return_exceptions=True)  # failed by the close
