@@ -477,3 +477,28 @@ async def test_caller_ids_join_their_own_sub_queue_in_submit_many(raw_redis: red
             assert sorted(queued(raw_redis, tag)) == \
                 [n for n, rid in enumerate(ids) if owner[rid] == tag]
     await asyncio.gather(*futures, again, return_exceptions=True)  # failed by the close
+
+
+@batch(name="capped", max_batch_size=8, priority_levels=2, default_priority=2,
+       priority_caps=[8, 4], sub_queues=2)
+def capped(xs: list[int]) -> list[int]:
+    return xs
+
+
+async def test_a_level_cap_holds_for_the_model_not_each_sub_queue(raw_redis: redis.Redis,
+                                                                   redis_url: str) -> None:
+    raw_redis.set(protocol.meta_key("capped"), orjson.dumps(capped.meta()))
+    tags = protocol.sub_queue_tags("capped", 2)
+    futures = []
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        for value in range(8):  # one a tick: both sub-queues
+            futures.append(await client.submit("capped", value, timeout_s=30, priority=2))
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        queued_at_2 = [raw_redis.llen(protocol.queue_key(tag)) for tag in tags]  # default
+        refused = [f.exception() for f in futures if f.done()]
+    await asyncio.gather(*futures, return_exceptions=True)  # failed by the close
+    assert sum(queued_at_2) == 4, queued_at_2  # level 2's cap, over both sub-queues
+    assert all(q > 0 for q in queued_at_2)
+    assert len(refused) == 4 and all(isinstance(e, QueueFull) for e in refused)
+    assert "(4 queued at that level, its cap 4)" in str(refused[0])
