@@ -15,7 +15,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from redbatch import Client, batch, codec, protocol
+from redbatch import Client, batch, codec, lua, protocol
 from redbatch.errors import ConfigError, InvalidKnob, QueueFull
 from redbatch.jobs.throttle import queues_of, wait_for_room
 from redbatch.levels import queue_depths
@@ -502,3 +502,25 @@ async def test_a_level_cap_holds_for_the_model_not_each_sub_queue(raw_redis: red
     assert all(q > 0 for q in queued_at_2)
     assert len(refused) == 4 and all(isinstance(e, QueueFull) for e in refused)
     assert "(4 queued at that level, its cap 4)" in str(refused[0])
+
+
+async def test_a_reap_skips_empty_lists_and_leaves_a_live_worker_be(
+        raw_redis: redis.Redis, redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    reaper = Reaper(client, HOT, 3)
+    reaper.tags = lambda: FOUR
+    raw_redis.rpush(protocol.inflight_key(FOUR[2], "woke"),  # a worker that woke up
+                    *[raw_request(HOT, v, protocol.reply_key(FOUR[2], "c"))[1] for v in range(2)])
+    raw_redis.zadd(protocol.workers_key(HOT), {"woke": protocol.now_ms() + 10_000})
+    assert await reaper.reap("woke") < 0  # its lease is live: nothing requeued
+    assert raw_redis.llen(protocol.inflight_key(FOUR[2], "woke")) == 2
+    assert raw_redis.llen(protocol.queue_key(FOUR[2])) == 0
+    raw_redis.rpush(protocol.inflight_key(HOT, "ghost"),
+                    *[raw_request(HOT, v, protocol.reply_key(HOT, "c"))[1] for v in range(2)])
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    raw_redis.script_load(lua.REAP)
+    raw_redis.config_resetstat()
+    assert await reaper.reap("ghost") == 2
+    await client.aclose()
+    scripts = raw_redis.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert scripts == 1, "one REAP: sub-queues 1..3 held nothing of it"

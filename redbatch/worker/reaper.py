@@ -59,6 +59,7 @@ from redbatch.worker.stats import WorkerStats
 log = logging.getLogger("redbatch.reaper")
 
 NOT_ELECTED: Final = -3  # reap's answer when another live worker is reaping the worker
+LEASE_LIVE: Final = -1  # reap's answer (and REAP's) when the worker's lease is live again
 
 
 @dataclass
@@ -141,16 +142,28 @@ class Reaper:
 
     async def _read(self, worker_id: str, force: bool, tags: list[str]
                     ) -> tuple[list[list[bytes]], str | None]:
-        """The worker's in-flight entries (one list per sub-queue of ``tags``) and, if
-        it died, the suspect it ran alone."""
-        lists: list[list[bytes]] = []
-        for tag in tags:
-            raws: Any = await self._redis.lrange(protocol.inflight_key(tag, worker_id), 0, -1)
-            lists.append(raws)
-        if force or not any(lists):
-            return lists, None
-        crashing: Any = await self._redis.get(protocol.crashing_key(self.model, worker_id))
-        return lists, crashing.decode(errors="replace") if crashing else None
+        """The worker's in-flight entries and the suspect it ran alone (``_read_all``)."""
+        lists, crashing, _live = await self._read_all(worker_id, force, tags)
+        return lists, crashing
+
+    async def _read_all(self, worker_id: str, force: bool, tags: list[str]
+                        ) -> tuple[list[list[bytes]], str | None, bool]:
+        """The worker's in-flight entries (one list per sub-queue of ``tags``), and, if
+        it died, the suspect it ran alone and whether its lease is live again (only
+        looked at with several sub-queues: the REAP of the others checks no lease), in
+        one round trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for tag in tags:
+                pipe.lrange(protocol.inflight_key(tag, worker_id), 0, -1)
+            if not force:
+                pipe.get(protocol.crashing_key(self.model, worker_id))
+            if not force and len(tags) > 1:
+                pipe.zscore(protocol.workers_key(self.model), worker_id)
+            results: list[Any] = await pipe.execute()
+        lists, rest = results[:len(tags)], results[len(tags):]
+        crashing = rest[0].decode(errors="replace") if rest and rest[0] else None
+        live = len(rest) > 1 and rest[1] is not None and rest[1] > protocol.now_ms()
+        return lists, crashing if any(lists) else None, live
 
     async def _elected(self, worker_id: str) -> bool:
         """Win (or already hold) the election to reap ``worker_id`` (``_elect``)."""
@@ -185,10 +198,14 @@ class Reaper:
             if not won:
                 return NOT_ELECTED
         tags = self._tags_for(seen)
-        lists, crashing = await self._read(worker_id, force, tags)
+        lists, crashing, live = await self._read_all(worker_id, force, tags)
+        if live:
+            return LEASE_LIVE
         holder = _holder(lists, crashing)
         total = 0
         for index in reversed(range(len(tags))):  # the model's own tag last: the lease
+            if not lists[index] and tags[index] != self.model:
+                continue  # nothing held there: no REAP
             plan = self.plan(lists[index], bump=not force, crashing=crashing, tag=tags[index],
                              elsewhere=holder is not None and holder != index)
             result = await self._reap_list(worker_id, force, tags[index], lists[index], plan)
