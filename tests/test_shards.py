@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from redbatch import Client, batch, codec, lua, protocol
 from redbatch.errors import ConfigError, InvalidKnob, QueueFull
 from redbatch.jobs.throttle import queues_of, wait_for_room
+from redbatch.lean import LeanLink
 from redbatch.levels import queue_depths
 from redbatch.producer.routing import STICK, Router, room_cap
 from redbatch.status import read_model
@@ -524,3 +525,24 @@ async def test_a_reap_skips_empty_lists_and_leaves_a_live_worker_be(
     await client.aclose()
     scripts = raw_redis.info("commandstats")["cmdstat_evalsha"]["calls"]
     assert scripts == 1, "one REAP: sub-queues 1..3 held nothing of it"
+
+
+async def test_a_failed_claim_makes_every_sub_queue_ask_its_connection_again(
+        raw_redis: redis.Redis, redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    link = LeanLink(client)  # one connection for every sub-queue's claims, as a worker's
+    policy = BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0)
+    taker = ShardClaimer(lambda tag, wait_s: Claimer(client, HOT, "w6", policy, wait_s, client,
+                                                     tag=tag, link=link), HOT, "w6", 3, 0.05)
+    for tag in protocol.sub_queue_tags(HOT, 3):
+        raw_redis.rpush(protocol.queue_key(tag), raw_request(HOT, 0, "r")[1])
+    got = 0
+    while got < 3:  # each sub-queue's claimer learns the connection's id
+        got += len(await taker.claim(4))
+    ids = {taker.sub(index)._client_id for index in range(3)}
+    assert len(ids) == 1 and None not in ids
+    raw_redis.client_kill_filter(_id=str(ids.pop()))  # the connection goes
+    with pytest.raises(redis.ConnectionError):
+        await taker.claim(4)
+    assert all(taker.sub(index)._client_id is None for index in range(3))
+    await client.aclose()

@@ -139,6 +139,11 @@ class Claimer:
         """Form the next batches under ``policy`` (a live change, between batches)."""
         self._policy = policy
 
+    def reconnected(self) -> None:
+        """Its connection may have been replaced (a claim on the link it shares failed):
+        the next claim asks the connection's id again."""
+        self._client_id = None
+
     async def claim_now(self, count: int) -> list[bytes]:
         """Up to ``count`` entries from the queue's head at once, never waiting and with
         no batch window ([] when it is empty): a steal from another sub-queue, by the

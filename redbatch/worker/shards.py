@@ -163,10 +163,21 @@ class ShardClaimer:
 
     # --- claims ------------------------------------------------------------------
     async def claim(self, count: int) -> list[bytes]:
-        """Up to ``count`` raw entries (see the module doc), [] after the wait."""
-        if self.high == 1:  # one sub-queue: the plain claim
-            self.source = self.sub(0)
-            return await self.source.claim(count)
+        """Up to ``count`` raw entries (see the module doc), [] after the wait.  The
+        sub-queues' claimers share one connection: a claim that fails or is cancelled
+        (the connection may be replaced) makes each ask its id again (``CLIENT
+        UNBLOCK`` of a window must reach the new one)."""
+        try:
+            if self.high == 1:  # one sub-queue: the plain claim
+                self.source = self.sub(0)
+                return await self.source.claim(count)
+            return await self._claim_sharded(count)
+        except BaseException:
+            for claimer in self._subs.values():
+                claimer.reconnected()
+            raise
+
+    async def _claim_sharded(self, count: int) -> list[bytes]:
         self._claims += 1
         home = self.sub(self.home)
         busy = time.monotonic() < self._busy_until
