@@ -161,6 +161,14 @@ def check_caps(caps: list[int] | None, levels: int) -> None:
                           f"(one per priority level of the model), got {caps!r}")
 
 
+def check_sub_queues(count: int | None, streaming: bool) -> None:
+    """``InvalidKnob`` when ``sub_queues`` splits a streaming model's queue (its
+    workers claim from one queue)."""
+    if streaming and count is not None and count > 1:
+        raise InvalidKnob(f"sub_queues must be 1 for a streaming model (it is served "
+                          f"from one queue), got {count}")
+
+
 def check_buckets(buckets: list[int] | None, own: list[int] | None) -> None:
     """``InvalidKnob`` when ``buckets`` is set for a model without a variable length
     (whose own ``buckets`` is None)."""
@@ -223,7 +231,8 @@ async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict
             if names else ""))
     data = orjson.loads(meta)
     base = {**model_defaults(data),
-            "priority_levels": levels.from_section(data.get("priority")).count}
+            "priority_levels": levels.from_section(data.get("priority")).count,
+            "streaming": data.get(protocol.F_STREAMING) is True}
     return base, decode_stored(raw)[0]
 
 
@@ -246,6 +255,7 @@ async def configure(redis: aioredis.Redis, model: str, changes: Mapping[str, Any
     values = effective(base, overrides)
     check_caps(values.get("priority_caps"), base["priority_levels"])
     check_buckets(values.get("buckets"), base.get("buckets"))
+    check_sub_queues(values.get("sub_queues"), base["streaming"])
     await _store(redis, model, checked, reset)
     return {"overrides": overrides, "effective": values}
 

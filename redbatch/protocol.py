@@ -79,6 +79,9 @@ F_FORWARD_MS: Final = "forward_ms"
 F_WORKER_ID: Final = "worker_id"
 F_ITEMS_PER_S: Final = "items_per_s"  # worker_info / worker_capacity: measured capacity
 F_SERVED_PER_S: Final = "served_per_s"  # worker_capacity: entries served per second lately
+# worker_info of a sharded model: the most sub-queues the worker may hold entries of
+# (its reaper reads that many in-flight lists); absent for a model of one sub-queue
+F_SUB_QUEUES_SEEN: Final = "sub_queues_seen"
 TENSOR_TAG: Final = "__tensor__"
 # A streaming model's messages on the reply list (``redbatch.stream_wire``): each chunk
 # and the final message carry the request's id and ``seq`` (0, 1, ...); the final one

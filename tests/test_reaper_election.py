@@ -50,7 +50,7 @@ def count_reads(monkeypatch: pytest.MonkeyPatch, slow_s: float) -> list[tuple[st
     """Record every (reaper, dead worker) read of an in-flight list; each read then
     takes ``slow_s``, so that every live worker beats while the first one reaps."""
     reads: list[tuple[str, str]] = []
-    read = Reaper._read
+    read = Reaper._read_all
 
     async def recorded(self: Reaper, worker_id: str, force: bool, tags: list[str]) -> Any:
         got = await read(self, worker_id, force, tags)
@@ -59,7 +59,7 @@ def count_reads(monkeypatch: pytest.MonkeyPatch, slow_s: float) -> list[tuple[st
             await asyncio.sleep(slow_s)
         return got
 
-    monkeypatch.setattr(Reaper, "_read", recorded)
+    monkeypatch.setattr(Reaper, "_read_all", recorded)
     return reads
 
 

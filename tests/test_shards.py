@@ -7,23 +7,28 @@ a dead worker's entries to the sub-queue they came from."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from redbatch import Client, batch, codec, protocol
-from redbatch.errors import QueueFull
+from redbatch import Client, batch, codec, lua, protocol
+from redbatch.errors import ConfigError, InvalidKnob, QueueFull
 from redbatch.jobs.throttle import queues_of, wait_for_room
+from redbatch.lean import LeanLink
 from redbatch.levels import queue_depths
-from redbatch.producer.routing import STICK, Router, sub_cap
+from redbatch.producer.routing import STICK, Router, room_cap
 from redbatch.status import read_model
 from redbatch.worker.claim import Claimer
+from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.shards import ShardClaimer
+from tests import stream_models
 from tests.conftest import wait_live
 from tests.test_backpressure import _until, blocking_model
 from tests.test_gateway import _wait_registered, gateway
@@ -85,7 +90,7 @@ def test_tags_keep_one_sub_queue_on_the_models_keys() -> None:
     picks = [router.pick("m", 4) for _ in range(STICK + 1)]  # one tick
     assert len(set(picks[:STICK])) == 1 and picks[STICK] != picks[0]  # then the other
     router.tick()  # a new tick chooses anew (the other of the two was shorter)
-    assert sub_cap(40, 4) == 10 and sub_cap(41, 4) == 11
+    assert room_cap(40, 30) == 10 and room_cap(40, 45) == -5  # the model's room
 
 
 async def test_power_of_two_choices_balances_and_keeps_fifo(raw_redis: redis.Redis,
@@ -121,8 +126,8 @@ async def test_admission_counts_every_sub_queue(raw_redis: redis.Redis,
         depths = [raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR]
         refused = [f.exception() for f in first if f.done()]
         assert all(isinstance(e, QueueFull) for e in refused)
-        # each sub-queue takes its share (100) at most, and they fill evenly
-        assert 380 <= sum(depths) <= 400 and all(d <= 100 for d in depths), depths
+        # together they hold the model's cap at most
+        assert 380 <= sum(depths) <= 400 and all(d > 0 for d in depths), depths
         assert len(refused) == 1000 - sum(depths)
         again = await client.submit(HOT, 100, timeout_s=30)
         with pytest.raises(QueueFull) as full:
@@ -130,6 +135,24 @@ async def test_admission_counts_every_sub_queue(raw_redis: redis.Redis,
     await asyncio.gather(*first, return_exceptions=True)  # failed by the close
     assert full.value.retry_after_s >= 1.0  # the gateway's 503 Retry-After
     assert f"({sum(depths)} queued, cap 400" in str(full.value)  # the model's, summed
+
+
+async def test_a_burst_below_the_models_cap_goes_in_whole(raw_redis: redis.Redis,
+                                                          redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    async with Client(redis_url, require_workers=False, pack_rows=1,
+                      max_queue_len=40) as client:
+        many = await client.submit_many(HOT, list(range(20)), timeout_s=30)  # one push
+        tick = await asyncio.gather(*(client.submit(HOT, v, timeout_s=30)  # one tick
+                                      for v in range(20, 40)))
+        await asyncio.sleep(0.2)  # every push answered
+        refused = [f for f in many + tick if f.done()]
+        assert not refused, f"{len(refused)} refused with 40 queued, model cap 40"
+        assert sum(raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR) == 40
+        with pytest.raises(QueueFull) as full:  # the model is full now: its cap holds
+            await client.predict(HOT, 99, timeout_s=30)
+        assert "(40 queued, cap 40" in str(full.value)
+    await asyncio.gather(*many, *tick, return_exceptions=True)  # failed by the close
 
 
 def claimer(client: aioredis.Redis, worker_id: str, count: int) -> ShardClaimer:
@@ -314,3 +337,212 @@ async def test_priority_levels_within_each_sub_queue(start_worker: Callable[...,
     for tag in tags:  # each sub-queue has its own level queues and bell, all drained
         assert not raw_redis.exists(protocol.queue_key(tag, 1), protocol.queue_key(tag),
                                     protocol.bell_key(tag))
+
+
+async def test_entries_reaped_above_a_shrunk_count_are_drained_again(
+        raw_redis: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("redbatch.worker.shards.DRAIN_GRACE_S", 0.0)
+    client = aioredis.Redis.from_url(redis_url)
+    taker = claimer(client, "w3", 4)
+    taker.resize(2)
+    assert await taker.claim(4) == [] and taker.high == 2  # 2..3 found empty: drained
+    # a dead worker held a batch of sub-queue 3: the reaper puts it back there
+    raw_redis.rpush(protocol.inflight_key(FOUR[3], "ghost"),
+                    *[raw_request(HOT, v, protocol.reply_key(FOUR[3], "c"))[1] for v in range(3)])
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    reaper = Reaper(client, HOT, 3)
+    reaper.tags, reaper.requeued = (lambda: FOUR), taker.reopen  # as the runner wires it
+    assert await reaper.reap("ghost") == 3
+    got: list[int] = []
+    for _ in range(4):
+        got += [codec.decode(i)[protocol.F_PAYLOAD] for i in await taker.claim(4)]
+    await client.aclose()
+    assert got == [0, 1, 2], "the requeued batch is claimed again, not stranded"
+    assert taker.source.tag == FOUR[3]
+
+
+@batch(name="halved", max_batch_size=8, batch_wait_timeout_s=0, sub_queues=2)
+def halved(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+async def test_a_dead_worker_is_reaped_over_every_sub_queue_it_saw(
+        start_worker: Callable[..., Worker], raw_redis: redis.Redis, redis_url: str) -> None:
+    worker = start_worker([halved], config=TAKEOVER)  # started after a shrink from 4
+    await wait_live(redis_url, "halved")
+    info = raw_redis.hget(protocol.worker_info_key("halved"), worker.worker_id)
+    assert orjson.loads(info)[protocol.F_SUB_QUEUES_SEEN] == 2  # what it publishes
+    tag = protocol.sub_queue_tag("halved", 3)  # a sub-queue this worker never knew
+    reply_to = protocol.reply_key(tag, "ghosted")
+    raw_redis.rpush(protocol.inflight_key(tag, "ghost"),
+                    *[raw_request("halved", v, reply_to)[1] for v in range(3)])
+    raw_redis.hset(protocol.worker_info_key("halved"), "ghost",
+                   orjson.dumps({"worker_id": "ghost", protocol.F_SUB_QUEUES_SEEN: 4}))
+    raw_redis.zadd(protocol.workers_key("halved"), {"ghost": protocol.now_ms() - 1})
+    replies = [await asyncio.to_thread(read_reply, raw_redis, reply_to, 10) for _ in range(3)]
+    assert sorted(r.payload for r in replies) == [1, 2, 3]  # reaped, drained, answered
+    assert not raw_redis.exists(protocol.inflight_key(tag, "ghost"))
+
+
+def commands(raw: redis.Redis) -> int:
+    """Commands Redis ran since its last ``CONFIG RESETSTAT``, a test's own excluded."""
+    stats = raw.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items()
+               if not k.startswith(("cmdstat_info", "cmdstat_config", "cmdstat_rpush")))
+
+
+def one_queue(worker_id: str, count: int) -> Callable[[aioredis.Redis], ShardClaimer]:
+    """A sharded claimer whose plain wait (one sub-queue) is a second."""
+    policy = BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0)
+    return lambda client: ShardClaimer(
+        lambda tag, wait_s: Claimer(client, HOT, worker_id, policy, wait_s, tag=tag),
+        HOT, worker_id, count, 1.0)
+
+
+async def test_after_a_shrink_to_one_the_claim_blocks_its_whole_wait(
+        raw_redis: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("redbatch.worker.shards.DRAIN_GRACE_S", 0.1)
+    client = aioredis.Redis.from_url(redis_url)
+    taker = one_queue("w4", 3)(client)
+    taker.resize(1)
+    for _ in range(10):  # traffic on sub-queue 0 while the others drain: busy claims
+        raw_redis.rpush(protocol.queue_key(HOT), b"x")
+        await taker.claim(4)
+    while taker.high > 1:
+        await taker.claim(4)
+    raw_redis.config_resetstat()
+    until = time.monotonic() + 1.0
+    while time.monotonic() < until:  # idle, one sub-queue: blocking pops of 1 s
+        assert await taker.claim(4) == []
+    pops = raw_redis.info("commandstats")["cmdstat_blmove"]["calls"]
+    await client.aclose()
+    assert pops <= 2, f"{pops} blocking pops in a second: a short wait was left behind"
+    assert taker.sub(0).block_timeout_s == 1.0
+
+
+async def test_light_traffic_does_not_keep_workers_polling(raw_redis: redis.Redis,
+                                                           redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    taker = one_queue("w5", 3)(client)
+    tags = protocol.sub_queue_tags(HOT, 3)
+    raw_redis.config_resetstat()
+    got = 0
+    for i in range(5):  # a request every 0.3 s, a different sub-queue each time
+        raw_redis.rpush(protocol.queue_key(tags[i % 3]), b"x")
+        until = time.monotonic() + 0.3
+        while time.monotonic() < until:
+            got += len(await taker.claim(4))
+    calls = commands(raw_redis)
+    await client.aclose()
+    assert got == 5
+    # polls back off after a request (idle claims block): about 300; polling every
+    # 2 ms for half a second after each request took 3,000 and more
+    assert calls < 1200, calls
+
+
+async def test_a_streaming_model_keeps_one_sub_queue(raw_redis: redis.Redis,
+                                                     redis_url: str) -> None:
+    with pytest.raises(ConfigError, match="sub_queues must be 1 for a streaming model"):
+        Model("streamy", fn=stream_models.counting, sub_queues=2)
+    model = stream_models.counter(name="streamy")
+    with pytest.raises(ConfigError, match="sub_queues must be 1"):  # the live knob
+        model.apply_knobs({**model.knob_defaults, "sub_queues": 3})
+    assert model.sub_queues == 1
+    raw_redis.set(protocol.meta_key("streamy"), orjson.dumps(model.meta()))
+    async with Client(redis_url, require_workers=False) as client:
+        with pytest.raises(InvalidKnob, match="sub_queues must be 1"):  # configure refuses
+            await client.configure("streamy", sub_queues=2)
+        assert not raw_redis.exists(protocol.config_key("streamy"))
+        # an override stored by hand: producers still push to the one queue it serves
+        raw_redis.hset(protocol.config_key("streamy"), "sub_queues", "3")
+        assert await client._admission.sub_queues("streamy") == 1
+
+
+async def test_caller_ids_join_their_own_sub_queue_in_submit_many(raw_redis: redis.Redis,
+                                                                   redis_url: str) -> None:
+    registered(raw_redis, HOT, 4)
+    ids = [f"mine-{n}" for n in range(12)]
+    owner = {rid: Router().pick(HOT, 4, rid) for rid in ids}  # where ``submit`` sends each
+    assert len(set(owner.values())) > 1
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        futures = await client.submit_many(HOT, list(range(12)), timeout_s=30,
+                                           request_ids=ids)
+        assert [f.request_id for f in futures] == ids  # in input order
+        for rid in ids:
+            assert raw_redis.exists(protocol.request_key(owner[rid], rid)), rid
+        async with Client(redis_url, require_workers=False) as retrying:  # a retry
+            again = await retrying.submit(HOT, 3, timeout_s=30, request_id="mine-3")
+            await asyncio.sleep(0.1)
+        assert sum(raw_redis.llen(protocol.queue_key(tag)) for tag in FOUR) == 12  # deduped
+        for tag in FOUR:
+            assert sorted(queued(raw_redis, tag)) == \
+                [n for n, rid in enumerate(ids) if owner[rid] == tag]
+    await asyncio.gather(*futures, again, return_exceptions=True)  # failed by the close
+
+
+@batch(name="capped", max_batch_size=8, priority_levels=2, default_priority=2,
+       priority_caps=[8, 4], sub_queues=2)
+def capped(xs: list[int]) -> list[int]:
+    return xs
+
+
+async def test_a_level_cap_holds_for_the_model_not_each_sub_queue(raw_redis: redis.Redis,
+                                                                   redis_url: str) -> None:
+    raw_redis.set(protocol.meta_key("capped"), orjson.dumps(capped.meta()))
+    tags = protocol.sub_queue_tags("capped", 2)
+    futures = []
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        for value in range(8):  # one a tick: both sub-queues
+            futures.append(await client.submit("capped", value, timeout_s=30, priority=2))
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        queued_at_2 = [raw_redis.llen(protocol.queue_key(tag)) for tag in tags]  # default
+        refused = [f.exception() for f in futures if f.done()]
+    await asyncio.gather(*futures, return_exceptions=True)  # failed by the close
+    assert sum(queued_at_2) == 4, queued_at_2  # level 2's cap, over both sub-queues
+    assert all(q > 0 for q in queued_at_2)
+    assert len(refused) == 4 and all(isinstance(e, QueueFull) for e in refused)
+    assert "(4 queued at that level, its cap 4)" in str(refused[0])
+
+
+async def test_a_reap_skips_empty_lists_and_leaves_a_live_worker_be(
+        raw_redis: redis.Redis, redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    reaper = Reaper(client, HOT, 3)
+    reaper.tags = lambda: FOUR
+    raw_redis.rpush(protocol.inflight_key(FOUR[2], "woke"),  # a worker that woke up
+                    *[raw_request(HOT, v, protocol.reply_key(FOUR[2], "c"))[1] for v in range(2)])
+    raw_redis.zadd(protocol.workers_key(HOT), {"woke": protocol.now_ms() + 10_000})
+    assert await reaper.reap("woke") < 0  # its lease is live: nothing requeued
+    assert raw_redis.llen(protocol.inflight_key(FOUR[2], "woke")) == 2
+    assert raw_redis.llen(protocol.queue_key(FOUR[2])) == 0
+    raw_redis.rpush(protocol.inflight_key(HOT, "ghost"),
+                    *[raw_request(HOT, v, protocol.reply_key(HOT, "c"))[1] for v in range(2)])
+    raw_redis.zadd(protocol.workers_key(HOT), {"ghost": protocol.now_ms() - 1})
+    raw_redis.script_load(lua.REAP)
+    raw_redis.config_resetstat()
+    assert await reaper.reap("ghost") == 2
+    await client.aclose()
+    scripts = raw_redis.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert scripts == 1, "one REAP: sub-queues 1..3 held nothing of it"
+
+
+async def test_a_failed_claim_makes_every_sub_queue_ask_its_connection_again(
+        raw_redis: redis.Redis, redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    link = LeanLink(client)  # one connection for every sub-queue's claims, as a worker's
+    policy = BatchPolicy(max_batch_size=4, batch_wait_timeout_s=0)
+    taker = ShardClaimer(lambda tag, wait_s: Claimer(client, HOT, "w6", policy, wait_s, client,
+                                                     tag=tag, link=link), HOT, "w6", 3, 0.05)
+    for tag in protocol.sub_queue_tags(HOT, 3):
+        raw_redis.rpush(protocol.queue_key(tag), raw_request(HOT, 0, "r")[1])
+    got = 0
+    while got < 3:  # each sub-queue's claimer learns the connection's id
+        got += len(await taker.claim(4))
+    ids = {taker.sub(index)._client_id for index in range(3)}
+    assert len(ids) == 1 and None not in ids
+    raw_redis.client_kill_filter(_id=str(ids.pop()))  # the connection goes
+    with pytest.raises(redis.ConnectionError):
+        await taker.claim(4)
+    assert all(taker.sub(index)._client_id is None for index in range(3))
+    await client.aclose()

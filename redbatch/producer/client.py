@@ -414,32 +414,48 @@ class Client:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
         model = await self._routed(model, version, deadline)
+        ids: list[str | None] = list(request_ids) if request_ids else [None] * len(inputs)
         if (pipeline := await self._pipeline(model)) is not None:  # one entry per input
             listeners = await self._ready(model, len(inputs), deadline)
-            ids = list(request_ids) if request_ids else [None] * len(inputs)
             return list(await asyncio.gather(*(
                 self._enter(pipeline, listeners, x, deadline, reply, rid, "",
                             asked_priority(priority), _rows(x) if batched else 0)
                 for x, rid in zip(inputs, ids, strict=True))))
         listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
-        ids = list(request_ids) if request_ids else [None] * len(inputs)
-        tag = await self._route(model, ids[0])  # one sub-queue for the lot: one push
-        reply_to = listeners.reply_to(tag)
-        requests = [self._request(model, x, deadline, rid, reply_to,
-                                  rows=_rows(x) if batched else 0, priority=level)
-                    for x, rid in zip(inputs, ids, strict=True)]
-        entries = None
-        if request_ids:  # as in ``submit``: the caller's ids travel alone, encoded now
-            entries = [codec.encode(r.to_wire(), self.fmt) for r in requests]
-        # the checks and the waiters in one step, on the sub-queue's running listener
-        listener = listeners.of(tag)
-        if request_ids:
-            listener.check_new([r.id for r in requests])
-        futures = [listener.expect(r.id, deadline, reply) for r in requests]
-        await self._enqueued(self._push(tag, requests, entries, max_queue_len, level),
-                             requests, deadline, tag)
-        return futures
+        first = await self._route(model, ids[0])  # one push per sub-queue
+        groups = await self._route_many(model, ids, first) if request_ids and first != model \
+            else {first: list(range(len(ids)))}
+        built = {tag: [self._request(model, inputs[i], deadline, ids[i],
+                                     listeners.reply_to(tag),
+                                     rows=_rows(inputs[i]) if batched else 0, priority=level)
+                       for i in indices] for tag, indices in groups.items()}
+        if request_ids:  # the checks, then the waiters, in one step
+            for tag, requests in built.items():
+                listeners.of(tag).check_new([r.id for r in requests])
+        futures: list[RequestFuture[Any]] = []
+        pushed = []
+        for tag, requests in built.items():
+            futures += [listeners.of(tag).expect(r.id, deadline, reply) for r in requests]
+            # as in ``submit``: the caller's ids travel alone, encoded now
+            entries = [codec.encode(r.to_wire(), self.fmt) for r in requests] \
+                if request_ids else None
+            pushed.append(self._enqueued(self._push(tag, requests, entries, max_queue_len,
+                                                    level), requests, deadline, tag))
+        await (pushed[0] if len(pushed) == 1 else asyncio.gather(*pushed))
+        return futures if len(groups) == 1 else _in_order(futures, groups)
+
+    async def _route_many(self, model: str, ids: list[str | None], first: str
+                          ) -> dict[str, list[int]]:
+        """The sub-queues of a ``submit_many``'s requests that carry the caller's ids
+        (of a model of several sub-queues; ``first``: the first id's), each with the
+        indices of the requests it takes: each id's own, where a retry of it by
+        ``submit`` goes too (its marker dedupes it there).  (Without ids, the lot joins
+        one sub-queue: one push.)"""
+        groups: dict[str, list[int]] = {first: [0]}
+        for index in range(1, len(ids)):
+            groups.setdefault(await self._route(model, ids[index]), []).append(index)
+        return groups
 
     async def _routed(self, model: str, version: str | None, deadline_ms: int) -> str:
         """``route``, unless the client queues for workers to come
@@ -557,6 +573,15 @@ class Client:
         futures = await self.submit_many(model, inputs, timeout_s, reply=reply,
                                          priority=priority, version=version)
         return list(await asyncio.gather(*futures, return_exceptions=return_exceptions))
+
+
+def _in_order(futures: list[RequestFuture[Any]], groups: dict[str, list[int]]
+              ) -> list[RequestFuture[Any]]:
+    """``futures`` (in the order of ``groups``' indices) in input order."""
+    ordered: list[RequestFuture[Any]] = [*futures]
+    for future, index in zip(futures, (i for g in groups.values() for i in g), strict=True):
+        ordered[index] = future
+    return ordered
 
 
 def _rows(batch: Any) -> int:

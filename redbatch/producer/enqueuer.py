@@ -24,7 +24,7 @@ from redbatch.producer import packing
 from redbatch.producer.admission import Admission, no_live_workers
 from redbatch.producer.packing import Failures, RoutePack, Unit
 from redbatch.producer.replication import ReplicaWaiter
-from redbatch.producer.routing import Router, sub_cap
+from redbatch.producer.routing import Router
 from redbatch.protocol import Request
 from redbatch.redis_conn import drop_idle, is_stale, translated
 
@@ -175,26 +175,27 @@ class Enqueuer:
                        levels: Levels) -> tuple[list[Unit], RedbatchError | None]:
         """Push the units under the queue cap (a multi-level model's: the entries at
         ``level`` and above, and ``level``'s own cap): the refused ones, and why.  A
-        model of S sub-queues caps each at its share of the model's cap
-        (``routing.sub_cap``); a refusal counts the entries of every sub-queue
-        (``Router.total``)."""
+        model of S sub-queues caps each at the model's cap (and the level's) less what
+        the others hold as this process knows (``Router.caps``); a refusal counts the
+        entries of every sub-queue (``Router.learn``)."""
         own, model = _own_cap(pushes), protocol.model_of_tag(tag)
         cap = await self._admission.cap(model, min(u.request.deadline_ms for u in units), own)
         count = await self._admission.sub_queues(model)
-        shared = sub_cap(cap, count) if count > 1 else cap
-        accepted, depths = await self._run(tag, _target(tag, shared, level, levels),
-                                           [u.request for u in units], [u.entry for u in units])
+        caps = (cap, levels.cap(level) if levels.many else None)
+        accepted, depths = await self._run(
+            tag, _target(tag, self.router.caps(tag, count, caps, level) if count > 1 else caps,
+                         level, levels), [u.request for u in units], [u.entry for u in units])
         if depths[0] < 0:  # a drained version's closed sub-queue
             return units, no_live_workers(model)
         if count > 1:
-            self.router.learned(tag, depths[0])
+            depths = self.router.learn(tag, count, level, depths)
         if accepted == len(units):
             return [], None
-        total = max(self.router.total(model, count), depths[0]) if count > 1 else depths[0]
         if not levels.many:
-            return units[accepted:], await self._admission.queue_full(model, total, cap, own)
+            return units[accepted:], await self._admission.queue_full(model, depths[0], cap,
+                                                                      own)
         return units[accepted:], await self._admission.level_full(
-            model, level, (total, depths[1]), cap, levels.cap(level), own)
+            model, level, (depths[0], depths[1]), cap, caps[1], own)
 
     async def _run(self, tag: str, target: Target, requests: list[Request],
                    entries: list[bytes]) -> tuple[int, list[int]]:
@@ -255,12 +256,14 @@ def _routed(route: RoutePack, tag: str) -> RoutePack:
                                                                deadline_ms)
 
 
-def _target(tag: str, cap: int, level: int, levels: Levels) -> Target:
+def _target(tag: str, caps: tuple[int, int | None], level: int, levels: Levels) -> Target:
     """Sub-queue ``tag``'s plain queue (one level), or its level ``level``'s queue,
-    which the cap counts with the more urgent ones, and the bell.  A version's
-    sub-queue (``m@v``, ``m@v:1``...) is refused once its drain closed it
-    (``protocol.closed_key``): the script's variant that checks the marker."""
+    which the cap counts with the more urgent ones, and the bell (``caps``: the queue's
+    cap and the level's own, if any).  A version's sub-queue (``m@v``, ``m@v:1``...) is
+    refused once its drain closed it (``protocol.closed_key``): the script's variant
+    that checks the marker."""
     ttl_ms = protocol.QUEUE_TTL_S * 1000
+    cap, own_cap = caps
     versioned = protocol.VERSION_SEP in tag
     tail = (protocol.closed_key(tag),) if versioned else ()
     if not levels.many:
@@ -268,7 +271,6 @@ def _target(tag: str, cap: int, level: int, levels: Levels) -> Target:
                       (protocol.queue_key(tag),), (cap, ttl_ms), tail)
     queues = levels.queues(tag)
     ahead = queues[:level - 1]
-    own_cap = levels.cap(level)
     return Target(lua.ENQUEUE_LEVEL_OPEN if versioned else lua.ENQUEUE_LEVEL,
                   (queues[level - 1], protocol.bell_key(tag), *ahead),
                   (cap, cap if own_cap is None else own_cap, ttl_ms, len(ahead)), tail)

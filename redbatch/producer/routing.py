@@ -86,8 +86,53 @@ class Router:
         return sum(self.depth(tag) for tag in protocol.sub_queue_tags(model, count))
 
 
-def sub_cap(cap: int, count: int) -> int:
-    """The cap of one sub-queue of a model of ``count`` whose queue cap is ``cap``: its
-    share, rounded up, so that the sub-queues together hold about ``cap`` (at most
-    ``count - 1`` more)."""
-    return -(-cap // count)
+    def others(self, tag: str, count: int) -> int:
+        """The entries this process knows in the sub-queues of ``tag``'s model other
+        than ``tag`` (with the requests it routed there since it learned them)."""
+        return sum(self._guess(other) for other in _others(tag, count))
+
+    def caps(self, tag: str, count: int, caps: tuple[int, int | None], level: int
+             ) -> tuple[int, int | None]:
+        """A push's caps in sub-queue ``tag`` (of ``count``): the model's queue cap
+        and its priority ``level``'s own (if any) of ``caps``, each less what the other
+        sub-queues hold as far as this process knows (``room_cap``)."""
+        cap, level_cap = caps
+        shared = room_cap(cap, self.others(tag, count))
+        if level_cap is None:
+            return shared, None
+        return shared, room_cap(level_cap, sum(self.depth(_at(other, level))
+                                               for other in _others(tag, count)))
+
+    def learn(self, tag: str, count: int, level: int, depths: list[int]) -> list[int]:
+        """An enqueue's reply (``depths``: the sub-queue's entries after it, and, for a
+        priority level, the level's): learned, and returned summed over the sub-queues
+        as far as this process knows (what a refusal reports)."""
+        self.learned(tag, depths[0])
+        model = protocol.model_of_tag(tag)
+        summed = [max(self.total(model, count), depths[0])]
+        if len(depths) > 1:
+            self._depths[_at(tag, level)] = (depths[1], time.monotonic())
+            summed.append(depths[1] + sum(self.depth(_at(other, level))
+                                          for other in _others(tag, count)))
+        return summed
+
+
+def _others(tag: str, count: int) -> list[str]:
+    """The sub-queues of ``tag``'s model (of ``count``) other than ``tag``."""
+    return [other for other in protocol.sub_queue_tags(protocol.model_of_tag(tag), count)
+            if other != tag]
+
+
+def _at(tag: str, level: int) -> str:
+    """The key of sub-queue ``tag``'s priority ``level`` among the learned lengths."""
+    return f"{tag}#{level}"
+
+
+def room_cap(cap: int, others: int) -> int:
+    """The cap that one sub-queue's push is held to, for a model whose queue cap is
+    ``cap``: the cap less what the other sub-queues hold as far as this process knows
+    (``Router.others``).  A tick's requests and a ``submit_many`` join one sub-queue:
+    they go in whole while the model has room.  Producers that do not know each other's
+    pushes (lengths older than ``DEPTH_FRESH_S``, sub-queues a process never pushed to)
+    can overshoot the model's cap by what they missed, never one sub-queue the cap."""
+    return cap - others

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -137,6 +138,11 @@ class Claimer:
     def set_policy(self, policy: BatchPolicy) -> None:
         """Form the next batches under ``policy`` (a live change, between batches)."""
         self._policy = policy
+
+    def reconnected(self) -> None:
+        """Its connection may have been replaced (a claim on the link it shares failed):
+        the next claim asks the connection's id again."""
+        self._client_id = None
 
     async def claim_now(self, count: int) -> list[bytes]:
         """Up to ``count`` entries from the queue's head at once, never waiting and with
@@ -289,11 +295,16 @@ class Claimer:
             pass
         return True
 
-    async def claim(self, count: int | None = None) -> list[bytes]:
+    async def claim(self, count: int | None = None, wait_s: float | None = None
+                    ) -> list[bytes]:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
-        the block timeout."""
+        the block timeout (``wait_s``: this claim's wait for a first entry, in place of
+        ``block_timeout_s``; a batch window still fills as long as it is open)."""
         await self._pace()
-        return await self._claiming(self._claim_batch, count or self._policy.max_batch_size)
+        size = count or self._policy.max_batch_size
+        if wait_s is None:
+            return await self._claiming(self._claim_batch, size)
+        return await self._claiming(functools.partial(self._claim_batch, wait_s=wait_s), size)
 
     async def _claiming(self, claim: Callable[[int], Awaitable[list[bytes]]], count: int
                         ) -> list[bytes]:
@@ -306,10 +317,11 @@ class Claimer:
             self._client_id = None  # the connection may have been replaced: ask again
             raise
 
-    async def _claim_batch(self, size: int) -> list[bytes]:
+    async def _claim_batch(self, size: int, wait_s: float | None = None) -> list[bytes]:
         items = await self._top_up(size)
-        if not items:
-            items = await self._block(self.block_timeout_s, size)  # and those behind it
+        if not items:  # and those behind it
+            items = await self._block(self.block_timeout_s if wait_s is None else wait_s,
+                                      size)
             if not items:
                 return []
         if len(items) >= size or not self._worth_waiting(len(items)):

@@ -122,6 +122,7 @@ class Model:
             self.streaming = self.fn is not None and is_stream_fn(self.fn)
         if self.streaming and self.priority_levels > 1:
             raise ConfigError(f"model {self.name!r}: a streaming model has one priority level")
+        knobs.check_sub_queues(self.sub_queues, self.streaming)
         length_spec = self.length_spec
         self.buckets = list(length_spec.boundaries) if length_spec is not None else None
         self.knob_defaults = self.knob_values()
@@ -163,6 +164,7 @@ class Model:
         split = knobs.parts(values)
         knobs.check_caps(split["model"].get("priority_caps"), self.priority_levels)
         knobs.check_buckets(split["model"].get("buckets"), self.knob_defaults["buckets"])
+        knobs.check_sub_queues(split["model"].get("sub_queues"), bool(self.streaming))
         policy = dataclasses.replace(self.policy, **split["policy"])
         self.policy = policy
         for name, value in split["model"].items():
@@ -183,6 +185,14 @@ class Model:
         """Call the batch function directly, as ``@serve.batch`` methods can be."""
         return self.bind("cpu")(list(items))
 
+    def _published_defaults(self) -> dict[str, Any]:
+        """The knob values a worker publishes: a streaming model's leave out
+        ``sub_queues``, so that no producer splits its queue (``LIVE_SUMMARY`` reads a
+        stored override only when the meta names the knob)."""
+        if not self.streaming:
+            return self.knob_defaults
+        return {k: v for k, v in self.knob_defaults.items() if k != "sub_queues"}
+
     def meta(self) -> dict[str, Any]:
         """What gateways need to know: published to ``meta_key(name)`` by workers."""
         meta = model_meta(self.name, input_name=self.input_name,
@@ -190,7 +200,7 @@ class Model:
                           policy=self.policy.to_json(),
                           limits={"max_queue_len": self.max_queue_len,
                                   "default_timeout_s": self.default_timeout_s},
-                          defaults=self.knob_defaults, signature=self.signature)
+                          defaults=self._published_defaults(), signature=self.signature)
         if self.priority_levels > 1:  # read by producers (LIVE_SUMMARY): levels, caps
             meta["priority"] = self.priorities.to_json()
             meta["limits"]["priority_caps"] = self.priority_caps

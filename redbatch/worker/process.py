@@ -134,7 +134,8 @@ class Worker:
         await _keep_going("register", first, stop, once=True)
 
     async def _beat(self, redis: aioredis.Redis) -> None:
-        fields = {r.model.name: heartbeat.published(self._info, r.stats) for r in self.runners}
+        fields = {r.model.name: heartbeat.published({**self._info, **r.published()}, r.stats)
+                  for r in self.runners}
         beat = await heartbeat.beat(redis, [r.model for r in self.runners], self.worker_id,
                                     fields, self.config.lease_ttl_s)
         for name, raw in beat.overrides.items():

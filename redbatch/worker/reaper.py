@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import orjson
 import redis.asyncio as aioredis
 
 from redbatch import codec, lua, protocol
@@ -58,6 +59,7 @@ from redbatch.worker.stats import WorkerStats
 log = logging.getLogger("redbatch.reaper")
 
 NOT_ELECTED: Final = -3  # reap's answer when another live worker is reaping the worker
+LEASE_LIVE: Final = -1  # reap's answer (and REAP's) when the worker's lease is live again
 
 
 @dataclass
@@ -82,6 +84,9 @@ class Reaper:
         self._levels = levels
         # the sub-queues whose in-flight lists it reads (the runner's, for a sharded model)
         self.tags: Callable[[], list[str]] = lambda: [model]
+        # told the index of each sub-queue it put entries back into (the runner's
+        # claimer drains one above the count again: ``ShardClaimer.reopen``)
+        self.requeued: Callable[[int], None] = _nobody
         self.max_attempts = max_attempts
         self.stats = stats
         self.dead_letters = dead_letters
@@ -137,42 +142,77 @@ class Reaper:
 
     async def _read(self, worker_id: str, force: bool, tags: list[str]
                     ) -> tuple[list[list[bytes]], str | None]:
-        """The worker's in-flight entries (one list per sub-queue of ``tags``) and, if
-        it died, the suspect it ran alone."""
-        lists: list[list[bytes]] = []
-        for tag in tags:
-            raws: Any = await self._redis.lrange(protocol.inflight_key(tag, worker_id), 0, -1)
-            lists.append(raws)
-        if force or not any(lists):
-            return lists, None
-        crashing: Any = await self._redis.get(protocol.crashing_key(self.model, worker_id))
-        return lists, crashing.decode(errors="replace") if crashing else None
+        """The worker's in-flight entries and the suspect it ran alone (``_read_all``)."""
+        lists, crashing, _live = await self._read_all(worker_id, force, tags)
+        return lists, crashing
+
+    async def _read_all(self, worker_id: str, force: bool, tags: list[str]
+                        ) -> tuple[list[list[bytes]], str | None, bool]:
+        """The worker's in-flight entries (one list per sub-queue of ``tags``), and, if
+        it died, the suspect it ran alone and whether its lease is live again (only
+        looked at with several sub-queues: the REAP of the others checks no lease), in
+        one round trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for tag in tags:
+                pipe.lrange(protocol.inflight_key(tag, worker_id), 0, -1)
+            if not force:
+                pipe.get(protocol.crashing_key(self.model, worker_id))
+            if not force and len(tags) > 1:
+                pipe.zscore(protocol.workers_key(self.model), worker_id)
+            results: list[Any] = await pipe.execute()
+        lists, rest = results[:len(tags)], results[len(tags):]
+        crashing = rest[0].decode(errors="replace") if rest and rest[0] else None
+        live = len(rest) > 1 and rest[1] is not None and rest[1] > protocol.now_ms()
+        return lists, crashing if any(lists) else None, live
 
     async def _elected(self, worker_id: str) -> bool:
+        """Win (or already hold) the election to reap ``worker_id`` (``_elect``)."""
+        return (await self._elect(worker_id))[0]
+
+    async def _elect(self, worker_id: str) -> tuple[bool, int]:
         """Win (or already hold) the election to reap ``worker_id``: one ``SET NX PX
-        GET``, whose old value is nil when this call won it."""
-        holder: Any = await self._redis.set(protocol.reaping_key(self.model, worker_id),
-                                            self.reaper_id, nx=True, get=True,
-                                            px=protocol.REAPING_TTL_MS)
-        return holder is None or holder.decode(errors="replace") == self.reaper_id
+        GET``, whose old value is nil when this call won it; in the same round trip,
+        the sub-queues the worker published having seen (``F_SUB_QUEUES_SEEN``)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(protocol.reaping_key(self.model, worker_id), self.reaper_id, nx=True,
+                     get=True, px=protocol.REAPING_TTL_MS)
+            pipe.hget(protocol.worker_info_key(self.model), worker_id)
+            holder, info = await pipe.execute()
+        won = holder is None or holder.decode(errors="replace") == self.reaper_id
+        return won, seen_in(info)
+
+    def _tags_for(self, seen: int) -> list[str]:
+        """The sub-queues to read: this worker's view (``tags``), or as many as the
+        reaped worker saw, if more (it may hold entries of one this worker never knew)."""
+        tags = self.tags()
+        return tags if seen <= len(tags) else protocol.sub_queue_tags(self.model, seen)
 
     async def reap(self, worker_id: str, *, force: bool = False) -> int:
         """Requeue ``worker_id``'s in-flight requests.  ``force`` (a stopping worker
         returning its own batch) skips the election, the lease check and the attempt
         bump.  Returns how many were requeued, or a negative number if nothing was done
         (``NOT_ELECTED``: another live worker is reaping it)."""
-        if not force and not await self._elected(worker_id):
-            return NOT_ELECTED
-        tags = self.tags()
-        lists, crashing = await self._read(worker_id, force, tags)
+        seen = 1
+        if not force:
+            won, seen = await self._elect(worker_id)
+            if not won:
+                return NOT_ELECTED
+        tags = self._tags_for(seen)
+        lists, crashing, live = await self._read_all(worker_id, force, tags)
+        if live:
+            return LEASE_LIVE
         holder = _holder(lists, crashing)
         total = 0
         for index in reversed(range(len(tags))):  # the model's own tag last: the lease
+            if not lists[index] and tags[index] != self.model:
+                continue  # nothing held there: no REAP
             plan = self.plan(lists[index], bump=not force, crashing=crashing, tag=tags[index],
                              elsewhere=holder is not None and holder != index)
             result = await self._reap_list(worker_id, force, tags[index], lists[index], plan)
             if result < 0:
                 return result
+            if plan.requeue:
+                self.requeued(index)
             total += result
             await self._done(worker_id, force, plan, (len(lists[index]), crashing),
                              forget=not force and tags[index] == self.model)
@@ -218,6 +258,22 @@ class Reaper:
                         self.model, "returned the batch of" if force else "reaped", worker_id,
                         len(plan.requeue), len(plan.dead),
                         f" (it crashed running request {crashing} alone)" if crashing else "")
+
+
+def _nobody(index: int) -> None:
+    return None
+
+
+def seen_in(info: bytes | None) -> int:
+    """The sub-queues a worker's published info (``worker_info``) says it saw; 1 when
+    it says none (a model of one sub-queue) or cannot be read."""
+    if not info or protocol.F_SUB_QUEUES_SEEN.encode() not in info:
+        return 1
+    with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+        seen = orjson.loads(info).get(protocol.F_SUB_QUEUES_SEEN)
+        if type(seen) is int and 1 <= seen <= protocol.MAX_SUB_QUEUES:
+            return seen
+    return 1
 
 
 def _holder(lists: list[list[bytes]], crashing: str | None) -> int | None:

@@ -156,6 +156,7 @@ class BatchRunner:
                              model.priorities, reaper_id=worker_id,
                              same_slot=self._same_slot)
         self.reaper.tags = self._tags  # every sub-queue's in-flight list
+        self.reaper.requeued = self.claimer.reopen  # entries put back above the count
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
@@ -308,6 +309,12 @@ class BatchRunner:
         has seen, and the count just applied (before its next claim resizes)."""
         return protocol.sub_queue_tags(self.model.name, max(self.claimer.seen,
                                                             self.model.sub_queues))
+
+    def published(self) -> dict[str, Any]:
+        """What this runner adds to the worker's published info: the sub-queues it may
+        hold entries of, once more than one (another worker's reaper reads that many)."""
+        seen = max(self.claimer.seen, self.model.sub_queues)
+        return {protocol.F_SUB_QUEUES_SEEN: seen} if seen > 1 else {}
 
     def _resize(self) -> None:
         """The model's ``sub_queues`` changed (live): claim over the new count."""

@@ -11,10 +11,14 @@ slot.  Each worker has a home sub-queue (``crc32(worker_id) % S``):
   served too;
 - while the model is busy (a claim found entries in the last ``BUSY_FOR_S``) it never
   blocks: home is claimed without blocking too, and a round that found nothing sleeps
-  ``BUSY_BLOCK_S`` (a blocking pop's timeout fires on Redis's ``hz`` timer, up to
-  100 ms late: a short one would hold the worker while entries wait elsewhere);
+  ``BUSY_BLOCK_S``, twice that after the next empty round, and so on (a blocking
+  pop's timeout fires on Redis's ``hz`` timer, up to 100 ms late: a short one would
+  hold the worker while entries wait elsewhere); a sleep that would reach
+  ``STEAL_BLOCK_S`` ends the busy spell, so light traffic costs a few polls per
+  request, not a poll every few milliseconds;
 - once idle, it blocks on home for at most ``STEAL_BLOCK_S`` between steals (the
-  whole ``block_timeout_s`` with one sub-queue).
+  whole ``block_timeout_s`` with one sub-queue: the wait of each claimer follows
+  ``high``, and a busy claim passes its short wait per call, never leaving it behind).
 
 Shrinking S strands nothing: a worker keeps stealing from the sub-queues at and above
 the new S (``high``) until, ``DRAIN_GRACE_S`` after the change (producers have moved
@@ -72,6 +76,7 @@ class ShardClaimer:
         self._claims = 0
         self._turn = 0
         self._busy_until = 0.0  # a claim found entries lately: the model is busy till then
+        self._gap_s = BUSY_BLOCK_S  # a busy poll's sleep after an empty round (doubles)
         self.source = self.sub(self.home)  # the sub-queue of the last claim
 
     @property
@@ -139,15 +144,40 @@ class ShardClaimer:
         self.count = count
         self.high = max(self.high, count)
         self.seen = max(self.seen, count)
+        self._retime()
+
+    def reopen(self, index: int) -> None:
+        """Entries went back into sub-queue ``index`` (a reap, or this worker returning
+        its own batch): one at or above the count is drained again, for the grace."""
+        if index < self.count:
+            return
+        self._shrunk_at = time.monotonic()
+        self.high = max(self.high, index + 1)
+        self.seen = max(self.seen, index + 1)
+        self._retime()
+
+    def _retime(self) -> None:
+        """Every sub-queue's blocking wait, after ``high`` changed (``_wait_s``)."""
         for claimer in self._subs.values():
             claimer.block_timeout_s = self._wait_s()
 
     # --- claims ------------------------------------------------------------------
     async def claim(self, count: int) -> list[bytes]:
-        """Up to ``count`` raw entries (see the module doc), [] after the wait."""
-        if self.high == 1:  # one sub-queue: the plain claim
-            self.source = self.sub(0)
-            return await self.source.claim(count)
+        """Up to ``count`` raw entries (see the module doc), [] after the wait.  The
+        sub-queues' claimers share one connection: a claim that fails or is cancelled
+        (the connection may be replaced) makes each ask its id again (``CLIENT
+        UNBLOCK`` of a window must reach the new one)."""
+        try:
+            if self.high == 1:  # one sub-queue: the plain claim
+                self.source = self.sub(0)
+                return await self.source.claim(count)
+            return await self._claim_sharded(count)
+        except BaseException:
+            for claimer in self._subs.values():
+                claimer.reconnected()
+            raise
+
+    async def _claim_sharded(self, count: int) -> list[bytes]:
         self._claims += 1
         home = self.sub(self.home)
         busy = time.monotonic() < self._busy_until
@@ -156,22 +186,28 @@ class ShardClaimer:
             return items
         if busy and home.drained:
             return await self._poll(home, count)
-        home.block_timeout_s = BUSY_BLOCK_S if busy else self._wait_s()
-        return self._took(home, await home.claim(count)) or await self._steal(count)
+        wait_s = BUSY_BLOCK_S if busy else None  # this claim's wait: the claimer keeps its own
+        return self._took(home, await home.claim(count, wait_s)) or await self._steal(count)
 
     async def _poll(self, home: Claimer, count: int) -> list[bytes]:
-        """While the model is busy: home without blocking, then a short sleep if it
-        was empty (a blocking pop's timeout fires only on Redis's ``hz`` timer, up to
-        100 ms late: no use for a wait of milliseconds)."""
+        """While the model is busy: home without blocking, then a sleep if it was empty
+        (a blocking pop's timeout fires only on Redis's ``hz`` timer, up to 100 ms
+        late: no use for a wait of milliseconds).  The sleep doubles with each empty
+        round, from ``BUSY_BLOCK_S``; once it would reach ``STEAL_BLOCK_S`` the model
+        is idle (light traffic polls a few rounds per request, not for ``BUSY_FOR_S``)."""
         items = self._took(home, await home.claim_now(count))
         if not items:
-            await asyncio.sleep(BUSY_BLOCK_S)
+            await asyncio.sleep(self._gap_s)
+            self._gap_s *= 2
+            if self._gap_s >= STEAL_BLOCK_S:
+                self._busy_until = 0.0
         return items
 
     def _took(self, claimer: Claimer, items: list[bytes]) -> list[bytes]:
         """``items`` claimed by ``claimer``: the batch's source, and the model busy."""
         if items:
             self.source, self._busy_until = claimer, time.monotonic() + BUSY_FOR_S
+            self._gap_s = BUSY_BLOCK_S
         return items
 
     async def _steal(self, count: int) -> list[bytes]:
@@ -185,6 +221,7 @@ class ShardClaimer:
                 return items
         if self.high > self.count and time.monotonic() - self._shrunk_at > DRAIN_GRACE_S:
             self.high = self.count  # every sub-queue above the count is empty: drained
+            self._retime()
         return []
 
     def describe(self) -> dict[str, Any]:
