@@ -57,6 +57,9 @@ DRAIN_SETTLE_S: Final = LIVE_REFRESH_S + 1.0  # a draining version's workers ser
 # its queue and their in-flight lists are empty
 DRAINED_EXIT_CODE: Final = 3  # a worker process that stopped after draining: not restarted
 SCALE_DRAIN_S: Final = 60.0  # redbatch_workers_needed plans to drain a backlog within this
+GENERATE_MAX_BATCH_SIZE: Final = 64  # the generate demo's streams in one running batch
+HANDOFF_WAIT_S: Final = 1.0  # a pipeline stage's mover blocks this long for hand-offs
+BENCH_LIVE_TIMEOUT_S: Final = 60.0  # a bench waits this long for its workers to be live
 
 # --- workers (WorkerConfig, Pool) ---------------------------------------------------------
 HEARTBEAT_INTERVAL_S: Final = 1.0  # worker heartbeat (lease renewal) period

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from redbatch import defaults
 from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.stream_batch import STOP, StreamBatch
@@ -122,7 +123,8 @@ def _emit(seqs: list[_Seq]) -> tuple[list[Any], list[_Seq]]:
     return out, live
 
 
-def generate_model(name: str = "generate", max_batch_size: int = 64,
+def generate_model(name: str = "generate",
+                   max_batch_size: int = defaults.GENERATE_MAX_BATCH_SIZE,
                    continuous: bool = True, step_ms: float = 0.0) -> Model:
     """The demo model (``continuous=False``: run-to-completion batches, to compare;
     ``step_ms``: see ``generator_fn``)."""

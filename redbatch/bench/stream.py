@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from redbatch import defaults
 from redbatch.embedded import start_embedded
 from redbatch.generate import CharGRU, generate_model, generator_fn
 from redbatch.producer.client import Client
@@ -141,7 +142,8 @@ def _start_worker(url: str, target: str, step_ms: float) -> subprocess.Popen[byt
                             env={**os.environ, STEP_ENV: str(step_ms)})
 
 
-async def _wait_live(client: Client, timeout_s: float = 60) -> None:
+async def _wait_live(client: Client,
+                     timeout_s: float = defaults.BENCH_LIVE_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not await live_workers(client.redis, MODEL):
         if time.monotonic() > deadline:

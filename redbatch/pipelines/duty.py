@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.pipelines.definition import Pipeline, parse_registry, registry_mapping
 from redbatch.pipelines.mover import Mover
 from redbatch.redis_conn import REDIS_ERRORS
@@ -27,7 +27,8 @@ STALE_LEASES_MS = 60_000  # a pipeline's lapsed leases are dropped this long aft
 class PipelineDuty:
     def __init__(self, redis: aioredis.Redis, models: list[Model], worker_id: str,
                  declared: list[Pipeline], interval_s: float, lease_ttl_s: float,
-                 blocking: aioredis.Redis | None = None, wait_s: float = 1.0) -> None:
+                 blocking: aioredis.Redis | None = None,
+                 wait_s: float = defaults.HANDOFF_WAIT_S) -> None:
         self._redis = redis
         self._models = {m.name: m for m in models}
         self._worker_id = worker_id
