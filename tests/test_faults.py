@@ -102,7 +102,7 @@ async def test_a_retried_push_is_not_queued_twice(redis_url: str) -> None:
         entry = b"entry"
         for _ in range(3):  # e.g. the connection reset after the first push
             assert client._enqueuer is not None
-            target = _target("m", 100, 0, ONE)
+            target = _target("m", (100, None), 0, ONE)
             accepted, depths = await client._enqueuer._run("m", target, [request], [entry])
             assert accepted == 1
         assert depths == [1]

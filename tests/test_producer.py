@@ -120,7 +120,9 @@ async def test_a_push_over_one_chunk_is_one_multi_of_evalsha_even_after_a_script
             future.cancel()
     assert "cmdstat_eval" not in stats
     assert stats["cmdstat_exec"]["calls"] == 2  # refused for NOSCRIPT, then again
-    assert stats["cmdstat_script|load"]["calls"] == 1
+    # the enqueue script, loaded once (and the live summary's, if its 1 s cache ran out
+    # on a slow machine meanwhile)
+    assert stats["cmdstat_script|load"]["calls"] in (1, 2)
 
 
 async def test_no_worker_means_deadline_exceeded(redis_url: str) -> None:
