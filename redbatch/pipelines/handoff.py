@@ -10,6 +10,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from redbatch import codec, lua, protocol
+from redbatch.errors import InvalidPayload, RedbatchError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.levels import Levels
 from redbatch.pipelines.context import Context
@@ -32,7 +33,11 @@ def stage_entry(stage: str, request_id: str, payload: Any, ctx: Context, level: 
                       deadline_ms=ctx.deadline_ms, reply_to=protocol.outbox_key(stage),
                       payload=payload, trace_id=ctx.trace_id,
                       priority=level or ctx.priority, rows=ctx.rows)
-    return codec.encode(request.to_wire(), ctx.fmt)
+    entry = codec.encode(request.to_wire(), ctx.fmt)
+    if len(entry) > protocol.MAX_ENTRY_BYTES:  # no worker would take it: the caller is told
+        raise InvalidPayload(f"the input of stage {stage!r} is {len(entry)} bytes, over the "
+                             f"{protocol.MAX_ENTRY_BYTES}-byte limit of a queue entry")
+    return entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +97,19 @@ def deliver_command(request_id: str, wire: dict[str, Any], ctx: Context) -> Comm
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
     return Command(lua.HANDOFF_DELIVER, keys,
                    [ttl_ms, codec.encode(wire, ctx.fmt), protocol.REPLY_TTL_S], ctx.pipeline)
+
+
+def refusal_commands(request_id: str, raw: bytes, exc: Exception, stage: str
+                     ) -> list[Command]:
+    """The caller's error reply to a request that ``stage`` could not hand on (``raw``:
+    its context there; ``exc``: why), if its context still names the caller."""
+    ctx = Context.salvaged(raw)
+    if ctx is None:
+        return []
+    error = exc if isinstance(exc, RedbatchError) else RedbatchError(
+        f"could not hand the request on: {type(exc).__name__}: {exc}")
+    reply = Reply(request_id, False, error_code=error.code, error_message=str(error))
+    return [deliver_command(request_id, final_wire(reply, ctx, stage), ctx)]
 
 
 async def deliver(link: LeanLink, request_id: str, wire: dict[str, Any], ctx: Context
