@@ -499,3 +499,9 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[3]) then return {} end
 return redis.call('HGETALL', KEYS[1])
 """
+
+# KEYS[1]=a merge stage's parts of one request.  Its merge input was sent (the send goes
+# first, in the same write): the parts are dropped.
+HANDOFF_FORGET: Final = """
+return redis.call('DEL', KEYS[1])
+"""

@@ -49,7 +49,7 @@ class Context:
         list, deadline and encoding, enough to answer its caller (None: not even that)."""
         with contextlib.suppress(Exception):
             data = orjson.loads(raw)
-            fmt = next((f for f in FORMATS if f == data.get("fmt")), "msgpack")
+            fmt: Format = next((f for f in FORMATS if f == data.get("fmt")), "msgpack")
             if isinstance(data["pipeline"], str) and isinstance(data["reply_to"], str):
                 return cls(data["pipeline"], [], data["reply_to"], int(data["deadline_ms"]),
                            0, fmt=fmt)

@@ -177,8 +177,10 @@ class Mover:
         parts = {got[i].decode(): codec.decode(got[i + 1])[protocol.F_PART]
                  for i in range(0, len(got), 2)}
         merged = {branch: parts[branch] for branch in ctx.branches}
-        return [handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
-                                     merged, ctx.passed(self.stage, reply.timings))]
+        send = handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
+                                    merged, ctx.passed(self.stage, reply.timings))
+        return [send, handoff.Command(lua.HANDOFF_FORGET, [protocol.parts_key(merge, reply.id)],
+                                      [], merge)]  # sent (same write, after it): dropped
 
 
 def _log_failure(stage: str, exc: Exception, backoff_s: float) -> None:
