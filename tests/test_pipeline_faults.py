@@ -14,8 +14,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from redbatch import Client, RedisSettings, codec, lua, protocol
-from redbatch.errors import ConfigError
+from redbatch import Client, RedisSettings, codec, defaults, lua, protocol
+from redbatch.errors import ConfigError, QueueFull
 from redbatch.lean import LeanLink
 from redbatch.pipelines import Pipeline
 from redbatch.pipelines.context import Context
@@ -239,3 +239,34 @@ def test_a_stage_a_pipeline_cannot_route_to_is_refused() -> None:
         Worker([split], RedisSettings(), FAST_WORKER, pipelines=[CALC])
     Worker([versioned], RedisSettings(), FAST_WORKER,
            pipelines=[Pipeline("calc", ["inc@2", "dbl"])])  # the served name: routed
+
+
+async def test_a_full_first_stage_refuses_the_pipelines_requests(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """A pipeline request enters its first stage under that stage's queue cap (the
+    client's, or the caller's own): refused with ``QueueFull``, never queued."""
+    raw_redis.hset(protocol.PIPELINES_KEY, "calc", CALC.to_json())
+    async with Client(redis_url, require_workers=False, max_queue_len=3) as client:
+        futures = await client.submit_many("calc", [1, 2, 3, 4], timeout_s=5)
+        with pytest.raises(QueueFull, match="stage 'inc' is full"):
+            await futures[3]
+        own = await client.submit("calc", 5, timeout_s=5, max_queue_len=1)
+        with pytest.raises(QueueFull):
+            await own
+    assert raw_redis.llen(protocol.queue_key("inc")) == 3
+
+
+async def test_a_full_next_stage_answers_the_request_with_an_error(
+        client: aioredis.Redis, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hop into a stage whose queue holds the cap is refused there: its caller gets a
+    ``queue_full`` error naming that stage, and the record is done."""
+    monkeypatch.setattr(defaults, "MAX_QUEUE_LEN", 1)
+    first, second = protocol.reply_key("calc", "a"), protocol.reply_key("calc", "b")
+    await put(client, "inc", "a", ctx_json(first, route=["dbl"]))
+    await put(client, "inc", "b", ctx_json(second, route=["dbl"]))
+    await hand_on(client, "inc")
+    assert raw_redis.llen(protocol.queue_key("dbl")) == 1
+    refused = got(raw_redis, second)
+    assert refused.error_code == "queue_full" and "'dbl'" in (refused.error_message or "")
+    assert raw_redis.zcard(protocol.handoff_key("inc")) == 0

@@ -85,12 +85,11 @@ class Mover:
         replies = [_reply(record) for record in records]
         keys = [protocol.context_key(self.stage, r.id if r else "") for r in replies]
         contexts: list[Any] = await self._redis.mget(keys)
-        groups: dict[str, list[handoff.Command]] = {}
+        commands: list[handoff.Command] = []
         for reply, raw in zip(replies, contexts, strict=True):
             if reply is not None and raw is not None:  # else handed on already (expired)
-                for command in await self._plan_one(reply, raw):
-                    groups.setdefault(command.tag, []).append(command)
-        await asyncio.gather(*(self._run(group) for group in groups.values()))
+                commands += await self._plan_one(reply, raw)
+        await self._run_all(commands)
         self.done = handoff.Command(lua.HANDOFF_DONE, [self._handoff, *keys], list(records),
                                     self.stage)
         self.handed += len(records)
@@ -137,6 +136,16 @@ class Mover:
             if isinstance(result, redis.ResponseError):
                 log.error("stage=%s: could not hand on a request (keys %s): %s",
                           self.stage, command.keys[:2], result)
+        await self._run_all([handoff.refusal(c.request_id, c.ctx, handoff.stage_full(
+            c.tag, int(c.args[4])), c.tag) for c, result in zip(commands, results, strict=True)
+            if result == -1 and c.ctx is not None])  # a full stage's: answered
+
+    async def _run_all(self, commands: list[handoff.Command]) -> None:
+        """``commands``, one write per slot, side by side."""
+        groups: dict[str, list[handoff.Command]] = {}
+        for command in commands:
+            groups.setdefault(command.tag, []).append(command)
+        await asyncio.gather(*(self._run(group) for group in groups.values()))
 
     async def _plan(self, reply: Reply, ctx: Context) -> list[handoff.Command]:
         """Where this reply goes: the caller (the last stage, or an error: the stage

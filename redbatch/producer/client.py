@@ -385,7 +385,8 @@ class Client:
             else await self._pipeline(model, deadline)
         if pipeline is not None:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
-                                     request_id, trace_id, asked_priority(priority))
+                                     request_id, trace_id, asked_priority(priority),
+                                     cap=max_queue_len)
         level = 0 if priority is None else await self._level(model, priority)
         tag = await self._route(model, request_id)
         request = self._request(model, inputs, deadline, request_id, listeners.reply_to(tag),
@@ -424,7 +425,8 @@ class Client:
         if pipeline is not None:  # one entry per input
             return list(await asyncio.gather(*(
                 self._enter(pipeline, listeners, x, deadline, reply, rid, "",
-                            asked_priority(priority), _rows(x) if batched else 0)
+                            asked_priority(priority), _rows(x) if batched else 0,
+                            max_queue_len)
                 for x, rid in zip(inputs, ids, strict=True))))
         level = 0 if priority is None else await self._level(model, priority)
         first = await self._route(model, ids[0])  # one push per sub-queue
@@ -479,9 +481,11 @@ class Client:
 
     async def _enter(self, pipeline: Pipeline, listeners: Listeners, inputs: Any,
                      deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
-                     level: int, rows: int = 0) -> RequestFuture[Any]:
-        """A pipeline request: it enters the first stage, and its final reply comes to
-        this client's reply list of the pipeline (``redbatch.pipelines``)."""
+                     level: int, rows: int = 0, cap: int | None = None
+                     ) -> RequestFuture[Any]:
+        """A pipeline request: it enters the first stage, under that stage's queue cap
+        as a model's request would (``cap``: the caller's own), and its final reply comes
+        to this client's reply list of the pipeline (``redbatch.pipelines``)."""
         rid = request_id or protocol.new_request_id()
         future = listeners.expect(pipeline.name, rid, deadline_ms, reply)
         try:
@@ -490,7 +494,8 @@ class Client:
                 await enter(self._pipeline_link, levels, pipeline, rid, inputs,
                             reply_to=listeners.reply_to(pipeline.name),
                             deadline_ms=deadline_ms, trace_id=trace_id, priority=level,
-                            fmt=self.fmt, rows=rows)
+                            fmt=self.fmt, rows=rows,
+                            cap=await self._admission.cap(pipeline.first, deadline_ms, cap))
         except Exception as exc:
             listeners.fail(rid, exc, pipeline.name)
         return future
