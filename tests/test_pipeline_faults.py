@@ -270,3 +270,19 @@ async def test_a_full_next_stage_answers_the_request_with_an_error(
     refused = got(raw_redis, second)
     assert refused.error_code == "queue_full" and "'dbl'" in (refused.error_message or "")
     assert raw_redis.zcard(protocol.handoff_key("inc")) == 0
+
+
+async def test_a_pipeline_never_takes_a_served_models_name(
+        client: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    with pytest.raises(ConfigError, match="the pipeline's name"):
+        Worker([inc(), Model("calc", fn=lambda xs: xs, policy=POLICY)], RedisSettings(),
+               FAST_WORKER, pipelines=[CALC])
+    model_meta = orjson.dumps({"name": "calc", "inputs": []})  # a model's, elsewhere
+    raw_redis.set(protocol.meta_key("calc"), model_meta)
+    duty = PipelineDuty(client, [inc()], "w1", [CALC], 0.1, 2.0, wait_s=0.1)
+    stop = asyncio.Event()
+    await duty.tick(stop)
+    stop.set()
+    await asyncio.gather(*duty._tasks.values())
+    assert raw_redis.get(protocol.meta_key("calc")) == model_meta
+    assert raw_redis.zscore(protocol.workers_key("calc"), "w1") is None

@@ -107,14 +107,29 @@ class PipelineDuty:
         return not problem
 
     async def _beat(self, fronted: list[Pipeline]) -> None:
-        lasts: list[Any] = await self._redis.mget([protocol.meta_key(p.last)
-                                                   for p in fronted])
+        metas: list[Any] = await self._redis.mget(
+            [protocol.meta_key(p.last) for p in fronted] +
+            [protocol.meta_key(p.name) for p in fronted])
+        n = len(fronted)
+        beats = [(p, last) for p, last, own in zip(fronted, metas[:n], metas[n:], strict=True)
+                 if not self._taken(p, own)]
+        if not beats:
+            return
         now = protocol.now_ms()
         async with self._redis.pipeline(transaction=False) as pipe:
-            for pipeline, last in zip(fronted, lasts, strict=True):
+            for pipeline, last in beats:
                 self._beat_one(pipe, pipeline, last, now)
-            pipe.zadd(protocol.MODELS_KEY, {p.name: now for p in fronted})
+            pipe.zadd(protocol.MODELS_KEY, {p.name: now for p, _last in beats})
             await pipe.execute()
+
+    def _taken(self, pipe: Pipeline, own: bytes | None) -> bool:
+        """True (logged once; the pipeline then refused here) if a model's metadata
+        holds the pipeline's name: a model of that name is served, never overwritten."""
+        if own is None or not is_model_meta(own):
+            return False
+        self._refused.add(pipe.name)
+        log.error("pipeline %r is not served: a model of that name is", pipe.name)
+        return True
 
     def _beat_one(self, pipe: Any, pipeline: Pipeline, last: bytes | None, now: int) -> None:
         name, wid = pipeline.name, self._worker_id
@@ -149,6 +164,8 @@ def unservable(pipe: Pipeline, models: list[Model]) -> str:
     to a stage's one queue, so a stage split in sub-queues, or a model served as
     versions (``<name>@<version>``) where the pipeline names it bare, never gets it."""
     for model in models:
+        if model.name == pipe.name:
+            return "a model served here has the pipeline's name"
         base, version = protocol.split_name(model.name)
         if version is not None and base in pipe.models:
             return (f"stage {base!r} is served here as version {model.name!r}: name the "
@@ -157,6 +174,14 @@ def unservable(pipe: Pipeline, models: list[Model]) -> str:
             return (f"stage {model.name!r} has sub_queues={model.sub_queues}: a pipeline "
                     "stage takes one queue")
     return ""
+
+
+def is_model_meta(raw: bytes) -> bool:
+    """Whether ``raw`` is a model's metadata (a pipeline's says ``"kind": "pipeline"``)."""
+    with contextlib.suppress(orjson.JSONDecodeError):
+        meta = orjson.loads(raw)
+        return isinstance(meta, dict) and meta.get("kind") != "pipeline"
+    return False
 
 
 def check_declared(pipelines: list[Pipeline], models: list[Model]) -> None:
