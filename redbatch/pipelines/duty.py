@@ -107,9 +107,11 @@ class PipelineDuty:
         return not problem
 
     async def _beat(self, fronted: list[Pipeline]) -> None:
-        metas: list[Any] = await self._redis.mget(
-            [protocol.meta_key(p.last) for p in fronted] +
-            [protocol.meta_key(p.name) for p in fronted])
+        async with self._redis.pipeline(transaction=False) as reads:  # keys of many slots
+            for key in [protocol.meta_key(p.last) for p in fronted] + \
+                    [protocol.meta_key(p.name) for p in fronted]:
+                reads.get(key)
+            metas: list[Any] = await reads.execute()
         n = len(fronted)
         beats = [(p, last) for p, last, own in zip(fronted, metas[:n], metas[n:], strict=True)
                  if not self._taken(p, own)]
