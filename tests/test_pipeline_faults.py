@@ -15,7 +15,7 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import Client, RedisSettings, codec, defaults, lua, protocol
-from redbatch.errors import ConfigError, QueueFull
+from redbatch.errors import ConfigError, DeadlineExceeded, QueueFull
 from redbatch.lean import LeanLink
 from redbatch.pipelines import Pipeline
 from redbatch.pipelines.context import Context
@@ -226,6 +226,15 @@ async def test_an_ordinary_submit_never_waits_on_the_pipeline_registry(
         raw_redis.set(protocol.PIPELINES_KEY, "not a hash")  # every read fails
         for x in range(3, 6):
             assert await client.predict("inc", x, timeout_s=5) == x + 1
+    async with Client(redis_url, require_workers=False) as fresh:
+        never = asyncio.Event()
+
+        async def never_read() -> None:
+            await never.wait()
+
+        fresh._pipelines._read = never_read  # type: ignore[method-assign]
+        with pytest.raises(DeadlineExceeded, match="looking up pipeline"):
+            await asyncio.wait_for(fresh.submit("other", 1, timeout_s=0.2), 5)
     stop.set()
     await asyncio.wait_for(task, 10)
 
