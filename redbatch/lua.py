@@ -436,11 +436,16 @@ PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, ENQUEUE_OPEN, ENQUEUE_LEVEL_O
 # KEYS[1]=the stage's request marker  KEYS[2]=the request's context at the stage
 # KEYS[3]=the stage's queue (of the request's level)  KEYS[4]=the bell (multi-level only)
 # ARGV[1]=marker and context ttl ms  ARGV[2]=context  ARGV[3]=entry  ARGV[4]=queue ttl ms
-# A pipeline request enters a stage: deduplicated by its marker (SET NX), so that a
-# hand-off sent again (its sender died before it could mark it done) is not queued
-# twice.  Returns 1 if it was queued, 0 if it was there already.
+# ARGV[5]=the queue's cap (0 or absent: none)
+# A pipeline request enters a stage: deduplicated by its marker, so that a hand-off sent
+# again (its sender died before it could mark it done) is not queued twice; refused
+# (nothing written) while the queue holds the cap.  Returns 1 if it was queued, 0 if it
+# was there already, -1 if refused.
 HANDOFF_SEND: Final = """
-if not redis.call('SET', KEYS[1], 'q', 'NX', 'PX', ARGV[1]) then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local cap = tonumber(ARGV[5] or '0')
+if cap > 0 and redis.call('LLEN', KEYS[3]) >= cap then return -1 end
+redis.call('SET', KEYS[1], 'q', 'PX', ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
 redis.call('RPUSH', KEYS[3], ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
@@ -498,4 +503,10 @@ redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[3]) then return {} end
 return redis.call('HGETALL', KEYS[1])
+"""
+
+# KEYS[1]=a merge stage's parts of one request.  Its merge input was sent (the send goes
+# first, in the same write): the parts are dropped.
+HANDOFF_FORGET: Final = """
+return redis.call('DEL', KEYS[1])
 """

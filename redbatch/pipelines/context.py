@@ -3,14 +3,17 @@ payload (stored at each stage under ``context_key``, in the stage's slot)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import contextlib
+from dataclasses import dataclass, field, fields
+from typing import Any, get_args
 
 import orjson
 
 from redbatch import protocol
 from redbatch.codec import Format
 from redbatch.protocol import Timings
+
+FORMATS: tuple[Format, ...] = get_args(Format)
 
 
 @dataclass
@@ -34,8 +37,23 @@ class Context:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Context:
+        """The context stored as ``raw``; a field this version does not know (written
+        by a newer worker during a rolling upgrade) is ignored.  A bad one raises."""
         data: dict[str, Any] = orjson.loads(raw)
-        return cls(**data)
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def salvaged(cls, raw: bytes) -> Context | None:
+        """What a context that cannot be read whole still tells: its pipeline, reply
+        list, deadline and encoding, enough to answer its caller (None: not even that)."""
+        with contextlib.suppress(Exception):
+            data = orjson.loads(raw)
+            fmt: Format = next((f for f in FORMATS if f == data.get("fmt")), "msgpack")
+            if isinstance(data["pipeline"], str) and isinstance(data["reply_to"], str):
+                return cls(data["pipeline"], [], data["reply_to"], int(data["deadline_ms"]),
+                           0, fmt=fmt)
+        return None
 
     def passed(self, stage: str, timings: Timings, branch: str = "",
                branches: list[str] | None = None) -> Context:

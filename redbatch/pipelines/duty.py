@@ -14,6 +14,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from redbatch import defaults, protocol
+from redbatch.errors import ConfigError
 from redbatch.pipelines.definition import Pipeline, parse_registry, registry_mapping
 from redbatch.pipelines.mover import Mover
 from redbatch.redis_conn import REDIS_ERRORS
@@ -39,7 +40,8 @@ class PipelineDuty:
         self._wait_s = wait_s
         self._live = LiveCache(redis)
         self.movers: dict[str, Mover] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._refused: set[str] = set()  # stages this worker cannot serve in a pipeline
         self._fronted: set[str] = set()  # pipelines whose first stage this worker serves
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -52,13 +54,15 @@ class PipelineDuty:
                     await self.tick(mover_stop)
                 except REDIS_ERRORS as exc:
                     log.warning("pipelines: %s: %s", type(exc).__name__, exc)
+                except Exception:  # a bug, or a bad value in Redis: the next tick again
+                    log.exception("pipelines: the duty's tick failed")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self._interval_s)
         finally:
             mover_stop.set()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
             await self._live.aclose()
-            with contextlib.suppress(*REDIS_ERRORS):
+            with contextlib.suppress(Exception):
                 await self._leave()
 
     async def tick(self, mover_stop: asyncio.Event) -> None:
@@ -68,11 +72,14 @@ class PipelineDuty:
             await self._redis.hset(protocol.PIPELINES_KEY,
                                    mapping=registry_mapping(self._declared))  # type: ignore[arg-type]
         known = parse_registry(await self._redis.hgetall(protocol.PIPELINES_KEY))
+        self._revive(mover_stop)
         for pipe in known.values():
-            for stage in pipe.models:
-                if stage in self._models and stage not in self.movers:
-                    self._start(stage, mover_stop)
-        fronted = [p for p in known.values() if p.first in self._models]
+            if self._servable(pipe):
+                for stage in pipe.models:
+                    if stage in self._models and stage not in self.movers:
+                        self._start(stage, mover_stop)
+        fronted = [p for p in known.values()
+                   if p.first in self._models and p.name not in self._refused]
         self._fronted = {p.name for p in fronted}
         if fronted:
             await self._beat(fronted)
@@ -80,18 +87,52 @@ class PipelineDuty:
     def _start(self, stage: str, stop: asyncio.Event) -> None:
         mover = Mover(self._redis, stage, self._live, self._blocking, self._wait_s)
         self.movers[stage] = mover
-        self._tasks.append(asyncio.create_task(mover.run(stop)))
+        self._tasks[stage] = asyncio.create_task(mover.run(stop))
         log.info("stage=%s: handing on its pipeline requests", stage)
 
+    def _revive(self, stop: asyncio.Event) -> None:
+        """Start again the movers whose task ended before ``stop`` (logged)."""
+        for stage, task in list(self._tasks.items()):
+            if task.done() and not stop.is_set():
+                error = None if task.cancelled() else task.exception()
+                log.error("stage=%s: its hand-off ended (%r); started again", stage, error)
+                self._start(stage, stop)
+
+    def _servable(self, pipe: Pipeline) -> bool:
+        """False (logged once) if a stage of ``pipe`` is served here in a way a pipeline
+        cannot route to (``unservable``)."""
+        problem = unservable(pipe, list(self._models.values()))
+        if problem and pipe.name not in self._refused:
+            self._refused.add(pipe.name)
+            log.error("pipeline %r is not served by this worker: %s", pipe.name, problem)
+        return not problem
+
     async def _beat(self, fronted: list[Pipeline]) -> None:
-        lasts: list[Any] = await self._redis.mget([protocol.meta_key(p.last)
-                                                   for p in fronted])
+        async with self._redis.pipeline(transaction=False) as reads:  # keys of many slots
+            for key in [protocol.meta_key(p.last) for p in fronted] + \
+                    [protocol.meta_key(p.name) for p in fronted]:
+                reads.get(key)
+            metas: list[Any] = await reads.execute()
+        n = len(fronted)
+        beats = [(p, last) for p, last, own in zip(fronted, metas[:n], metas[n:], strict=True)
+                 if not self._taken(p, own)]
+        if not beats:
+            return
         now = protocol.now_ms()
         async with self._redis.pipeline(transaction=False) as pipe:
-            for pipeline, last in zip(fronted, lasts, strict=True):
+            for pipeline, last in beats:
                 self._beat_one(pipe, pipeline, last, now)
-            pipe.zadd(protocol.MODELS_KEY, {p.name: now for p in fronted})
+            pipe.zadd(protocol.MODELS_KEY, {p.name: now for p, _last in beats})
             await pipe.execute()
+
+    def _taken(self, pipe: Pipeline, own: bytes | None) -> bool:
+        """True (logged once; the pipeline then refused here) if a model's metadata
+        holds the pipeline's name: a model of that name is served, never overwritten."""
+        if own is None or not is_model_meta(own):
+            return False
+        self._refused.add(pipe.name)
+        log.error("pipeline %r is not served: a model of that name is", pipe.name)
+        return True
 
     def _beat_one(self, pipe: Any, pipeline: Pipeline, last: bytes | None, now: int) -> None:
         name, wid = pipeline.name, self._worker_id
@@ -121,6 +162,38 @@ class PipelineDuty:
 OUTPUT_FIELDS = ("output_name", "outputs")
 
 
+def unservable(pipe: Pipeline, models: list[Model]) -> str:
+    """Why ``models`` cannot serve stages of ``pipe`` ("" if they can): a hand-off goes
+    to a stage's one queue, so a stage split in sub-queues, or a model served as
+    versions (``<name>@<version>``) where the pipeline names it bare, never gets it."""
+    for model in models:
+        if model.name == pipe.name:
+            return "a model served here has the pipeline's name"
+        base, version = protocol.split_name(model.name)
+        if version is not None and base in pipe.models:
+            return (f"stage {base!r} is served here as version {model.name!r}: name the "
+                    f"version's served name as the stage, or serve the model unversioned")
+        if model.name in pipe.models and model.sub_queues > 1:
+            return (f"stage {model.name!r} has sub_queues={model.sub_queues}: a pipeline "
+                    "stage takes one queue")
+    return ""
+
+
+def is_model_meta(raw: bytes) -> bool:
+    """Whether ``raw`` is a model's metadata (a pipeline's says ``"kind": "pipeline"``)."""
+    with contextlib.suppress(orjson.JSONDecodeError):
+        meta = orjson.loads(raw)
+        return isinstance(meta, dict) and meta.get("kind") != "pipeline"
+    return False
+
+
+def check_declared(pipelines: list[Pipeline], models: list[Model]) -> None:
+    """``ConfigError`` if ``models`` cannot serve a stage of ``pipelines``."""
+    for pipe in pipelines:
+        if problem := unservable(pipe, models):
+            raise ConfigError(f"pipeline {pipe.name!r}: {problem}")
+
+
 def pipeline_meta(pipeline: Pipeline, first: dict[str, Any], last: bytes | None
                   ) -> dict[str, Any]:
     """A pipeline's metadata: its first stage's inputs, limits and levels, its last
@@ -128,7 +201,8 @@ def pipeline_meta(pipeline: Pipeline, first: dict[str, Any], last: bytes | None
     meta = {**first, "name": pipeline.name, "kind": "pipeline",
             "stages": pipeline.stages}
     meta.pop("outputs", None)
-    if last:
-        last_meta = orjson.loads(last)
-        meta.update({k: last_meta[k] for k in OUTPUT_FIELDS if k in last_meta})
+    with contextlib.suppress(orjson.JSONDecodeError):  # bad: the outputs left out
+        last_meta = orjson.loads(last) if last else None
+        if isinstance(last_meta, dict):
+            meta.update({k: last_meta[k] for k in OUTPUT_FIELDS if k in last_meta})
     return meta

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.codec import Format
 from redbatch.errors import InvalidPayload
 from redbatch.lean import LeanLink
@@ -17,15 +17,17 @@ from redbatch.pipelines.definition import Pipeline
 
 async def enter(link: LeanLink, levels: Levels, pipeline: Pipeline, request_id: str,
                 inputs: Any, *, reply_to: str, deadline_ms: int, trace_id: str = "",
-                priority: int = 0, fmt: Format = "msgpack", rows: int = 0) -> bool:
+                priority: int = 0, fmt: Format = "msgpack", rows: int = 0,
+                cap: int = defaults.MAX_QUEUE_LEN) -> bool:
     """Queue a request of ``pipeline`` at its first stage (of ``levels``); its final
     reply goes to ``reply_to`` (in the pipeline's slot); ``rows``: a batch of that many
     rows, each stage answering all of them at once.  False if a request of this id was
-    queued there already (a retried push)."""
+    queued there already (a retried push); ``QueueFull`` if that stage's queue holds
+    ``cap`` entries."""
     route = [_route_step(s) for s in pipeline.stages[1:]]
     ctx = Context(pipeline.name, route, reply_to, deadline_ms, protocol.now_ms(), priority,
                   trace_id, fmt, rows=rows)
-    return await handoff.send(link, levels, pipeline.first, request_id, inputs, ctx)
+    return await handoff.send(link, levels, pipeline.first, request_id, inputs, ctx, cap)
 
 
 def asked_priority(priority: int | None) -> int:

@@ -9,7 +9,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from redbatch import codec, lua, protocol
+from redbatch import codec, defaults, lua, protocol
+from redbatch.errors import InvalidPayload, QueueFull, RedbatchError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.levels import Levels
 from redbatch.pipelines.context import Context
@@ -32,7 +33,11 @@ def stage_entry(stage: str, request_id: str, payload: Any, ctx: Context, level: 
                       deadline_ms=ctx.deadline_ms, reply_to=protocol.outbox_key(stage),
                       payload=payload, trace_id=ctx.trace_id,
                       priority=level or ctx.priority, rows=ctx.rows)
-    return codec.encode(request.to_wire(), ctx.fmt)
+    entry = codec.encode(request.to_wire(), ctx.fmt)
+    if len(entry) > protocol.MAX_ENTRY_BYTES:  # no worker would take it: the caller is told
+        raise InvalidPayload(f"the input of stage {stage!r} is {len(entry)} bytes, over the "
+                             f"{protocol.MAX_ENTRY_BYTES}-byte limit of a queue entry")
+    return entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,15 +48,20 @@ class Command:
     keys: list[str]
     args: list[Any]
     tag: str
+    ctx: Context | None = None  # a send's: its caller is answered if the stage refuses it
+    request_id: str = ""  # ... and its request
 
     def wire(self) -> tuple[Any, ...]:
         return ("EVALSHA", script_sha(self.source), len(self.keys), *self.keys, *self.args)
 
 
-def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx: Context
-                 ) -> Command:
-    """Queue the request at ``stage`` (of ``levels``) with its context: the script
-    answers 0 if it was queued there already (a hand-off sent again)."""
+def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx: Context,
+                 cap: int | None = None) -> Command:
+    """Queue the request at ``stage`` (of ``levels``) with its context, unless its queue
+    holds ``cap`` entries (None: ``MAX_QUEUE_LEN``, a gateway's default; 0: no cap): the
+    script answers 0 if it was queued there already (a hand-off sent again), -1 if
+    refused."""
+    cap = defaults.MAX_QUEUE_LEN if cap is None else cap
     level = stage_level(levels, ctx.priority)
     keys = [protocol.request_key(stage, request_id), protocol.context_key(stage, request_id)]
     if levels.many:
@@ -61,14 +71,25 @@ def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx:
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
     entry = stage_entry(stage, request_id, payload, ctx, level)
     return Command(lua.HANDOFF_SEND, keys,
-                   [ttl_ms, ctx.to_json(), entry, protocol.QUEUE_TTL_S * 1000], stage)
+                   [ttl_ms, ctx.to_json(), entry, protocol.QUEUE_TTL_S * 1000, cap], stage,
+                   ctx, request_id)
+
+
+def stage_full(stage: str, cap: int) -> QueueFull:
+    """The error of a request that ``stage``'s queue refused (it held ``cap``)."""
+    return QueueFull(f"queue of pipeline stage {stage!r} is full (cap {cap})",
+                     defaults.RETRY_AFTER_S)
 
 
 async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payload: Any,
-               ctx: Context) -> bool:
-    """``send_command``, run: False if the request was queued at ``stage`` already."""
-    command = send_command(levels, stage, request_id, payload, ctx)
-    return bool(await link.script(command.source, command.keys, command.args))
+               ctx: Context, cap: int | None = None) -> bool:
+    """``send_command``, run: False if the request was queued at ``stage`` already;
+    ``QueueFull`` if its queue holds ``cap``."""
+    command = send_command(levels, stage, request_id, payload, ctx, cap)
+    sent = await link.script(command.source, command.keys, command.args)
+    if sent == -1:
+        raise stage_full(stage, command.args[4])
+    return bool(sent)
 
 
 def final_wire(reply: Reply, ctx: Context, stage: str) -> dict[str, Any]:
@@ -92,6 +113,22 @@ def deliver_command(request_id: str, wire: dict[str, Any], ctx: Context) -> Comm
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
     return Command(lua.HANDOFF_DELIVER, keys,
                    [ttl_ms, codec.encode(wire, ctx.fmt), protocol.REPLY_TTL_S], ctx.pipeline)
+
+
+def refusal_commands(request_id: str, raw: bytes, exc: Exception, stage: str
+                     ) -> list[Command]:
+    """The caller's error reply to a request that ``stage`` could not hand on (``raw``:
+    its context there; ``exc``: why), if its context still names the caller."""
+    ctx = Context.salvaged(raw)
+    return [] if ctx is None else [refusal(request_id, ctx, exc, stage)]
+
+
+def refusal(request_id: str, ctx: Context, exc: Exception, stage: str) -> Command:
+    """The caller's error reply (``exc``) to its request at ``stage`` (of ``ctx``)."""
+    error = exc if isinstance(exc, RedbatchError) else RedbatchError(
+        f"could not hand the request on: {type(exc).__name__}: {exc}")
+    reply = Reply(request_id, False, error_code=error.code, error_message=str(error))
+    return deliver_command(request_id, final_wire(reply, ctx, stage), ctx)
 
 
 async def deliver(link: LeanLink, request_id: str, wire: dict[str, Any], ctx: Context

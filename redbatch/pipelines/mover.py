@@ -23,6 +23,9 @@ from redbatch.registry import LiveCache
 
 log = logging.getLogger("redbatch.pipelines")
 BACKOFF_CAP_S = 2.0
+# Redis out of reach: the whole step is retried (its records' leases keep them); any
+# other error planning one record (a refusal of its own keys included) costs it alone
+UNREACHABLE = tuple(e for e in REDIS_ERRORS if e is not redis.ResponseError)
 
 
 class Mover:
@@ -43,16 +46,16 @@ class Mover:
         self.done: handoff.Command | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Hand on until ``stop``, then once more (what the last batches left)."""
+        """Hand on until ``stop``, then once more (what the last batches left); an error
+        is logged and retried after a (capped) back-off, never the end of the hand-off."""
         backoff_s = 0.05
         while True:
             try:
                 if not await self.step() and not stop.is_set():
                     await self._wait()
                 backoff_s = 0.05
-            except (*REDIS_ERRORS, RedbatchError) as exc:
-                log.warning("stage=%s hand-off: %s: %s; retrying in %.2f s", self.stage,
-                            type(exc).__name__, exc, backoff_s)
+            except Exception as exc:
+                _log_failure(self.stage, exc, backoff_s)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(2 * backoff_s, BACKOFF_CAP_S)
             if stop.is_set():
@@ -63,7 +66,7 @@ class Mover:
         try:
             while await self.step():
                 pass
-        except (*REDIS_ERRORS, RedbatchError) as exc:
+        except Exception as exc:
             log.warning("stage=%s: hand-off records left for the other workers (%s)",
                         self.stage, exc)
 
@@ -82,16 +85,28 @@ class Mover:
         replies = [_reply(record) for record in records]
         keys = [protocol.context_key(self.stage, r.id if r else "") for r in replies]
         contexts: list[Any] = await self._redis.mget(keys)
-        groups: dict[str, list[handoff.Command]] = {}
+        commands: list[handoff.Command] = []
         for reply, raw in zip(replies, contexts, strict=True):
             if reply is not None and raw is not None:  # else handed on already (expired)
-                for command in await self._plan(reply, Context.from_json(raw)):
-                    groups.setdefault(command.tag, []).append(command)
-        await asyncio.gather(*(self._run(group) for group in groups.values()))
+                commands += await self._plan_one(reply, raw)
+        await self._run_all(commands)
         self.done = handoff.Command(lua.HANDOFF_DONE, [self._handoff, *keys], list(records),
                                     self.stage)
         self.handed += len(records)
         return len(records)
+
+    async def _plan_one(self, reply: Reply, raw: bytes) -> list[handoff.Command]:
+        """``_plan`` of one record (``raw``: its context).  A record that cannot be
+        planned (a bad context, an input too large for the next stage) is logged and
+        answered with its error where its context names the caller; it is marked done
+        with the others, never holding them up."""
+        try:
+            return await self._plan(reply, Context.from_json(raw))
+        except UNREACHABLE:
+            raise
+        except Exception as exc:
+            log.exception("stage=%s: could not hand on request %s", self.stage, reply.id)
+            return handoff.refusal_commands(reply.id, raw, exc, self.stage)
 
     async def _take(self) -> list[bytes]:
         """The take script, after the last step's done in the same write."""
@@ -111,13 +126,26 @@ class Mover:
         try:
             results = await handoff.run_group(self._link, commands)
         except redis.ResponseError as exc:  # a cluster link raises a lone command's error
-            if len(commands) > 1:
-                raise
-            results = [exc]
+            if len(commands) == 1:
+                results = [exc]
+            else:  # ... for the whole group: each command alone then, refused alone
+                for command in commands:
+                    await self._run([command])
+                return
         for command, result in zip(commands, results, strict=True):
             if isinstance(result, redis.ResponseError):
                 log.error("stage=%s: could not hand on a request (keys %s): %s",
                           self.stage, command.keys[:2], result)
+        await self._run_all([handoff.refusal(c.request_id, c.ctx, handoff.stage_full(
+            c.tag, int(c.args[4])), c.tag) for c, result in zip(commands, results, strict=True)
+            if result == -1 and c.ctx is not None])  # a full stage's: answered
+
+    async def _run_all(self, commands: list[handoff.Command]) -> None:
+        """``commands``, one write per slot, side by side."""
+        groups: dict[str, list[handoff.Command]] = {}
+        for command in commands:
+            groups.setdefault(command.tag, []).append(command)
+        await asyncio.gather(*(self._run(group) for group in groups.values()))
 
     async def _plan(self, reply: Reply, ctx: Context) -> list[handoff.Command]:
         """Where this reply goes: the caller (the last stage, or an error: the stage
@@ -158,8 +186,20 @@ class Mover:
         parts = {got[i].decode(): codec.decode(got[i + 1])[protocol.F_PART]
                  for i in range(0, len(got), 2)}
         merged = {branch: parts[branch] for branch in ctx.branches}
-        return [handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
-                                     merged, ctx.passed(self.stage, reply.timings))]
+        send = handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
+                                    merged, ctx.passed(self.stage, reply.timings))
+        return [send, handoff.Command(lua.HANDOFF_FORGET, [protocol.parts_key(merge, reply.id)],
+                                      [], merge)]  # sent (same write, after it): dropped
+
+
+def _log_failure(stage: str, exc: Exception, backoff_s: float) -> None:
+    """A failed step: Redis or a known error briefly, anything else (a bug) in full."""
+    if isinstance(exc, (*REDIS_ERRORS, RedbatchError)):
+        log.warning("stage=%s hand-off: %s: %s; retrying in %.2f s", stage,
+                    type(exc).__name__, exc, backoff_s)
+    else:
+        log.exception("stage=%s hand-off failed; retrying in %.2f s", stage, backoff_s,
+                      exc_info=exc)
 
 
 def _reply(record: bytes) -> Reply | None:

@@ -139,6 +139,7 @@ class Client:
             self._listeners = None
         if self._redis is not None:  # started: the admission's reads end first
             await self._admission.aclose()
+            self._pipelines.aclose()
             await self._redis.aclose()
             self._redis = None
 
@@ -380,9 +381,12 @@ class Client:
         deadline = self._deadline(timeout_s, deadline_ms)
         model = await self._routed(model, version, deadline)
         listeners = await self._ready(model, 1, deadline)
-        if (pipeline := await self._pipeline(model)) is not None:
+        pipeline = self._pipelines.known(model) if self._pipelines.settled(model) \
+            else await self._pipeline(model, deadline)
+        if pipeline is not None:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
-                                     request_id, trace_id, asked_priority(priority))
+                                     request_id, trace_id, asked_priority(priority),
+                                     cap=max_queue_len)
         level = 0 if priority is None else await self._level(model, priority)
         tag = await self._route(model, request_id)
         request = self._request(model, inputs, deadline, request_id, listeners.reply_to(tag),
@@ -415,13 +419,15 @@ class Client:
         deadline = self._deadline(timeout_s, deadline_ms)
         model = await self._routed(model, version, deadline)
         ids: list[str | None] = list(request_ids) if request_ids else [None] * len(inputs)
-        if (pipeline := await self._pipeline(model)) is not None:  # one entry per input
-            listeners = await self._ready(model, len(inputs), deadline)
+        listeners = await self._ready(model, len(inputs), deadline)
+        pipeline = self._pipelines.known(model) if self._pipelines.settled(model) \
+            else await self._pipeline(model, deadline)
+        if pipeline is not None:  # one entry per input
             return list(await asyncio.gather(*(
                 self._enter(pipeline, listeners, x, deadline, reply, rid, "",
-                            asked_priority(priority), _rows(x) if batched else 0)
+                            asked_priority(priority), _rows(x) if batched else 0,
+                            max_queue_len)
                 for x, rid in zip(inputs, ids, strict=True))))
-        listeners = await self._ready(model, len(inputs), deadline)
         level = 0 if priority is None else await self._level(model, priority)
         first = await self._route(model, ids[0])  # one push per sub-queue
         groups = await self._route_many(model, ids, first) if request_ids and first != model \
@@ -464,20 +470,22 @@ class Client:
             return model
         return await self.route(model, version, deadline_ms)
 
-    async def _pipeline(self, name: str) -> Pipeline | None:
-        """The pipeline called ``name`` (the registry, read once a second at most)."""
-        if self._listeners is None:
-            await self.start()
-        if not self._pipelines.fresh():
-            async with translated(self.settings):
-                await self._pipelines.refresh()
+    async def _pipeline(self, name: str, deadline_ms: int) -> Pipeline | None:
+        """The pipeline called ``name``, a name the book has not answered for yet (a
+        name it has is answered at once: ``PipelineBook.settled``): one registry read
+        shared with the others, ending by ``deadline_ms``."""
+        async with deadline_bound(deadline_ms, f"looking up pipeline {name!r}"), \
+                translated(self.settings):
+            await self._pipelines.learn(name)
         return self._pipelines.known(name)
 
     async def _enter(self, pipeline: Pipeline, listeners: Listeners, inputs: Any,
                      deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
-                     level: int, rows: int = 0) -> RequestFuture[Any]:
-        """A pipeline request: it enters the first stage, and its final reply comes to
-        this client's reply list of the pipeline (``redbatch.pipelines``)."""
+                     level: int, rows: int = 0, cap: int | None = None
+                     ) -> RequestFuture[Any]:
+        """A pipeline request: it enters the first stage, under that stage's queue cap
+        as a model's request would (``cap``: the caller's own), and its final reply comes
+        to this client's reply list of the pipeline (``redbatch.pipelines``)."""
         rid = request_id or protocol.new_request_id()
         future = listeners.expect(pipeline.name, rid, deadline_ms, reply)
         try:
@@ -486,7 +494,8 @@ class Client:
                 await enter(self._pipeline_link, levels, pipeline, rid, inputs,
                             reply_to=listeners.reply_to(pipeline.name),
                             deadline_ms=deadline_ms, trace_id=trace_id, priority=level,
-                            fmt=self.fmt, rows=rows)
+                            fmt=self.fmt, rows=rows,
+                            cap=await self._admission.cap(pipeline.first, deadline_ms, cap))
         except Exception as exc:
             listeners.fail(rid, exc, pipeline.name)
         return future

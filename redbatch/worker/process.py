@@ -21,7 +21,7 @@ from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.pipelines.definition import Pipeline
-from redbatch.pipelines.duty import PipelineDuty
+from redbatch.pipelines.duty import PipelineDuty, check_declared
 from redbatch.redis_conn import REDIS_ERRORS, async_client, is_cluster
 from redbatch.worker import heartbeat
 from redbatch.worker.drain import Drain
@@ -71,6 +71,7 @@ class Worker:
         check_socket_timeout(redis, config.block_timeout_s)
         self.models = models
         self.pipelines = pipelines or []  # declared here (stored in Redis at start)
+        check_declared(self.pipelines, models)
         self.redis_settings = redis
         self.config = config
         self.device = device
@@ -172,7 +173,10 @@ class Worker:
         await asyncio.gather(*pending, return_exceptions=True)
         beating.set()
         await heart
-        await duty
+        try:
+            await duty
+        except Exception:  # never the end of a clean exit
+            log.exception("pipelines: the duty failed")
         await self._leave(redis)
         return not pending
 

@@ -1,0 +1,300 @@
+"""Pipelines under faults: a bad record, a refused key, a failing duty or a stale
+registry cost the request at fault alone, never a stage's hand-off, another request,
+an ordinary model's submit or the worker's clean exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import Client, RedisSettings, codec, defaults, lua, protocol
+from redbatch.errors import ConfigError, DeadlineExceeded, QueueFull
+from redbatch.lean import LeanLink
+from redbatch.pipelines import Pipeline
+from redbatch.pipelines.context import Context
+from redbatch.pipelines.duty import PipelineDuty
+from redbatch.pipelines.mover import Mover
+from redbatch.protocol import Reply
+from redbatch.registry import LiveCache
+from redbatch.worker.model import Model
+from redbatch.worker.process import Worker
+from tests.conftest import FAST_WORKER, wait_live
+from tests.test_pipelines import CALC, POLICY, inc
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    conn = aioredis.Redis.from_url(redis_url)
+    yield conn
+    await conn.aclose()
+
+
+def ctx_json(reply_to: str, route: Any = (), **extra: Any) -> bytes:
+    ctx = Context("calc", list(route), reply_to, protocol.now_ms() + 10_000,
+                  protocol.now_ms())
+    return orjson.dumps({**orjson.loads(ctx.to_json()), **extra})
+
+
+async def put(conn: aioredis.Redis, stage: str, request_id: str, ctx: bytes,
+              payload: Any = 1) -> None:
+    """A reply of ``stage`` to a pipeline request, in its outbox, with its context."""
+    await conn.set(protocol.context_key(stage, request_id), ctx)
+    await conn.rpush(protocol.outbox_key(stage),
+                     codec.encode(Reply(request_id, True, payload=payload).to_wire()))
+
+
+def got(raw: redis.Redis, reply_to: str) -> Reply:
+    entry = raw.lpop(reply_to)
+    assert entry is not None, f"no reply in {reply_to}"
+    return protocol.reply_from_wire(codec.decode(entry))
+
+
+async def hand_on(conn: aioredis.Redis, stage: str) -> Mover:
+    """One mover step of ``stage``, and a second one (it marks the first done)."""
+    mover = Mover(conn, stage, LiveCache(conn), None, 0.1)
+    await mover.step()
+    await mover.step()
+    return mover
+
+
+async def test_a_bad_context_costs_its_own_record_alone(
+        client: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """A context that cannot be read (no caller named), one that cannot be planned (a
+    caller named: told why) and one from a newer version (a field unknown here:
+    handed on) beside a good one: each handled on its own, all marked done."""
+    lists = {name: protocol.reply_key("calc", name) for name in ("broken", "newer", "good")}
+    await put(client, "inc", "poison", b'{"pipeline":"calc","newfield":1}')
+    await put(client, "inc", "broken", ctx_json(lists["broken"], route=[], stages=7))
+    await put(client, "inc", "newer", ctx_json(lists["newer"], newfield=1))
+    await put(client, "inc", "good", ctx_json(lists["good"]))
+    await hand_on(client, "inc")
+    assert got(raw_redis, lists["good"]).payload == 1
+    assert got(raw_redis, lists["newer"]).payload == 1
+    broken = got(raw_redis, lists["broken"])
+    assert not broken.ok and "stage 'inc' failed" in (broken.error_message or "")
+    assert raw_redis.zcard(protocol.handoff_key("inc")) == 0
+    assert raw_redis.llen(protocol.outbox_key("inc")) == 0
+
+
+async def test_an_input_too_large_for_the_next_stage_is_refused_alone(
+        client: aioredis.Redis, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "MAX_ENTRY_BYTES", 1000)
+    big, small = protocol.reply_key("calc", "big"), protocol.reply_key("calc", "small")
+    await put(client, "inc", "big", ctx_json(big, route=["dbl"]), payload="x" * 2000)
+    await put(client, "inc", "small", ctx_json(small, route=["dbl"]), payload=2)
+    await hand_on(client, "inc")
+    refused = got(raw_redis, big)
+    assert refused.error_code == "invalid_payload" and "limit" in (refused.error_message or "")
+    assert raw_redis.llen(protocol.queue_key("dbl")) == 1  # the small one went on
+    assert raw_redis.llen(small) == 0
+
+
+async def test_a_refusal_raised_for_a_whole_group_is_retried_command_by_command(
+        client: aioredis.Redis, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster link raises one command's error for its whole group: each command is
+    then sent alone, the refused one logged, the others delivered."""
+    real = LeanLink.pipeline_replies
+
+    async def as_a_cluster(self: LeanLink, *commands: Any) -> list[Any]:
+        replies = await real(self, *commands)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
+
+    monkeypatch.setattr(LeanLink, "pipeline_replies", as_a_cluster)
+    bad, good = protocol.reply_key("calc", "bad"), protocol.reply_key("calc", "good")
+    raw_redis.set(bad, "not a list")
+    await put(client, "dbl", "r-bad", ctx_json(bad))
+    await put(client, "dbl", "r-good", ctx_json(good))
+    await hand_on(client, "dbl")
+    assert got(raw_redis, good).payload == 1
+    assert raw_redis.zcard(protocol.handoff_key("dbl")) == 0
+
+
+async def test_a_merge_drops_its_parts_once_sent(client: aioredis.Redis,
+                                                  raw_redis: redis.Redis) -> None:
+    parts = protocol.parts_key("mrg", "r1")
+    raw_redis.eval(lua.HANDOFF_PART, 1, parts, "fa",
+                   codec.encode({protocol.F_PART: 10}), 2, 10_000)
+    ctx = ctx_json(protocol.reply_key("calc", "c"), route=["mrg"], branch="fb",
+                   branches=["fa", "fb"])
+    await put(client, "fb", "r1", ctx, payload=20)
+    await hand_on(client, "fb")
+    entry = codec.decode(raw_redis.lpop(protocol.queue_key("mrg")))
+    assert entry["payload"] == {"fa": 10, "fb": 20}
+    assert not raw_redis.exists(parts)
+
+
+async def test_a_mover_survives_a_bug_and_a_dead_one_is_started_again(
+        client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    real_step, steps = Mover.step, []
+
+    async def buggy_step(self: Mover) -> int:
+        steps.append(1)
+        if len(steps) == 1:
+            raise RuntimeError("a bug")
+        return await real_step(self)
+
+    monkeypatch.setattr(Mover, "step", buggy_step)
+    duty = PipelineDuty(client, [inc()], "w1", [CALC], 0.1, 2.0, wait_s=0.1)
+    stop = asyncio.Event()
+    await duty.tick(stop)
+    for _ in range(100):
+        if len(steps) > 1:
+            break
+        await asyncio.sleep(0.02)
+    assert len(steps) > 1 and "a bug" in caplog.text  # logged, and on it went
+    task = duty._tasks["inc"]
+    task.cancel()  # a mover task that ended anyhow: started again by the next tick
+    await asyncio.gather(task, return_exceptions=True)
+    with caplog.at_level(logging.ERROR):
+        await duty.tick(stop)
+    assert not duty._tasks["inc"].done() and "started again" in caplog.text
+    stop.set()
+    await asyncio.gather(*duty._tasks.values())
+
+
+async def test_a_failing_duty_never_skips_the_workers_clean_exit(
+        redis_url: str, raw_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tick that fails (a bug) is logged and the next one runs; a duty that dies
+    still lets the worker leave its leases."""
+    real_tick, ticks = PipelineDuty.tick, []
+
+    async def failing_tick(self: PipelineDuty, stop: asyncio.Event) -> None:
+        ticks.append(1)
+        if len(ticks) == 1:
+            raise RuntimeError("a bad tick")
+        await real_tick(self, stop)
+
+    monkeypatch.setattr(PipelineDuty, "tick", failing_tick)
+    raw_redis.set(protocol.meta_key("dbl"), b"not json")  # the last stage's: corrupt
+    stop = asyncio.Event()
+    worker = Worker([inc()], RedisSettings(redis_url), FAST_WORKER, pipelines=[CALC])
+    task = asyncio.create_task(worker.run(stop))
+    await wait_live(redis_url, "calc", timeout_s=5)
+
+    async def dead_duty(self: PipelineDuty, stop: asyncio.Event) -> None:
+        raise RuntimeError("a dead duty")
+
+    monkeypatch.setattr(PipelineDuty, "run", dead_duty)
+    worker2 = Worker([inc()], RedisSettings(redis_url), FAST_WORKER, worker_id="w2")
+    stop2 = asyncio.Event()
+    task2 = asyncio.create_task(worker2.run(stop2))
+    await wait_live(redis_url, "inc", timeout_s=5)
+    stop.set()
+    stop2.set()
+    await asyncio.wait_for(asyncio.gather(task, task2), 10)
+    assert raw_redis.zscore(protocol.workers_key("inc"), "w2") is None  # it left
+
+
+async def test_an_ordinary_submit_never_waits_on_the_pipeline_registry(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Once the book answered for a model, a stale book is read in the background: a
+    registry that does not answer, or fails, never holds up or fails that model's
+    submits; a name the book never answered for waits, bounded by its deadline."""
+    stop = asyncio.Event()
+    worker = Worker([inc()], RedisSettings(redis_url), FAST_WORKER)
+    task = asyncio.create_task(worker.run(stop))
+    await wait_live(redis_url, "inc", timeout_s=5)
+    async with Client(redis_url) as client:
+        assert await client.predict("inc", 1, timeout_s=5) == 2
+        book = client._pipelines
+        stalled = asyncio.Event()
+
+        async def stalled_read() -> None:
+            await stalled.wait()
+
+        book._refresh_s = 0.0
+        book._read = stalled_read  # type: ignore[method-assign]
+        assert await asyncio.wait_for(client.predict("inc", 2, timeout_s=5), 5) == 3
+        book.aclose()
+        del book._read
+        raw_redis.delete(protocol.PIPELINES_KEY)
+        raw_redis.set(protocol.PIPELINES_KEY, "not a hash")  # every read fails
+        for x in range(3, 6):
+            assert await client.predict("inc", x, timeout_s=5) == x + 1
+    async with Client(redis_url, require_workers=False) as fresh:
+        never = asyncio.Event()
+
+        async def never_read() -> None:
+            await never.wait()
+
+        fresh._pipelines._read = never_read  # type: ignore[method-assign]
+        with pytest.raises(DeadlineExceeded, match="looking up pipeline"):
+            await asyncio.wait_for(fresh.submit("other", 1, timeout_s=0.2), 5)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+def test_a_stage_a_pipeline_cannot_route_to_is_refused() -> None:
+    versioned = Model("inc", fn=lambda xs: xs, policy=POLICY, version="2")
+    split = Model("inc", fn=lambda xs: xs, policy=POLICY, sub_queues=2)
+    with pytest.raises(ConfigError, match="served here as version 'inc@2'"):
+        Worker([versioned], RedisSettings(), FAST_WORKER, pipelines=[CALC])
+    with pytest.raises(ConfigError, match="sub_queues=2"):
+        Worker([split], RedisSettings(), FAST_WORKER, pipelines=[CALC])
+    Worker([versioned], RedisSettings(), FAST_WORKER,
+           pipelines=[Pipeline("calc", ["inc@2", "dbl"])])  # the served name: routed
+
+
+async def test_a_full_first_stage_refuses_the_pipelines_requests(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """A pipeline request enters its first stage under that stage's queue cap (the
+    client's, or the caller's own): refused with ``QueueFull``, never queued."""
+    raw_redis.hset(protocol.PIPELINES_KEY, "calc", CALC.to_json())
+    async with Client(redis_url, require_workers=False, max_queue_len=3) as client:
+        futures = await client.submit_many("calc", [1, 2, 3, 4], timeout_s=5)
+        refused = [f for f in futures if f.done()]  # (entered side by side: any one)
+        assert len(refused) == 1
+        with pytest.raises(QueueFull, match="stage 'inc' is full"):
+            await refused[0]
+        own = await client.submit("calc", 5, timeout_s=5, max_queue_len=1)
+        assert own.done()
+        with pytest.raises(QueueFull):
+            await own
+    assert raw_redis.llen(protocol.queue_key("inc")) == 3
+
+
+async def test_a_full_next_stage_answers_the_request_with_an_error(
+        client: aioredis.Redis, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hop into a stage whose queue holds the cap is refused there: its caller gets a
+    ``queue_full`` error naming that stage, and the record is done."""
+    monkeypatch.setattr(defaults, "MAX_QUEUE_LEN", 1)
+    first, second = protocol.reply_key("calc", "a"), protocol.reply_key("calc", "b")
+    await put(client, "inc", "a", ctx_json(first, route=["dbl"]))
+    await put(client, "inc", "b", ctx_json(second, route=["dbl"]))
+    await hand_on(client, "inc")
+    assert raw_redis.llen(protocol.queue_key("dbl")) == 1
+    refused = got(raw_redis, second)
+    assert refused.error_code == "queue_full" and "'dbl'" in (refused.error_message or "")
+    assert raw_redis.zcard(protocol.handoff_key("inc")) == 0
+
+
+async def test_a_pipeline_never_takes_a_served_models_name(
+        client: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    with pytest.raises(ConfigError, match="the pipeline's name"):
+        Worker([inc(), Model("calc", fn=lambda xs: xs, policy=POLICY)], RedisSettings(),
+               FAST_WORKER, pipelines=[CALC])
+    model_meta = orjson.dumps({"name": "calc", "inputs": []})  # a model's, elsewhere
+    raw_redis.set(protocol.meta_key("calc"), model_meta)
+    duty = PipelineDuty(client, [inc()], "w1", [CALC], 0.1, 2.0, wait_s=0.1)
+    stop = asyncio.Event()
+    await duty.tick(stop)
+    stop.set()
+    await asyncio.gather(*duty._tasks.values())
+    assert raw_redis.get(protocol.meta_key("calc")) == model_meta
+    assert raw_redis.zscore(protocol.workers_key("calc"), "w1") is None
