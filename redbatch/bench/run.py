@@ -365,6 +365,15 @@ comparing runs (in --out)."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--stream" in argv:  # the streaming benchmark, with flags of its own
+        from redbatch.bench import stream
+
+        return stream.main([a for a in argv if a != "--stream"])
+    return _bench(argv)
+
+
+def _bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="redbatch bench", description=BENCH_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")
@@ -396,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hot", action="store_true",
                         help="only one hot model on a 3-primary Redis Cluster with "
                              "sub_queues 1 and 3 (bench/hot.py)")
+    parser.add_argument("--stream", action="store_true",
+                        help="only the streaming benchmark, with flags of its own "
+                             "(redbatch bench --stream --help; bench/stream.py)")
     parser.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "

@@ -197,7 +197,7 @@ async def run(url: str, per_stream: int, steps_ms: list[float]) -> list[dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="redbatch.bench --stream", description=__doc__)
+    parser = argparse.ArgumentParser(prog="redbatch bench --stream", description=__doc__)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     parser.add_argument("--per-stream", type=int, default=4,
                         help="requests each concurrent caller streams in turn (4; more "
