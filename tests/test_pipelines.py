@@ -201,8 +201,9 @@ async def test_a_hand_off_sent_twice_is_queued_once(redis_url: str,
     assert not await handoff.send(link, ONE, "dbl", "req-1", 3, ctx)
     assert raw_redis.llen(protocol.queue_key("dbl")) == 1
     wire = {"v": 1, "id": "req-1", "ok": True, "payload": 6, "timings": {}}
-    assert await handoff.deliver(link, "req-1", wire, ctx)
-    assert not await handoff.deliver(link, "req-1", wire, ctx)  # one final reply
+    deliver = handoff.deliver_command("req-1", wire, ctx)
+    assert await handoff.run_group(link, [deliver]) == [1]
+    assert await handoff.run_group(link, [deliver]) == [0]  # one final reply
     assert raw_redis.llen(ctx.reply_to) == 1
     await link.release()
     await client.aclose()

@@ -131,13 +131,6 @@ def refusal(request_id: str, ctx: Context, exc: Exception, stage: str) -> Comman
     return deliver_command(request_id, final_wire(reply, ctx, stage), ctx)
 
 
-async def deliver(link: LeanLink, request_id: str, wire: dict[str, Any], ctx: Context
-                  ) -> bool:
-    """``deliver_command``, run: False if the request had its reply already."""
-    command = deliver_command(request_id, wire, ctx)
-    return bool(await link.script(command.source, command.keys, command.args))
-
-
 async def run_group(link: LeanLink, commands: list[Command]) -> list[Any]:
     """Commands of one slot in one write; their replies, errors in place (a key of
     another type refuses its own request alone).  Sent once more after loading the
