@@ -74,6 +74,7 @@ class LiveCache:
         self.refresh_s = refresh_s
         self._summaries: dict[str, LiveSummary] = {}
         self._flights: dict[str, asyncio.Task[LiveSummary]] = {}
+        self.known_at: dict[str, float] = {}  # model -> when (monotonic) a read knew it
 
     def cached(self, model: str) -> LiveSummary | None:
         """The fresh summary of ``model``, or None when it is stale (no I/O)."""
@@ -104,7 +105,9 @@ class LiveCache:
         if self._flights.get(model) is flight:
             del self._flights[model]
         if not flight.cancelled() and flight.exception() is None:  # retrieved: no warning
-            self._summaries[model] = flight.result()
+            summary = self._summaries[model] = flight.result()
+            if summary.known:  # whoever read it (a route, a cap, a served check)
+                self.known_at[model] = summary.at
 
     async def _read(self, model: str) -> LiveSummary:
         """One round trip (a read), repeated once on a broken connection."""

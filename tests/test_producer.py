@@ -20,6 +20,7 @@ from redbatch import (
     SyncClient,
     UnknownModel,
     batch,
+    defaults,
     protocol,
 )
 from redbatch.protocol import Reply
@@ -351,3 +352,19 @@ async def test_a_model_known_lately_that_redis_forgot_is_no_workers_not_unknown(
     async with Client(redis_url) as fresh:
         with pytest.raises(UnknownModel):
             await fresh.predict("forgotten", 1, timeout_s=1)
+
+
+async def test_a_model_known_from_any_read_is_a_503_once_redis_forgets_it(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """A model this client saw registered, by whichever read (here its routing table,
+    as a request's version pick reads it), is ``no_workers`` rather than an unknown
+    model when Redis loses its registration (a promoted replica that never got it)."""
+    raw_redis.set(protocol.meta_key("forgotten"), b'{"name": "forgotten"}')
+    async with Client(redis_url) as client:
+        await client.table("forgotten")
+        raw_redis.delete(protocol.meta_key("forgotten"))
+        await asyncio.sleep(defaults.LIVE_REFRESH_S + 0.1)  # the cached read goes stale
+        with pytest.raises(NoLiveWorkers):
+            await client.check_served("forgotten")
+        with pytest.raises(UnknownModel):
+            await client.check_served("never-registered")

@@ -43,7 +43,6 @@ class Admission:
         self._redis = redis
         self.max_queue_len = max_queue_len
         self._live = LiveCache(redis, REFRESH_S)  # one read per model per REFRESH_S
-        self._known_at: dict[str, float] = {}  # model -> when (monotonic) it was last known
 
     async def aclose(self) -> None:
         """Stop the live-worker reads in flight (``LiveCache.aclose``)."""
@@ -77,9 +76,7 @@ class Admission:
         """``UnknownModel`` or ``NoLiveWorkers`` unless a live worker serves ``model``
         (cached for a second, like the live count)."""
         summary = await self._live.get(model)
-        if summary.known:
-            self._known_at[model] = time.monotonic()
-        elif not self._known_lately(model):
+        if not summary.known and not self._known_lately(model):
             raise unknown_model(model)
         if not summary.live:
             raise no_live_workers(model)
@@ -88,7 +85,7 @@ class Admission:
         """Whether ``model`` was known within ``KNOWN_GRACE_S``: a Redis that lost its
         registration (a replica promoted before it got it) is a gap until the workers'
         next heartbeat there, a 503 to retry, not an unknown model's 404."""
-        seen = self._known_at.get(model)
+        seen = self._live.known_at.get(model)
         return seen is not None and time.monotonic() - seen < defaults.KNOWN_GRACE_S
 
     async def levels(self, model: str) -> Levels:
