@@ -53,6 +53,8 @@ KNOBS: dict[str, Knob] = {
     "quiet_s": Knob(float, 0, 60, " s", low_open=True, nullable=True),
     "max_batch_cost": Knob(float, 0, low_open=True, nullable=True),
     "auto_batch": Knob(bool),
+    # with auto_batch, a variable-length model may hold an under-filled bucket over
+    "hold_buckets": Knob(bool),
     "max_queue_len": Knob(int, 1, nullable=True, part="model"),
     # the model's sub-queues (``protocol.sub_queue_tag``): producers spread over them
     "sub_queues": Knob(int, 1, protocol.MAX_SUB_QUEUES, part="model"),

@@ -120,19 +120,49 @@ def sub_queues_of(raw: bytes | str | None) -> int:
     return count if type(count) is int and 1 <= count <= protocol.MAX_SUB_QUEUES else 1
 
 
-def level_keys(model: str, raw: bytes | str | None) -> list[list[str]]:
-    """Each level's queues (most urgent first), one per sub-queue (``raw``: the
-    model's meta): the keys whose lengths add up to a level's depth."""
-    tags = protocol.sub_queue_tags(model, sub_queues_of(raw))
+def queued_sub_queues_of(raw: bytes | str | None, draining: bytes | None = None) -> int:
+    """The sub-queues that may hold a model's entries (``raw``: its meta): its count, or
+    more while workers drain those above a shrunk count (``draining``: what its
+    ``sub_queues_draining_key`` holds, read with the meta: ``read_meta``)."""
+    try:
+        held = int(draining or 1)
+    except ValueError:
+        held = 1
+    return max(sub_queues_of(raw), held if 1 <= held <= protocol.MAX_SUB_QUEUES else 1)
+
+
+def level_keys(model: str, raw: bytes | str | None, draining: bytes | None = None
+               ) -> list[list[str]]:
+    """Each level's queues (most urgent first), one per sub-queue that may hold
+    entries (``raw``: the model's meta; ``queued_sub_queues_of``): the keys whose
+    lengths add up to a level's depth."""
+    tags = protocol.sub_queue_tags(model, queued_sub_queues_of(raw, draining))
     by_tag = [of_meta(raw).queues(tag) for tag in tags]
     return [list(keys) for keys in zip(*by_tag, strict=True)]
 
 
-async def queue_depths(redis: aioredis.Redis, model: str, meta: bytes | str | None
-                       ) -> list[int]:
-    """Each level's queue length, most urgent first (``meta``: the model's raw meta),
-    summed over the model's sub-queues, in one round trip."""
-    levels = level_keys(model, meta)
+def meta_keys(model: str) -> tuple[str, str]:
+    """What a queue depth reader GETs first, in one round trip (``read_meta``): the
+    model's meta and its ``sub_queues_draining_key`` (one slot, the model's)."""
+    return protocol.meta_key(model), protocol.sub_queues_draining_key(model)
+
+
+async def read_meta(redis: aioredis.Redis, model: str) -> tuple[bytes | None, bytes | None]:
+    """A model's raw meta and sub-queues draining count (``meta_keys``), in one round
+    trip, for ``level_keys`` and ``queue_depths``."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in meta_keys(model):
+            pipe.get(key)
+        meta, draining = await pipe.execute()
+    return meta, draining
+
+
+async def queue_depths(redis: aioredis.Redis, model: str, meta: bytes | str | None,
+                       draining: bytes | None = None) -> list[int]:
+    """Each level's queue length, most urgent first (``meta``, ``draining``: as
+    ``read_meta`` returns them), summed over the model's sub-queues, in one round
+    trip."""
+    levels = level_keys(model, meta, draining)
     async with redis.pipeline(transaction=False) as pipe:
         for keys in levels:
             for key in keys:

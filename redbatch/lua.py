@@ -106,12 +106,12 @@ return {accepted, ahead + own, own}
 ENQUEUE_LEVEL: Final = _enqueue_level(closed=False)
 ENQUEUE_LEVEL_OPEN: Final = _enqueue_level(closed=True)
 
-# KEYS[1]=the closed marker of a draining version's sub-queue  KEYS[2..]=its queues and
-# the in-flight lists of it of every worker the version registered (live or not)
+# KEYS[1]=the closed marker of a draining version's sub-queue  KEYS[2..]=its queues, and
+# the in-flight and held lists of it of every worker the version registered (live or not)
 # ARGV[1]=marker ttl ms.
 # Closes the sub-queue (sets the marker: ENQUEUE_OPEN refuses from then on) if, and only
-# if, every list is empty: nothing queued, nothing in flight, not even a dead worker's
-# that its reaper has yet to requeue.  Returns 1 if closed, else 0.
+# if, every list is empty: nothing queued, nothing in flight or held over, not even a
+# dead worker's that its reaper has yet to requeue.  Returns 1 if closed, else 0.
 DRAIN_CLOSE: Final = """
 for i = 2, #KEYS do
   if redis.call('LLEN', KEYS[i]) > 0 then return 0 end
@@ -200,9 +200,21 @@ local function push_replies(to, js, base)
   return true
 end
 
+-- Keeps the list ``to`` for reply_ttl_s at least, and as long as the furthest marker
+-- TTL (its request's deadline) of its new replies js: never shortens a longer TTL.
+local function keep(to, js, base, reply_ttl_s)
+  local ttl_s = tonumber(reply_ttl_s)
+  for i = 1, #js do
+    ttl_s = math.max(ttl_s, math.ceil(tonumber(ARGV[base + 2 * js[i] + 1]) / 1000))
+  end
+  if redis.call('EXPIRE', to, ttl_s, 'NX') == 0 then  -- a new list: set (1)
+    redis.call('EXPIRE', to, ttl_s, 'GT')  -- else only ever longer
+  end
+end
+
 -- Sends the replies: each request's marker turns to 'd' (a request whose marker was 'd'
 -- already was answered: no second reply), then the new replies go out grouped by reply
--- list, one RPUSH (in batch order) and one EXPIRE per list.  A marker or list Redis
+-- list, one RPUSH (in batch order) and one TTL (``keep``) per list.  A marker or list Redis
 -- refuses fails its own requests alone.
 -- Returns {{sent, index of each reply Redis refused (1-based, ascending)...}}.
 local function replies(t, k, reply_ttl_s)
@@ -221,7 +233,7 @@ local function replies(t, k, reply_ttl_s)
   for _, to in ipairs(order) do
     local js = lists[to]
     if push_replies(to, js, base) then
-      redis.call('EXPIRE', to, reply_ttl_s)
+      keep(to, js, base, reply_ttl_s)
       out[1] = out[1] + #js
     else
       for i = 1, #js do bad[#bad + 1] = js[i] + 1 end
@@ -269,21 +281,56 @@ if n > 0 then redis.call('LTRIM', KEYS[1], n, -1) end
 return out
 """
 
+# KEYS[1]=inflight  KEYS[2]=dead letters  KEYS[3]=held  KEYS[2+2j]=marker j
+# KEYS[3+2j]=reply_to j
+# ARGV[1]=entries to ack (from the in-flight head)  ARGV[2]=reply ttl s
+# ARGV[3]=sha1 hex of those entries  ARGV[4]=m: entries held by the batch before, to
+# trim off the held list's head  ARGV[5]=sha1 hex of those  ARGV[6]=held ttl ms
+# ARGV[7]=h  ARGV[8..7+h]=positions (1-based) among the acked entries of those this
+# batch holds over  ARGV[8+h..]=replies and dead letters (t=8+h, see _HELPERS).
+# PUBLISH of a batch that holds entries over for the next one, or releases those the
+# batch before held (``hold``): as PUBLISH, and, in the same step, the held entries
+# move from the in-flight head to the held list's tail (by position: the script has
+# them), and the previous ones are trimmed off the held list's head, guarded by their
+# digest as the ack is.  Returns as PUBLISH.
+PUBLISH_HOLD: Final = _HELPERS + """
+local n, m, h = tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[7])
+local function same(entries, want)
+  return redis.sha1hex == nil or redis.sha1hex(table.concat(entries)) == want
+end
+local batch = {}
+if n > 0 then batch = redis.call('LRANGE', KEYS[1], 0, n - 1) end
+local acked = (n == 0 or same(batch, ARGV[3]))
+  and (m == 0 or same(redis.call('LRANGE', KEYS[3], 0, m - 1), ARGV[5]))
+local out = replies(8 + h, 4, ARGV[2])
+table.insert(out, 1, acked and 1 or 0)
+if not acked then return out end
+dead_letters(KEYS[2], 8 + h)
+if m > 0 then redis.call('LTRIM', KEYS[3], m, -1) end
+for i = 8, 7 + h do redis.call('RPUSH', KEYS[3], batch[tonumber(ARGV[i])]) end
+if h > 0 then redis.call('PEXPIRE', KEYS[3], ARGV[6]) end
+if n > 0 then redis.call('LTRIM', KEYS[1], n, -1) end
+return out
+"""
+
 # KEYS[1]=the dead worker's inflight  KEYS[2]=queue  KEYS[3]=dead letters
 # KEYS[4]=workers zset  KEYS[5]=worker info hash  KEYS[6]=its crashing key
 # KEYS[7]=the bell (a multi-level model: KEYS[2] is its most urgent level's queue), or
-# KEYS[2] again (one level: no bell)  KEYS[6+2j]=marker j  KEYS[7+2j]=reply_to j
+# KEYS[2] again (one level: no bell)  KEYS[8]=its held list  KEYS[7+2j]=marker j
+# KEYS[8+2j]=reply_to j
 # ARGV[1]=worker id  ARGV[2]=now ms, or 'force' (a worker returning its own batch)
-# ARGV[3]=sha1 hex of the in-flight entries the caller read (concatenated)
+# ARGV[3]=sha1 hex of the held then the in-flight entries the caller read (concatenated)
 # ARGV[4]=reply ttl s  ARGV[5]=nq  ARGV[6..5+nq]=entries to requeue, in queue order
 # then the dead letters and the replies to their callers (t=6+nq, see _HELPERS).
-# Returns nq, or -1 if the lease is live again, -2 if the in-flight list changed since.
+# Returns nq, or -1 if the lease is live again, -2 if either list changed since.
 REAP: Final = _HELPERS + f"""
 if ARGV[2] ~= 'force' then
   local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
   if lease and tonumber(lease) > tonumber(ARGV[2]) then return -1 end
 end
-if digest(redis.call('LRANGE', KEYS[1], 0, -1)) ~= ARGV[3] then
+local held = redis.call('LRANGE', KEYS[8], 0, -1)
+for _, entry in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do held[#held + 1] = entry end
+if digest(held) ~= ARGV[3] then
   return -2
 end
 local nq = tonumber(ARGV[5])
@@ -297,9 +344,9 @@ if nq > 0 then
     redis.call('PEXPIRE', KEYS[7], {protocol.QUEUE_TTL_S * 1000})
   end
 end
-replies(6 + nq, 8, ARGV[4])
+replies(6 + nq, 9, ARGV[4])
 dead_letters(KEYS[3], 6 + nq)
-redis.call('DEL', KEYS[1], KEYS[6])
+redis.call('DEL', KEYS[1], KEYS[6], KEYS[8])
 if ARGV[2] ~= 'force' then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('HDEL', KEYS[5], ARGV[1])
@@ -339,8 +386,11 @@ end
 # ``"sub_queues":<n>`` of its meta (its own value, without an override), else 1; a meta
 # that never mentions ``sub_queues`` (workers that predate it) means 1, whatever the
 # override says, so that no request goes to a sub-queue no worker serves.
+# The model's own queue cap: its meta's ``limits.max_queue_len`` in effect (an integer,
+# in any order among the fields of the first ``"limits"`` object), else 0 (none).
 # Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
-# known 1|0, priority JSON or "", sub-queues, the versions table's fields and values}.
+# known 1|0, priority JSON or "", sub-queues, the versions table's fields and values,
+# the queue cap or 0}.
 LIVE_SUMMARY: Final = _LIVE_CAPACITIES + f"""
 local caps = live_capacities()
 local total, rows = 0, #caps > 0
@@ -360,8 +410,10 @@ if raw and string.find(raw, '"priority"', 1, true) then
 end
 local subs = raw and string.match(raw, '"sub_queues":(%d+)')
 if subs then subs = redis.call('HMGET', KEYS[4], 'sub_queues')[1] or subs end
+local lim = raw and string.match(raw, '"limits":%s*(%b{{}})')
+local cap = lim and string.match(lim, '"max_queue_len":%s*(%d+)%s*[,}}]')
 return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs or 1,
-        redis.call('HGETALL', KEYS[5])}}
+        redis.call('HGETALL', KEYS[5]), cap or 0}}
 """
 
 # KEYS[1]=versions hash (the model's routing table)
@@ -408,6 +460,16 @@ end
 row = serving and ARGV[4] or ARGV[3]
 redis.call('HSET', KEYS[1], ARGV[1], row)
 return row
+"""
+
+# KEYS[1]=the model's sub_queues_draining key  ARGV[1]=the sub-queues a worker still
+# claims from, above the model's shrunk count  ARGV[2]=ttl ms.
+# A draining worker's beat: the key holds the most any drainer claims from, so that two
+# drainers of different counts never lower each other's (a larger count lasts while any
+# worker drains: it counts only queues that may hold entries).  Returns nothing.
+PUBLISH_DRAINING: Final = """
+local held = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+redis.call('SET', KEYS[1], math.max(held, tonumber(ARGV[1])), 'PX', ARGV[2])
 """
 
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.

@@ -35,6 +35,8 @@ UNKNOWN_MODEL: Final = "_unknown"
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS_S: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                             0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a request's (a stream's runs to its deadline, at most MAX_TIMEOUT_S): up to 10 minutes
+REQUEST_BUCKETS_S: Final = (*LATENCY_BUCKETS_S, 120.0, 300.0, 600.0)
 BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
 FILL_BUCKETS: Final = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 WASTE_BUCKETS: Final = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0)
@@ -46,7 +48,11 @@ REQUESTS: Final = Counter(
     ["model", "outcome"])
 REQUEST_DURATION: Final = Histogram(
     "redbatch_request_duration_seconds", "End-to-end latency of predict requests at the "
-    "gateway", ["model"], buckets=LATENCY_BUCKETS_S)
+    "gateway (a streamed answer's: to its last chunk)", ["model"], buckets=REQUEST_BUCKETS_S)
+STREAM_FIRST_CHUNK: Final = Histogram(
+    "redbatch_stream_first_chunk_seconds", "Time from arrival to the first chunk of a "
+    "streamed answer at the gateway (its request duration runs to the last chunk)",
+    ["model"], buckets=REQUEST_BUCKETS_S)
 INFLIGHT: Final = Gauge(
     "redbatch_inflight_requests", "Predict requests this gateway is serving now",
     ["model"], multiprocess_mode="livesum")
@@ -118,6 +124,7 @@ DEAD_LETTERS: Final = Counter(
     "crashed max_attempts workers, or whose reply Redis refused)", ["model"])
 
 GATEWAY_METRICS: Final = ("redbatch_requests_total", "redbatch_request_duration_seconds",
+                          "redbatch_stream_first_chunk_seconds",
                           "redbatch_inflight_requests", "redbatch_queue_depth",
                           "redbatch_queue_depth_level", "redbatch_live_workers",
                           *SCALING_METRICS)
@@ -127,6 +134,7 @@ WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_second
                          "redbatch_retries_total", "redbatch_dead_letters_total",
                          "redbatch_padding_waste_ratio", "redbatch_auto_batch_size")
 HISTOGRAMS: Final = frozenset({"redbatch_request_duration_seconds",
+                               "redbatch_stream_first_chunk_seconds",
                                "redbatch_queue_wait_seconds", "redbatch_forward_seconds",
                                "redbatch_batch_size", "redbatch_batch_entries",
                                "redbatch_batch_fill_ratio", "redbatch_padding_waste_ratio"})
@@ -160,6 +168,7 @@ class GatewayMeters:
 
     def __init__(self) -> None:
         self._children: dict[str, tuple[Histogram, Gauge, dict[str, Counter]]] = {}
+        self._first_chunks: dict[str, Histogram] = {}
 
     def get(self, model: str) -> tuple[Histogram, Gauge, dict[str, Counter]]:
         found = self._children.get(model)
@@ -168,6 +177,14 @@ class GatewayMeters:
                         for o in ("ok", "expired", "rejected", "invalid", "error")}
             found = (REQUEST_DURATION.labels(model), INFLIGHT.labels(model), outcomes)
             self._children[model] = found
+        return found
+
+    def first_chunk(self, model: str) -> Histogram:
+        """``STREAM_FIRST_CHUNK``'s child of ``model``, made at its first stream (a model
+        that never streams exports no such series)."""
+        found = self._first_chunks.get(model)
+        if found is None:
+            found = self._first_chunks[model] = STREAM_FIRST_CHUNK.labels(model)
         return found
 
 

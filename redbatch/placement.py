@@ -1,12 +1,15 @@
 """Place models' slots on a Redis Cluster on purpose (``scripts/place-slots``).
 
-Every key of a model carries its hash tag ``{model}``, so a model lives in one slot,
-on one primary.  Hashing a few tags is lumpy: 6 models on 3 primaries land 2-2-2 only
-by luck.  This spreads the distinct slots of the given models evenly over the
-primaries (counts differing by one at most), keeping as many as it can where they
-are, and moves the others as ``redis-cli --cluster reshard`` moves a slot:
-``SETSLOT IMPORTING`` / ``MIGRATING``, ``MIGRATE`` of the slot's keys, then
-``SETSLOT NODE`` on every primary.
+Every key of a model's sub-queue carries its hash tag (``{model}``, ``{model:1}`` ..
+``{model:S-1}``: ``protocol.sub_queue_tags``), so each sub-queue lives in one slot, on
+one primary.  Hashing a few tags is lumpy: 6 models on 3 primaries land 2-2-2 only by
+luck, and a hot model's 3 sub-queues may share a primary.  This places every
+sub-queue of the given models (S as producers read it: ``LIVE_SUMMARY``; or given):
+each model's sub-queues round-robin over the primaries first (its counts per primary
+differ by one at most), the distinct slots of all evenly too (likewise), keeping
+first every slot its owner has room for; it moves the others as ``redis-cli --cluster reshard``
+moves a slot: ``SETSLOT IMPORTING`` / ``MIGRATING``, ``MIGRATE`` of the slot's keys,
+then ``SETSLOT NODE`` on every primary.
 
     python -m redbatch.placement redis+cluster://h:p MODEL [MODEL ...]          # the plan
     python -m redbatch.placement redis+cluster://h:p MODEL [MODEL ...] --apply  # move
@@ -16,15 +19,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
 from redis.crc import key_slot
 
-from redbatch import protocol
+from redbatch import lua, protocol, registry
 from redbatch.config import RedisSettings
-from redbatch.errors import ConfigError, RedisUnavailable
+from redbatch.errors import ConfigError, InvalidPayload, RedisUnavailable
 
 MIGRATE_TIMEOUT_MS = 5000
 KEYS_PER_MIGRATE = 100
@@ -55,23 +59,108 @@ class SlotMap:
     primaries: tuple[Primary, ...]
     owner: dict[int, Primary]
 
+    def of(self, slot: int) -> Primary:
+        """The primary that owns ``slot``; ``ConfigError`` when none does."""
+        node = self.owner.get(slot)
+        if node is None:
+            raise ConfigError(f"slot {slot} has no owner: assign every slot first "
+                              "(redis-cli --cluster fix)")
+        return node
 
-def plan(slots: Sequence[int], slot_map: SlotMap) -> dict[int, Primary]:
-    """Each distinct slot of ``slots`` -> the primary it should live on: the slots
-    spread evenly (counts differ by one at most), as many left where they are as the
-    spread allows."""
-    wanted = sorted(set(slots))
-    share = len(wanted) // len(slot_map.primaries)
+
+class _Even:
+    """Counts per primary that must end up even: ``total`` over ``width`` primaries,
+    each ``share`` or ``share + 1``, at most ``total % width`` of them ``share + 1``."""
+
+    def __init__(self, total: int, width: int) -> None:
+        self.share, self.extra = divmod(total, width)
+        self.count: Counter[str] = Counter()
+
+    def room(self, node: Primary) -> bool:
+        """Whether one more on ``node`` keeps the counts even."""
+        held = self.count[node.node_id]
+        over = sum(1 for n in self.count.values() if n > self.share)
+        return held < self.share or (held == self.share and over < self.extra)
+
+
+def plan(groups: Sequence[Sequence[int]], slot_map: SlotMap) -> dict[int, Primary]:
+    """Each distinct slot of ``groups`` (each a model's sub-queues' slots) -> the
+    primary it should live on: each group round-robin over the primaries (its counts
+    differ by one at most), then all slots evenly (likewise, where the groups allow).
+    Every group first keeps the slots its owners have room for in both spreads (larger
+    groups first; a slot in two groups counts in the first), then the others are
+    placed, then moved until even: models of one sub-queue each move the fewest slots
+    that evening takes, models of several a few more at times."""
+    distinct = _distinct(groups)
+    width = len(slot_map.primaries)
+    total = _Even(sum(map(len, distinct)), width)
+    spreads = [(group, _Even(len(group), width))
+               for group in sorted(distinct, key=len, reverse=True)]
     placed: dict[int, Primary] = {}
-    load = {p.node_id: 0 for p in slot_map.primaries}
-    for slot in wanted:  # first keep each slot on its owner while that owner has room
-        owner = slot_map.owner[slot]
-        if load[owner.node_id] < share:
-            placed[slot], load[owner.node_id] = owner, load[owner.node_id] + 1
-    for slot in (s for s in wanted if s not in placed):  # the rest to the least loaded
-        target = min(slot_map.primaries, key=lambda p: (load[p.node_id], p.address))
-        placed[slot], load[target.node_id] = target, load[target.node_id] + 1
+    for group, spread in spreads:
+        _keep(group, slot_map, spread, total, placed)
+    for group, spread in spreads:
+        _place_rest(group, slot_map, spread, total, placed)
+    while move := _evening_move(distinct, placed, slot_map):
+        placed[move[0]] = move[1]
     return placed
+
+
+def _distinct(groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each group's slots, each slot in the first group that names it, once."""
+    seen: set[int] = set()
+    distinct = []
+    for group in groups:
+        distinct.append([slot for slot in dict.fromkeys(group) if slot not in seen])
+        seen.update(group)
+    return distinct
+
+
+def _keep(group: list[int], slot_map: SlotMap, spread: _Even, total: _Even,
+          placed: dict[int, Primary]) -> None:
+    """A group's slots kept on their owner where both spreads allow."""
+    for slot in group:
+        owner = slot_map.of(slot)
+        if spread.room(owner) and total.room(owner):
+            _put(placed, slot, owner, spread, total)
+
+
+def _place_rest(group: list[int], slot_map: SlotMap, spread: _Even, total: _Even,
+                placed: dict[int, Primary]) -> None:
+    """A group's slots not kept: each to the primary that holds fewest of the group,
+    then fewest in all."""
+    for slot in (s for s in group if s not in placed):
+        fits = [p for p in slot_map.primaries if spread.room(p)]
+        target = min([p for p in fits if total.room(p)] or fits, key=lambda p: (
+            spread.count[p.node_id], total.count[p.node_id], p.address))
+        _put(placed, slot, target, spread, total)
+
+
+def _evening_move(groups: list[list[int]], placed: dict[int, Primary], slot_map: SlotMap
+                  ) -> tuple[int, Primary] | None:
+    """While the most loaded primary holds two more slots than the least: one slot to
+    move between them that keeps its group's spread (a group with more slots on the
+    one than on the other has one: the counts say so), best one going back to its
+    owner, else one moving anyway; None once even.  Each move evens the loads."""
+    load = Counter(placed.values())
+    heavy = max(slot_map.primaries, key=lambda p: (load[p], p.address))
+    light = min(slot_map.primaries, key=lambda p: (load[p], p.address))
+    if load[heavy] - load[light] <= 1:
+        return None
+    slots = [s for group in groups for s in group if placed[s] == heavy
+             and _held(group, placed, heavy) > _held(group, placed, light)]
+    return min(slots, key=lambda s: (slot_map.of(s) != light,
+                                     slot_map.of(s) == heavy, s)), light
+
+
+def _held(group: list[int], placed: dict[int, Primary], node: Primary) -> int:
+    return sum(1 for slot in group if placed[slot] == node)
+
+
+def _put(placed: dict[int, Primary], slot: int, node: Primary, *counts: _Even) -> None:
+    placed[slot] = node
+    for even in counts:
+        even.count[node.node_id] += 1
 
 
 class Nodes:
@@ -147,40 +236,149 @@ def _auth(nodes: Nodes) -> list[str]:
     return ["AUTH2", user, password] if user else ["AUTH", password]
 
 
-def place(settings: RedisSettings, models: Sequence[str], apply: bool = False
-          ) -> list[tuple[str, int, Primary, Primary]]:
-    """(model, slot, owner now, planned owner) for each model; with ``apply``, the
-    slots that must move are moved (and the owner then is the planned one)."""
+Row = tuple[str, int, Primary, Primary]  # (sub-queue tag, slot, owner now, planned owner)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What ``place`` found: a ``Row`` per sub-queue, and the S it placed of each model
+    named (read or given; not of a model named by its tags alone)."""
+
+    rows: list[Row]
+    sub_queues: dict[str, int]
+
+
+def sub_queue_count(nodes: Nodes, slot_map: SlotMap, model: str) -> int:
+    """``model``'s sub-queues to place, on the primary of the model's own slot: the
+    more of what producers read (``LIVE_SUMMARY``: its workers' S, or the stored
+    override once their meta names ``sub_queues``) and the stored override itself
+    (set before its workers' next beat, or with no worker yet: a slot placed early
+    does no harm)."""
+    node = slot_map.of(model_slot(model))
+    keys = registry.summary_keys(model)
+    reply = nodes.on(node, "EVAL", lua.LIVE_SUMMARY, len(keys), *keys, protocol.now_ms())
+    stored = nodes.on(node, "HMGET", protocol.config_key(model), "sub_queues")
+    return max(registry.summary_of(reply).sub_queues,
+               registry.sub_queue_count(stored[0]))  # type: ignore[index]
+
+
+def groups_of(names: Sequence[str], count: Callable[[str], int]) -> dict[str, list[str]]:
+    """Each model's sub-queue tags, each once: a model's name gives its ``count(name)``
+    tags, a tag (``MODEL:i``) itself; ``ConfigError`` for a name that is neither."""
+    groups: dict[str, list[str]] = {}
+    for name in map(_checked, names):
+        tags = [name] if ":" in name else protocol.sub_queue_tags(name, count(name))
+        group = groups.setdefault(protocol.model_of_tag(name), [])
+        group += [tag for tag in tags if tag not in group]
+    return groups
+
+
+def _checked(name: str) -> str:
+    """``name`` if it is a model's name or a sub-queue tag, else ``ConfigError``."""
+    return _tag(name) if ":" in name else _model(name)
+
+
+def _model(name: str) -> str:
+    """``name`` if it is a model's name, else ``ConfigError``."""
+    if not _is_model(name):
+        raise ConfigError(f"{name!r} is not a model's name (1-64 of [A-Za-z0-9_.-]) nor a "
+                          f"sub-queue tag (MODEL:i, i in 1..{protocol.MAX_SUB_QUEUES - 1})")
+    return name
+
+
+def _tag(name: str) -> str:
+    """``name`` if it is the tag of a sub-queue other than a model's first (``MODEL:i``,
+    as ``protocol.sub_queue_tag`` writes it: sub-queue 0's tag is the model's name),
+    else ``ConfigError``."""
+    model, _, index = name.partition(":")
+    if not _is_model(model) or not (index.isascii() and index.isdigit()) or \
+            not 1 <= int(index) < protocol.MAX_SUB_QUEUES or \
+            protocol.sub_queue_tag(model, int(index)) != name:
+        raise ConfigError(f"{name!r} is not a sub-queue tag: MODEL:i, i in "
+                          f"1..{protocol.MAX_SUB_QUEUES - 1} (sub-queue 0's is MODEL)")
+    return name
+
+
+def place(settings: RedisSettings, names: Sequence[str], apply: bool = False,
+          sub_queues: Mapping[str, int] | None = None) -> Placement:
+    """A ``Row`` for each sub-queue of the models ``names`` (S read from Redis, or
+    ``sub_queues[model]``; a tag ``MODEL:i`` names that sub-queue alone); with
+    ``apply``, the slots that must move are moved (and the owner then is the planned
+    one)."""
+    names = [_checked(name) for name in names]  # before any connection
     nodes = Nodes(settings)
     slot_map = nodes.slot_map()
-    placed = plan([model_slot(m) for m in models], slot_map)
+    counts = dict(sub_queues or {})
+
+    def count(model: str) -> int:
+        if model not in counts:
+            counts[model] = sub_queue_count(nodes, slot_map, model)
+        return counts[model]
+
+    groups = groups_of(names, count)
+    placed = plan([[model_slot(t) for t in tags] for tags in groups.values()], slot_map)
     if apply:
         for slot, target in placed.items():
-            if slot_map.owner[slot] != target:
-                move_slot(nodes, slot, slot_map.owner[slot], target, slot_map.primaries)
-    return [(m, model_slot(m), slot_map.owner[model_slot(m)], placed[model_slot(m)])
-            for m in models]
+            if slot_map.of(slot) != target:
+                move_slot(nodes, slot, slot_map.of(slot), target, slot_map.primaries)
+    return Placement([(tag, model_slot(tag), slot_map.of(model_slot(tag)),
+                       placed[model_slot(tag)]) for tags in groups.values() for tag in tags],
+                     {m: counts[m] for m in names if m in counts})
+
+
+def given_counts(pairs: Sequence[str]) -> dict[str, int]:
+    """``--sub-queues MODEL=S`` values: model -> S; ``ConfigError`` on a bad one."""
+    given: dict[str, int] = {}
+    for pair in pairs:
+        model, _, count = pair.partition("=")
+        if not _is_model(model) or not (count.isascii() and count.isdigit()) or \
+                not 1 <= int(count) <= protocol.MAX_SUB_QUEUES:
+            raise ConfigError(f"--sub-queues takes MODEL=S, S in 1..{protocol.MAX_SUB_QUEUES}"
+                              f": not {pair!r}")
+        given[model] = int(count)
+    return given
+
+
+def _is_model(name: str) -> bool:
+    """Whether ``name`` is a model's name (``protocol.check_model_name``)."""
+    try:
+        protocol.check_model_name(name)
+    except InvalidPayload:
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="place-slots", description="Spread models' slots evenly over a Redis Cluster's "
-        "primaries (a model's keys all live in the slot of its hash tag {model}).")
+        "primaries: each model's sub-queues (hash tags {MODEL}, {MODEL:1} .. {MODEL:S-1}) "
+        "round-robin, and all of them evenly.")
     parser.add_argument("url", help="redis+cluster://[user:password@]host:port[,host:port]")
-    parser.add_argument("models", nargs="+", help="model names")
+    parser.add_argument("models", nargs="+", help="model names (S read from Redis: the "
+                        "model's sub_queues), or sub-queue tags MODEL:i")
+    parser.add_argument("--sub-queues", action="append", default=[], metavar="MODEL=S",
+                        help="place S sub-queues of MODEL, whatever Redis says (repeatable)")
     parser.add_argument("--apply", action="store_true", help="move the slots (else: print "
                         "the plan)")
     args = parser.parse_args(argv)
     try:
-        rows = place(RedisSettings(args.url), args.models, args.apply)
+        given = given_counts(args.sub_queues)
+        names = [*args.models, *(m for m in given if m not in args.models)]
+        placement = place(RedisSettings(args.url), names, args.apply, given)
     except (ConfigError, RedisUnavailable, redis.RedisError) as exc:
         print(f"place-slots: {exc}", file=sys.stderr)
         return 2
-    print(f"{'model':<24} {'slot':>5}  {'owner':<21}  {'planned':<21}")
-    for model, slot, owner, planned in rows:
-        mark = "" if owner == planned else (" (moved)" if args.apply else " (to move)")
-        print(f"{model:<24} {slot:>5}  {owner.address:<21}  {planned.address:<21}{mark}")
+    _print(placement, args.apply)
     return 0
+
+
+def _print(placement: Placement, applied: bool) -> None:
+    counts = " ".join(f"{m}={n}" for m, n in placement.sub_queues.items())
+    print(f"sub-queues placed (S): {counts}" if counts else "sub-queues placed: as named")
+    print(f"{'sub-queue':<28} {'slot':>5}  {'owner':<21}  {'planned':<21}")
+    for tag, slot, owner, planned in placement.rows:
+        mark = "" if owner == planned else (" (moved)" if applied else " (to move)")
+        print(f"{tag:<28} {slot:>5}  {owner.address:<21}  {planned.address:<21}{mark}")
 
 
 if __name__ == "__main__":

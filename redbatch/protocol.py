@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from redbatch.errors import InvalidPayload
+from redbatch.errors import BadRequest, InvalidPayload
 
 log = logging.getLogger("redbatch.protocol")
 
@@ -27,7 +27,10 @@ PREFIX: Final = "rb"
 # (the tunable defaults, such as the dead letters' TTL, are in ``redbatch.defaults``)
 QUEUE_TTL_S: Final = 3600  # refreshed by every push
 INFLIGHT_TTL_S: Final = 24 * 3600  # refreshed by every claim
-REPLY_TTL_S: Final = 120  # refreshed by every reply pushed to the list
+# a reply list's TTL at least, refreshed by every reply pushed to it; a list holding a
+# reply whose deadline is further out lives until then (its marker's TTL: lua._HELPERS),
+# so a pipeline stage's outbox keeps a hand-off record until its request's deadline
+REPLY_TTL_S: Final = 120
 META_TTL_S: Final = 24 * 3600  # refreshed by worker heartbeats
 WORKERS_TTL_S: Final = 24 * 3600  # refreshed by heartbeats; outlives in-flight lists
 DEAD_LETTER_MAX: Final = 10_000  # the list keeps the newest entries only
@@ -116,6 +119,24 @@ def check_version(version: str) -> str:
     return version
 
 
+def check_pin(model: str, version: str | None, *, served_route: bool = True) -> None:
+    """``BadRequest`` for a version pinned on a version's served name (``vm@1`` with
+    version ``1``): the name names its version already.  The message names the right
+    forms: the version route, and the served name alone where the API takes one
+    (``served_route``; v2 does not).  An illegal name is ``check_model_name``'s 400."""
+    if version is None or VERSION_SEP not in model:
+        return
+    base = check_model_name(model).partition(VERSION_SEP)[0]
+    routed = f"models/{base}/versions/{version}/..."
+    if not served_route:
+        raise BadRequest(f"model {model!r} is a version's served name: use the model's"
+                         f" name with the version route ({routed})")
+    raise BadRequest(
+        f"model {model!r} is a version's served name: use either the model's name with"
+        f" the version route ({routed}, or version={version!r}), or the served name"
+        f" without a version (models/{model}/...)")
+
+
 def served_name(model: str, version: str | None) -> str:
     """The name a model's version is served under (its keys' hash tag):
     ``<model>@<version>``, or ``model`` itself for an unversioned model."""
@@ -131,7 +152,7 @@ def split_name(name: str) -> tuple[str, str | None]:
 def sub_queue_tag(model: str, index: int) -> str:
     """The hash tag of sub-queue ``index`` of ``model``: the model's own name for
     sub-queue 0 (a model of one sub-queue keeps the keys it always had), ``<model>:<index>``
-    for the others.  Every per-queue key (``queue_key``, ``inflight_key``,
+    for the others.  Every per-queue key (``queue_key``, ``inflight_key``, ``held_key``,
     ``request_key``, ``reply_key``, ``cancelled_key``, ``bell_key``,
     ``dead_letter_key``) takes the tag in place of the model's name, so that each
     sub-queue lives in a hash slot of its own; the model's registry keys (meta,
@@ -177,6 +198,14 @@ def inflight_key(model: str, worker_id: str) -> str:
     return f"{PREFIX}:{{{model}}}:inflight:{worker_id}"
 
 
+def held_key(model: str, worker_id: str) -> str:
+    """List: the entries ``worker_id`` holds over for its next batch (an under-filled
+    length bucket, ``hold``), moved from its in-flight list's head by the PUBLISH of
+    the batch that held them, trimmed off by the next one's; requeued, before the
+    in-flight entries, by a reap.  Its TTL is the in-flight list's."""
+    return f"{PREFIX}:{{{model}}}:held:{worker_id}"
+
+
 def closed_key(tag: str) -> str:
     """String, set while a drained version's sub-queue ``tag`` is closed: the last
     worker of a draining version sets it in the step that finds the sub-queue and every
@@ -195,6 +224,15 @@ def workers_key(model: str) -> str:
     return f"{PREFIX}:{{{model}}}:workers"
 
 
+def held_aware_key(model: str) -> str:
+    """Sorted set: the members of ``workers_key`` whose worker knows held lists
+    (revision 1.4 and later), with the same lease expiry, written in the same heartbeat
+    and removed with them.  A worker holds entries over (``hold``) only while every
+    live lease of the model is here too: a reaper or drainer of an older revision
+    ignores held lists."""
+    return f"{PREFIX}:{{{model}}}:workers_held"
+
+
 def worker_info_key(model: str) -> str:
     """Hash: worker id -> JSON description (device, pid, host)."""
     return f"{PREFIX}:{{{model}}}:worker_info"
@@ -209,6 +247,18 @@ def worker_capacity_key(model: str) -> str:
 def meta_key(model: str) -> str:
     """String: the model's JSON metadata (input spec, batching policy)."""
     return f"{PREFIX}:{{{model}}}:meta"
+
+
+def sub_queues_draining_key(model: str) -> str:
+    """String: while workers drain the sub-queues above a model's shrunk count, the
+    most sub-queues any of them still claims from (more than the count); queue depths
+    count that many (``levels.level_keys``).  Written by draining workers only, with
+    each heartbeat (``lua.PUBLISH_DRAINING``); expires ``DRAINING_TTL_BEATS``
+    heartbeat intervals after the last one's."""
+    return f"{PREFIX}:{{{model}}}:sub_queues_draining"
+
+
+DRAINING_TTL_BEATS: Final = 2  # a sub_queues_draining count outlives its last beat
 
 
 def config_key(model: str) -> str:

@@ -52,14 +52,19 @@ class LiveSummary:
     levels: Levels = ONE  # its priority levels, as its workers publish them
     sub_queues: int = 1  # its sub-queues (the stored knob, else its meta's)
     versions: versions.Table = versions.EMPTY  # its routing table, if served in versions
+    max_queue_len: int | None = None  # its own queue cap, as its meta says (None: none)
 
     def fresh(self, refresh_s: float) -> bool:
         """Whether to trust it still: for ``refresh_s``, or for ``MISS_REFRESH_S`` at
         most while it says nobody serves the model (a worker that just started is seen
         within that, not after a whole ``refresh_s``)."""
+        return time.monotonic() <= self.fresh_until(refresh_s)
+
+    def fresh_until(self, refresh_s: float) -> float:
+        """The ``time.monotonic()`` after which it is stale (``fresh``)."""
         if not self.live and not self.versions:
             refresh_s = min(refresh_s, defaults.MISS_REFRESH_S)
-        return time.monotonic() - self.at <= refresh_s
+        return self.at + refresh_s
 
 
 class LiveCache:
@@ -111,15 +116,24 @@ class LiveCache:
 
     async def _read(self, model: str) -> LiveSummary:
         """One round trip (a read), repeated once on a broken connection."""
-        keys = [protocol.workers_key(model), protocol.worker_capacity_key(model),
-                protocol.meta_key(model), protocol.config_key(model),
-                protocol.versions_key(model)]
         reply: Any = await idempotent(self._redis, lambda: self._script(
-            keys=keys, args=[protocol.now_ms()]))
-        live, items_per_s, rows, known, levels, subs, table = reply
-        return LiveSummary(time.monotonic(), int(live), float(items_per_s), bool(int(rows)),
-                           bool(int(known)), from_summary(levels), sub_queue_count(subs),
-                           versions.decode(table, int(live) > 0))
+            keys=summary_keys(model), args=[protocol.now_ms()]))
+        return summary_of(reply)
+
+
+def summary_of(reply: Any) -> LiveSummary:
+    """``LIVE_SUMMARY``'s reply, read now."""
+    live, items_per_s, rows, known, levels, subs, table, cap = reply
+    return LiveSummary(time.monotonic(), int(live), float(items_per_s), bool(int(rows)),
+                       bool(int(known)), from_summary(levels), sub_queue_count(subs),
+                       versions.decode(table, int(live) > 0), int(cap) or None)
+
+
+def summary_keys(model: str) -> list[str]:
+    """``LIVE_SUMMARY``'s keys for ``model`` (all in the slot of its tag ``{model}``)."""
+    return [protocol.workers_key(model), protocol.worker_capacity_key(model),
+            protocol.meta_key(model), protocol.config_key(model),
+            protocol.versions_key(model)]
 
 
 def sub_queue_count(value: Any) -> int:

@@ -20,7 +20,7 @@ import orjson
 import redis
 
 from redbatch import knobs, metrics, protocol, scaling
-from redbatch.levels import by_level, level_keys, sub_queues_of
+from redbatch.levels import by_level, level_keys, meta_keys, queued_sub_queues_of
 from redbatch.registry import live_workers_sync
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
@@ -86,13 +86,23 @@ def _merged(workers: list[dict[str, Any]], name: str) -> list[int]:
     return counts
 
 
+def _read_meta(client: redis.Redis, model: str) -> tuple[Any, Any]:
+    """``levels.read_meta``, on a synchronous client."""
+    with client.pipeline(transaction=False) as pipe:
+        for key in meta_keys(model):
+            pipe.get(key)
+        meta, draining = pipe.execute()
+    return meta, draining
+
+
 def read_model(client: redis.Redis, model: str) -> ModelStatus:
     """One model's status now (no rates: see ``sample``)."""
     workers = live_workers_sync(client, model)
-    meta: Any = client.get(protocol.meta_key(model))
-    depths = [sum(int(client.llen(key)) for key in keys) for keys in level_keys(model, meta)]
+    meta, draining = _read_meta(client, model)
+    depths = [sum(int(client.llen(key)) for key in keys)
+              for keys in level_keys(model, meta, draining)]
     dead = sum(int(client.llen(protocol.dead_letter_key(tag)))  # every sub-queue's
-               for tag in protocol.sub_queue_tags(model, sub_queues_of(meta)))
+               for tag in protocol.sub_queue_tags(model, queued_sub_queues_of(meta, draining)))
     status = ModelStatus(model, sum(depths), dead, workers)
     if len(depths) > 1:
         status.queue_depths = by_level(depths)

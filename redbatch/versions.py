@@ -102,7 +102,9 @@ class Table:
 
     def route(self, model: str, version: str | None, rng: random.Random = RNG) -> str:
         """The served name of ``model`` for a request that pins ``version`` (None:
-        by weight); ``UnknownModel`` for a version the table lacks."""
+        by weight); ``UnknownModel`` for a version the table lacks, ``BadRequest`` for
+        one pinned on a served name (``protocol.check_pin``)."""
+        protocol.check_pin(model, version)
         if not self.versions:  # a model without versions answers as version "1"
             if version not in (None, UNVERSIONED):
                 raise UnknownModel(f"model {model!r} has no version {version!r}: it is "

@@ -233,7 +233,9 @@ def report(ledger: Ledger, raw: redis.Redis) -> int:
     answered = sum(v for k, v in ledger.codes.items() if not k.endswith("_by_gateway"))
     accepted = ledger.sent - refused
     duplicated = ledger.codes["duplicates_seen_by_gateway"]
-    leftover = sum(raw.llen(k) for k in raw.scan_iter(protocol.inflight_key("chaos", "*")))
+    leftover = sum(raw.llen(k) for pattern in (protocol.inflight_key("chaos", "*"),
+                                               protocol.held_key("chaos", "*"))
+                   for k in raw.scan_iter(pattern))  # claimed, or held over, never answered
     dead = raw.llen(protocol.dead_letter_key("chaos"))
     print("\nchaos events:")
     for event in ledger.events:
@@ -249,7 +251,7 @@ def report(ledger: Ledger, raw: redis.Redis) -> int:
     print(f"  lost                    {ledger.lost + (ledger.sent - answered - ledger.lost)}")
     print(f"  duplicated              {duplicated}")
     print(f"  late replies dropped    {ledger.codes['late_replies_seen_by_gateway']}")
-    print(f"  left in flight          {leftover}")
+    print(f"  left in flight or held  {leftover}")
     print(f"  dead letters            {dead}")
     lat = sorted(ledger.latencies)
     if lat:

@@ -152,6 +152,27 @@ async def wait_live(url: str, model: str, timeout_s: float = 30.0) -> None:
         client.close()
 
 
+DEMO_NAMES = frozenset({"mlp", "echo", "echo_tokens", "textcls", "adder", "pair", "generate",
+                        "tok", "classify_text"})
+
+
+def wait_registered(url: str, names: frozenset[str] = DEMO_NAMES,
+                    timeout_s: float = 30.0) -> set[str]:
+    """Wait until every one of ``names`` is in the model directory (``rb:models``) and
+    return what is there.  /readyz means some worker is live; a pipeline's first beat
+    comes from the worker's pipeline duty a moment after its models' first beat."""
+    client = sync_client(RedisSettings(url, socket_timeout_s=5.0))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            served = {m.decode() for m in client.zrange(protocol.MODELS_KEY, 0, -1)}
+            if names <= served or time.monotonic() > deadline:
+                return served
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
 def test_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     return {**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **extra}

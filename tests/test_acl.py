@@ -15,6 +15,7 @@ from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
 from redbatch.worker.claim import LMOVE_REFUSED
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, RedisServer, wait_live
+from tests.stream_models import counter
 
 
 @batch(name="acl_double", max_batch_size=8, batch_wait_timeout_s=0.01)
@@ -121,3 +122,17 @@ async def test_the_documented_user_serves_versions_and_drains_them(
             await asyncio.sleep(0.05)
     assert old.drained
     assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text
+
+
+async def test_the_documented_user_serves_a_streaming_model(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The streaming scripts (STEP: LPOS, LREM) run under the documented rules."""
+    url = acl_url(acl_server, documented_rules())
+    with caplog.at_level(logging.WARNING):
+        start_worker([counter()], url=url)
+        await wait_live(acl_server.url, "counter")
+        async with Client(url) as client:
+            chunks = [c async for c in client.stream("counter", {"n": 3, "tag": "s"}, 10)]
+        assert chunks == ["s0", "s1", "s2"]
+    assert "NOPERM" not in caplog.text and "can't run" not in caplog.text, caplog.text

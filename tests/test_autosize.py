@@ -24,7 +24,7 @@ from redbatch import TensorSpec, protocol, status, status_view
 from redbatch.errors import InvalidKnob
 from redbatch.knobs import check
 from redbatch.producer import Client
-from redbatch.worker import autosize
+from redbatch.worker import autosize, forward
 from redbatch.worker.autosize import AutoSizer, Curve, slot
 from redbatch.worker.forward import Forwarder
 from redbatch.worker.model import Model
@@ -405,3 +405,37 @@ def test_turning_auto_batch_off_live_clears_the_shown_sizes() -> None:
         model.policy = replace(model.policy, auto_batch=False)
         runner._use_policy()  # what the next claim does
         assert not sizer.chosen and "auto_sizes" not in runner.stats.counters()
+
+
+def _busy(seconds: float) -> None:
+    """Burn ``seconds`` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.parametrize("one_thread", [True, False])
+async def test_a_one_thread_cpu_pass_is_timed_by_its_cpu_time(
+        monkeypatch: pytest.MonkeyPatch, one_thread: bool) -> None:
+    """With one intra-op thread a pass mostly on the CPU counts its thread's CPU time
+    (here 30 ms computed, 10 ms off the core, as a pass descheduled by another process
+    is); with more threads, its wall time.  A pass mostly off the CPU (it slept, or
+    waited on I/O) counts its wall time either way."""
+    def fn(items: list[Any]) -> list[int]:
+        if len(items[0]) > 4:
+            time.sleep(0.05)
+        else:
+            _busy(0.03)
+            time.sleep(0.01)
+        return [len(x) for x in items]
+
+    monkeypatch.setattr(forward, "_one_thread", lambda: one_thread)
+    model = Model("m", fn=fn, policy=BatchPolicy(max_batch_size=8, auto_batch=True),
+                  spec=SPEC)
+    sizer = AutoSizer(explore_every=0)
+    await run_forward(model, [np.arange(1, 5) for _ in range(8)], sizer)
+    await run_forward(model, [np.arange(1, 9) for _ in range(8)], sizer)
+    computed, slept = sizer.curve(4), sizer.curve(8)
+    assert computed is not None and slept is not None
+    assert (computed.ms[8] < 38) if one_thread else (computed.ms[8] >= 40)
+    assert slept.ms[8] >= 50

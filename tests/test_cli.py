@@ -20,7 +20,17 @@ import torch
 from redbatch import Client, batch
 from redbatch.embedded import start_embedded
 from redbatch.worker.process import Worker
-from tests.conftest import ROOT, Proc, free_port, redbatch_cmd, test_env, wait_http, wait_live
+from tests.conftest import (
+    DEMO_NAMES,
+    ROOT,
+    Proc,
+    free_port,
+    redbatch_cmd,
+    test_env,
+    wait_http,
+    wait_live,
+    wait_registered,
+)
 
 
 @pytest.mark.e2e
@@ -54,9 +64,7 @@ def test_up_uses_redis_url_when_set(spawn: Callable[..., Proc], redis_url: str) 
     assert "using REDIS_URL" in proc.log()
     assert "embedded" not in proc.log()
     # the demo models and the demo pipeline
-    served = {m.decode() for m in redis.Redis.from_url(redis_url).zrange("rb:models", 0, -1)}
-    assert {"mlp", "echo", "echo_tokens", "textcls", "adder", "pair", "generate", "tok",
-            "classify_text"} <= served
+    assert wait_registered(redis_url) >= DEMO_NAMES
 
 
 @batch(name="triple", batch_wait_timeout_s=0.01)

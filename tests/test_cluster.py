@@ -298,3 +298,15 @@ async def test_a_model_over_three_sub_queues_end_to_end(redis_cluster: ClusterEn
         assert producer.stats()["listeners"] == 3
         async with translated(settings):
             assert not await producer.redis.exists(protocol.inflight_key(tags[2], "ghost"))
+
+
+async def test_a_draining_count_is_published_and_read_on_the_models_node(
+        client: aioredis.Redis) -> None:
+    from redbatch.levels import queue_depths, read_meta
+    from redbatch.worker import heartbeat
+    from tests.test_shards import warm
+
+    await client.rpush(protocol.queue_key("warm:1"), b"x")  # above its one sub-queue
+    await heartbeat.beat(client, [warm], "w1", {"warm": (b"{}", b"{}")}, 10,
+                         heartbeat.Draining({"warm": 2}, 10_000))  # scripts loaded anew
+    assert await queue_depths(client, "warm", *await read_meta(client, "warm")) == [1]

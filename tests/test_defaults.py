@@ -46,7 +46,8 @@ WORKER = {"block_timeout_s": "BLOCK_TIMEOUT_S", "heartbeat_interval_s": "HEARTBE
 POLICY = {"max_batch_size": "MAX_BATCH_SIZE", "batch_wait_timeout_s": "BATCH_WAIT_TIMEOUT_S",
           "stride_s": "STRIDE_S", "allow_small_batch": "ALLOW_SMALL_BATCH",
           "adaptive": "ADAPTIVE", "quiet_s": "QUIET_S", "max_batch_cost": "MAX_BATCH_COST",
-          "max_concurrent_batches": "MAX_CONCURRENT_BATCHES", "auto_batch": "AUTO_BATCH"}
+          "max_concurrent_batches": "MAX_CONCURRENT_BATCHES", "auto_batch": "AUTO_BATCH",
+          "hold_buckets": "HOLD_BUCKETS"}
 MODEL = {"input_name": "INPUT_NAME", "output_name": "OUTPUT_NAME", "oversize": "OVERSIZE",
          "priority_levels": "PRIORITY_LEVELS", "default_priority": "DEFAULT_PRIORITY",
          "priority_share": "PRIORITY_SHARE"}

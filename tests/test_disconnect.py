@@ -20,6 +20,7 @@ from redbatch.api import create_app
 from redbatch.embedded import free_port
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
+from tests.conftest import wait_live
 from tests.test_gateway import _wait_registered
 
 pytestmark = pytest.mark.e2e
@@ -134,3 +135,52 @@ async def test_a_cancelled_queued_request_is_not_computed(
     assert seen == [0, 99]  # 1-5 were skipped, not computed
     assert worker.runners[0].claimer.skipped == 5
     assert raw_redis.llen(protocol.queue_key("held")) == 0
+
+
+def _inc(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+async def test_a_disconnected_pipeline_request_is_skipped_at_its_next_stage(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """A pipeline request whose client went away is marked cancelled at every stage:
+    queued at the held second stage, it is skipped there, never computed."""
+    from redbatch.pipelines import Pipeline
+    from tests.test_pipelines import Workers
+
+    held, release, seen = recording_model()
+    pipe = Pipeline("hp", ["pinc", "held"])
+    workers = Workers(redis_url)
+    workers.start([Model("pinc", fn=_inc, policy=BatchPolicy(batch_wait_timeout_s=0),
+                         inline=True)], [pipe])
+    workers.start([held], [pipe])
+    try:
+        await wait_live(redis_url, "hp")
+        async with served(redis_url, default_timeout_s=20) as http:
+            first = asyncio.create_task(http.post("/v1/models/hp/predict", json={"inputs": 0}))
+            for _ in range(1000):  # the first request holds the second stage
+                if seen:
+                    break
+                await asyncio.sleep(0.02)
+            writers = [await send_and_leave(http, "hp", i) for i in range(1, 6)]
+            await until(http, lambda stats: stats["waiting"] == 6)
+            for _ in range(500):  # past the first stage, at the second
+                if not raw_redis.llen(protocol.queue_key("pinc")):
+                    break
+                await asyncio.sleep(0.02)
+            for writer in writers:
+                writer.close()
+            marked = [protocol.cancelled_key(stage) for stage in ("pinc", "held")]
+            for _ in range(500):  # the gateway marks them cancelled at each stage
+                if [raw_redis.zcard(key) for key in marked] == [5, 5]:
+                    break
+                await asyncio.sleep(0.02)
+            assert [raw_redis.zcard(key) for key in marked] == [5, 5]
+            release.set()
+            assert (await first).json() == {"outputs": 1}
+            resp = await http.post("/v1/models/hp/predict", json={"inputs": 98})
+            assert resp.status_code == 200 and resp.json() == {"outputs": 99}
+    finally:
+        release.set()
+        await workers.stop_all()
+    assert seen == [1, 99]  # 2-6 were skipped at the second stage, not computed

@@ -17,7 +17,7 @@ from redbatch import Client
 from redbatch.bench import textcls
 from redbatch.bench.mlp import build_mlp
 from redbatch.pipelines.tokenizer import token_ids
-from tests.conftest import Proc, free_port, redbatch_cmd, wait_http, wait_live
+from tests.conftest import Proc, free_port, redbatch_cmd, wait_http, wait_live, wait_registered
 from tests.test_textcls import REFERENCE
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +35,7 @@ def stack(spawn: Callable[..., Proc], redis_url: str) -> tuple[str, Proc, Proc]:
                     name="gateway")
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", 60, gateway)
+    wait_registered(redis_url)
     return base, worker, gateway
 
 

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
+from starlette.applications import Starlette
 
 from redbatch import GatewayConfig, Model, RedisSettings, TensorSpec, batch
 from redbatch.api import create_app
@@ -39,12 +40,20 @@ def broken(xs: list[int]) -> list[int]:
 
 @asynccontextmanager
 async def gateway(url: str, **config: object) -> AsyncIterator[httpx.AsyncClient]:
+    async with gateway_app(url, **config) as (_app, client):
+        yield client
+
+
+@asynccontextmanager
+async def gateway_app(url: str, **config: object
+                      ) -> AsyncIterator[tuple[Starlette, httpx.AsyncClient]]:
+    """The app (``app.state.gateway``: its ``Gateway``) and an HTTP client of it."""
     app = create_app(GatewayConfig(**config), RedisSettings(url))  # type: ignore[arg-type]
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw",
                                      timeout=10) as client:
-            yield client
+            yield app, client
 
 
 @pytest.fixture

@@ -55,6 +55,7 @@ def test_checks_name_the_knob_and_value() -> None:
                                ("max_batch_size", "16", "an integer"),
                                ("max_batch_size", True, "an integer"),
                                ("adaptive", 1, "true or false"),
+                               ("hold_buckets", "no", "true or false"),
                                ("quiet_s", 0, "0..60 s"),
                                ("max_queue_len", 0, ">= 1"),
                                ("priority_caps", [5, 0], ">= 1, got 0"),
@@ -170,6 +171,7 @@ async def test_models_listing_shows_the_effective_values(
         assert meta["policy"]["max_batch_size"] == 12  # type: ignore[index]
         assert meta["limits"]["max_queue_len"] == 50  # type: ignore[index]
         assert meta["defaults"]["max_batch_size"] == 32  # type: ignore[index]
+        assert meta["defaults"]["hold_buckets"] is True  # type: ignore[index]
         shown = (await http.get("/v1/models/listed/config")).json()
         assert shown["overrides"] == {"max_batch_size": 12, "max_queue_len": 50}
         assert shown["effective"]["max_batch_size"] == 12

@@ -1,6 +1,7 @@
 """The PUBLISH script against a real Redis: replies grouped by reply list (one RPUSH and
-one EXPIRE per list), each request answered at most once, a refused list failing its
-own requests alone, and the ack only while the in-flight head holds the batch."""
+at most one EXPIRE per list, kept until the furthest deadline of its replies), each
+request answered at most once, a refused list failing its own requests alone, and the
+ack only while the in-flight head holds the batch."""
 
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def publish(raw: redis.Redis, replies: list[tuple[str, str, bytes]], batch: list[bytes],
-            digest: str | None = None) -> list[object]:
-    """PUBLISH ``replies`` (request id, reply list, data) and ack ``batch``."""
+            digest: str | None = None, marker_ttl_ms: int = 60_000) -> list[object]:
+    """PUBLISH ``replies`` (request id, reply list, data) and ack ``batch``; each
+    request's marker TTL (its deadline) is ``marker_ttl_ms``."""
     keys: list[str] = [INFLIGHT, DEAD]
     argv: list[object] = [len(batch), protocol.REPLY_TTL_S,
                           digest or hashlib.sha1(b"".join(batch)).hexdigest(), 3600, 0]
     for request_id, reply_to, data in replies:
         keys += [protocol.request_key(MODEL, request_id), reply_to]
-        argv += [60_000, data]
+        argv += [marker_ttl_ms, data]
     raw.script_load(lua.PUBLISH)
     return list(raw.evalsha(script_sha(lua.PUBLISH), len(keys), *keys, *argv))
 
@@ -49,7 +51,8 @@ def test_replies_are_grouped_by_reply_list(raw_redis: redis.Redis) -> None:
     assert raw_redis.lrange(B, 0, -1) == [b"b1", b"b2"]
     assert 0 < raw_redis.ttl(A) <= protocol.REPLY_TTL_S and raw_redis.ttl(B) > 0
     stats = raw_redis.info("commandstats")
-    assert stats["cmdstat_rpush"]["calls"] == 2 and stats["cmdstat_expire"]["calls"] == 2
+    assert stats["cmdstat_rpush"]["calls"] == 2  # one RPUSH per list
+    assert stats["cmdstat_expire"]["calls"] == 2  # a new list: its EXPIRE NX alone
     assert raw_redis.lrange(INFLIGHT, 0, -1) == [b"next"]  # the batch acked, no more
     assert {raw_redis.get(protocol.request_key(MODEL, r)) for r, _t, _d in replies} == {b"d"}
 
@@ -95,3 +98,32 @@ def test_a_thousand_replies_to_one_list(raw_redis: redis.Redis) -> None:
     replies = [(f"r{i}", A, str(i).encode()) for i in range(2500)]
     assert publish(raw_redis, replies, []) == [1, 2500]
     assert raw_redis.lrange(A, 0, -1) == [str(i).encode() for i in range(2500)]
+
+
+def test_a_reply_list_lives_120_s_past_its_last_short_reply(raw_redis: redis.Redis) -> None:
+    """Replies whose deadlines are near: the list expires ``REPLY_TTL_S`` (120 s) after
+    the last one, as a foreign caller's contract says."""
+    publish(raw_redis, two_clients(raw_redis), [], marker_ttl_ms=60_000)
+    assert 110 <= raw_redis.ttl(A) <= 120 and 110 <= raw_redis.ttl(B) <= 120
+
+
+def test_a_reply_list_outlives_its_furthest_deadline(raw_redis: redis.Redis) -> None:
+    """A reply of a far deadline (a stage's outbox holding a hand-off record) keeps its
+    list until then; a later batch of near deadlines does not shorten it."""
+    publish(raw_redis, [("far", A, b"f")], [], marker_ttl_ms=500_400)
+    assert 490 <= raw_redis.ttl(A) <= 501
+    publish(raw_redis, [("near", A, b"n")], [], marker_ttl_ms=5_000)
+    assert 490 <= raw_redis.ttl(A) <= 501
+    assert raw_redis.lrange(A, 0, -1) == [b"f", b"n"]
+
+
+def test_a_reply_list_with_a_ttl_is_kept_longer_for_a_far_reply(raw_redis: redis.Redis
+                                                               ) -> None:
+    """A list that has its TTL already (EXPIRE NX sets nothing) is kept as long as a new
+    reply of a further deadline (EXPIRE GT): one EXPIRE more for such a list."""
+    publish(raw_redis, [("near", A, b"n")], [], marker_ttl_ms=5_000)
+    assert 110 <= raw_redis.ttl(A) <= 120
+    raw_redis.config_resetstat()
+    publish(raw_redis, [("far", A, b"f")], [], marker_ttl_ms=500_400)
+    assert 490 <= raw_redis.ttl(A) <= 501
+    assert raw_redis.info("commandstats")["cmdstat_expire"]["calls"] == 2

@@ -61,6 +61,19 @@ async def test_gateway_counts_outcomes_and_latency(http: httpx.AsyncClient) -> N
     assert sample("redbatch_inflight_requests", model="vec") == 0
 
 
+def test_a_request_duration_has_buckets_up_to_the_furthest_deadline() -> None:
+    """A long stream's duration (up to its deadline, 600 s at most) lands in a bucket
+    of its own, not all in +Inf past 60 s."""
+    for histogram in (metrics.REQUEST_DURATION, metrics.STREAM_FIRST_CHUNK):
+        child = histogram.labels("bucket-probe")
+        child.observe(250.0)
+        uppers = [s.labels["le"] for m in histogram.collect() for s in m.samples
+                  if s.name.endswith("_bucket") and s.labels["model"] == "bucket-probe"
+                  and s.value == 1.0]
+        assert uppers[0] == "300.0" and float(uppers[-2]) == protocol.MAX_TIMEOUT_S
+        histogram.remove("bucket-probe")
+
+
 async def test_v2_infer_is_counted_as_v1_predict_is(http: httpx.AsyncClient) -> None:
     ok = sample("redbatch_requests_total", model="vec", outcome="ok")
     invalid = sample("redbatch_requests_total", model="vec", outcome="invalid")

@@ -284,6 +284,54 @@ async def test_a_full_next_stage_answers_the_request_with_an_error(
     assert raw_redis.zcard(protocol.handoff_key("inc")) == 0
 
 
+async def test_a_hop_takes_the_next_stages_own_queue_cap(
+        client: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """A stage whose own ``max_queue_len`` is below the gateway's default caps its
+    hops: the ones past it are answered ``queue_full`` (cap 2) at once, well before
+    their deadline, and the stage's queue never holds more."""
+    dbl = Model("dbl", fn=lambda xs: xs, policy=POLICY, max_queue_len=2)
+    await client.set(protocol.meta_key("dbl"), orjson.dumps(dbl.meta()))
+    callers = [protocol.reply_key("calc", f"c{i}") for i in range(4)]
+    for i, reply_to in enumerate(callers):
+        await put(client, "inc", f"r{i}", ctx_json(reply_to, route=["dbl"]))
+    await hand_on(client, "inc")
+    assert raw_redis.llen(protocol.queue_key("dbl")) == 2
+    refused = [got(raw_redis, c) for c in callers if raw_redis.llen(c)]
+    assert len(refused) == 2
+    for reply in refused:
+        assert reply.error_code == "queue_full"
+        assert "stage 'dbl' is full (cap 2)" in (reply.error_message or "")
+
+
+async def test_a_stage_cap_is_the_one_in_effect(client: aioredis.Redis) -> None:
+    """The cap read is ``limits.max_queue_len`` (live overrides included), never the
+    model's own default of the knob: an override to none means none."""
+    dbl = Model("dbl", fn=lambda xs: xs, policy=POLICY, max_queue_len=2)
+    dbl.apply_knobs({"max_queue_len": None})
+    meta = dbl.meta()
+    assert meta["limits"]["max_queue_len"] is None and meta["defaults"]["max_queue_len"] == 2
+    await client.set(protocol.meta_key("dbl"), orjson.dumps(meta))
+    assert (await LiveCache(client).get("dbl")).max_queue_len is None
+    dbl.apply_knobs({"max_queue_len": 7})
+    await client.set(protocol.meta_key("dbl"), orjson.dumps(dbl.meta()))
+    assert (await LiveCache(client, 0).get("dbl")).max_queue_len == 7
+
+
+@pytest.mark.parametrize(("limits", "cap"), [
+    ('{"default_timeout_s":1.0,"max_queue_len":5}', 5),  # not the first field
+    ('{"max_queue_len": 5 , "default_timeout_s":1.0}', 5),
+    ('{"default_timeout_s":1.0}', None),
+    ('{"max_queue_len":1e4}', None),  # not an integer: no cap read, never 1
+])
+async def test_a_stage_cap_is_read_in_any_field_order(
+        client: aioredis.Redis, limits: str, cap: int | None) -> None:
+    """A foreign worker's meta may list ``limits``' fields in any order; a cap that is
+    not an integer is none (never its leading digits)."""
+    meta = f'{{"name":"dbl","policy":{{"x":{{"y":1}}}},"limits":{limits}}}'
+    await client.set(protocol.meta_key("dbl"), meta)
+    assert (await LiveCache(client, 0).get("dbl")).max_queue_len == cap
+
+
 async def test_a_pipeline_never_takes_a_served_models_name(
         client: aioredis.Redis, raw_redis: redis.Redis) -> None:
     with pytest.raises(ConfigError, match="the pipeline's name"):

@@ -492,3 +492,26 @@ async def test_a_fan_out_whose_movers_died_merges_once(
         assert len(died) == 6
         assert merged.seen == {10 * (x + 1) + x + 101: 1 for x in inputs}
         assert client.stats()["duplicates"] == 0
+
+
+async def test_a_stage_reply_waits_in_its_outbox_past_its_deadline(
+        workers: Workers, redis_url: str, raw_redis: redis.Redis) -> None:
+    """A stage's reply to a request of a long deadline, with no hand-off running yet
+    (no pipeline known): its outbox keeps it at least until that deadline."""
+    workers.start([inc()])
+    await wait_live(redis_url, "inc")
+    client = redis.asyncio.Redis.from_url(redis_url)
+    link = LeanLink(client)
+    deadline_ms = protocol.now_ms() + round(protocol.MAX_TIMEOUT_S * 1000) - 1000
+    ctx = Context("calc", ["dbl"], protocol.reply_key("calc", "c1"), deadline_ms,
+                  protocol.now_ms())
+    assert await handoff.send(link, ONE, "inc", "long-1", 3, ctx)
+    outbox = protocol.outbox_key("inc")
+    for _ in range(200):
+        if raw_redis.llen(outbox):
+            break
+        await asyncio.sleep(0.02)
+    assert raw_redis.llen(outbox) == 1
+    assert raw_redis.pttl(outbox) >= deadline_ms - protocol.now_ms()
+    await link.release()
+    await client.aclose()

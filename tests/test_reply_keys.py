@@ -155,7 +155,10 @@ async def test_a_request_that_arrives_while_its_listener_stops_is_answered(
             await until(lambda: client.stats()["listeners"] == 0, "the listener stopped")
 
         client.check_served = check_then_wait  # type: ignore[method-assign]
-        assert await client.predict("slot-a", 5, timeout_s=5) == 6
+        # version "1" (of a model served without versions): the full path, whose served
+        # check awaits (the plain path, without a priority, has no await between its
+        # checks and the waiter)
+        assert await client.predict("slot-a", 5, timeout_s=5, version="1") == 6
         assert client.stats()["listeners_started"] == 2
 
 

@@ -7,6 +7,7 @@ a dead worker's entries to the sub-queue they came from."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -16,12 +17,14 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import Client, batch, codec, lua, protocol
+from redbatch.config import RedisSettings
 from redbatch.errors import ConfigError, InvalidKnob, QueueFull
 from redbatch.jobs.throttle import queues_of, wait_for_room
 from redbatch.lean import LeanLink
-from redbatch.levels import queue_depths
+from redbatch.levels import queue_depths, read_meta, sub_queues_of
 from redbatch.producer.routing import STICK, Router, room_cap
 from redbatch.status import read_model
+from redbatch.worker import heartbeat
 from redbatch.worker.claim import Claimer
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
@@ -29,7 +32,7 @@ from redbatch.worker.process import Worker
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.shards import ShardClaimer
 from tests import stream_models
-from tests.conftest import wait_live
+from tests.conftest import FAST_WORKER, wait_live
 from tests.test_backpressure import _until, blocking_model
 from tests.test_gateway import _wait_registered, gateway
 from tests.test_reliability import TAKEOVER, raw_request, read_reply
@@ -546,3 +549,107 @@ async def test_a_failed_claim_makes_every_sub_queue_ask_its_connection_again(
         await taker.claim(4)
     assert all(taker.sub(index)._client_id is None for index in range(3))
     await client.aclose()
+
+
+SAME_HASH = ["w0", "w1", "w2"]  # crc32(id) % 3 == 1 for all three: one hashed home
+
+
+def test_homes_go_by_rank_among_the_live_workers() -> None:
+    client = aioredis.Redis.from_url("redis://127.0.0.1:1")  # never reached
+    takers = [claimer(client, worker_id, 3) for worker_id in SAME_HASH]
+    assert [t.home for t in takers] == [1, 1, 1]  # hashed, before a heartbeat read ranks
+    for taker in takers:
+        taker.rank([b"w2", b"w0", b"w1"])  # as ZRANGEBYSCORE answers: by lease, not by id
+    assert [t.home for t in takers] == [0, 1, 2]
+    takers[0].rank(None)  # not read (one sub-queue then): the last ranks stand
+    takers[1].rank([b"w1", b"w2"])  # w0 left: w1 ranks first
+    assert takers[1].home == 0
+    takers[1].rank([b"w0", b"w2"])  # gone from the live set: hashed again
+    assert [t.home for t in takers] == [0, 1, 2]
+    takers[2].resize(2)  # rank 2 over two sub-queues
+    assert takers[2].home == 0
+
+
+async def test_a_foreign_worker_id_of_any_bytes_takes_its_rank(raw_redis: redis.Redis,
+                                                                redis_url: str) -> None:
+    model = batch(name="raw", max_batch_size=4, sub_queues=2)(lambda xs: xs)
+    until = protocol.now_ms() + 60_000
+    raw_redis.zadd(protocol.workers_key("raw"), {b"\xff\xfeforeign": until, b"a": until})
+    client = aioredis.Redis.from_url(redis_url)
+    beat = await heartbeat.beat(client, [model], "w1", {"raw": (b"{}", b"{}")}, 10)
+    await client.aclose()
+    assert sorted(beat.live["raw"]) == [b"a", b"w1", b"\xff\xfeforeign"]  # bytewise
+    taker = claimer(client, "w1", 2)
+    taker.rank(beat.live["raw"])
+    assert taker.home == 1
+
+
+async def test_three_workers_of_three_sub_queues_have_three_homes(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    model = batch(name="trio", max_batch_size=4, batch_wait_timeout_s=0,
+                  sub_queues=3)(lambda xs: xs)
+    workers = [Worker([model], RedisSettings(redis_url), FAST_WORKER, worker_id=worker_id)
+               for worker_id in SAME_HASH]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(w.run(stop)) for w in workers]
+    try:
+        await _until(lambda: all(w.runners for w in workers) and sorted(
+            w.runners[0].claimer.home for w in workers) == [0, 1, 2], timeout_s=10)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    assert raw_redis.zcard(protocol.workers_key("trio")) == 0  # every one left cleanly
+
+
+async def test_depths_count_the_sub_queues_above_a_shrink_until_drained(
+        start_worker: Callable[..., Worker], raw_redis: redis.Redis, redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("redbatch.worker.shards.DRAIN_GRACE_S", 0.2)
+    model, release = blocking_model("shrunk")
+    tags = protocol.sub_queue_tags("shrunk", 3)
+    start_worker([dataclasses.replace(model, sub_queues=3)])
+    await wait_live(redis_url, "shrunk")
+    reply_to = protocol.reply_key(tags[2], "c")
+    raw_redis.rpush(protocol.queue_key(tags[2]),
+                    *[raw_request("shrunk", v, reply_to)[1] for v in range(8)])
+
+    def meta() -> bytes:
+        return raw_redis.get(protocol.meta_key("shrunk")) or b""
+
+    raw_redis.hset(protocol.config_key("shrunk"), "sub_queues", 1)  # shrunk live
+    await _until(lambda: sub_queues_of(meta()) == 1)  # the worker publishes S = 1
+    await asyncio.sleep(0.5)  # the worker holds what it claimed, in its forward pass
+    queued = raw_redis.llen(protocol.queue_key(tags[2]))
+    assert queued > 0
+    client = aioredis.Redis.from_url(redis_url)
+    assert await queue_depths(client, "shrunk", *await read_meta(client, "shrunk")) == [
+        queued]  # /metrics
+    assert len(await queues_of(client, "shrunk", None)) == 3  # a bulk job's pacing
+    await client.aclose()
+    assert read_model(raw_redis, "shrunk").queue_depth == queued  # redbatch status
+    assert raw_redis.llen(protocol.queue_key(tags[2])) == queued
+    release.set()
+    draining = protocol.sub_queues_draining_key("shrunk")
+    await _until(lambda: not raw_redis.exists(draining))  # drained: the count expires
+    assert raw_redis.llen(protocol.queue_key(tags[2])) == 0
+
+
+async def test_a_workers_beat_leaves_another_ones_draining_count(
+        raw_redis: redis.Redis, redis_url: str) -> None:
+    model = batch(name="lww", max_batch_size=4, sub_queues=1)(lambda xs: xs)
+    fields = {"lww": (b"{}", b"{}")}
+    client = aioredis.Redis.from_url(redis_url)
+    await heartbeat.beat(client, [model], "A", fields, 10,
+                         heartbeat.Draining({"lww": 3}, 60_000))  # drains 1 and 2
+    await heartbeat.beat(client, [model], "B", fields, 10)  # started after the shrink
+    await heartbeat.beat(client, [model], "C", fields, 10,
+                         heartbeat.Draining({"lww": 2}, 60_000))  # drains fewer
+    raw_redis.rpush(protocol.queue_key("lww:2"), b"x", b"y")
+    raw_redis.rpush(protocol.dead_letter_key("lww:1"), b"z")
+    assert await queue_depths(client, "lww", *await read_meta(client, "lww")) == [2]
+    assert len(await queues_of(client, "lww", None)) == 3
+    await client.aclose()
+    assert read_model(raw_redis, "lww").queue_depth == 2
+    assert read_model(raw_redis, "lww").dead_letters == 1  # above S too
+    assert sub_queues_of(raw_redis.get(protocol.meta_key("lww"))) == 1  # the meta: S
+    assert 0 < raw_redis.pttl(protocol.sub_queues_draining_key("lww")) <= 60_000

@@ -14,6 +14,7 @@ import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from redbatch import GatewayConfig, RedisSettings, codec, lua_stream, protocol
 from redbatch.api import create_app
@@ -278,6 +279,48 @@ async def test_http_client_that_disconnects_cancels_its_stream(
     await _assert_dropped(raw_redis, request_id)
 
 
+def _scraped(text: str, name: str) -> float:
+    """The sample ``name{model="counter"}`` of a /metrics scrape (0: none yet)."""
+    for family in text_string_to_metric_families(text):
+        for each in family.samples:
+            if each.name == name and each.labels.get("model") == "counter":
+                return float(each.value)
+    return 0.0
+
+
+async def test_a_streamed_answer_is_in_flight_and_timed_to_its_last_chunk(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first chunk is timed on its own; its request duration is observed, and it
+    leaves the in-flight gauge, once the last chunk is sent, not at the first."""
+    await _slow_counter(start_worker, redis_url, monkeypatch, 0.05)
+    async with served(redis_url) as http:
+        await http.post("/v1/models/counter/predict", json={"n": 1})  # the model known
+        before = (await http.get("/metrics")).text
+        durations = _scraped(before, "redbatch_request_duration_seconds_count")
+        firsts = _scraped(before, "redbatch_stream_first_chunk_seconds_count")
+        async with http.stream("POST", "/v1/models/counter/predict", json={"n": 20},
+                               headers={"accept": "text/event-stream"}) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data:"):
+                    break
+            mid = (await http.get("/metrics")).text
+            assert _scraped(mid, "redbatch_stream_first_chunk_seconds_count") == firsts + 1
+            assert _scraped(mid, "redbatch_inflight_requests") == 1  # still streaming
+            assert _scraped(mid, "redbatch_request_duration_seconds_count") == durations
+            events = [line async for line in lines if line.startswith("data:")]
+            assert '"last":true' in events[-1]
+        for _ in range(100):  # counted once the server has sent the last event
+            after = (await http.get("/metrics")).text
+            if _scraped(after, "redbatch_inflight_requests") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert _scraped(after, "redbatch_request_duration_seconds_count") == durations + 1
+        assert _scraped(after, "redbatch_inflight_requests") == 0
+        assert _scraped(after, "redbatch_stream_first_chunk_seconds_count") == firsts + 1
+
+
 # --- the stream reaper, on entries laid out by hand --------------------------------
 def _entry(reply_to: str, attempt: int = 0, fmt: Format = "msgpack"
            ) -> tuple[protocol.Request, bytes]:
@@ -327,6 +370,18 @@ async def test_stream_and_predict_on_the_wrong_kind_of_model_fail_at_once(
             await _collect(client, "adder", 1, timeout_s=20)
         with pytest.raises(InvalidPayload, match="streams its answers"):
             await asyncio.wait_for(client.predict("counter", {"n": 2}, 20), 5)
+
+
+async def test_v2_infer_on_a_streaming_model_names_the_generate_endpoints(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([counter()])
+    await wait_live(redis_url, "counter")
+    body = {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1], "data": [2]}]}
+    async with gateway(redis_url) as http:
+        for path in ("/v2/models/counter/infer", "/v2/models/counter/versions/1/infer"):
+            resp = await http.post(path, json=body)
+            assert resp.status_code == 400, resp.text
+            assert "generate_stream" in resp.json()["error"], resp.text
 
 
 async def test_bench_naive_server_streams_one_request_at_a_time() -> None:

@@ -15,7 +15,7 @@ import redis
 
 from redbatch import Client, ConfigError, Model, batch, configfile, defaults, protocol, versions
 from redbatch.cli import main
-from redbatch.errors import NoLiveWorkers, UnknownModel
+from redbatch.errors import BadRequest, NoLiveWorkers, UnknownModel
 from redbatch.producer import SyncClient
 from redbatch.versions import Table, Version
 from redbatch.worker.policy import BatchPolicy
@@ -492,3 +492,44 @@ async def test_a_request_split_by_a_cold_table_is_counted_under_its_model(
             == 200
         scraped = (await http.get("/metrics")).text
     assert 'redbatch_requests_total{model="vm",outcome="ok"} 1.0' in scraped, scraped
+
+
+async def test_a_served_name_with_a_version_route_is_refused(two: Client,
+                                                            redis_url: str) -> None:
+    """``vm@1`` names a version already: pinning one more (route or ``version=``) is a
+    clear 400 naming the two right forms, never a 200 from whichever wins."""
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/models/vm@1/versions/1/predict", json={"inputs": 5})
+        assert resp.status_code == 400, resp.text
+        assert "models/vm/versions/1/" in resp.json()["error"]["message"]
+        body = {"inputs": [{"name": "inputs", "datatype": "INT64", "shape": [1],
+                            "data": [1]}]}
+        resp = await http.post("/v2/models/vm@1/versions/1/infer", json=body)
+        assert resp.status_code == 400 and "models/vm/versions/1/" in resp.text, resp.text
+        assert "models/vm@1/" not in resp.text  # v2 takes no served name: not a fix there
+        assert (await http.post("/v2/models/vm@1/infer", json=body)).status_code == 404
+        assert (await http.get("/v2/models/vm@1/versions/1/ready")).status_code == 400
+        assert (await http.post("/v1/models/vm@1/predict", json={"inputs": 5})).json() \
+            == {"outputs": 105}
+    with pytest.raises(BadRequest, match="served name"):
+        await two.submit("vm@1", 5, version="1")
+    assert await (await two.submit("vm@1", 5)) == 105
+
+
+async def test_a_pin_on_a_name_that_is_no_name_says_so(two: Client, redis_url: str) -> None:
+    """An illegal name with a version route is refused for its name, not as a
+    served name: a 404 over v2 (as any non-name), a 422 naming the bad name over v1."""
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v2/models/bad!@x/versions/1/infer", json={"inputs": []})
+        assert resp.status_code == 404 and "served name" not in resp.text, resp.text
+        resp = await http.post("/v1/models/bad!@x/versions/1/predict", json={"inputs": 5})
+        assert resp.status_code == 422, resp.text  # v1's answer to a bad model name
+        assert "invalid model name" in resp.json()["error"]["message"]
+
+
+async def test_a_pin_on_a_served_name_is_refused_before_any_read() -> None:
+    """The pure-input 400 costs no Redis call: a client whose Redis is unreachable
+    still answers it (never the 503 of the read it would have made)."""
+    client = Client("redis://127.0.0.1:1/0")
+    with pytest.raises(BadRequest, match="served name"):
+        await client.route("vm@1", "1")

@@ -10,6 +10,7 @@ queue cap) travel with each call; the request metrics are recorded here too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import orjson
+from prometheus_client import Gauge, Histogram
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -29,6 +31,7 @@ from redbatch.api.directory import ModelDirectory, ModelInfo
 from redbatch.api.errors import error_response, from_exception
 from redbatch.config import GatewayConfig
 from redbatch.errors import BadRequest, DeadlineExceeded, RedbatchError, error_from_code
+from redbatch.pipelines.definition import meta_stages
 from redbatch.producer import packing
 from redbatch.producer.admission import no_live_workers
 from redbatch.producer.client import Client
@@ -72,6 +75,7 @@ class Pending:
     request_id: str
     deadline_ms: int
     future: asyncio.Future[Reply]
+    stages: tuple[str, ...] = ()  # a pipeline request's: its stages (each one skips it)
 
 
 class InferCore:
@@ -94,6 +98,8 @@ class InferCore:
         config = self.config
         lookup_ms = arrived_ms + round(1000 * body.timeout_s(
             headers, {}, config.default_timeout_s, config.max_timeout_s))
+        if version is None and self.client.direct(model):  # its own name; a live worker
+            return await self.directory.get(model, lookup_ms)
         name = await self.client.route(model, version, lookup_ms)
         info = await self.directory.get(name, lookup_ms)
         if not await self.client.live_workers(name, lookup_ms):
@@ -141,7 +147,8 @@ class InferCore:
                     version: str | None = None) -> None:
         """Answer ``POST`` or ``GET /v1/models/{model}[/versions/{version}]/predict``
         (metered under the served name of the version that answers, when known)."""
-        version = version or self.client.cached_pick(model)
+        if not version:  # a plain model has no version to pick (no table read)
+            version = None if self.client.direct(model) else self.client.cached_pick(model)
         response = await self.metered(protocol.served_name(model, version),
                                       self._respond(model, scope, receive, version))
         await response(scope, receive, send)
@@ -192,7 +199,7 @@ class InferCore:
         request_id = pending.request_id
         watch = asyncio.get_running_loop().call_later(  # most end first: no task, no Pending
             WATCH_AFTER_S, self._watch, pending.tag or model, request_id, deadline_ms, pending,
-            receive)
+            receive, info.meta)
         try:
             reply = await pending
         except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request
@@ -224,17 +231,25 @@ class InferCore:
 
     # --- metrics ---------------------------------------------------------------
     async def metered(self, model: str, respond: Awaitable[AnswerT]) -> AnswerT:
-        """``respond``'s response, counted: duration, in flight, outcome by status."""
+        """``respond``'s response, counted: duration, in flight, outcome by status.  A
+        streamed answer counts its first chunk now, its duration and its time in flight
+        once its last chunk is sent (``StreamAnswer.on_end``)."""
         started = time.perf_counter()
         inflight = self.meters.get(self._label(model))[1]
         inflight.inc()
         try:
             response = await respond
-        finally:
+        except BaseException:
             inflight.dec()
-        duration, _, outcomes = self.meters.get(self._label(model))
+            raise
+        label = self._label(model)
+        duration, _, outcomes = self.meters.get(label)
         outcomes[metrics.outcome_of(response.status_code)].inc()
-        duration.observe(time.perf_counter() - started)
+        if isinstance(response, streaming.StreamAnswer):
+            self.meters.first_chunk(label).observe(time.perf_counter() - started)
+            response.on_end = functools.partial(_ended, inflight, duration, started)
+        else:
+            _ended(inflight, duration, started)
         return response
 
     def _label(self, model: str) -> str:
@@ -249,10 +264,10 @@ class InferCore:
 
     # --- disconnects -------------------------------------------------------------
     def _watch(self, model: str, request_id: str, deadline_ms: int,
-               future: asyncio.Future[Reply], receive: Receive) -> None:
+               future: asyncio.Future[Reply], receive: Receive, meta: dict[str, Any]) -> None:
         """A request still waiting after ``WATCH_AFTER_S``: from now on, its client's
         disconnect cancels it (quick ones, most of them, never cost a task)."""
-        pending = Pending(model, request_id, deadline_ms, future)
+        pending = Pending(model, request_id, deadline_ms, future, meta_stages(meta))
         task = asyncio.create_task(self._on_disconnect(pending, receive))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
@@ -272,12 +287,28 @@ class InferCore:
         task.add_done_callback(self._watchers.discard)
 
     async def _mark_cancelled(self, pending: Pending) -> None:
+        """Mark the request cancelled where it is claimed: at its model, or at every
+        stage of its pipeline (each stage's workers skip it: the stage it is queued at,
+        or the next one it reaches), each stage's set in its own slot.  One stage after
+        another, the last first (so a request cannot slip past an unmarked later stage),
+        on one pool connection at a time: a mass disconnect takes no more of the pool
+        the requests share than a model's."""
+        for tag in reversed(pending.stages or (pending.model,)):
+            await self._mark_one(tag, pending)
+
+    async def _mark_one(self, tag: str, pending: Pending) -> None:
         try:
-            await self.client.mark_cancelled(pending.model, pending.request_id,
-                                             pending.deadline_ms)
+            await self.client.mark_cancelled(tag, pending.request_id, pending.deadline_ms)
         except RedbatchError as exc:
             log.warning("could not mark request %s of model %s cancelled: %s",
-                        pending.request_id, pending.model, exc)
+                        pending.request_id, tag, exc)
+
+
+def _ended(inflight: Gauge, duration: Histogram, started: float) -> None:
+    """A request's answer is sent (a stream's last chunk): counted out, its duration
+    observed."""
+    inflight.dec()
+    duration.observe(time.perf_counter() - started)
 
 
 class PredictEndpoint:

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from redbatch import defaults, protocol, versions
 from redbatch.config import RedisSettings
-from redbatch.levels import by_level, queue_depths
+from redbatch.levels import by_level, queue_depths, read_meta
 from redbatch.producer.admission import unknown_model
 from redbatch.redis_conn import deadline_bound, idempotent, translated
 from redbatch.registry import live_workers
@@ -88,8 +88,8 @@ class ModelDirectory:
                 "workers": [w for d in described.values() for w in d["workers"]]}
 
     async def _describe(self, name: str) -> dict[str, Any]:
-        raw = await self._redis.get(protocol.meta_key(name))
-        depths = await queue_depths(self._redis, name, raw)
+        raw, draining = await read_meta(self._redis, name)
+        depths = await queue_depths(self._redis, name, raw, draining)
         workers = await live_workers(self._redis, name)
         meta = orjson.loads(raw) if raw else {"name": name}
         if len(depths) > 1:  # a multi-level model: its depth counts every level

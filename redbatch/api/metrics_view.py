@@ -1,15 +1,16 @@
 """``GET /metrics``: the gateway's Prometheus metrics, with each model's queue depth,
 live workers and autoscaling signals (``redbatch.scaling``) read from Redis at scrape
-time: per model, a GET, an LLEN per priority level and one read-only script call."""
+time: per model, its meta and sub-queues draining count (``levels.read_meta``, one
+round trip), an LLEN per priority level and sub-queue, and one read-only script call."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
-from redbatch import metrics, protocol, scaling
+from redbatch import metrics, scaling
 from redbatch.errors import RedbatchError
-from redbatch.levels import by_level, queue_depths
+from redbatch.levels import by_level, queue_depths, read_meta
 from redbatch.redis_conn import translated
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ async def refresh_gauges(gateway: Gateway) -> None:
     redis = gateway.redis
     for name in await gateway.directory.model_names():
         async with translated(gateway.redis_settings):
-            depths = await queue_depths(redis, name, await redis.get(protocol.meta_key(name)))
+            depths = await queue_depths(redis, name, *await read_meta(redis, name))
             rates = await gateway.fleet.rates(name)
         metrics.QUEUE_DEPTH.labels(name).set(sum(depths))  # every level
         for level, depth in by_level(depths).items() if len(depths) > 1 else ():

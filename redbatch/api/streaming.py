@@ -103,12 +103,21 @@ class StreamAnswer(Response):
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.stream, self.first, self.sse = stream, first, sse
         self.shape, self.final = shapes
+        self.on_end: Callable[[], None] | None = None  # called once the answer is over
 
     def event(self, data: dict[str, Any]) -> bytes:
         line = orjson.dumps(data, default=body.jsonable, option=orjson.OPT_SERIALIZE_NUMPY)
         return b"data: " + line + b"\n\n" if self.sse else line + b"\n"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._answer(receive, send)
+        finally:
+            if self.on_end is not None:
+                self.on_end()
+
+    async def _answer(self, receive: Receive, send: Send) -> None:
+        """The events, the last one included, unless the client leaves or stalls."""
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         gone = asyncio.create_task(_disconnect(receive))

@@ -12,6 +12,7 @@ the v2 shape ``{"error": "message"}``; the status comes from ``redbatch.api.erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -40,6 +41,7 @@ from redbatch.api.v2_tensors import (
 )
 from redbatch.errors import (
     BadRequest,
+    InvalidPayload,
     ModelError,
     NoLiveWorkers,
     QueueFull,
@@ -429,6 +431,8 @@ class V2Api:
         name: str = request.path_params["name"]
         version: str | None = request.path_params.get("version")
         if not protocol.MODEL_NAME_RE.fullmatch(name):
+            with contextlib.suppress(InvalidPayload):  # not a name at all: the 404
+                protocol.check_pin(name, version, served_route=False)
             raise UnknownModel(f"unknown model {name!r}: not a model name")
         if version is not None and not protocol.VERSION_RE.fullmatch(version):
             raise UnknownModel(f"model {name!r} has no version {version!r}")
@@ -482,6 +486,9 @@ class V2Api:
         headers = dict(request.headers.raw)
         name, version = self._name(request)
         info = await core.served(name, headers, arrived_ms, version)
+        if info.meta.get(protocol.F_STREAMING):
+            raise BadRequest(f"model {name!r} streams its answers: use its generate_stream "
+                             "endpoint (or generate, for the chunks joined in one answer)")
         raw = await core.read(headers, request.receive)
         if info.signature is not None:
             return await self._infer_named(info, raw, headers, arrived_ms)

@@ -87,7 +87,7 @@ def start(procs: Procs, count: int, tags: list[str] = MODELS) -> Shards:
     addresses = [f"{HOST}:{port}" for port in ports]
     cluster.create(addresses)
     url = cluster.url(addresses)
-    rows = place(RedisSettings(url), tags, apply=True)
+    rows = place(RedisSettings(url), tags, apply=True).rows
     cluster.wait_ok(addresses)
     return Shards(count, ports, url, {m: planned.port for m, _s, _o, planned in rows})
 

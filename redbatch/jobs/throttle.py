@@ -18,8 +18,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from redbatch import protocol
-from redbatch.levels import level_keys, of_meta
+from redbatch.levels import level_keys, of_meta, read_meta
 
 FIRST_DELAY_S = 0.005
 MAX_DELAY_S = 0.05
@@ -33,9 +32,8 @@ async def queue_of(redis: aioredis.Redis, model: str, priority: int | None) -> s
 
 async def queues_of(redis: aioredis.Redis, model: str, priority: int | None) -> list[str]:
     """``queue_of`` in every sub-queue of a model split into several (one for most)."""
-    raw = await redis.get(protocol.meta_key(model))
-    levels = of_meta(raw)
-    return level_keys(model, raw)[levels.resolve(model, priority) - 1]
+    raw, draining = await read_meta(redis, model)
+    return level_keys(model, raw, draining)[of_meta(raw).resolve(model, priority) - 1]
 
 
 async def _depth(redis: aioredis.Redis, keys: list[str]) -> int:

@@ -30,6 +30,7 @@ class PipelineBook:
         self._read_at = -float("inf")  # the last read that succeeded
         self._tried_at = -float("inf")  # the last read started
         self._flight: asyncio.Future[None] | None = None
+        self.changes = 0  # counts the changes of its answers (a read landed, names dropped)
 
     def settled(self, name: str) -> bool:
         """True if the book answers for ``name`` without a read (``known``); a stale
@@ -59,12 +60,17 @@ class PipelineBook:
         if name not in self._known:
             if len(self._models) >= MAX_MODEL_NAMES:
                 self._models.clear()
+                self.changes += 1
             self._models.add(name)
 
     def aclose(self) -> None:
         """Cancel a read in flight (the client closes)."""
         if self._flight is not None:
             self._flight.cancel()
+
+    def quiet_until(self) -> float:
+        """The ``time.monotonic()`` until which ``settled`` starts no read."""
+        return self._tried_at + self._refresh_s
 
     def _due(self) -> bool:
         return time.monotonic() - self._tried_at > self._refresh_s
@@ -87,3 +93,4 @@ class PipelineBook:
                                lambda: self._redis.hgetall(protocol.PIPELINES_KEY))
         self._known = parse_registry(raw)
         self._read_at = time.monotonic()
+        self.changes += 1

@@ -86,6 +86,16 @@ def _step(raw: Any) -> str | list[str]:
     return [str(s) for s in raw] if isinstance(raw, list) else str(raw)
 
 
+def meta_stages(meta: dict[str, Any]) -> tuple[str, ...]:
+    """The stages (fan-out branches included) that a pipeline's metadata names; () for
+    a model's metadata (``kind`` is not ``pipeline``)."""
+    stages = meta.get("stages")
+    if meta.get("kind") != "pipeline" or not isinstance(stages, list):
+        return ()
+    return tuple(m for step in stages for m in (step if isinstance(step, list) else [step])
+                 if isinstance(m, str))
+
+
 def parse_registry(raw: dict[Any, Any]) -> dict[str, Pipeline]:
     """The definitions of an ``HGETALL rb:pipelines``; a bad one is skipped."""
     found: dict[str, Pipeline] = {}

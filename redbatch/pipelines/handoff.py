@@ -75,6 +75,12 @@ def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx:
                    ctx, request_id)
 
 
+def hop_cap(own: int | None) -> int:
+    """The cap of a stage's queue for a hand-off: the stage's own ``max_queue_len``
+    (None: none) where lower than ``MAX_QUEUE_LEN``, a gateway's default."""
+    return defaults.MAX_QUEUE_LEN if own is None else min(defaults.MAX_QUEUE_LEN, own)
+
+
 def stage_full(stage: str, cap: int) -> QueueFull:
     """The error of a request that ``stage``'s queue refused (it held ``cap``)."""
     return QueueFull(f"queue of pipeline stage {stage!r} is full (cap {cap})",

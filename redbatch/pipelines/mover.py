@@ -164,13 +164,21 @@ class Mover:
             return [handoff.deliver_command(reply.id, handoff.final_wire(late, ctx, named),
                                             ctx)]
         if isinstance(nxt, list):  # a fan-out: each branch gets the output
-            return [handoff.send_command(
-                (await self._live.get(branch)).levels, branch, reply.id, reply.payload,
-                ctx.passed(self.stage, reply.timings, branch, nxt)) for branch in nxt]
+            return [await self._send(branch, reply.id, reply.payload,
+                                     ctx.passed(self.stage, reply.timings, branch, nxt))
+                    for branch in nxt]
         if ctx.branch:  # the end of a branch: its part of the merge stage's input
             return await self._part(reply, ctx, nxt)
-        return [handoff.send_command((await self._live.get(nxt)).levels, nxt, reply.id,
-                                     reply.payload, ctx.passed(self.stage, reply.timings))]
+        return [await self._send(nxt, reply.id, reply.payload,
+                                 ctx.passed(self.stage, reply.timings))]
+
+    async def _send(self, stage: str, request_id: str, payload: Any, ctx: Context
+                    ) -> handoff.Command:
+        """The request's entry at ``stage``, under that stage's levels and own queue
+        cap (its live summary, cached)."""
+        summary = await self._live.get(stage)
+        return handoff.send_command(summary.levels, stage, request_id, payload, ctx,
+                                    handoff.hop_cap(summary.max_queue_len))
 
     async def _part(self, reply: Reply, ctx: Context, merge: str) -> list[handoff.Command]:
         """Keep this branch's output at the merge stage (once); the branch that brings
@@ -186,8 +194,7 @@ class Mover:
         parts = {got[i].decode(): codec.decode(got[i + 1])[protocol.F_PART]
                  for i in range(0, len(got), 2)}
         merged = {branch: parts[branch] for branch in ctx.branches}
-        send = handoff.send_command((await self._live.get(merge)).levels, merge, reply.id,
-                                    merged, ctx.passed(self.stage, reply.timings))
+        send = await self._send(merge, reply.id, merged, ctx.passed(self.stage, reply.timings))
         return [send, handoff.Command(lua.HANDOFF_FORGET, [protocol.parts_key(merge, reply.id)],
                                       [], merge)]  # sent (same write, after it): dropped
 

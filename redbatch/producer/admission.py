@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redbatch import defaults, protocol
 from redbatch.errors import NoLiveWorkers, QueueFull, UnknownModel
 from redbatch.levels import Levels
-from redbatch.registry import LiveCache
+from redbatch.registry import LiveCache, LiveSummary
 from redbatch.versions import Table
 
 REFRESH_S = defaults.LIVE_REFRESH_S
@@ -53,19 +53,28 @@ class Admission:
         process's ``max_queue_len``."""
         return self.max_queue_len if own is None else min(self.max_queue_len, own)
 
+    def summary_cached(self, model: str) -> LiveSummary | None:
+        """The model's live summary from the cache, or None when it is stale (no I/O)."""
+        return self._live.cached(model)
+
+    def fresh_until(self, summary: LiveSummary) -> float:
+        """The ``time.monotonic()`` after which ``summary_cached`` no longer returns
+        ``summary`` (no read replaces a summary before then)."""
+        return summary.fresh_until(self._live.refresh_s)
+
     def live_cached(self, model: str) -> int | None:
         """Live workers from the cache, or None when it is stale (no I/O)."""
-        summary = self._live.cached(model)
+        summary = self.summary_cached(model)
         return None if summary is None else summary.live
 
     def served_cached(self, model: str) -> bool:
         """True when the cache (fresh) knows ``model`` has a live worker (no I/O)."""
-        summary = self._live.cached(model)
+        summary = self.summary_cached(model)
         return summary is not None and summary.live > 0
 
     def table_cached(self, model: str) -> Table | None:
         """The model's version routing table from the cache, or None when stale."""
-        summary = self._live.cached(model)
+        summary = self.summary_cached(model)
         return None if summary is None else summary.versions
 
     async def table(self, model: str) -> Table:
@@ -94,7 +103,7 @@ class Admission:
 
     def sub_queues_cached(self, model: str) -> int | None:
         """The model's sub-queues from the cache, or None when it is stale (no I/O)."""
-        summary = self._live.cached(model)
+        summary = self.summary_cached(model)
         return None if summary is None else summary.sub_queues
 
     async def sub_queues(self, model: str) -> int:

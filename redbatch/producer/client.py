@@ -25,6 +25,7 @@ from redbatch.producer.admission import Admission
 from redbatch.producer.enqueuer import Enqueuer, Outcome
 from redbatch.producer.listener import RequestFuture
 from redbatch.producer.listeners import Listeners
+from redbatch.producer.plain import PlainModels
 from redbatch.producer.replication import check_replicas
 from redbatch.producer.streams import ChunkQueue, Stream
 from redbatch.protocol import Request
@@ -123,6 +124,7 @@ class Client:
             self._redis = redis
             self._admission = Admission(redis, self.max_queue_len)
             self._pipelines = PipelineBook(redis)
+            self._plain = PlainModels(self._admission, self._pipelines)
             self._pipeline_link = LeanLink(redis)  # one held connection: pipeline entries
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
@@ -187,6 +189,7 @@ class Client:
         the version it pins (``version``) or its routing table picks by weight
         (``redbatch.versions``); the table comes with the model's live summary (cached
         for a second: no read per request)."""
+        protocol.check_pin(model, version)  # input only: refused before any read
         if version is not None:
             protocol.check_version(version)
         elif protocol.VERSION_SEP in model:  # a version's served name: as if pinned
@@ -204,6 +207,14 @@ class Client:
         assert version is not None
         table = await self.table(model, deadline_ms)
         return table.route(model, version) if version in table.versions else name
+
+    def direct(self, model: str) -> bool:
+        """Whether a request for ``model`` that pins no version goes straight to the
+        model's own queue (``redbatch.producer.plain``): served without versions, in
+        one sub-queue, by a live worker, and no pipeline, as the cached live summary
+        and the pipeline book know (no I/O; False while that summary is stale or the
+        book has never answered for ``model``). The gateway skips its look-ups then."""
+        return self._listeners is not None and self._plain.plain(model)
 
     def cached_pick(self, model: str) -> str | None:
         """The version a request for ``model`` that pins none goes to, picked by weight
@@ -351,13 +362,17 @@ class Client:
         listeners = self._listeners
         assert listeners is not None
         protocol.check_model_name(model)
+        self._check_room(listeners, count)
+        if self.require_workers:
+            await self.check_served(model, deadline_ms)
+        return listeners
+
+    def _check_room(self, listeners: Listeners, count: int) -> None:
+        """``QueueFull`` unless ``count`` more waiters fit under ``max_waiters``."""
         if (waiting := listeners.waiting) + count > self.max_waiters:
             raise QueueFull(f"{count} more requests would pass this process's "
                             f"max_waiters={self.max_waiters} ({waiting} already wait)",
                             defaults.RETRY_AFTER_S)
-        if self.require_workers:
-            await self.check_served(model, deadline_ms)
-        return listeners
 
     def _deadline(self, timeout_s: float | None, deadline_ms: int | None) -> int:
         return self.deadline_ms(timeout_s) if deadline_ms is None else deadline_ms
@@ -379,16 +394,15 @@ class Client:
         out of its range: ``InvalidPayload``); ``version``: the model's version to run
         (None: by its routing table's weights, ``redbatch.versions``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
-        model = await self._routed(model, version, deadline)
-        listeners = await self._ready(model, 1, deadline)
-        pipeline = self._pipelines.known(model) if self._pipelines.settled(model) \
-            else await self._pipeline(model, deadline)
+        direct = self._plain_ready(model, version, 1)
+        model, listeners, pipeline = (model, direct, None) if direct is not None \
+            else await self._resolve(model, version, 1, deadline)
         if pipeline is not None:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
                                      request_id, trace_id, asked_priority(priority),
                                      cap=max_queue_len)
         level = 0 if priority is None else await self._level(model, priority)
-        tag = await self._route(model, request_id)
+        tag = model if direct is not None else await self._route(model, request_id)
         request = self._request(model, inputs, deadline, request_id, listeners.reply_to(tag),
                                 trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
@@ -417,11 +431,10 @@ class Client:
         if not inputs:
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
-        model = await self._routed(model, version, deadline)
+        direct = self._plain_ready(model, version, len(inputs))
+        model, listeners, pipeline = (model, direct, None) if direct is not None \
+            else await self._resolve(model, version, len(inputs), deadline)
         ids: list[str | None] = list(request_ids) if request_ids else [None] * len(inputs)
-        listeners = await self._ready(model, len(inputs), deadline)
-        pipeline = self._pipelines.known(model) if self._pipelines.settled(model) \
-            else await self._pipeline(model, deadline)
         if pipeline is not None:  # one entry per input
             return list(await asyncio.gather(*(
                 self._enter(pipeline, listeners, x, deadline, reply, rid, "",
@@ -429,7 +442,7 @@ class Client:
                             max_queue_len)
                 for x, rid in zip(inputs, ids, strict=True))))
         level = 0 if priority is None else await self._level(model, priority)
-        first = await self._route(model, ids[0])  # one push per sub-queue
+        first = model if direct is not None else await self._route(model, ids[0])
         groups = await self._route_many(model, ids, first) if request_ids and first != model \
             else {first: list(range(len(ids)))}
         built = {tag: [self._request(model, inputs[i], deadline, ids[i],
@@ -462,6 +475,27 @@ class Client:
         for index in range(1, len(ids)):
             groups.setdefault(await self._route(model, ids[index]), []).append(index)
         return groups
+
+    def _plain_ready(self, model: str, version: str | None, count: int) -> Listeners | None:
+        """The listeners, when a request for ``model`` that pins no ``version`` takes
+        the plain path (``PlainModels``: to the model's own queue, no step awaited)
+        and ``count`` more waiters fit; None: the full path (``_resolve``)."""
+        listeners = self._listeners
+        if version is not None or listeners is None or not self._plain.plain(model):
+            return None
+        self._check_room(listeners, count)
+        return listeners
+
+    async def _resolve(self, model: str, version: str | None, count: int, deadline_ms: int
+                       ) -> tuple[str, Listeners, Pipeline | None]:
+        """The full path: the served name a request for ``model`` goes to
+        (``_routed``), the listeners once ``count`` more waiters fit (``_ready``), and
+        the pipeline of that name (None: a model's)."""
+        model = await self._routed(model, version, deadline_ms)
+        listeners = await self._ready(model, count, deadline_ms)
+        pipeline = self._pipelines.known(model) if self._pipelines.settled(model) \
+            else await self._pipeline(model, deadline_ms)
+        return model, listeners, pipeline
 
     async def _routed(self, model: str, version: str | None, deadline_ms: int) -> str:
         """``route``, unless the client queues for workers to come

@@ -119,6 +119,14 @@ class AutoSizer:
             return self._neighbour(curve, best, cap)
         return best
 
+    def target(self, bucket: int | None, cap: int) -> int:
+        """The size ``size`` would choose for ``bucket`` now, exploration aside and
+        nothing recorded: what a claim must bring of the bucket to fill its pass."""
+        curve = self._curves.get(bucket)
+        if curve is None or curve.passes < WARMUP_PASSES:
+            return cap
+        return min(curve.best(cap, self.budget_ms), cap)
+
     def _neighbour(self, curve: Curve, best: int, cap: int) -> int:
         """Half or double ``best`` (within 1..cap), one not measured yet first."""
         sides = sorted({max(1, best // 2), min(cap, best * 2)} - {best})

@@ -139,6 +139,12 @@ class Claimer:
         """Form the next batches under ``policy`` (a live change, between batches)."""
         self._policy = policy
 
+    @property
+    def precise(self) -> bool:
+        """Its waits end on time: a connection of its own, which ``CLIENT UNBLOCK``
+        can end (none on a cluster: a blocking pop ends on Redis's ``hz`` timer)."""
+        return self._precise
+
     def reconnected(self) -> None:
         """Its connection may have been replaced (a claim on the link it shares failed):
         the next claim asks the connection's id again."""
@@ -295,16 +301,19 @@ class Claimer:
             pass
         return True
 
-    async def claim(self, count: int | None = None, wait_s: float | None = None
-                    ) -> list[bytes]:
+    async def claim(self, count: int | None = None, wait_s: float | None = None,
+                    precise: bool = False) -> list[bytes]:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
         the block timeout (``wait_s``: this claim's wait for a first entry, in place of
-        ``block_timeout_s``; a batch window still fills as long as it is open)."""
+        ``block_timeout_s``; a batch window still fills as long as it is open).  With
+        ``precise`` (and a connection of its own) that wait ends on time (``CLIENT
+        UNBLOCK``), not up to Redis's ``hz`` timer later."""
         await self._pace()
         size = count or self._policy.max_batch_size
         if wait_s is None:
             return await self._claiming(self._claim_batch, size)
-        return await self._claiming(functools.partial(self._claim_batch, wait_s=wait_s), size)
+        return await self._claiming(functools.partial(self._claim_batch, wait_s=wait_s,
+                                                      precise=precise), size)
 
     async def _claiming(self, claim: Callable[[int], Awaitable[list[bytes]]], count: int
                         ) -> list[bytes]:
@@ -317,11 +326,13 @@ class Claimer:
             self._client_id = None  # the connection may have been replaced: ask again
             raise
 
-    async def _claim_batch(self, size: int, wait_s: float | None = None) -> list[bytes]:
+    async def _claim_batch(self, size: int, wait_s: float | None = None,
+                           precise: bool = False) -> list[bytes]:
         items = await self._top_up(size)
         if not items:  # and those behind it
+            wake_at_ms = protocol.now_ms() + round(1000 * (wait_s or 0)) if precise else None
             items = await self._block(self.block_timeout_s if wait_s is None else wait_s,
-                                      size)
+                                      size, wake_at_ms)
             if not items:
                 return []
         if len(items) >= size or not self._worth_waiting(len(items)):

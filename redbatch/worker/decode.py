@@ -47,6 +47,7 @@ class Item:
     value: Any
     pack: Pack | None = None  # set for a row of a multi-row request
     row: int = 0
+    entry: int = -1  # its entry's place in the claimed batch (a single-row request)
 
 
 @dataclass
@@ -122,8 +123,11 @@ def decode_batch(raws: list[bytes], model: Model, now_ms: int, same_slot: bool =
                  tag: str | None = None) -> Decoded:
     """Decode a batch claimed from ``model``'s sub-queue ``tag`` (its own by default)."""
     out = Decoded()
-    for raw in raws:
+    for entry, raw in enumerate(raws):
+        before = len(out.items)
         _decode_one(raw, model, now_ms, out, (same_slot, tag or model.name))
+        if len(out.items) == before + 1 and out.items[-1].pack is None:
+            out.items[-1].entry = entry
     return out
 
 

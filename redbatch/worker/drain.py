@@ -65,17 +65,18 @@ class Drain:
 
 async def close(redis: aioredis.Redis, model: Model, worker_id: str) -> bool:
     """Close each sub-queue of a draining version (``lua.DRAIN_CLOSE``: atomically, once
-    nothing is queued there and nothing is in flight from it, a dead worker's that its
-    reaper has yet to requeue included), so that nothing can be queued where no worker
-    will come; whether every one is closed (a closed one stays closed: the version is
-    draining, so no producer routes to it)."""
+    nothing is queued there and nothing is in flight or held over from it, a dead
+    worker's that its reaper has yet to requeue included), so that nothing can be
+    queued where no worker will come; whether every one is closed (a closed one stays
+    closed: the version is draining, so no producer routes to it)."""
     ids: Any = await redis.zrange(protocol.workers_key(model.name), 0, -1)
     workers = {worker_id, *(i.decode() for i in ids)}
     script = redis.register_script(lua.DRAIN_CLOSE)
     ttl_ms = protocol.CLOSED_TTL_S * 1000
     for tag in protocol.sub_queue_tags(model.name, model.sub_queues):
         keys = [protocol.closed_key(tag), *model.priorities.queues(tag),
-                *(protocol.inflight_key(tag, w) for w in sorted(workers))]
+                *(protocol.inflight_key(tag, w) for w in sorted(workers)),
+                *(protocol.held_key(tag, w) for w in sorted(workers))]
         if not int(await script(keys=keys, args=[ttl_ms])):
             return False
     return True

@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -24,6 +26,7 @@ from redbatch.worker.model import BatchFn, Model
 log = logging.getLogger("redbatch.worker")
 AUTO_INLINE_MS = 5.0  # on a CPU worker, passes shorter than this run on the event loop
 RECENT_PASSES = 8
+CPU_BOUND = 0.5  # a pass on the CPU this share of its wall time is timed by its CPU time
 TRACEBACK_EVERY_S = 60.0  # a model's traceback: once a minute per distinct error
 
 
@@ -74,6 +77,11 @@ class Forwarder:
                                       else ragged.trims(model.output_spec))
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
         self._cpu_s = 0.0  # CPU time of the threads that ran sync passes, since taken
+        self._pass_cpu_s: float | None = None  # the last sync pass's own CPU time
+        # ``auto_batch`` times a CPU pass by its thread's CPU time where that thread
+        # does all of the compute (one intra-op thread): a pass descheduled by other
+        # processes, or waiting for the executor, then moves nothing
+        self._cpu_clock = device == "cpu" and not model.is_async and _one_thread()
         self._errors = ErrorLog(model.name)
         # ``auto_batch``: the learned pass sizes (shared by a runner's Forwarders), and
         # the items and time of the last pass that ran whole
@@ -109,6 +117,10 @@ class Forwarder:
             await run_into(results, inputs, indices,
                            functools.partial(self._run_passes, length=length, limit=limit))
         return results
+
+    def bucket(self, value: Any) -> int | None:
+        """The length bucket ``value`` runs in (None: a fixed-shape model)."""
+        return None if self._spec is None else self._bucketing().bucket_of(self._length(value))
 
     def _bucketing(self) -> TensorSpec:
         """The variable-length spec with the buckets in effect (``Model.buckets``, a
@@ -233,8 +245,18 @@ class Forwarder:
         else:
             rows = self._check_outputs(outputs, len(inputs))
             rows = self._trim(rows, arg[1], length) if self._trims and length else rows
-        self._timed = (len(inputs), pass_ms)
+        self._timed = (len(inputs), self._measured_ms(pass_ms))
         return rows
+
+    def _measured_ms(self, pass_ms: float) -> float:
+        """What ``auto_batch`` learns a pass took: its thread's CPU time where that
+        thread does all of the compute and the pass was mostly on the CPU (at least
+        ``CPU_BOUND`` of its wall time: a pass that slept or waited on I/O is timed
+        by the wall), else its wall time."""
+        cpu_s, self._pass_cpu_s = self._pass_cpu_s, None
+        if not self._cpu_clock or cpu_s is None or 1000 * cpu_s < CPU_BOUND * pass_ms:
+            return pass_ms
+        return cpu_s * 1000
 
     def _trim(self, rows: list[Any], lengths: Any, length: int) -> list[Any]:
         trimmed = ragged.trim_rows(rows, lengths, length)
@@ -272,7 +294,8 @@ class Forwarder:
         try:
             return self._fn(arg)
         finally:
-            self._cpu_s += time.thread_time() - started
+            self._pass_cpu_s = time.thread_time() - started
+            self._cpu_s += self._pass_cpu_s
 
     def _check_outputs(self, outputs: Any, n: int) -> list[Any]:
         name = self.model.name
@@ -287,6 +310,15 @@ class Forwarder:
                                 f"{n} inputs; a batch function must return one output per "
                                 "input")
         return rows
+
+
+def _one_thread() -> bool:
+    """Whether passes compute on the calling thread alone: one OpenMP thread (the
+    worker's ``--threads 1`` sets it before torch loads), or torch loaded with one."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return bool(torch.get_num_threads() == 1)
+    return os.environ.get("OMP_NUM_THREADS") == "1"
 
 
 async def run_into(results: list[Any], inputs: list[Any], indices: list[int],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -42,28 +42,44 @@ def published(info: dict[str, Any], stats: WorkerStats) -> tuple[bytes, bytes]:
 @dataclass(frozen=True)
 class Beat:
     """What one heartbeat read back, per model: the ids of workers whose lease has
-    expired, and the model's stored knob overrides (``config_key``, raw)."""
+    expired, the model's stored knob overrides (``config_key``, raw), and whether
+    every live worker of it knows held lists (``held_aware_key``: this one may hold)."""
 
     expired: dict[str, list[str]]
     overrides: dict[str, dict[bytes, bytes]]
     versions: dict[str, bytes | None]  # a versioned model's row of its routing table
+    live: dict[str, list[bytes]] = field(default_factory=dict)  # a sharded model's live ids
+    held_aware: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Draining:
+    """The sub-queues this worker still claims from above a model's shrunk count (per
+    model it drains; ``ShardClaimer.draining``), and how long the count it publishes
+    outlives its beat: ``protocol.DRAINING_TTL_BEATS`` heartbeat intervals."""
+
+    counts: dict[str, int]
+    ttl_ms: int
 
 
 async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
-               fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float) -> Beat:
+               fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float,
+               draining: Draining | None = None) -> Beat:
     """Renew this worker's lease, its published fields (per model: ``published``) and
-    its models' metadata, and read each model's knob overrides, in one round trip
-    (sent once more, after loading it, when Redis lost ``REGISTER_VERSION``: the
-    beat's other commands are idempotent)."""
+    its models' metadata (and ``draining``'s counts), and read each model's knob
+    overrides, in one round trip (sent once more, after loading them, when Redis lost
+    its scripts: the beat's other commands are idempotent)."""
     try:
-        return await _beat(redis, models, worker_id, fields, lease_ttl_s)
+        return await _beat(redis, models, worker_id, fields, lease_ttl_s, draining)
     except NoScriptError:
-        await redis.script_load(lua.REGISTER_VERSION)
-        return await _beat(redis, models, worker_id, fields, lease_ttl_s)
+        for script in BEAT_SCRIPTS:
+            await redis.script_load(script)
+        return await _beat(redis, models, worker_id, fields, lease_ttl_s, draining)
 
 
 async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
-                fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float) -> Beat:
+                fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float,
+                draining: Draining | None) -> Beat:
     now = protocol.now_ms()
     lease_until = now + round(lease_ttl_s * 1000)
     scans: list[int] = []  # where each model's scan of expired leases answers
@@ -74,18 +90,64 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
             pipe.hgetall(protocol.config_key(model.name))
             scans.append(len(pipe) - 2)
         rows = _version_rows(pipe, models)
+        live = _live_ids(pipe, models, now)
+        aware = _count_aware(pipe, models, now)
+        _publish_draining(pipe, draining)
         pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
         pipe.expire(protocol.MODELS_KEY, protocol.META_TTL_S)
         results = await pipe.execute()
     return Beat({m.name: [w.decode() for w in results[i] if w.decode() != worker_id]
                  for m, i in zip(models, scans, strict=True)},
                 {m.name: results[i + 1] for m, i in zip(models, scans, strict=True)},
-                {name: results[i] for name, i in rows.items()})
+                {name: results[i] for name, i in rows.items()},
+                {name: list(results[i]) for name, i in live.items()},
+                {name: results[i] == results[i + 1] for name, i in aware.items()})
+
+
+def _publish_draining(pipe: Any, draining: Draining | None) -> None:
+    """Publish the sub-queues this worker drains per model, outside the meta that every
+    worker rewrites (``lua.PUBLISH_DRAINING``: the most any drainer claims from)."""
+    if draining is None:
+        return
+    for name, count in draining.counts.items():
+        pipe.execute_command("EVALSHA", DRAINING_SHA, 1,
+                             protocol.sub_queues_draining_key(name), count, draining.ttl_ms)
+
+
+def _live_ids(pipe: Any, models: list[Model], now: int) -> dict[str, int]:
+    """Read the ids of each sharded model's live workers (this one's lease renewed
+    already: it is among them; raw, as foreign workers may name themselves), whose
+    ranks choose their home sub-queues; where each answers.  Every id each beat: fine
+    for tens of workers of a model (a pool of N reads N ids N times a beat interval)."""
+    live: dict[str, int] = {}
+    for model in models:
+        if model.sub_queues > 1:
+            pipe.zrangebyscore(protocol.workers_key(model.name), now, "+inf")
+            live[model.name] = len(pipe) - 1
+    return live
+
+
+def _count_aware(pipe: Any, models: list[Model], now: int) -> dict[str, int]:
+    """Count each model's live leases (this one's renewed already) and those of them
+    that know held lists (``held_aware_key``, whose expired members go: an older
+    reaper removes a worker from ``workers_key`` alone); where each pair answers.
+    Equal counts: no live worker of an older revision, whose reaper or drainer would
+    miss a held list."""
+    aware: dict[str, int] = {}
+    for model in models:
+        held_aware = protocol.held_aware_key(model.name)
+        pipe.zremrangebyscore(held_aware, "-inf", f"({now}")
+        pipe.zcount(protocol.workers_key(model.name), now, "+inf")
+        pipe.zcount(held_aware, now, "+inf")
+        aware[model.name] = len(pipe) - 2
+    return aware
 
 
 NEW_VERSION_ROW = orjson.dumps({"weight": None, "draining": False})
 CANARY_ROW = orjson.dumps({"weight": 0.0, "draining": False})  # while another serves
 REGISTER_SHA = script_sha(lua.REGISTER_VERSION)
+DRAINING_SHA = script_sha(lua.PUBLISH_DRAINING)
+BEAT_SCRIPTS = (lua.REGISTER_VERSION, lua.PUBLISH_DRAINING)  # what a beat runs by SHA
 
 
 def _version_rows(pipe: Any, models: list[Model]) -> dict[str, int]:
@@ -106,9 +168,9 @@ def _version_rows(pipe: Any, models: list[Model]) -> dict[str, int]:
 
 def _beat_model(pipe: Any, model: Model, worker_id: str, fields: tuple[bytes, bytes],
                 lease_until: int) -> None:
-    workers = protocol.workers_key(model.name)
-    pipe.zadd(workers, {worker_id: lease_until})
-    pipe.expire(workers, protocol.WORKERS_TTL_S)
+    for workers in (protocol.workers_key(model.name), protocol.held_aware_key(model.name)):
+        pipe.zadd(workers, {worker_id: lease_until})
+        pipe.expire(workers, protocol.WORKERS_TTL_S)
     for key, value in zip((protocol.worker_info_key(model.name),
                            protocol.worker_capacity_key(model.name)), fields, strict=True):
         pipe.hset(key, worker_id, value)
@@ -122,6 +184,7 @@ async def leave(redis: aioredis.Redis, models: list[Model], worker_id: str) -> N
     async with redis.pipeline(transaction=False) as pipe:
         for model in models:
             pipe.zrem(protocol.workers_key(model.name), worker_id)
+            pipe.zrem(protocol.held_aware_key(model.name), worker_id)
             pipe.hdel(protocol.worker_info_key(model.name), worker_id)
             pipe.hdel(protocol.worker_capacity_key(model.name), worker_id)
         await pipe.execute()

@@ -245,6 +245,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           oversize: str = defaults.OVERSIZE,
           max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES,
           auto_batch: bool = defaults.AUTO_BATCH,
+          hold_buckets: bool = defaults.HOLD_BUCKETS,
           priority_levels: int = defaults.PRIORITY_LEVELS,
           default_priority: int = defaults.DEFAULT_PRIORITY,
           priority_share: float = defaults.PRIORITY_SHARE,
@@ -258,7 +259,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     allow_small_batch}`` config spelling; ``BatchPolicy.from_mapping`` takes a dict).
     ``max_batch_cost``, ``batch_size_fn`` and ``oversize``: batches by cost (``Model``);
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
-    size per length bucket by measurement (both ``BatchPolicy``); ``inputs`` and
+    size per length bucket by measurement; ``hold_buckets``: with it, an under-filled
+    bucket may wait a batch (all ``BatchPolicy``); ``inputs`` and
     ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
     ``default_priority``, ``priority_share``, ``priority_caps``: priority levels;
     ``continuous``: a streaming model's batch lets requests join and leave at every
@@ -268,7 +270,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
                          max_concurrent_batches=max_concurrent_batches,
-                         auto_batch=auto_batch)
+                         auto_batch=auto_batch, hold_buckets=hold_buckets)
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,

@@ -12,7 +12,8 @@ from redbatch.knobs import check_range
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
-          "adaptive", "quiet_s", "max_batch_cost", "max_concurrent_batches", "auto_batch"}
+          "adaptive", "quiet_s", "max_batch_cost", "max_concurrent_batches", "auto_batch",
+          "hold_buckets"}
 MAX_CONCURRENT_BATCHES_LIMIT = 64
 
 
@@ -52,6 +53,9 @@ class BatchPolicy:
     * ``auto_batch``: cut each length bucket's passes at the size measured to give the
       most items/s (``worker/autosize.py``); ``max_batch_size`` is then a cap, not a
       target.  Off: passes of up to ``max_batch_size``.
+    * ``hold_buckets`` (with ``auto_batch``, a variable-length model): a busy worker
+      may hold an under-filled length bucket's items over to its next batch
+      (``worker/hold.py``).  Off: every claimed item runs in its own batch.
     """
 
     max_batch_size: int = defaults.MAX_BATCH_SIZE
@@ -63,6 +67,7 @@ class BatchPolicy:
     max_batch_cost: float | None = defaults.MAX_BATCH_COST
     max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES
     auto_batch: bool = defaults.AUTO_BATCH
+    hold_buckets: bool = defaults.HOLD_BUCKETS
 
     def __post_init__(self) -> None:
         for name, value in self.to_json().items():
@@ -116,4 +121,5 @@ class BatchPolicy:
             "quiet_s": self.quiet_s,
             "max_batch_cost": self.max_batch_cost,
             "auto_batch": self.auto_batch,
+            "hold_buckets": self.hold_buckets,
         }

@@ -126,8 +126,8 @@ class Worker:
                 log.warning("%s", warning)
 
         async def first() -> None:
-            for script in (lua.CLAIM, lua.CLAIM_LEVELS, lua.PUBLISH, lua.REAP,
-                           lua.REGISTER_VERSION):
+            for script in (lua.CLAIM, lua.CLAIM_LEVELS, lua.PUBLISH, lua.PUBLISH_HOLD,
+                           lua.REAP, *heartbeat.BEAT_SCRIPTS):
                 await redis.script_load(script)
             await self._beat(redis)
 
@@ -138,9 +138,12 @@ class Worker:
         fields = {r.model.name: heartbeat.published({**self._info, **r.published()}, r.stats)
                   for r in self.runners}
         beat = await heartbeat.beat(redis, [r.model for r in self.runners], self.worker_id,
-                                    fields, self.config.lease_ttl_s)
+                                    fields, self.config.lease_ttl_s, self._draining())
         for name, raw in beat.overrides.items():
             self._live[name].update(raw)
+        for runner in self.runners:
+            runner.claimer.rank(beat.live.get(runner.model.name))
+            runner.peers_hold_aware = beat.held_aware.get(runner.model.name, False)
         for model, dead_ids in beat.expired.items():
             for dead_id in dead_ids:
                 await self._reapers[model].reap(dead_id)
@@ -148,6 +151,13 @@ class Worker:
             log.info("worker %s: its versions are drained; stopping", self.worker_id)
             self.drained = True
             self._stop.set()
+
+    def _draining(self) -> heartbeat.Draining:
+        """The sub-queues this worker still drains above each model's shrunk count."""
+        counts = {r.model.name: n for r in self.runners
+                  if (n := r.claimer.draining(r.model.sub_queues))}
+        beats_ms = self.config.heartbeat_interval_s * 1000 * protocol.DRAINING_TTL_BEATS
+        return heartbeat.Draining(counts, round(beats_ms))
 
     async def _serve(self, redis: aioredis.Redis, stop: asyncio.Event) -> bool:
         """Run until ``stop``; return whether every batch finished within the grace."""

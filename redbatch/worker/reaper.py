@@ -7,7 +7,9 @@ pushes them back to the *front* of the queue (in order; a model of several prior
 levels: of its most urgent level's queue, ringing its bell), dead-letters those that
 reached ``max_attempts`` (their callers get ``worker_crashed``) and forgets the worker.
 The script re-checks the lease and the list's digest, so a worker that woke up, or a
-second reaper, makes it a no-op.
+second reaper, makes it a no-op.  The entries a worker held over for its next batch
+(its held list, ``protocol.held_key``) go back too, ahead of its in-flight ones (they
+are older), under the same digest.
 
 Every live worker of the model sees the same expired lease, so the reapers first hold
 an election per dead worker (``SET reaping_key NX PX REAPING_TTL_MS``): only the winner
@@ -70,6 +72,8 @@ class Plan:
 
 
 class Reaper:
+    held_lists = True  # a worker may hold entries over in its held lists (``hold``)
+
     def __init__(self, redis: aioredis.Redis, model: str, max_attempts: int,
                  stats: WorkerStats | None = None,
                  dead_letters: DeadLetters = DEFAULT_DEAD_LETTERS,
@@ -148,22 +152,33 @@ class Reaper:
 
     async def _read_all(self, worker_id: str, force: bool, tags: list[str]
                         ) -> tuple[list[list[bytes]], str | None, bool]:
-        """The worker's in-flight entries (one list per sub-queue of ``tags``), and, if
-        it died, the suspect it ran alone and whether its lease is live again (only
-        looked at with several sub-queues: the REAP of the others checks no lease), in
-        one round trip."""
+        """The worker's in-flight entries (one list per sub-queue of ``tags``: its held
+        list's entries, then its in-flight list's; a streaming model's in-flight list
+        alone), and, if it died, the suspect it ran
+        alone and whether its lease is live again (only looked at with several
+        sub-queues: the REAP of the others checks no lease), in one round trip."""
+        keys = [key for tag in tags for key in self._lists_of(tag, worker_id)]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for tag in tags:
-                pipe.lrange(protocol.inflight_key(tag, worker_id), 0, -1)
+            for key in keys:
+                pipe.lrange(key, 0, -1)
             if not force:
                 pipe.get(protocol.crashing_key(self.model, worker_id))
             if not force and len(tags) > 1:
                 pipe.zscore(protocol.workers_key(self.model), worker_id)
             results: list[Any] = await pipe.execute()
-        lists, rest = results[:len(tags)], results[len(tags):]
+        parts, rest, per_tag = results[:len(keys)], results[len(keys):], 1 + self.held_lists
+        lists = [[raw for part in parts[i:i + per_tag] for raw in part]
+                 for i in range(0, len(parts), per_tag)]
         crashing = rest[0].decode(errors="replace") if rest and rest[0] else None
         live = len(rest) > 1 and rest[1] is not None and rest[1] > protocol.now_ms()
         return lists, crashing if any(lists) else None, live
+
+    def _lists_of(self, tag: str, worker_id: str) -> list[str]:
+        """The worker's lists of sub-queue ``tag`` that a reap reads, oldest entries
+        first: its held list (entries held over by an earlier batch), its in-flight
+        list."""
+        inflight = protocol.inflight_key(tag, worker_id)
+        return [protocol.held_key(tag, worker_id), inflight] if self.held_lists else [inflight]
 
     async def _elected(self, worker_id: str) -> bool:
         """Win (or already hold) the election to reap ``worker_id`` (``_elect``)."""
@@ -231,7 +246,8 @@ class Reaper:
         pair_keys, tail = publish_args(plan.replies, plan.dead, self.dead_letters)
         lease_keys = [protocol.workers_key(tag), protocol.worker_info_key(tag),
                       protocol.crashing_key(tag, worker_id)] if own else [inflight] * 3
-        keys = [inflight, queue, protocol.dead_letter_key(tag), *lease_keys, bell, *pair_keys]
+        keys = [inflight, queue, protocol.dead_letter_key(tag), *lease_keys, bell,
+                protocol.held_key(tag, worker_id), *pair_keys]
         now = "force" if force or not own else protocol.now_ms()
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         args = [worker_id, now, digest, protocol.REPLY_TTL_S, len(plan.requeue),
@@ -242,12 +258,13 @@ class Reaper:
                     seen: tuple[int, str | None], *, forget: bool) -> None:
         """After a REAP that acted (``seen``: the entries it read, the suspect named):
         count and log; with ``forget`` (the model's own list, reaped last) the reaped
-        worker's capacity field and election go (REAP removed its lease and info), in
-        one round trip."""
+        worker's capacity field, held-aware lease (``held_aware_key``) and election go
+        (REAP removed its lease and info), in one round trip."""
         read, crashing = seen
         if forget:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hdel(protocol.worker_capacity_key(self.model), worker_id)
+                pipe.zrem(protocol.held_aware_key(self.model), worker_id)
                 pipe.delete(protocol.reaping_key(self.model, worker_id))
                 await pipe.execute()
         if self.stats is not None:

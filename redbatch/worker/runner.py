@@ -9,7 +9,7 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -19,11 +19,13 @@ from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
 from redbatch.redis_conn import is_cluster
+from redbatch.worker import hold
 from redbatch.worker.claim import Claimer
 from redbatch.worker.claim_levels import LevelClaimer
 from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
 from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder, run_into
+from redbatch.worker.hold import Held
 from redbatch.worker.model import BatchFn, Model
 from redbatch.worker.reaper import Reaper
 from redbatch.worker.replies import (
@@ -61,6 +63,10 @@ class Claimed:
     digest: str
     source: Claimer  # the sub-queue it came from: its in-flight list, its slot's keys
     late: int = 0  # answered deadline_exceeded uncomputed: too little time for a pass
+    # holding (``hold``): the entries the batch before held, which this one runs (how
+    # many, their SHA-1), and the positions (1-based) of those this one holds over
+    released: tuple[int, str] = (0, "")
+    hold: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -161,6 +167,11 @@ class BatchRunner:
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
         self._busy = False  # the last claim came back full
+        self._steady = 0  # entries of the last claim (several in a row: busy too)
+        self._held: Held | None = None  # items held over for the next batch (``hold``)
+        # every live worker of the model knows held lists, as the last heartbeat read
+        # (``heartbeat.Beat.held_aware``): none before the first
+        self.peers_hold_aware = False
         # the policy the claimer has: a live change of ``model.policy`` (its forward
         # passes and published meta follow at once) reaches it at the next claim
         self._claimer_policy = model.policy
@@ -172,7 +183,7 @@ class BatchRunner:
         (``_serve_many``; read when the worker starts).  Batches are published in claim
         order either way: each ack trims the head of the in-flight list."""
         await self._return_unacked()
-        self._unacked = True
+        self._unacked, self._held = True, None  # (what was held went back with the rest)
         self.claimer.stop = stop  # a window still filling at shutdown closes
         if self._limit > 1:
             await self._serve_many(stop)
@@ -187,11 +198,12 @@ class BatchRunner:
         pass, and this one is published during the next, so the model does not wait on
         Redis; a slow model claims only when it is free, so that an idle worker can take
         the next batch instead.  Batches are published in claim order (each ack trims
-        the head of the in-flight list)."""
+        the head of the in-flight list).  Items held over for the next batch (``hold``)
+        run in one more batch at a stop."""
         claiming: asyncio.Task[Claimed | None] | None = None
         publishing: asyncio.Task[None] | None = None
         try:
-            while claiming is not None or not stop.is_set():
+            while claiming is not None or not stop.is_set() or self._held is not None:
                 if publishing is not None and publishing.done():
                     await _settle(publishing)  # its error, if any, now: not at the next batch
                     publishing = None
@@ -285,24 +297,95 @@ class BatchRunner:
         return asyncio.create_task(self._take())
 
     async def _take(self) -> Claimed | None:
-        """Claim and decode the next batch (None on an idle timeout)."""
+        """Claim and decode the next batch (None on an idle timeout); the items the
+        batch before held over join it, and it may hold some over in turn (``hold``)."""
         if self.model.policy is not self._claimer_policy:
             self._use_policy()
         if self.model.sub_queues != self.claimer.count:
             self._resize()
-        raws = await self.claimer.claim(self._claim_count)
+        held, self._held = self._held, None
+        raws = await self._claim(held)
         self._busy = len(raws) >= self._claim_count
-        if not raws:
+        steady, self._steady = min(len(raws), self._steady), len(raws)
+        if not raws and held is None:
             return None
-        claimed_ms, source = protocol.now_ms(), self.claimer.source
+        batch = self._decoded(raws, held)
+        if batch.source.cancels:  # callers went away: skip their requests
+            await batch.source.drop_cancelled(batch.decoded)
+        if raws:
+            self._claim_count = self._next_claim_count(batch)
+        self._schedule(batch)
+        if len(raws) >= hold.STEADY_ENTRIES and (self._busy or steady >= hold.STEADY_ENTRIES):
+            self._hold(batch, raws)  # (a lone request never: not even after packs)
+        return batch
+
+    async def _claim(self, held: Held | None) -> list[bytes]:
+        """The next claim's entries.  While items are held, it claims from the
+        sub-queue they came from (their held list and markers are in its slot), its wait
+        for a first entry the batch window (they run then, with whatever came); none at
+        a stop, nor while the claimer reads several sub-queues (a live change, or a
+        reap that reopened one: the held items run alone first)."""
+        if held is None:
+            return await self.claimer.claim(self._claim_count)
+        if self._stopping() or self.claimer.high != 1:
+            return []
+        wait_s = max(self.model.policy.batch_wait_timeout_s, hold.MIN_WAIT_S)
+        return await self.claimer.claim_from(held.source, self._claim_count, wait_s)
+
+    def _decoded(self, raws: list[bytes], held: Held | None) -> Claimed:
+        """The claimed batch, decoded, with the items ``held`` over by the one before."""
+        claimed_ms = protocol.now_ms()
+        source = self.claimer.source if raws or held is None else held.source
+        assert held is None or source is held.source, "held items cross sub-queues"
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         decoded = decode_batch(raws, self.model, claimed_ms, self._same_slot, source.tag)
         batch = Claimed(len(raws), decoded, claimed_ms, digest, source)
-        if source.cancels:  # callers went away: skip their requests
-            await source.drop_cancelled(batch.decoded)
-        self._claim_count = self._next_claim_count(batch)
-        self._schedule(batch)
+        if held is not None:
+            hold.merge(decoded, held, claimed_ms)
+            batch.released = (len(held.raws), held.digest)
         return batch
+
+    def _stopping(self) -> bool:
+        return self.claimer.stop is not None and self.claimer.stop.is_set()
+
+    def _may_hold(self) -> bool:
+        """Holding applies to an ``auto_batch`` model with length buckets and
+        ``hold_buckets`` on (live knobs), served one batch at a time from one sub-queue
+        (no other one being drained), until the worker stops, while every live worker
+        of the model knows held lists (``peers_hold_aware``)."""
+        policy = self.model.policy
+        return (policy.auto_batch and policy.hold_buckets and self._limit == 1
+                and self.peers_hold_aware
+                and self.model.length_spec is not None and self.claimer.high == 1
+                and not self._stopping())
+
+    def _hold(self, batch: Claimed, raws: list[bytes]) -> None:
+        """Hold over the items of the batch's under-filled buckets that may wait a batch
+        longer (``hold.pick``): out of this batch, into the next; its PUBLISH moves
+        their entries to the held list."""
+        if not self._may_hold():  # (most models: no pass-time estimate read)
+            return
+        pass_ms = self.stats.pass_times.estimate_ms(self.model.policy.max_batch_size)
+        if pass_ms is None:
+            return
+        cap, fwd = self.model.policy.max_batch_size, self._forwarder
+        groups = hold.groups(batch.decoded.items, fwd.bucket)
+        levels = self.model.priority_levels > 1
+        chosen = hold.pick(groups, lambda bucket: fwd.sizer.target(bucket, cap),
+                           protocol.now_ms(), self._hold_slack_ms(groups, pass_ms),
+                           self.model.default_priority if levels else 0)
+        if chosen:
+            hold.take_out(batch.decoded, chosen)
+            batch.hold = [item.entry + 1 for item in chosen]
+            self._held = Held(chosen, [raws[item.entry] for item in chosen], batch.source)
+
+    def _hold_slack_ms(self, groups: hold.Groups, fallback_ms: float) -> float:
+        """``hold.need_ms`` for a batch of ``groups``: each bucket's pass as the
+        autosizer measured it at its target size (else ``fallback_ms``)."""
+        policy, sizer = self.model.policy, self._forwarder.sizer
+        passes = [hold.pass_ms(sizer, bucket, sizer.target(bucket, policy.max_batch_size),
+                               fallback_ms) for bucket in groups]
+        return hold.need_ms(passes, policy.batch_wait_timeout_s, policy.stride_s)
 
     def _tags(self) -> list[str]:
         """The sub-queues whose in-flight lists a reap reads: every one this worker
@@ -442,7 +525,7 @@ class BatchRunner:
         """Replies (each at most once), dead letters and the ack: one atomic script.
         Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
         done = await self._script_publish(batch.source, outs, dead, batch.claimed,
-                                          batch.digest)
+                                          batch.digest, batch)
         if done[2:] and done[0]:  # refused replies of an acked batch (else the reaper
             await self._dead_letter_refused(batch.source, outs, done[2:])  # requeued them)
         if not done[0]:
@@ -451,12 +534,26 @@ class BatchRunner:
                             "returning what it still holds")
 
     async def _script_publish(self, source: Claimer, outs: list[Outgoing], dead: list[bytes],
-                              ack: int, digest: str) -> list[Any]:
-        """PUBLISH in the slot of ``source``, the sub-queue the batch came from."""
+                              ack: int, digest: str, batch: Claimed | None = None
+                              ) -> list[Any]:
+        """PUBLISH in the slot of ``source``, the sub-queue the batch came from; a
+        ``batch`` that holds entries over, or runs those held before: PUBLISH_HOLD."""
         keys, argv = publish_args(outs, dead, self._dead_letters)
+        if batch is not None and (batch.hold or batch.released[0]):
+            return await self._script_publish_hold(batch, keys, argv)
         keys = [source.inflight, protocol.dead_letter_key(source.tag), *keys]
         return list(await self._link.script(lua.PUBLISH, keys,
                                             [ack, protocol.REPLY_TTL_S, digest, *argv]))
+
+    async def _script_publish_hold(self, batch: Claimed, keys: list[Any], argv: list[Any]
+                                   ) -> list[Any]:
+        """PUBLISH_HOLD: the ack, the held list's trim and push, the replies: one step."""
+        source, (released, released_digest) = batch.source, batch.released
+        keys = [source.inflight, protocol.dead_letter_key(source.tag),
+                protocol.held_key(source.tag, self._worker_id), *keys]
+        argv = [batch.claimed, protocol.REPLY_TTL_S, batch.digest, released, released_digest,
+                protocol.INFLIGHT_TTL_S * 1000, len(batch.hold), *batch.hold, *argv]
+        return list(await self._link.script(lua.PUBLISH_HOLD, keys, argv))
 
     async def _dead_letter_refused(self, source: Claimer, outs: list[Outgoing],
                                    refused: list[Any]) -> None:
@@ -490,6 +587,8 @@ class BatchRunner:
                  max(waits, default=0), fwd_ms,
                  reply_ms, (f" pad={padded / real:.2f}" if real else "")
                  + (f" inflight={self._in_flight}" if self._limit > 1 else "")
+                 + (f" held={len(batch.hold)}" if batch.hold else "")
+                 + (f" released={batch.released[0]}" if batch.released[0] else "")
                  + (_levels_text(decoded, self.model.default_priority)
                     if self.model.priority_levels > 1 else ""))
         if log.isEnabledFor(logging.DEBUG):

@@ -3,7 +3,9 @@
 A model of S sub-queues has S queues, each in a hash slot of its own
 (``protocol.sub_queue_tag``); one ``Claimer`` per sub-queue claims into that
 sub-queue's in-flight list, so that the batch's ack, replies and markers stay in its
-slot.  Each worker has a home sub-queue (``crc32(worker_id) % S``):
+slot.  Each worker has a home sub-queue: its rank among the model's live workers (ids
+sorted, as its heartbeat last read them: ``rank``) modulo S, so that S workers have S
+homes; ``crc32(worker_id) % S`` until its first heartbeat of the sharded model:
 
 - when home was empty at its last look, and before every ``STEAL_EVERY``-th claim,
   it steals first: a non-blocking claim from each other sub-queue in turn, the first
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from redbatch import protocol
@@ -64,7 +66,9 @@ class ShardClaimer:
         self.model = model
         self._make = make
         self._block_timeout_s = block_timeout_s
+        self._worker_id = worker_id
         self._hash = zlib.crc32(worker_id.encode())
+        self._rank: int | None = None  # among the model's live workers (``rank``)
         self._subs: dict[int, Claimer] = {}
         self._pass_ms: Callable[[int], float | None] = _cold
         self._stop: asyncio.Event | None = None
@@ -81,7 +85,16 @@ class ShardClaimer:
 
     @property
     def home(self) -> int:
-        return self._hash % self.count
+        return (self._hash if self._rank is None else self._rank) % self.count
+
+    def rank(self, live_ids: Sequence[bytes] | None) -> None:
+        """The ids of the model's live workers, raw as a heartbeat read them (None: not
+        read, the model has one sub-queue): home is this worker's rank among them,
+        sorted bytewise; the hashed home while unread or without this worker."""
+        if live_ids is None:
+            return
+        ranked, mine = sorted(live_ids), self._worker_id.encode()
+        self._rank = ranked.index(mine) if mine in ranked else None
 
     def _wait_s(self) -> float:
         return self._block_timeout_s if self.high == 1 else min(self._block_timeout_s,
@@ -146,6 +159,13 @@ class ShardClaimer:
         self.seen = max(self.seen, count)
         self._retime()
 
+    def draining(self, count: int) -> int | None:
+        """The sub-queues this worker still claims from when the model has ``count``
+        (its drain range, or the count it has not resized from yet), if more; else
+        None."""
+        held = max(self.high, self.count)
+        return held if held > count else None
+
     def reopen(self, index: int) -> None:
         """Entries went back into sub-queue ``index`` (a reap, or this worker returning
         its own batch): one at or above the count is drained again, for the grace."""
@@ -162,20 +182,39 @@ class ShardClaimer:
             claimer.block_timeout_s = self._wait_s()
 
     # --- claims ------------------------------------------------------------------
-    async def claim(self, count: int) -> list[bytes]:
+    async def claim(self, count: int, wait_s: float | None = None) -> list[bytes]:
         """Up to ``count`` raw entries (see the module doc), [] after the wait.  The
         sub-queues' claimers share one connection: a claim that fails or is cancelled
         (the connection may be replaced) makes each ask its id again (``CLIENT
-        UNBLOCK`` of a window must reach the new one)."""
+        UNBLOCK`` of a window must reach the new one).  ``wait_s``: this claim's wait
+        for a first entry, in place of the block timeout, ended on time (one sub-queue
+        only)."""
         try:
             if self.high == 1:  # one sub-queue: the plain claim
                 self.source = self.sub(0)
-                return await self.source.claim(count)
+                return await self.source.claim(count, wait_s, precise=wait_s is not None)
             return await self._claim_sharded(count)
         except BaseException:
-            for claimer in self._subs.values():
-                claimer.reconnected()
+            self._reconnected()
             raise
+
+    async def claim_from(self, source: Claimer, count: int, wait_s: float) -> list[bytes]:
+        """Up to ``count`` entries from ``source`` alone (the sub-queue that items held
+        over came from: their held list and markers are in its slot), waiting at most
+        ``wait_s`` for a first one, ended on time; without a connection of its own
+        (``Claimer.precise``) it cannot end on time: no wait, what is queued now."""
+        self.source = source
+        try:
+            if not source.precise:
+                return await source.claim_now(count)
+            return await source.claim(count, wait_s, precise=True)
+        except BaseException:
+            self._reconnected()
+            raise
+
+    def _reconnected(self) -> None:
+        for claimer in self._subs.values():
+            claimer.reconnected()
 
     async def _claim_sharded(self, count: int) -> list[bytes]:
         self._claims += 1

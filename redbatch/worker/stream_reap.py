@@ -40,6 +40,7 @@ class StreamReaper(Reaper):
     """``Reaper`` for a streaming model (one priority level)."""
 
     blame = False  # (set by its runner) a force reap after a failure bumps attempts too
+    held_lists = False  # a streaming model never holds entries over: none read
 
     async def reap(self, worker_id: str, *, force: bool = False) -> int:
         """As ``Reaper.reap``; ``force`` with ``blame`` (the worker's own batch loop
