@@ -119,6 +119,9 @@ WORKER_ITEMS: Final = Counter(
 RETRIES: Final = Counter(
     "redbatch_retries", "Requests put back in the queue after their worker died",
     ["model"])
+HELD_ITEMS: Final = Counter(
+    "redbatch_held_items", "Items of an under-filled length bucket held over to the next "
+    "batch (hold_buckets; each runs in the next batch, or alone if none comes)", ["model"])
 DEAD_LETTERS: Final = Counter(
     "redbatch_dead_letters", "Entries moved to the dead-letter list (malformed, or "
     "crashed max_attempts workers, or whose reply Redis refused)", ["model"])
@@ -132,7 +135,8 @@ WORKER_METRICS: Final = ("redbatch_queue_wait_seconds", "redbatch_forward_second
                          "redbatch_batch_size", "redbatch_batch_entries",
                          "redbatch_batch_fill_ratio", "redbatch_worker_items_total",
                          "redbatch_retries_total", "redbatch_dead_letters_total",
-                         "redbatch_padding_waste_ratio", "redbatch_auto_batch_size")
+                         "redbatch_padding_waste_ratio", "redbatch_auto_batch_size",
+                         "redbatch_held_items_total")
 HISTOGRAMS: Final = frozenset({"redbatch_request_duration_seconds",
                                "redbatch_stream_first_chunk_seconds",
                                "redbatch_queue_wait_seconds", "redbatch_forward_seconds",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from redbatch import codec, lua, protocol
 from redbatch.demo import TOKENS
@@ -328,6 +330,7 @@ async def test_a_worker_under_load_holds_and_answers_every_request_once(
     start_worker([lens_model(recorder, max_batch_size=4)])
     await wait_live(redis_url, MODEL)
     caplog.set_level(logging.INFO, logger="redbatch.worker")
+    held_before = REGISTRY.get_sample_value("redbatch_held_items_total", {"model": MODEL}) or 0
     lengths = [(10, 20, 100)[i % 3] + i % 5 for i in range(96)]
     async with Client(redis_url, pack_rows=1) as client:  # one entry per request
         outputs = await asyncio.gather(*(client.predict(MODEL, np.arange(1, n + 1),
@@ -343,6 +346,9 @@ async def test_a_worker_under_load_holds_and_answers_every_request_once(
     assert any(" held=" in line for line in lines) and any(" released=" in line
                                                           for line in lines)
     assert held(raw_redis, start_worker_id(raw_redis)) == []
+    logged = sum(int(m) for line in lines for m in re.findall(r" held=(\d+)", line))
+    assert REGISTRY.get_sample_value("redbatch_held_items_total",
+                                     {"model": MODEL}) == held_before + logged > held_before
 
 
 async def test_a_draining_sub_queue_stays_open_while_a_held_list_has_entries(

@@ -578,6 +578,8 @@ class BatchRunner:
                          waits_ms=waits, fwd_ms=fwd_ms, busy_s=computed.busy_s,
                          failed=computed.failed, padding=computed.padding,
                          fwd_cpu_ms=computed.fwd_cpu_ms)
+        if batch.hold:
+            self.stats.held(len(batch.hold))
         padded, real = computed.padding
         log.info("model=%s n=%d items=%d entries=%d passes=%d computed=%d failed=%d "
                  "rejected=%d late=%d wait_ms=%.1f fwd_ms=%.2f reply_ms=%.2f%s", self.model.name,

@@ -120,6 +120,7 @@ class WorkerStats:
         self.forward_ms = 0.0  # total forward time
         self.forward_cpu_ms = 0.0  # CPU time of the threads that ran the sync passes
         self.queue_wait_ms = 0.0  # total queue wait of answered entries (one per pack)
+        self.holds = 0  # items held over to the next batch (``hold``)
         self.padded = 0  # padded passes of a variable-length model: lengths padded to,
         self.real = 0  # and the items' own lengths (``padding_waste``: their ratio)
         self.capacity = Capacity()
@@ -145,6 +146,7 @@ class WorkerStats:
                          for o in ("computed", "expired", "invalid", "error")}
         self.dead_letters = metrics.DEAD_LETTERS.labels(model)
         self.retries = metrics.RETRIES.labels(model)
+        self.held_items = metrics.HELD_ITEMS.labels(model)
 
     def batch(self, decoded: Decoded, *, entries: int, size: int, passes: list[int],
               waits_ms: list[int], fwd_ms: float, busy_s: float, failed: int,
@@ -204,6 +206,11 @@ class WorkerStats:
         self.outcomes["invalid"].inc(len(decoded.early) - expired + decoded.invalid_rows)
         self.dead_letters.inc(len(decoded.dead))
 
+    def held(self, count: int) -> None:
+        """Items a batch held over to the next one (``hold``)."""
+        self.holds += count
+        self.held_items.inc(count)
+
     def dead_lettered(self, count: int) -> None:
         """Entries dead-lettered outside a served batch (refused replies, reaps)."""
         self.dead_letters.inc(count)
@@ -229,7 +236,7 @@ class WorkerStats:
                 "forward_ms": round(self.forward_ms, 3),
                 "forward_cpu_ms": round(self.forward_cpu_ms, 3),
                 "queue_wait_ms": round(self.queue_wait_ms, 3),
-                "padded": self.padded, "real": self.real,
+                "padded": self.padded, "real": self.real, "held": self.holds,
                 "hist": {name: list(b.counts) for name, b in self.hist.items()},
                 **self._auto_sizes()}
 
