@@ -96,6 +96,16 @@ class LeanLink:
             await self.execute("SCRIPT", "LOAD", source)
             return await self.pipeline(*commands)
 
+    async def connection_id(self, key: Any) -> tuple[str | None, int]:
+        """The node (None: the client's one server) and the ``CLIENT ID`` of the
+        connection that this link's calls on ``key`` go on: a blocking pop on it can
+        be ended by ``unblock``."""
+        return None, int(await self.execute("CLIENT", "ID"))
+
+    def node_of(self, key: Any) -> str | None:
+        """The name of the node that calls on ``key`` go to (None: one server)."""
+        return None
+
     async def release(self) -> None:
         """Give the held connection back to the pool (the next call takes one again)."""
         conn, self._conn = self._conn, None
@@ -174,6 +184,22 @@ class ClusterLink(LeanLink):
         finally:
             self._busy = False
 
+    async def connection_id(self, key: Any) -> tuple[str | None, int]:
+        """The held connection to the primary of ``key``'s slot, by node name and
+        ``CLIENT ID`` (the client reads the slot map first if a call broke since)."""
+        if not self._mapped:
+            await self._pipeline((("EXISTS", key),), checked=True)  # through the client
+        _exists, client_id = await self._pipeline((("EXISTS", key), ("CLIENT", "ID")),
+                                                  checked=True)
+        return self.node_of(key), int(client_id)
+
+    def node_of(self, key: Any) -> str | None:
+        try:
+            node = self._client.get_node_from_key(key)
+        except Exception:  # the slot map is being read again (a failover): ask anew
+            return None
+        return None if node is None else str(node.name)
+
     async def _through_client(self, commands: tuple[tuple[Any, ...], ...], key: Any,
                               checked: bool) -> list[Any]:
         if len(commands) == 1:
@@ -249,6 +275,18 @@ class ClusterLink(LeanLink):
             if isinstance(reply, REDIRECTS):
                 replies[index] = await self._client.execute_command(*commands[index])
         return super()._checked(replies, checked)
+
+
+async def unblock(client: Any, node: str | None, client_id: int) -> None:
+    """``CLIENT UNBLOCK client_id`` on ``node`` (a cluster's node by name; None: the
+    client's one server), through ``client``: another connection than the blocked one."""
+    if node is None:
+        await client.client_unblock(client_id)
+        return
+    await client.initialize()  # (a no-op once the slot map is read)
+    target = client.get_node(node_name=node)
+    if target is not None:  # (a node the slot map no longer names: its pop times out)
+        await client.client_unblock(client_id, target_nodes=target)
 
 
 REDIRECTS = (MovedError, AskError, TryAgainError)

@@ -149,6 +149,44 @@ async def test_a_blocking_pop_wakes_on_the_owning_node(client: aioredis.Redis) -
     assert [codec.decode(raw)["id"] for raw in await blocked] == ["id1"]
 
 
+def unblocks(node: Node) -> int:
+    stats = node.ask("INFO", "commandstats").get("cmdstat_client|unblock")
+    return int(stats["calls"]) if stats else 0
+
+
+async def _window_ends_on_time(taker: Claimer) -> None:
+    """A BLMOVE of 2.5 s on an empty queue, to give up after 0.2 s: it ends on time only
+    if the CLIENT UNBLOCK reaches the connection that holds it."""
+    await taker._prepare()
+    started = time.monotonic()
+    assert await taker._block_some(2.5, 0, protocol.now_ms() + 200) == []
+    assert time.monotonic() - started < 1.5  # not the 2.5 s of the pop
+
+
+async def test_a_window_ends_on_time_on_the_owning_node(
+        redis_cluster: ClusterEngine, settings: RedisSettings, client: aioredis.Redis) -> None:
+    """A claimer with a cluster client of its own is precise: its CLIENT UNBLOCK goes to
+    the primary that owns the queue's slot, for the held connection of the BLMOVE; after
+    a slot migration it asks the new owner's connection and unblocks there."""
+    own = async_client(settings, max_connections=4)
+    try:
+        taker = Claimer(client, MODEL, "w1", BatchPolicy(max_batch_size=4), 2.5, own)
+        assert taker.precise
+        source = redis_cluster.owner(QUEUE)
+        before = unblocks(source)
+        await _window_ends_on_time(taker)
+        assert unblocks(source) == before + 1
+        target = next(n for n in redis_cluster.primaries() if n is not source)
+        redis_cluster.migrate(QUEUE, target)
+        await client.rpush(QUEUE, entry(1))  # (the client learns the new owner)
+        assert len(await taker.claim(4)) == 1  # MOVED, followed
+        moved_before = unblocks(target)
+        await _window_ends_on_time(taker)
+        assert unblocks(target) == moved_before + 1
+    finally:
+        await own.aclose()
+
+
 async def test_a_moved_slot_is_followed(redis_cluster: ClusterEngine,
                                         client: aioredis.Redis) -> None:
     await client.rpush(QUEUE, entry(1), entry(2))

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from redbatch import lua, protocol
-from redbatch.lean import LeanLink, script_sha
+from redbatch.lean import LeanLink, script_sha, unblock
 from redbatch.worker.decode import Decoded, drop_requests
 from redbatch.worker.policy import BatchPolicy
 
@@ -124,6 +124,7 @@ class Claimer:
         self._last_claim = 0.0
         self._loaded = False
         self._client_id: int | None = None
+        self._node: str | None = None  # the node of that connection (a cluster's)
         self._unblocks: set[asyncio.Task[Any]] = set()
         self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
         self._lone = 0
@@ -142,7 +143,7 @@ class Claimer:
     @property
     def precise(self) -> bool:
         """Its waits end on time: a connection of its own, which ``CLIENT UNBLOCK``
-        can end (none on a cluster: a blocking pop ends on Redis's ``hz`` timer)."""
+        can end (on a cluster, a connection to the primary of the queue's slot)."""
         return self._precise
 
     def reconnected(self) -> None:
@@ -272,7 +273,7 @@ class Claimer:
 
     async def _send_unblock(self, client_id: int) -> None:
         with contextlib.suppress(Exception):  # at worst the BLMOVE times out by itself
-            await self._redis.client_unblock(client_id)
+            await unblock(self._redis, self._node, client_id)
 
     async def _pace(self) -> None:
         wait_s = self._last_claim + self._policy.stride_s - time.monotonic()
@@ -285,8 +286,9 @@ class Claimer:
             await self._link.execute("SCRIPT", "LOAD", self.script)
             self._moves = await self._may_move()
             self._loaded = True
-        if self._precise and self._client_id is None:
-            self._client_id = int(await self._link.execute("CLIENT", "ID"))
+        if self._precise and (self._client_id is None
+                              or self._node != self._link.node_of(self.queue)):
+            self._node, self._client_id = await self._link.connection_id(self.queue)
 
     async def _may_move(self) -> bool:
         """Whether the user may run LMOVE (a least-privilege user set up before claims

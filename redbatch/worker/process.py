@@ -36,6 +36,7 @@ log = logging.getLogger("redbatch.worker")
 T = TypeVar("T")
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
+BLOCKING_CLUSTER_CONNECTIONS = 4  # per node, for a model's blocking client on a cluster
 LEAVE_TIMEOUT_S = 3.0  # returning the batch at shutdown: Redis gone must not hang the stop
 
 
@@ -87,9 +88,11 @@ class Worker:
         self._stop = stop  # set by the heartbeat too, once its versions are drained
         redis = async_client(self.redis_settings, max_connections=3 * len(self.models) + 4)
         # one connection per model for its blocking pops, so CLIENT UNBLOCK can end them
-        # (a cluster routes each command to a node: no connection of our own to unblock)
-        blocking = [None if is_cluster(redis) else
-                    async_client(self.redis_settings, max_connections=1) for _ in self.models]
+        # (on a cluster, a client whose link holds one to the node of the model's slot;
+        # its pools have room for the calls that go through the client after a break)
+        blocking = [async_client(self.redis_settings,
+                                 max_connections=BLOCKING_CLUSTER_CONNECTIONS
+                                 if is_cluster(redis) else 1) for _ in self.models]
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redbatch-forward")
         clean = False
         try:
@@ -102,8 +105,7 @@ class Worker:
         finally:
             executor.shutdown(wait=clean, cancel_futures=True)
             for client in (redis, *blocking):
-                if client is not None:
-                    await client.aclose()
+                await client.aclose()
 
     def _runner(self, redis: aioredis.Redis, model: Model, blocking: aioredis.Redis | None,
                 executor: ThreadPoolExecutor) -> BatchRunner:
