@@ -2,7 +2,8 @@
 a Sentinel set-up while the primary that serves the model dies, every request
 accounted for.
 
-An in-process worker serves ``gated``; a ``Client`` sends ``PER_TICK`` requests every
+An in-process worker serves ``gated``; a ``Client`` (or, in the gateway's ledgers, an
+HTTP client of an in-process gateway) sends ``PER_TICK`` requests every
 ``TICK_S`` (open loop), each with a deadline of ``TIMEOUT_S`` and a known answer
 (x + 1).  The primary is killed (SIGKILL) after ``BEFORE_S``; the load goes on until
 requests have been answered again for ``SERVED_S``.  The ledger must show: no call that
@@ -25,20 +26,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 
 from redbatch import batch, protocol
-from redbatch.config import RedisSettings, ReplicaWait
+from redbatch.api import create_app
+from redbatch.config import GatewayConfig, RedisSettings, ReplicaWait
 from redbatch.errors import RedbatchError
 from redbatch.producer.client import Client
 from redbatch.worker.process import Worker
@@ -171,13 +175,43 @@ async def outcome(ledger: Ledger, future: asyncio.Future[Any], x: int, sent_s: f
     ledger.settle(sent_s, False)
 
 
-async def generate(client: Client, ledger: Ledger, stop: asyncio.Event) -> None:
+async def http_call(http: httpx.AsyncClient, ledger: Ledger, x: int) -> None:
+    """One request through the HTTP gateway, its outcome in ``ledger``: a 200 with the
+    answer, or a typed error (a 503 or 504 whose body names its code); a 500, a body
+    without a code or a call past its deadline would break the promises."""
+    ledger.sent += 1
+    sent_s = time.monotonic()
+    try:
+        async with asyncio.timeout(TIMEOUT_S + GRACE_S):
+            resp = await http.post(f"/v1/models/{MODEL}/predict",
+                                   json={"inputs": x, "timeout_ms": TIMEOUT_S * 1000})
+    except TimeoutError:
+        ledger.hung += 1
+        return
+    ledger.accepted += 1  # (an HTTP caller cannot tell a refusal from a later error)
+    if resp.status_code == 200:
+        right = resp.json() == {"outputs": x + 1}
+        ledger.wrong += not right
+        return ledger.settle(sent_s, right)
+    code = resp.json().get("error", {}).get("code") if resp.status_code in (503, 504) else None
+    if code is None:
+        ledger.untyped.append(RuntimeError(f"{resp.status_code} {resp.text[:200]}"))
+    else:
+        ledger.errors[f"{resp.status_code} {code}"] += 1
+        ledger.errors_before_kill[f"{resp.status_code} {code}"] += sent_s < ledger.killed_s
+    ledger.settle(sent_s, False)
+
+
+Caller = Callable[["Ledger", int], Awaitable[None]]  # one request, its fate in the ledger
+
+
+async def generate(caller: Caller, ledger: Ledger, stop: asyncio.Event) -> None:
     """``PER_TICK`` calls every ``TICK_S`` until ``stop``; then every call's end."""
     loop, calls, x = asyncio.get_running_loop(), [], 0
     next_s = loop.time()
     while not stop.is_set():
         for _ in range(PER_TICK):
-            calls.append(asyncio.create_task(call(client, ledger, x)))
+            calls.append(asyncio.create_task(caller(ledger, x)))
             x += 1
         next_s += TICK_S
         await asyncio.sleep(max(0.0, next_s - loop.time()))
@@ -187,18 +221,20 @@ async def generate(client: Client, ledger: Ledger, stop: asyncio.Event) -> None:
 Kill = Callable[["Ledger"], None]  # kills the primary (noting when), waits for promotion
 
 
-async def run_ledger(client: Client, kill: Kill) -> tuple[Ledger, float]:
+async def run_ledger(caller: Caller, kill: Kill) -> tuple[Ledger, float]:
     """Load, the failover in the middle, load after it: the ledger, and when the
     replica was promoted (monotonic)."""
     ledger, stop = Ledger(), asyncio.Event()
-    load = asyncio.create_task(generate(client, ledger, stop))
-    await asyncio.sleep(BEFORE_S)
-    assert ledger.ok > 0, f"nothing served before the failover: {ledger}"
-    await asyncio.to_thread(kill, ledger)
-    promoted_s = time.monotonic()
-    await served_again(ledger)
-    stop.set()
-    await load
+    load = asyncio.create_task(generate(caller, ledger, stop))
+    try:
+        await asyncio.sleep(BEFORE_S)
+        assert ledger.ok > 0, f"nothing served before the failover: {ledger.report('', {})}"
+        await asyncio.to_thread(kill, ledger)
+        promoted_s = time.monotonic()
+        await served_again(ledger)
+    finally:
+        stop.set()
+        await load  # (every call ends by its deadline and grace)
     return ledger, promoted_s
 
 
@@ -210,7 +246,7 @@ async def served_again(ledger: Ledger) -> None:
         await asyncio.sleep(0.1)
 
 
-def check_promises(ledger: Ledger, stats: dict[str, int], lag: bool) -> None:
+def check_promises(ledger: Ledger, stats: dict[str, Any], lag: bool) -> None:
     """The promises; with ``lag``, a reply the replica missed (its marker's flip with
     it) may be sent again after the promotion: the listener drops it (``duplicates``),
     the caller had its one answer."""
@@ -302,15 +338,21 @@ async def sentinel_client(redis_sentinel: SentinelEngine,
 
 async def ledger_through(client: Client, kill: Kill, title: str, lag: bool) -> None:
     async with client:
-        ledger, promoted_s = await run_ledger(client, kill)
+        ledger, promoted_s = await run_ledger(functools.partial(call, client), kill)
         stats = client.stats()
+    report_and_check(ledger, promoted_s, stats, title, lag)
+
+
+def report_and_check(ledger: Ledger, promoted_s: float, stats: dict[str, Any], title: str,
+                     lag: bool) -> None:
     since_s, _ = ledger.served_again_s()
     print(f"\n{ledger.report(title, stats)}\n  promoted {promoted_s - ledger.killed_s:.1f} s "
           f"after the kill; every request sent from {since_s - ledger.killed_s:.1f} s on "
           "answered")
     check_promises(ledger, stats, lag)
     if lag:  # the requests the replica missed were accepted, then lost: each one timed out
-        assert ledger.errors_before_kill["DeadlineExceeded"] > 0
+        assert sum(n for name, n in ledger.errors_before_kill.items()
+                   if "eadline" in name) > 0
 
 
 WAIT_ONE = ReplicaWait(wait_replicas=1, wait_timeout_ms=100)
@@ -332,3 +374,31 @@ async def test_sentinel_failover_ledger(redis_sentinel: SentinelEngine,
                                         sentinel_client: ClientOf) -> None:
     await ledger_through(sentinel_client(wait), sentinel_kill(redis_sentinel, lag),
                          f"sentinel failover, WAIT {wait}, lagging replica {lag}", lag)
+
+
+@asynccontextmanager
+async def gateway_http(url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The HTTP gateway in this process (its lifespan run), at the Redis of ``url``."""
+    app = create_app(GatewayConfig(default_timeout_s=TIMEOUT_S),
+                     RedisSettings(url, socket_timeout_s=3.0, connect_timeout_s=0.5))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10) as http:
+        yield http
+
+
+@pytest.mark.parametrize("engine", ["cluster", "sentinel"])
+async def test_gateway_failover_ledger(engine: str, request: pytest.FixtureRequest,
+                                       start_worker: Callable[..., Worker]) -> None:
+    """The same promises for callers of the HTTP gateway: a 200 with the answer or a
+    503/504 with its code by the deadline, never a 500 nor a hang, and served again."""
+    if engine == "cluster":
+        cluster: ClusterEngine = request.getfixturevalue("redis_cluster")
+        url, kill = cluster.url, cluster_kill(cluster, False)
+    else:
+        sentinel: SentinelEngine = request.getfixturevalue("redis_sentinel")
+        url, kill = sentinel.url, sentinel_kill(sentinel, False)
+    await serving(url, start_worker)
+    async with gateway_http(url) as http:
+        ledger, promoted_s = await run_ledger(functools.partial(http_call, http), kill)
+        stats = (await http.get("/v1/stats")).json()
+    report_and_check(ledger, promoted_s, stats, f"gateway, {engine} failover", False)
