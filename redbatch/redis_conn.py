@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -48,6 +48,11 @@ def _no_retry() -> AsyncRetry:
     return AsyncRetry(NoBackoff(), 0)
 
 
+# Names read back from Redis (worker ids) are decoded with this, so that one that is not
+# UTF-8 (a foreign worker's) makes keys that encode back to its exact bytes.
+ID_ERRORS: Final = "surrogateescape"
+
+
 def async_client(settings: RedisSettings,
                  max_connections: int = defaults.REDIS_MAX_CONNECTIONS) -> aioredis.Redis:
     """An asyncio client (bytes replies) with connect and socket timeouts.
@@ -66,6 +71,7 @@ def async_client(settings: RedisSettings,
         socket_connect_timeout=settings.connect_timeout_s,
         retry=_no_retry(),
         health_check_interval=30,
+        encoding_errors=ID_ERRORS,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
@@ -116,7 +122,8 @@ _SYNC_SENTINEL: Any = SyncSentinel
 def _async_nodes(settings: RedisSettings, nodes: Topology,
                  max_connections: int) -> aioredis.Redis:
     options = {**_options(settings, nodes), "retry": _no_retry(),
-               "health_check_interval": 30, "max_connections": max_connections}
+               "health_check_interval": 30, "max_connections": max_connections,
+               "encoding_errors": ID_ERRORS}
     if nodes.mode == "cluster":
         seeds = [_ASYNC_SEED(host, port) for host, port in nodes.seeds]
         return cast(aioredis.Redis, RedisCluster(startup_nodes=seeds, **options))

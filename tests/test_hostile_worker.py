@@ -114,6 +114,21 @@ async def test_the_reaper_is_not_stopped_by_one_entry(
     assert not raw_redis.exists(protocol.inflight_key("echo", "ghost"))
 
 
+async def test_a_worker_id_that_is_not_utf8_is_reaped_like_any_other(
+        raw_redis: redis.Redis, redis_url: str, start_worker: Callable[..., Worker]) -> None:
+    """A foreign worker named itself with bytes that are not UTF-8, and died holding a
+    request: the live workers' heartbeats go on, and its request is requeued and served."""
+    ghost = b"\xff\xfe-ghost"
+    good = protocol.reply_key("echo", "innocent")
+    raw_redis.rpush(b"rb:{echo}:inflight:" + ghost, entry(7, good)[1])
+    raw_redis.zadd(protocol.workers_key("echo"), {ghost: protocol.now_ms() - 1})
+    start_worker([echo], config=TAKEOVER)
+    assert (await asyncio.to_thread(read_reply, raw_redis, good)).payload == 7
+    await still_serves(redis_url)
+    assert not raw_redis.exists(b"rb:{echo}:inflight:" + ghost)
+    assert raw_redis.zscore(protocol.workers_key("echo"), ghost) is None
+
+
 # --- the reaper answers what a live worker would ----------------------------------------
 async def test_the_reaper_answers_a_malformed_entry_it_can_address(
         raw_redis: redis.Redis, start_worker: Callable[..., Worker]) -> None:

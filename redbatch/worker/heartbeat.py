@@ -15,6 +15,7 @@ from redis.exceptions import NoScriptError
 
 from redbatch import lua, protocol
 from redbatch.lean import script_sha
+from redbatch.redis_conn import ID_ERRORS
 from redbatch.worker.model import Model
 from redbatch.worker.stats import WorkerStats
 
@@ -96,12 +97,17 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
         pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
         pipe.expire(protocol.MODELS_KEY, protocol.META_TTL_S)
         results = await pipe.execute()
-    return Beat({m.name: [w.decode() for w in results[i] if w.decode() != worker_id]
+    return Beat({m.name: [w for w in _ids(results[i]) if w != worker_id]
                  for m, i in zip(models, scans, strict=True)},
                 {m.name: results[i + 1] for m, i in zip(models, scans, strict=True)},
                 {name: results[i] for name, i in rows.items()},
                 {name: list(results[i]) for name, i in live.items()},
                 {name: results[i] == results[i + 1] for name, i in aware.items()})
+
+
+def _ids(raw: list[bytes]) -> list[str]:
+    """Worker ids as read (``ID_ERRORS``: one that is not UTF-8 still names its keys)."""
+    return [w.decode(errors=ID_ERRORS) for w in raw]
 
 
 def _publish_draining(pipe: Any, draining: Draining | None) -> None:
