@@ -5,6 +5,7 @@ own workers); a ``gateway`` test's worker runs on the test's loop."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import signal
@@ -102,7 +103,8 @@ async def test_two_processes_share_the_port_and_one_set_of_counters(
         tmp_path: Path) -> None:
     start_worker([twice])
     await wait_live(redis_url, "twice")
-    proc, base = start_gateway(spawn, redis_url)
+    # in a thread: the in-process worker's heartbeats must go on while the gateway starts
+    proc, base = await asyncio.to_thread(start_gateway, spawn, redis_url)
     children = gateway_children(proc)
     assert len(children) == 2, proc.log()
     path = metrics_dir_of(proc)
