@@ -157,6 +157,21 @@ def test_w3_bare_sweep_takes_each_buckets_best_batch(monkeypatch: pytest.MonkeyP
     assert bare["batch1_exact_tokens_per_s"] == 5.0
 
 
+def test_w3_sweep_interleaves_the_sizes_and_takes_each_ones_median(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def fake_rate(model: Any, rows: list[list[int]], length: int, batch: int,
+                  duration_s: float) -> float:
+        calls.append(batch)  # one round slowed batch 4 down (the machine drifted)
+        return 1.0 if batch == 4 and calls.count(4) == 2 else 100.0 * batch
+
+    monkeypatch.setattr(w3, "_rate", fake_rate)
+    rates = w3._rates(None, [[1]], 8, 0.3)
+    assert rates == {b: 100.0 * b for b in w3.BATCH_SIZES}
+    assert calls == [1, 2, 4, 8, 16, 32, 2, 4, 8, 16, 32, 1, 4, 8, 16, 32, 1, 2]
+
+
 def test_w3_report_gives_tokens_per_second_and_the_targets(
         capsys: pytest.CaptureFixture[str]) -> None:
     ours, naive = _case(1200, 2000), _case(1000, 1000)

@@ -2,7 +2,8 @@
 tokens, through redbatch and the naive server with 2 processes (and Ray Serve under
 ``--ray``), in tokens/s = req/s x mean length; and the bare model's best strategy,
 measured in-process in the same run: for each length bucket, the batch size (1 to 32)
-whose passes, padded to the bucket, give the most real tokens/s."""
+whose passes, padded to the bucket, give the most real tokens per CPU-second (three
+interleaved rounds, the median of each size's)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from redbatch.bench import redis_cost, textcls
@@ -18,6 +20,7 @@ from redbatch.worker.ragged import pad_batch
 
 BODIES_ENV = "REDBATCH_W3_BODIES"  # wrk/w3.lua reads the bodies from this file
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+SWEEP_ROUNDS = 3  # interleaved rounds per bucket of the bare sweep
 
 
 def write_bodies(logdir: Path) -> None:
@@ -102,20 +105,39 @@ def buckets() -> dict[int, list[list[int]]]:
 
 def _rate(model: Any, rows: list[list[int]], length: int, batch: int, duration_s: float
           ) -> float:
-    """Real tokens/s of passes of ``batch`` rows (cycling through ``rows``), padded to
-    ``length`` as the worker pads them, forward and back to numpy included."""
+    """Real tokens per CPU-second of this thread (torch runs on it: one intra-op
+    thread, as the worker times its passes) of passes of ``batch`` rows (cycling
+    through ``rows``), padded to ``length`` as the worker pads them, forward and back to
+    numpy included; for ``duration_s`` of wall time, after one untimed pass."""
     import numpy as np
     import torch
 
     passes = [[np.asarray(rows[(start + k) % len(rows)], dtype=np.int64) for k in range(batch)]
               for start in range(len(rows))]
-    done, started, i = 0, time.perf_counter(), 0
+
+    def one(i: int) -> int:
+        padded, lens = pad_batch(passes[i % len(passes)], length, 0)
+        model(torch.from_numpy(padded), torch.from_numpy(lens)).numpy()
+        return int(lens.sum())
+
     with torch.inference_mode():
+        one(0)  # (a shape's first pass allocates)
+        done, i, started, cpu = 0, 0, time.perf_counter(), time.thread_time()
         while time.perf_counter() - started < duration_s:
-            padded, lens = pad_batch(passes[i % len(passes)], length, 0)
-            model(torch.from_numpy(padded), torch.from_numpy(lens)).numpy()
-            done, i = done + int(lens.sum()), i + 1
-    return done / (time.perf_counter() - started)
+            done, i = done + one(i), i + 1
+    return done / max(time.thread_time() - cpu, 1e-9)
+
+
+def _rates(model: Any, rows: list[list[int]], length: int, duration_s: float
+           ) -> dict[int, float]:
+    """Each batch size's rate (``_rate``): ``SWEEP_ROUNDS`` rounds of ``duration_s`` in
+    all, the sizes in a rotated order each round, the median of each size's rounds (a
+    round slowed by the machine's drift moves no size alone)."""
+    seen: dict[int, list[float]] = {b: [] for b in BATCH_SIZES}
+    for r in range(SWEEP_ROUNDS):
+        for b in BATCH_SIZES[r:] + BATCH_SIZES[:r]:
+            seen[b].append(_rate(model, rows, length, b, duration_s / SWEEP_ROUNDS))
+    return {b: median(v) for b, v in seen.items()}
 
 
 def bare_sweep(duration_s: float) -> dict[str, Any]:
@@ -137,7 +159,7 @@ def best_strategy(model: Any, duration_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {"buckets": {}}
     seconds = 0.0
     for length, rows in buckets().items():
-        rates = {b: _rate(model, rows, length, b, duration_s) for b in BATCH_SIZES}
+        rates = _rates(model, rows, length, duration_s)
         best = max(rates, key=lambda b: rates[b])
         out["buckets"][str(length)] = {"bodies": len(rows), "tokens_per_s": rates,
                                        "best_batch": best}
