@@ -485,6 +485,25 @@ async def test_a_streaming_model_in_versions(start_worker: Callable[..., Worker]
             == 404
 
 
+async def test_v2_generate_refuses_the_names_infer_refuses(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Triton's generate routes check the path's name as every v2 route does: a
+    served name is no v2 name (404), a pin on one is a 400, an illegal name a 404."""
+    from tests.stream_models import counting, policy
+    start_worker([Model("gen", fn=counting, policy=policy(4, 0.002), version="2")])
+    await _served(redis_url, "gen@2")
+    expected = {"gen@2": 404, "gen@2/versions/2": 400, "bad!@x/versions/1": 404,
+                "gen/versions/2": 200}
+    async with gateway(redis_url) as http:
+        for path, status in expected.items():
+            for route in ("infer", "generate", "generate_stream"):
+                resp = await http.post(f"/v2/models/{path}/{route}", json={"n": 1})
+                if route == "infer" and status == 200:  # (gen streams: infer refuses it)
+                    assert resp.status_code == 400 and "generate_stream" in resp.text
+                    continue
+                assert resp.status_code == status, (path, route, resp.text)
+
+
 async def test_a_request_split_by_a_cold_table_is_counted_under_its_model(
         two: Client, redis_url: str) -> None:
     async with gateway(redis_url) as http:  # its copy of the table: not read yet
