@@ -442,13 +442,22 @@ return 1
 # KEYS[1]=versions hash (the model's routing table)  KEYS[2]=the model's own workers zset
 # (its workers served without versions; the same slot, ``{model}``)
 # ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0.
-# A worker registers its version: a version already in the table keeps its row (an
-# operator's weight stays); a new one gets weight 0 (requests that pin it only, until an
-# operator promotes it) while the model is served already, by another version not
-# draining or by live workers without versions, else no weight.  Returns the row.
+# A worker registers its version, in one step that merges with the stored table: a
+# version already in the table keeps its row (an operator's weight stays), but loses
+# the "base" mark of the workers served without versions (an operator's change stored
+# it as version "1": a real version "1" takes it over, weight and draining kept); a new
+# one gets weight 0 (requests that pin it only, until an operator promotes it) while the
+# model is served already, by another version not draining or by live workers without
+# versions, else no weight.  Returns the row.
 REGISTER_VERSION: Final = """
 local row = redis.call('HMGET', KEYS[1], ARGV[1])[1]
-if row then return row end
+if row then
+  local mine, marks = string.gsub(row, '"base":%s*true%s*,?', '')
+  if marks == 0 then return row end
+  mine = string.gsub(mine, ',%s*}', '}')
+  redis.call('HSET', KEYS[1], ARGV[1], mine)
+  return mine
+end
 local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
