@@ -442,13 +442,22 @@ return 1
 # KEYS[1]=versions hash (the model's routing table)  KEYS[2]=the model's own workers zset
 # (its workers served without versions; the same slot, ``{model}``)
 # ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0.
-# A worker registers its version: a version already in the table keeps its row (an
-# operator's weight stays); a new one gets weight 0 (requests that pin it only, until an
-# operator promotes it) while the model is served already, by another version not
-# draining or by live workers without versions, else no weight.  Returns the row.
+# A worker registers its version, in one step that merges with the stored table: a
+# version already in the table keeps its row (an operator's weight stays), but loses
+# the "base" mark of the workers served without versions (an operator's change stored
+# it as version "1": a real version "1" takes it over, weight and draining kept); a new
+# one gets weight 0 (requests that pin it only, until an operator promotes it) while the
+# model is served already, by another version not draining or by live workers without
+# versions, else no weight.  Returns the row.
 REGISTER_VERSION: Final = """
 local row = redis.call('HMGET', KEYS[1], ARGV[1])[1]
-if row then return row end
+if row then
+  local mine, marks = string.gsub(row, '"base":%s*true%s*,?', '')
+  if marks == 0 then return row end
+  mine = string.gsub(mine, ',%s*}', '}')
+  redis.call('HSET', KEYS[1], ARGV[1], mine)
+  return mine
+end
 local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
@@ -497,16 +506,24 @@ PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, ENQUEUE_OPEN, ENQUEUE_LEVEL_O
 # --- pipelines (docs/protocol.md §17) ------------------------------------------------
 # KEYS[1]=the stage's request marker  KEYS[2]=the request's context at the stage
 # KEYS[3]=the stage's queue (of the request's level)  KEYS[4]=the bell (multi-level only)
+# KEYS[5..]=(multi-level) the queues of the more urgent levels
 # ARGV[1]=marker and context ttl ms  ARGV[2]=context  ARGV[3]=entry  ARGV[4]=queue ttl ms
-# ARGV[5]=the queue's cap (0 or absent: none)
+# ARGV[5]=the stage's cap, of the entries at this level and above (0 or absent: none)
+# ARGV[6]=this level's own cap (0 or absent: none)
 # A pipeline request enters a stage: deduplicated by its marker, so that a hand-off sent
 # again (its sender died before it could mark it done) is not queued twice; refused
-# (nothing written) while the queue holds the cap.  Returns 1 if it was queued, 0 if it
-# was there already, -1 if refused.
+# (nothing written) while the caps leave no room, as ENQUEUE_LEVEL's.  Returns 1 if it
+# was queued, 0 if it was there already, -2 if its level's cap refused it, -1 if the
+# stage's cap did.
 HANDOFF_SEND: Final = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local cap = tonumber(ARGV[5] or '0')
-if cap > 0 and redis.call('LLEN', KEYS[3]) >= cap then return -1 end
+local cap, level_cap = tonumber(ARGV[5] or '0'), tonumber(ARGV[6] or '0')
+local own = redis.call('LLEN', KEYS[3])
+if level_cap > 0 and own >= level_cap then return -2 end
+if cap > 0 then
+  for i = 5, #KEYS do own = own + redis.call('LLEN', KEYS[i]) end
+  if own >= cap then return -1 end
+end
 redis.call('SET', KEYS[1], 'q', 'PX', ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
 redis.call('RPUSH', KEYS[3], ARGV[3])

@@ -98,3 +98,20 @@ def raw_bytes(batch: StreamBatch) -> Iterator[list[Any]]:
 
 def bytes_model() -> Model:
     return Model("bytesm", fn=raw_bytes, policy=policy(2, 0.0))
+
+
+RUNS: list[int] = [0]  # noisy: how many times its generator started
+
+
+def noisy_counting(batch: StreamBatch) -> Iterator[list[Any]]:
+    """A counter whose chunks name its run: a rerun yields other chunks."""
+    RUNS[0] += 1
+    run = RUNS[0]
+    sent: dict[str, int] = {}
+    while len(batch):
+        yield [f"{run}:{item}" if isinstance(item, str) else item
+               for item in _items(batch, sent)]
+
+
+def noisy() -> Model:
+    return Model("noisy", fn=noisy_counting, policy=policy(2))

@@ -303,6 +303,35 @@ async def test_a_hop_takes_the_next_stages_own_queue_cap(
         assert "stage 'dbl' is full (cap 2)" in (reply.error_message or "")
 
 
+async def test_a_hop_takes_the_next_stages_cap_of_the_requests_level(
+        client: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """A stage's ``priority_caps`` cap its hops as they cap a direct enqueue: a level's
+    own queue never holds more than its cap, and the stage's cap counts the entries of
+    that level and the more urgent ones."""
+    dbl = Model("dbl", fn=lambda xs: xs, policy=POLICY, max_queue_len=3,
+                priority_levels=2, default_priority=2, priority_caps=[3, 1])
+    await client.set(protocol.meta_key("dbl"), orjson.dumps(dbl.meta()))
+    urgent, low = dbl.priorities.queues("dbl")
+
+    async def hop(name: str, level: int) -> Reply | None:
+        reply_to = protocol.reply_key("calc", name)
+        await put(client, "inc", name, ctx_json(reply_to, route=["dbl"], priority=level))
+        await hand_on(client, "inc")
+        return got(raw_redis, reply_to) if raw_redis.llen(reply_to) else None
+
+    assert [await hop(f"u{i}", 1) for i in range(2)] == [None, None]
+    assert await hop("low", 2) is None
+    refused = await hop("low2", 2)  # level 2 holds its cap, 1
+    assert refused is not None and refused.error_code == "queue_full"
+    assert "stage 'dbl' at priority 2 is full (cap 1)" in (refused.error_message or "")
+    assert await hop("u2", 1) is None  # the less urgent entries never count against it
+    raw_redis.delete(low)
+    refused = await hop("low3", 2)  # level 1 holds the stage's cap, 3
+    assert refused is not None and "stage 'dbl' is full (cap 3)" in (refused.error_message
+                                                                      or "")
+    assert (raw_redis.llen(urgent), raw_redis.llen(low)) == (3, 0)
+
+
 async def test_a_stage_cap_is_the_one_in_effect(client: aioredis.Redis) -> None:
     """The cap read is ``limits.max_queue_len`` (live overrides included), never the
     model's own default of the knob: an override to none means none."""

@@ -366,6 +366,49 @@ async def test_an_exception_yielded_for_one_member_fails_that_member_alone(
                for keys in stream_models.STEPS)
 
 
+async def test_a_generator_that_raises_fails_its_culprit_alone_the_others_rerun(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    await _live(start_worker, redis_url, monkeypatch, step_s=0.01)
+    async with Client(redis_url) as client:
+        streams_ = [client.stream("counter", value, 10, chunks=True) for value in
+                    ({"n": 5, "tag": "a"}, {"n": 5, "fail": 2}, {"n": 5, "tag": "c"}, {"n": 1})]
+        await asyncio.gather(*(s.open() for s in streams_))
+        good_a, bad, good_c, short = streams_
+        seen: list[StreamChunk] = []
+        with pytest.raises(ModelError, match="asked to fail"):
+            async for chunk in bad:
+                seen.append(chunk)
+        assert [(c.seq, c.payload) for c in seen] == [(0, "0"), (1, "1")]
+        for stream, tag in ((good_a, "a"), (good_c, "c")):  # each chunk once, none lost
+            assert [(c.seq, c.payload) async for c in stream] == \
+                [(i, f"{tag}{i}") for i in range(5)]
+        assert [c.payload async for c in short] == ["0"]
+        assert client.stats()["duplicates"] == 0
+    ids = {s.request_id for s in streams_}
+    assert ids in [set(keys) for keys in stream_models.STEPS]  # they ran as one batch
+
+
+async def test_a_rerun_that_yields_other_chunks_ends_that_stream_with_an_error(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([stream_models.noisy()])
+    await wait_live(redis_url, "noisy")
+    async with Client(redis_url) as client:
+        good = client.stream("noisy", {"n": 4}, 10, chunks=True)
+        bad = client.stream("noisy", {"n": 4, "fail": 2}, 10, chunks=True)
+        await asyncio.gather(good.open(), bad.open())
+        seen: list[StreamChunk] = []
+        with pytest.raises(ModelError, match="rerun"):
+            async for chunk in good:
+                seen.append(chunk)
+        assert [c.seq for c in seen] == [0, 1]  # never a chunk again, nor a silent end
+        seen = []
+        with pytest.raises(ModelError):  # its own rerun differs before it raises
+            async for chunk in bad:
+                seen.append(chunk)
+        assert [c.seq for c in seen] == [0, 1]
+
+
 async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:

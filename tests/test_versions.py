@@ -12,12 +12,24 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from redbatch import Client, ConfigError, Model, batch, configfile, defaults, protocol, versions
+from redbatch import (
+    Client,
+    ConfigError,
+    Model,
+    batch,
+    configfile,
+    defaults,
+    lua,
+    protocol,
+    versions,
+)
 from redbatch.cli import main
 from redbatch.errors import BadRequest, NoLiveWorkers, UnknownModel
 from redbatch.producer import SyncClient
 from redbatch.versions import Table, Version
+from redbatch.worker import heartbeat
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from tests.conftest import wait_live
@@ -316,6 +328,56 @@ async def test_concurrent_changes_keep_each_others_writes(two: Client, redis_url
             assert table.versions == {"1": Version(0.0, True), "2": Version(float(weight))}
 
 
+async def test_versions_registered_at_once_all_land_beside_an_operators_change(
+        redis_url: str) -> None:
+    """Workers registering versions of one model at the same moment, while an operator
+    changes a weight, each add their row in one atomic step (``REGISTER_VERSION``): no
+    registration is lost, exactly one version (the first) takes unpinned traffic, and
+    the operator's weight stays."""
+    conns = [aioredis.Redis.from_url(redis_url) for _ in range(8)]
+    try:
+        await _register(conns[0], "1")
+        rounds = [versions.change(conns[0], MODEL, weights={"1": float(w)}) for w in range(5)]
+        await asyncio.gather(*(_register(c, str(n)) for n, c in enumerate(conns, 2)),
+                             *rounds)
+        table = await versions.load(conns[0], MODEL)
+    finally:
+        for conn in conns:
+            await conn.aclose()
+    assert set(table.versions) == {str(n) for n in range(1, 10)}
+    assert table.versions["1"].weight is not None and table.versions["1"].weight >= 0
+    assert all(table.versions[str(n)].weight == 0.0 for n in range(2, 10))  # canaries
+
+
+async def test_a_version_1_registered_over_a_stored_base_row_takes_it_over(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """An operator's change stores the row of the workers served without versions
+    (``"base": true``, as version 1); a worker of a real version 1 registering then
+    merges into that row (the operator's weight stays) rather than being masked by
+    it: version 1 routes to ``vm@1``, also once the unversioned workers left."""
+    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
+    conn = aioredis.Redis.from_url(redis_url)
+    try:
+        await _register(conn, "2")
+        await versions.change(conn, MODEL, weights={"1": 70, "2": 30})
+        await _register(conn, "1")
+        table = await versions.load(conn, MODEL)
+        assert (table.served(MODEL, "1"), table.versions["1"].weight) == ("vm@1", 70.0)
+        raw_redis.delete(protocol.workers_key(MODEL))
+        table = await versions.load(conn, MODEL)
+    finally:
+        await conn.aclose()
+    assert table.versions["1"] == Version(70.0) and table.served(MODEL, "1") == "vm@1"
+
+
+async def _register(conn: aioredis.Redis, number: str) -> None:
+    """A heartbeat's registration of version ``number`` of ``vm``."""
+    await conn.script_load(lua.REGISTER_VERSION)
+    async with conn.pipeline(transaction=False) as pipe:
+        heartbeat._version_rows(pipe, [version(int(number))])
+        await pipe.execute()
+
+
 # --- draining: nothing left behind ----------------------------------------------------
 @pytest.fixture
 def quick_settle(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -483,6 +545,25 @@ async def test_a_streaming_model_in_versions(start_worker: Callable[..., Worker]
         assert resp.status_code == 200 and '"model_version":"2"' in resp.text
         assert (await http.post("/v2/models/gen/versions/7/generate", json=ask)).status_code \
             == 404
+
+
+async def test_v2_generate_refuses_the_names_infer_refuses(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Triton's generate routes check the path's name as every v2 route does: a
+    served name is no v2 name (404), a pin on one is a 400, an illegal name a 404."""
+    from tests.stream_models import counting, policy
+    start_worker([Model("gen", fn=counting, policy=policy(4, 0.002), version="2")])
+    await _served(redis_url, "gen@2")
+    expected = {"gen@2": 404, "gen@2/versions/2": 400, "bad!@x/versions/1": 404,
+                "gen/versions/2": 200}
+    async with gateway(redis_url) as http:
+        for path, status in expected.items():
+            for route in ("infer", "generate", "generate_stream"):
+                resp = await http.post(f"/v2/models/{path}/{route}", json={"n": 1})
+                if route == "infer" and status == 200:  # (gen streams: infer refuses it)
+                    assert resp.status_code == 400 and "generate_stream" in resp.text
+                    continue
+                assert resp.status_code == status, (path, route, resp.text)
 
 
 async def test_a_request_split_by_a_cold_table_is_counted_under_its_model(

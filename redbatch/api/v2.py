@@ -12,7 +12,6 @@ the v2 shape ``{"error": "message"}``; the status comes from ``redbatch.api.erro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
@@ -30,7 +29,7 @@ from redbatch import __version__, protocol, versions
 from redbatch.api import body, v2_named, v2_tensors
 from redbatch.api.directory import ModelInfo
 from redbatch.api.errors import retry_headers, status_of
-from redbatch.api.v2_generate import GenerateApi
+from redbatch.api.v2_generate import GenerateApi, path_name
 from redbatch.api.v2_repo import RepositoryApi
 from redbatch.api.v2_tensors import (
     V2_DATATYPES,
@@ -41,12 +40,10 @@ from redbatch.api.v2_tensors import (
 )
 from redbatch.errors import (
     BadRequest,
-    InvalidPayload,
     ModelError,
     NoLiveWorkers,
     QueueFull,
     RedbatchError,
-    UnknownModel,
     error_from_code,
 )
 from redbatch.producer.admission import no_live_workers
@@ -425,23 +422,10 @@ class V2Api:
     async def server(self, request: Request) -> Response:
         return JSONResponse(server_metadata())
 
-    @staticmethod
-    def _name(request: Request) -> tuple[str, str | None]:
-        """The path's model name, once it is a name, and its version (None: none)."""
-        name: str = request.path_params["name"]
-        version: str | None = request.path_params.get("version")
-        if not protocol.MODEL_NAME_RE.fullmatch(name):
-            with contextlib.suppress(InvalidPayload):  # not a name at all: the 404
-                protocol.check_pin(name, version, served_route=False)
-            raise UnknownModel(f"unknown model {name!r}: not a model name")
-        if version is not None and not protocol.VERSION_RE.fullmatch(version):
-            raise UnknownModel(f"model {name!r} has no version {version!r}")
-        return name, version
-
     async def _versions(self, request: Request) -> tuple[ModelInfo, list[str] | None]:
         """The info of the path's version (of ``latest`` when it names none), and the
         model's versions (None: served without versions)."""
-        name, version = self._name(request)
+        name, version = path_name(request)
         lookup_ms = protocol.now_ms() + round(1000 * self.gateway.core.config.default_timeout_s)
         table = await self.gateway.client.table(name, lookup_ms)
         served = table.route(name, table.latest if version is None else version)
@@ -484,7 +468,7 @@ class V2Api:
         bounds the look-ups too."""
         arrived_ms, core = protocol.now_ms(), self.gateway.core
         headers = dict(request.headers.raw)
-        name, version = self._name(request)
+        name, version = path_name(request)
         info = await core.served(name, headers, arrived_ms, version)
         if info.meta.get(protocol.F_STREAMING):
             raise BadRequest(f"model {name!r} streams its answers: use its generate_stream "

@@ -7,6 +7,7 @@ flattened in (``{"text_input": "hello", "max_tokens": 16}``)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from redbatch import protocol
 from redbatch.api import body, streaming
-from redbatch.errors import BadRequest, ModelError, RedbatchError, UnknownModel
+from redbatch.errors import BadRequest, InvalidPayload, ModelError, RedbatchError, UnknownModel
 from redbatch.producer.streams import Stream
 from redbatch.stream_wire import StreamChunk
 
@@ -46,6 +47,21 @@ def v2_shapes(name: str, version: str = VERSION) -> tuple[streaming.Shape, strea
     return shape, final
 
 
+def path_name(request: Request) -> tuple[str, str | None]:
+    """A v2 path's model name, once it is a name, and its version (None: none): a
+    served name (``vm@1``) or an illegal one is a 404, a version pinned on a served
+    name a 400."""
+    name: str = request.path_params["name"]
+    version: str | None = request.path_params.get("version")
+    if not protocol.MODEL_NAME_RE.fullmatch(name):
+        with contextlib.suppress(InvalidPayload):  # not a name at all: the 404
+            protocol.check_pin(name, version, served_route=False)
+        raise UnknownModel(f"unknown model {name!r}: not a model name")
+    if version is not None and not protocol.VERSION_RE.fullmatch(version):
+        raise UnknownModel(f"model {name!r} has no version {version!r}")
+    return name, version
+
+
 class GenerateApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -74,12 +90,9 @@ class GenerateApi:
 
     async def _answer(self, request: Request, sse: bool) -> streaming.StreamAnswer:
         core, arrived_ms = self.gateway.core, protocol.now_ms()
-        name = request.path_params["name"]
+        name, version = path_name(request)  # /v2/models/{name}[/versions/{v}]/...
         headers: body.Headers = dict(request.scope["headers"])
         trace = body.trace_id(headers)
-        version = request.path_params.get("version")  # /v2/models/{name}/versions/{v}/...
-        if version is not None and not protocol.VERSION_RE.fullmatch(version):
-            raise UnknownModel(f"model {name!r} has no version {version!r}")
         info = await core.served(name, headers, arrived_ms, version)
         if not info.meta.get(protocol.F_STREAMING):
             raise BadRequest(f"model {name!r} does not stream: use its infer endpoint")

@@ -5,7 +5,7 @@ by its marker in the pipeline's slot)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from redis.exceptions import NoScriptError
 
@@ -50,6 +50,7 @@ class Command:
     tag: str
     ctx: Context | None = None  # a send's: its caller is answered if the stage refuses it
     request_id: str = ""  # ... and its request
+    level: int = 0  # ... and its level at the stage (0: one level)
 
     def wire(self) -> tuple[Any, ...]:
         return ("EVALSHA", script_sha(self.source), len(self.keys), *self.keys, *self.args)
@@ -57,22 +58,25 @@ class Command:
 
 def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx: Context,
                  cap: int | None = None) -> Command:
-    """Queue the request at ``stage`` (of ``levels``) with its context, unless its queue
-    holds ``cap`` entries (None: ``MAX_QUEUE_LEN``, a gateway's default; 0: no cap): the
-    script answers 0 if it was queued there already (a hand-off sent again), -1 if
-    refused."""
+    """Queue the request at ``stage`` (of ``levels``) with its context, under the caps
+    of a direct enqueue: ``cap`` (None: ``MAX_QUEUE_LEN``, a gateway's default; 0: no
+    cap) of the entries at its level and the more urgent ones, and its level's own cap
+    (``levels.cap``): the script answers 0 if it was queued there already (a hand-off
+    sent again), ``REFUSED`` if refused."""
     cap = defaults.MAX_QUEUE_LEN if cap is None else cap
     level = stage_level(levels, ctx.priority)
     keys = [protocol.request_key(stage, request_id), protocol.context_key(stage, request_id)]
     if levels.many:
-        keys += [levels.queues(stage)[level - 1], protocol.bell_key(stage)]
+        queues = levels.queues(stage)
+        keys += [queues[level - 1], protocol.bell_key(stage), *queues[:level - 1]]
     else:
         keys.append(protocol.queue_key(stage))
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
     entry = stage_entry(stage, request_id, payload, ctx, level)
-    return Command(lua.HANDOFF_SEND, keys,
-                   [ttl_ms, ctx.to_json(), entry, protocol.QUEUE_TTL_S * 1000, cap], stage,
-                   ctx, request_id)
+    level_cap = (levels.cap(level) or 0) if levels.many else 0
+    return Command(lua.HANDOFF_SEND, keys, [ttl_ms, ctx.to_json(), entry,
+                                            protocol.QUEUE_TTL_S * 1000, cap, level_cap],
+                   stage, ctx, request_id, level)
 
 
 def hop_cap(own: int | None) -> int:
@@ -81,10 +85,18 @@ def hop_cap(own: int | None) -> int:
     return defaults.MAX_QUEUE_LEN if own is None else min(defaults.MAX_QUEUE_LEN, own)
 
 
-def stage_full(stage: str, cap: int) -> QueueFull:
-    """The error of a request that ``stage``'s queue refused (it held ``cap``)."""
-    return QueueFull(f"queue of pipeline stage {stage!r} is full (cap {cap})",
-                     defaults.RETRY_AFTER_S)
+REFUSED: Final = (-1, -2)  # HANDOFF_SEND's refusals: the stage's cap, its level's
+
+
+def stage_full(command: Command, refused: int) -> QueueFull:
+    """The error of a send that its stage refused (``refused``: the script's answer,
+    one of ``REFUSED``)."""
+    if refused == -2:
+        return QueueFull(f"queue of pipeline stage {command.tag!r} at priority "
+                         f"{command.level} is full (cap {command.args[5]})",
+                         defaults.RETRY_AFTER_S)
+    return QueueFull(f"queue of pipeline stage {command.tag!r} is full (cap "
+                     f"{command.args[4]})", defaults.RETRY_AFTER_S)
 
 
 async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payload: Any,
@@ -93,8 +105,8 @@ async def send(link: LeanLink, levels: Levels, stage: str, request_id: str, payl
     ``QueueFull`` if its queue holds ``cap``."""
     command = send_command(levels, stage, request_id, payload, ctx, cap)
     sent = await link.script(command.source, command.keys, command.args)
-    if sent == -1:
-        raise stage_full(stage, command.args[4])
+    if sent in REFUSED:
+        raise stage_full(command, sent)
     return bool(sent)
 
 

@@ -137,8 +137,8 @@ class Mover:
                 log.error("stage=%s: could not hand on a request (keys %s): %s",
                           self.stage, command.keys[:2], result)
         await self._run_all([handoff.refusal(c.request_id, c.ctx, handoff.stage_full(
-            c.tag, int(c.args[4])), c.tag) for c, result in zip(commands, results, strict=True)
-            if result == -1 and c.ctx is not None])  # a full stage's: answered
+            c, result), c.tag) for c, result in zip(commands, results, strict=True)
+            if result in handoff.REFUSED and c.ctx is not None])  # a full stage's: answered
 
     async def _run_all(self, commands: list[handoff.Command]) -> None:
         """``commands``, one write per slot, side by side."""

@@ -10,16 +10,23 @@ join the batch before the next step.  The batch ends when its last member ends.
 A sync generator steps in the forward thread, never on the event loop.  Every step
 is bounded by the latest deadline of its members, and a member whose deadline passed
 ends with ``deadline_exceeded``: the deadline bounds the whole stream.
+
+A generator that raises is bisected: its running members are split in two halves,
+each rerun from its first step by a generator of its own, until the member that fails
+alone ends with the error.  A rerun sends no chunk below the number its caller already
+got, and checks that it yielded those same chunks (a hash of their bytes): a member
+whose rerun yields others ends with ``model_error`` at the number it had reached.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import redis
@@ -68,6 +75,9 @@ class Member:
     forward_ms: float = 0.0
     batch_size: int = 0  # the largest batch it ran in
     done: bool = False  # its final message is made (or it was dropped)
+    sent: int = 0  # the chunks its caller got: a rerun sends none below this number
+    digest: Any = field(default_factory=hashlib.blake2b)  # of the chunks its caller got
+    rerun: Any = None  # on a rerun, until it passes ``sent``: the hash of its chunks
 
 
 @dataclass(slots=True)
@@ -202,8 +212,11 @@ class StreamRunner(BatchRunner):
                                        STEP_GRACE_S)
 
     def final(self, member: Member, error: RedbatchError | None = None) -> Message:
-        """The member's final message (``error``: failed), with its timings."""
+        """The member's final message (``error``: failed), with its timings; one that
+        ends on a rerun before the number its caller reached fails."""
         member.done = True
+        if member.seq < member.sent:
+            error, member.seq = error or self._rerun_error(member), member.sent
         request = member.request
         timings = Timings(protocol.queue_wait_ms(member.claimed_ms, request.enqueue_ms),
                           member.batch_size, round(member.forward_ms, 3),
@@ -217,8 +230,9 @@ class StreamRunner(BatchRunner):
         self.stats.items += 1
         return Message(member, codec.encode(chunk.to_wire(), member.fmt), True, member.seq)
 
-    def chunk(self, member: Member, item: Any) -> Message:
-        """A chunk for the member's caller (its final error, if it cannot be encoded)."""
+    def chunk(self, member: Member, item: Any) -> Message | None:
+        """A chunk for the member's caller (its final error, if it cannot be encoded;
+        None for a chunk a rerun yields again)."""
         wire = StreamChunk(member.request.id, member.seq, item).to_wire()
         try:
             data = codec.encode(wire, member.fmt)
@@ -226,7 +240,27 @@ class StreamRunner(BatchRunner):
             return self.final(member, ModelError(f"model {self.model.name!r} yielded a "
                                                  f"chunk that cannot be encoded: {exc}"))
         member.seq += 1
+        if member.seq <= member.sent:
+            return self._replayed(member, data)
+        member.digest.update(data)
+        member.sent = member.seq
         return Message(member, data, False, member.seq - 1)
+
+    def _replayed(self, member: Member, data: bytes) -> Message | None:
+        """A rerun's chunk its caller got already: never sent again; the last of them
+        checks that the rerun yielded the same chunks (else the member fails)."""
+        member.rerun.update(data)
+        if member.seq < member.sent:
+            return None
+        if member.rerun.digest() != member.digest.digest():
+            return self.final(member, self._rerun_error(member))
+        member.rerun = None
+        return None
+
+    def _rerun_error(self, member: Member) -> ModelError:
+        return ModelError(f"model {self.model.name!r} failed a batch of request "
+                          f"{member.request.id}, whose rerun did not yield the "
+                          f"{member.sent} chunks it had sent")
 
 
 def _next(gen: Iterator[Any]) -> Any:
@@ -249,10 +283,17 @@ class StreamLoop:
         self.steps = 0
         self.joined = 0
         self.dropped: list[bytes] = []  # unreadable entries, to dead-letter
+        # the halves of a batch whose generator raised, waiting for their rerun
+        self.groups: list[list[Member]] = []
+        self.isolating = False  # a generator raised: the batch takes no newcomer
 
     @property
     def running(self) -> int:
         return sum(not m.done for m in self.members.values())
+
+    def active(self) -> list[Member]:
+        """The members that the running generator steps and that did not end."""
+        return [m for key in self.batch.keys if not (m := self.members[key]).done]
 
     async def run(self, raws: list[bytes]) -> None:
         await self.admit(raws)
@@ -293,7 +334,8 @@ class StreamLoop:
     def room(self) -> int:
         """Places to fill at this step; ``NO_CLAIM`` for a fixed batch, or stopping
         (not even the places of members that end at this step)."""
-        if self.stop.is_set() or not self.r.model.continuous or self.alone:
+        if self.stop.is_set() or not self.r.model.continuous or self.alone or \
+                self.isolating:
             return NO_CLAIM
         return max(0, self.r.model.policy.max_batch_size - self.running - len(self.r.deferred))
 
@@ -306,10 +348,14 @@ class StreamLoop:
 
     async def forward(self) -> None:
         """One step of the generator (started if need be), turned into messages."""
+        if self.gen is not None and not self.active():  # its members ended: the next half
+            await self.r.close(self.gen)
+            self.gen = None
         if self.gen is None:
+            self.rerun()
             self.gen = self.r.fn(self.batch)
             self.r.stats.batches += 1
-        latest_ms = max(m.request.deadline_ms for m in self.members.values() if not m.done)
+        latest_ms = max(m.request.deadline_ms for m in self.active())
         timeout_s = max(0.0, (latest_ms - protocol.now_ms()) / 1000) + STEP_GRACE_S
         started = time.perf_counter()
         items = await self.r.advance(self.gen, timeout_s)
@@ -320,22 +366,44 @@ class StreamLoop:
             self.route(items, step_ms)
             return
         self.gen = None  # ended, failed, or broke the contract: its members end
+        if isinstance(items, ModelError) and self.isolate():
+            return
         error = None if items is END else items if isinstance(items, RedbatchError) else \
             ModelError(f"model {self.r.model.name!r} yielded {type(items).__name__} "
                        f"{_length(items)}for a batch of {len(self.batch)} members")
-        for member in self.members.values():
-            if not member.done:
-                self.pending.append(self.r.final(member, error))
+        for member in self.active():
+            self.pending.append(self.r.final(member, error))
+
+    def isolate(self) -> bool:
+        """Split the running members of a generator that raised in two halves, each
+        to rerun on its own (False: one member, the culprit, ran)."""
+        running = self.active()
+        if len(running) < 2:
+            return False
+        self.isolating = True
+        mid = len(running) // 2
+        self.groups[:0] = [running[:mid], running[mid:]]
+        self.batch = StreamBatch()
+        return True
+
+    def rerun(self) -> None:
+        """The next half of a failed batch whose members did not end (if any) makes
+        the batch: each restarts at its first chunk."""
+        while self.groups and not len(self.batch):
+            for member in self.groups.pop(0):
+                if not member.done:
+                    member.seq, member.rerun = 0, hashlib.blake2b()
+                    self.batch.add(member.request.id, member.request.payload)
 
     def _count(self, step_ms: float) -> None:
         stats = self.r.stats
         stats.passes += 1
-        stats.pass_items += self.running
+        stats.pass_items += len(self.active())
         stats.forward_ms += step_ms
         stats.busy_s += step_ms / 1000
 
     def route(self, items: list[Any], step_ms: float) -> None:
-        size = self.running
+        size = len(self.active())
         for key, item in zip(self.batch.keys, items, strict=True):
             member = self.members[key]
             if member.done:
@@ -343,9 +411,11 @@ class StreamLoop:
             member.steps += 1
             member.forward_ms += step_ms
             member.batch_size = max(member.batch_size, size)
-            self.pending.append(self._message(member, item))
+            message = self._message(member, item)
+            if message is not None:
+                self.pending.append(message)
 
-    def _message(self, member: Member, item: Any) -> Message:
+    def _message(self, member: Member, item: Any) -> Message | None:
         """A chunk; a final message for ``STOP``, or an exception (that member fails)."""
         if item is STOP:
             return self.r.final(member)
