@@ -394,22 +394,46 @@ class Client:
         out of its range: ``InvalidPayload``); ``version``: the model's version to run
         (None: by its routing table's weights, ``redbatch.versions``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
-        direct = self._plain_ready(model, version, 1)
-        model, listeners, pipeline = (model, direct, None) if direct is not None \
-            else await self._resolve(model, version, 1, deadline)
+        if version is None and self.direct(model):  # the plain path: no look-up awaited
+            return await self.submit_direct(model, inputs, reply=reply, request_id=request_id,
+                                            trace_id=trace_id, deadline_ms=deadline,
+                                            max_queue_len=max_queue_len, priority=priority)
+        model, listeners, pipeline = await self._resolve(model, version, 1, deadline)
         if pipeline is not None:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
                                      request_id, trace_id, asked_priority(priority),
                                      cap=max_queue_len)
         level = 0 if priority is None else await self._level(model, priority)
-        tag = model if direct is not None else await self._route(model, request_id)
-        request = self._request(model, inputs, deadline, request_id, listeners.reply_to(tag),
-                                trace_id, priority=level)
+        return self._expect(listeners, model, await self._route(model, request_id), inputs,
+                            deadline, reply, request_id, trace_id, max_queue_len, level)
+
+    async def submit_direct(self, model: str, inputs: Any, *, deadline_ms: int,
+                            reply: bool = False, request_id: str | None = None,
+                            trace_id: str = "", max_queue_len: int | None = None,
+                            priority: int | None = None) -> RequestFuture[Any]:
+        """``submit`` of a request that pins no version, for a model its caller found
+        ``direct`` (the gateway takes that verdict once per request): straight to the
+        model's own queue, the verdict not taken again.  ``RedbatchError`` unless the
+        client is started (``direct`` is False before)."""
+        listeners = self._listeners
+        if listeners is None:
+            raise RedbatchError("client is not started")
+        self._check_room(listeners, 1)
+        level = 0 if priority is None else await self._level(model, priority)
+        return self._expect(listeners, model, model, inputs, deadline_ms, reply, request_id,
+                            trace_id, max_queue_len, level)
+
+    def _expect(self, listeners: Listeners, model: str, tag: str, inputs: Any,
+                deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
+                cap: int | None, level: int) -> RequestFuture[Any]:
+        """One request of ``model`` into sub-queue ``tag``: its waiter, then its push."""
+        request = self._request(model, inputs, deadline_ms, request_id,
+                                listeners.reply_to(tag), trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
-        future = listeners.expect(tag, request.id, deadline, reply)
-        self._push(tag, [request], entries, max_queue_len, level)
+        future = listeners.expect(tag, request.id, deadline_ms, reply)
+        self._push(tag, [request], entries, cap, level)
         return future
 
     async def submit_many(self, model: str, inputs: Sequence[Any],
