@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -129,7 +128,8 @@ class Client:
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
-                                      self.pack_rows, listeners.route_pack, self.replica_wait)
+                                      self.pack_rows, listeners.route_pack, self.replica_wait,
+                                      self._failed)
             self._listeners = listeners
 
     async def close(self) -> None:
@@ -483,8 +483,9 @@ class Client:
             # as in ``submit``: the caller's ids travel alone, encoded now
             entries = [codec.encode(r.to_wire(), self.fmt) for r in requests] \
                 if request_ids else None
-            pushed.append(self._enqueued(self._push(tag, requests, entries, max_queue_len,
-                                                    level), requests, deadline, tag))
+            assert self._enqueuer is not None
+            pushed.append(self._enqueued(self._enqueuer.push_watched(
+                tag, requests, entries, max_queue_len, level), requests, deadline, tag))
         await (pushed[0] if len(pushed) == 1 else asyncio.gather(*pushed))
         return futures if len(groups) == 1 else _in_order(futures, groups)
 
@@ -559,15 +560,13 @@ class Client:
         return future
 
     def _push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
-              cap: int | None, level: int = 0) -> asyncio.Future[Outcome]:
+              cap: int | None, level: int = 0) -> None:
         """The one push path (into sub-queue ``tag``: ``_route``): the enqueue goes out
-        with this tick's flush, bounded by the waiters' own deadline timers; its
-        outcome settles the refused or failed waiters through a callback (no task, no
-        second timer)."""
+        with this tick's flush, bounded by the waiters' own deadline timers; the
+        enqueuer settles the refused or failed waiters (``_failed``: no task, no
+        second timer, no callback per request)."""
         assert self._enqueuer is not None
-        pushed = self._enqueuer.push(tag, requests, entries, cap, level)
-        pushed.add_done_callback(functools.partial(self._pushed, tag, requests))
-        return pushed
+        self._enqueuer.push(tag, requests, entries, cap, level)
 
     async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],
                         deadline_ms: int, tag: str) -> None:
@@ -583,16 +582,13 @@ class Client:
                     self._listeners.fail(request.id, asyncio.CancelledError(), tag)
             raise
 
-    def _pushed(self, tag: str, requests: list[Request], pushed: asyncio.Future[Outcome]
-                ) -> None:
-        """Fail the waiters of a push's refused or failed requests (the outcome is read
-        first, so that it is consumed even after ``close``)."""
-        outcome = [(r.id, asyncio.CancelledError()) for r in requests] \
-            if pushed.cancelled() else pushed.result()
+    def _failed(self, tag: str, outcome: Outcome) -> None:
+        """Fail the waiters of a push's refused or failed requests (of sub-queue
+        ``tag``; closed: ``close`` failed every waiter)."""
         listeners = self._listeners
-        if listeners is None or not requests:  # closed: close() failed every waiter
+        if listeners is None:
             return
-        for request_id, exc in outcome:  # (a push is of one sub-queue)
+        for request_id, exc in outcome:
             listeners.fail(request_id, exc, tag)
 
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
