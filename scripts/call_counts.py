@@ -143,12 +143,10 @@ def report(profile: cProfile.Profile, count: int, top: int) -> None:
         print(f"  {calls / count:7.2f}  {label}")
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace, tree: Path, workdir: str) -> None:
     from redbatch.api.app import create_app
     from redbatch.config import GatewayConfig, RedisSettings
 
-    tree = Path(__import__("redbatch").__file__).resolve().parent.parent
-    workdir = tempfile.mkdtemp(prefix="rb-calls-")
     url, procs = start_stack(tree, workdir)
     try:
         app = create_app(GatewayConfig(), RedisSettings(url))
@@ -184,4 +182,6 @@ if __name__ == "__main__":
                         help="C requests at once, each wave answered before the next")
     parser.add_argument("--dump", help="also write the profile here (pstats)")
     parser.add_argument("--top", type=int, default=40)
-    asyncio.run(main(parser.parse_args()))
+    asyncio.run(main(parser.parse_args(),
+                     Path(__import__("redbatch").__file__).resolve().parent.parent,
+                     tempfile.mkdtemp(prefix="rb-calls-")))

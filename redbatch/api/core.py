@@ -191,7 +191,7 @@ class InferCore:
         """One v1 request: its input from the JSON body, or from ``query`` (a GET).
         ``plain``: ``Client.direct`` said so for ``model`` (no version pinned), once for
         the request: its info from the directory's cache while fresh, its request
-        straight to the model's queue (``Client.submit_direct``)."""
+        straight to the model's queue (``Client._submit_direct``)."""
         arrived_ms = protocol.now_ms()
         # (a timeout header is checked by ``served`` before the body is read, as always)
         info = self.directory.cached(model) if plain and body.TIMEOUT_HEADER not in headers \
@@ -207,7 +207,7 @@ class InferCore:
         value = body.model_input(data, info)
         deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
             headers, data, self.model_default_s(info), self.config.max_timeout_s))
-        submit = self.client.submit_direct if plain else self.client.submit
+        submit = self.client._submit_direct if plain else self.client.submit
         pending = await submit(info.name, value, reply=True, trace_id=trace_id,
                                deadline_ms=deadline_ms, max_queue_len=info.max_queue_len,
                                priority=body.priority_header(headers, info))

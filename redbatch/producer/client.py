@@ -395,7 +395,7 @@ class Client:
         (None: by its routing table's weights, ``redbatch.versions``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
         if version is None and self.direct(model):  # the plain path: no look-up awaited
-            return await self.submit_direct(model, inputs, reply=reply, request_id=request_id,
+            return await self._submit_direct(model, inputs, reply=reply, request_id=request_id,
                                             trace_id=trace_id, deadline_ms=deadline,
                                             max_queue_len=max_queue_len, priority=priority)
         model, listeners, pipeline = await self._resolve(model, version, 1, deadline)
@@ -407,14 +407,15 @@ class Client:
         return self._expect(listeners, model, await self._route(model, request_id), inputs,
                             deadline, reply, request_id, trace_id, max_queue_len, level)
 
-    async def submit_direct(self, model: str, inputs: Any, *, deadline_ms: int,
+    async def _submit_direct(self, model: str, inputs: Any, *, deadline_ms: int,
                             reply: bool = False, request_id: str | None = None,
                             trace_id: str = "", max_queue_len: int | None = None,
                             priority: int | None = None) -> RequestFuture[Any]:
         """``submit`` of a request that pins no version, for a model its caller found
-        ``direct`` (the gateway takes that verdict once per request): straight to the
-        model's own queue, the verdict not taken again.  ``RedbatchError`` unless the
-        client is started (``direct`` is False before)."""
+        ``direct`` (the gateway's infer core takes that verdict once per request and
+        calls this; not a public request method): straight to the model's own queue,
+        the verdict not taken again.  ``RedbatchError`` unless the client is started
+        (``direct`` is False before)."""
         listeners = self._listeners
         if listeners is None:
             raise RedbatchError("client is not started")
