@@ -395,9 +395,10 @@ class Client:
         (None: by its routing table's weights, ``redbatch.versions``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
         if version is None and self.direct(model):  # the plain path: no look-up awaited
-            return await self._submit_direct(model, inputs, reply=reply, request_id=request_id,
-                                            trace_id=trace_id, deadline_ms=deadline,
-                                            max_queue_len=max_queue_len, priority=priority)
+            return await self._submit_direct(model, inputs, reply=reply,
+                                             request_id=request_id, trace_id=trace_id,
+                                             deadline_ms=deadline,
+                                             max_queue_len=max_queue_len, priority=priority)
         model, listeners, pipeline = await self._resolve(model, version, 1, deadline)
         if pipeline is not None:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
@@ -408,9 +409,9 @@ class Client:
                             deadline, reply, request_id, trace_id, max_queue_len, level)
 
     async def _submit_direct(self, model: str, inputs: Any, *, deadline_ms: int,
-                            reply: bool = False, request_id: str | None = None,
-                            trace_id: str = "", max_queue_len: int | None = None,
-                            priority: int | None = None) -> RequestFuture[Any]:
+                             reply: bool = False, request_id: str | None = None,
+                             trace_id: str = "", max_queue_len: int | None = None,
+                             priority: int | None = None) -> RequestFuture[Any]:
         """``submit`` of a request that pins no version, for a model its caller found
         ``direct`` (the gateway's infer core takes that verdict once per request and
         calls this; not a public request method): straight to the model's own queue,
@@ -434,7 +435,10 @@ class Client:
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
         future = listeners.expect(tag, request.id, deadline_ms, reply)
-        self._push(tag, [request], entries, cap, level)
+        # the enqueue goes out with this tick's flush, bounded by the waiters' own
+        # deadline timers; the enqueuer settles refused or failed waiters (``_failed``)
+        assert self._enqueuer is not None
+        self._enqueuer.push(tag, [request], entries, cap, level)
         return future
 
     async def submit_many(self, model: str, inputs: Sequence[Any],
@@ -560,15 +564,6 @@ class Client:
             listeners.fail(rid, exc, pipeline.name)
         return future
 
-    def _push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
-              cap: int | None, level: int = 0) -> None:
-        """The one push path (into sub-queue ``tag``: ``_route``): the enqueue goes out
-        with this tick's flush, bounded by the waiters' own deadline timers; the
-        enqueuer settles the refused or failed waiters (``_failed``: no task, no
-        second timer, no callback per request)."""
-        assert self._enqueuer is not None
-        self._enqueuer.push(tag, requests, entries, cap, level)
-
     async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],
                         deadline_ms: int, tag: str) -> None:
         """Wait (until ``deadline_ms`` at most) for a push's outcome, which its callback
@@ -624,8 +619,9 @@ class Client:
                                 trace_id)
         queue = listeners.of(model).expect_stream(request.id, deadline_ms)
         # encoded now: a stream's entry travels alone, never packed with others
-        self._push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
-                   max_queue_len)
+        assert self._enqueuer is not None
+        self._enqueuer.push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
+                            max_queue_len)
         return request.id, queue
 
     async def predict_many(self, model: str, inputs: Sequence[Any],

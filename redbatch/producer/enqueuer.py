@@ -100,20 +100,20 @@ class Enqueuer:
         the caller's own queue cap for the model; ``level``: a priority level, 0 for
         the model's default); its refused or failed requests go to ``on_failed``.  No
         future, no callback per push: most pushes go in whole."""
-        self._add(tag, Push(requests, entries, cap, None, level))
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.setdefault(tag, []).append(Push(requests, entries, cap, None, level))
 
     def push_watched(self, tag: str, requests: list[Request], entries: list[bytes] | None,
                      cap: int | None = None, level: int = 0) -> asyncio.Future[Outcome]:
         """``push``, with a future that resolves to its refused or failed requests
         (``ALL_IN``: none) once ``on_failed`` has had them."""
-        done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._add(tag, Push(requests, entries, cap, done, level))
-        return done
-
-    def _add(self, tag: str, push: Push) -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Outcome] = loop.create_future()
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.setdefault(tag, []).append(push)
+            loop.call_soon(self._flush)
+        self._pending.setdefault(tag, []).append(Push(requests, entries, cap, done, level))
+        return done
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
