@@ -88,7 +88,7 @@ async def test_a_plain_model_takes_no_step_of_the_full_path(
         async def full_path(*_args: object) -> NoReturn:
             raise _FullPath
 
-        client._resolve = full_path  # type: ignore[method-assign]
+        client._resolve = full_path
         await _direct_again(client, "warm")  # no await between it and the submit
         assert await client.predict("warm", 3) == 6
         await _direct_again(client, "warm")
@@ -177,6 +177,34 @@ async def test_the_gateway_refuses_a_version_of_a_plain_model_and_one_gone(
             resp = await http.post("/v1/models/warm/predict", json={"inputs": 1},
                                    headers={"X-Redbatch-Timeout-Ms": "2000"})
             assert resp.status_code == 503, resp.text
+
+
+async def test_the_gateway_judges_a_plain_model_once_per_request(redis_url: str) -> None:
+    """The plain verdict is taken once per request and passed down: no second judging
+    in the look-up or the submit, and no look-up step (the info from the directory's
+    fresh cache, no routing, no live-worker check), while the answer is unchanged."""
+    async with _worker(redis_url, warm), gateway_app(redis_url) as (app, http):
+        for value in range(3):
+            resp = await http.post("/v1/models/warm/predict", json={"inputs": value})
+            assert resp.json() == {"outputs": 2 * value}
+        client = app.state.gateway.client
+        await _direct_again(client, "warm")
+        judged: list[str] = []
+        plain = client._plain.plain
+
+        def counted(model: str) -> bool:
+            judged.append(model)
+            return plain(model)
+
+        async def full_path(*_args: object) -> NoReturn:
+            raise _FullPath
+
+        client._plain.plain = counted
+        client._resolve = full_path
+        app.state.gateway.core.served = full_path
+        resp = await http.post("/v1/models/warm/predict", json={"inputs": 5})
+        assert resp.status_code == 200 and resp.json() == {"outputs": 10}, resp.text
+        assert judged == ["warm"]
 
 
 class _Book:

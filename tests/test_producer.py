@@ -196,6 +196,25 @@ async def test_a_caller_that_gives_up_frees_its_waiter_slot(redis_url: str) -> N
         future.cancel()
 
 
+async def test_a_cancelled_request_frees_its_waiter_in_the_same_step(redis_url: str
+                                                                    ) -> None:
+    """A future cancelled (by its caller, or by the cancel of a task awaiting it) frees
+    its waiter's slot at once, within the cancel itself."""
+    async with Client(redis_url, require_workers=False) as client:
+        future = await client.submit("nobody", 1, timeout_s=60)
+        assert client.waiting == 1
+        assert future.cancel()
+        assert client.waiting == 0
+        assert not future.cancel()  # cancelled already: nothing more to free
+        task = asyncio.create_task(client.predict("nobody", 2, timeout_s=60))
+        while client.waiting == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.waiting == 0
+
+
 async def test_predict_many_of_nothing(redis_url: str) -> None:
     async with Client(redis_url, require_workers=False) as client:
         assert await client.predict_many("inc", []) == []

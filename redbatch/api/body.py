@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 import orjson
-from starlette.types import Receive
+from starlette.types import Message, Receive
 
 from redbatch import levels, protocol
 from redbatch.api.directory import ModelInfo
@@ -26,7 +26,8 @@ def check_content_type(headers: Headers) -> None:
     another site cannot post to a gateway from a visitor's browser with a "simple"
     type (``text/plain``, a form) that needs no CORS preflight.  None at all is fine."""
     raw = headers.get(b"content-type")
-    if raw is not None and raw.split(b";", 1)[0].strip().lower() not in JSON_MEDIA_TYPES:
+    if raw is not None and raw not in JSON_MEDIA_TYPES and \
+            raw.split(b";", 1)[0].strip().lower() not in JSON_MEDIA_TYPES:
         raise UnsupportedMediaType(f"Content-Type {raw.decode('latin-1')!r} is not "
                                    "supported: send the body as application/json")
 
@@ -37,10 +38,20 @@ async def read_body(headers: Headers, receive: Receive, limit_bytes: int) -> byt
     if declared.isdigit() and int(declared) > limit_bytes:
         raise BodyTooLarge(f"body of {int(declared)} bytes is over the {limit_bytes}-byte "
                            "limit")
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        chunk: bytes = message.get("body", b"")  # the whole body in one message (most)
+        if len(chunk) > limit_bytes:
+            raise BodyTooLarge(f"body is over the {limit_bytes}-byte limit")
+        return chunk
+    return await _read_rest(message, receive, limit_bytes)
+
+
+async def _read_rest(message: Message, receive: Receive, limit_bytes: int) -> bytes:
+    """The body from its first ``message`` on, the next ones read with ``receive``."""
     chunks: list[bytes] = []
-    size, more = 0, True
-    while more:
-        message = await receive()
+    size = 0
+    while True:
         if message["type"] == "http.disconnect":
             raise BadRequest("client disconnected before sending the whole body")
         chunk = message.get("body", b"")
@@ -48,8 +59,9 @@ async def read_body(headers: Headers, receive: Receive, limit_bytes: int) -> byt
         if size > limit_bytes:
             raise BodyTooLarge(f"body is over the {limit_bytes}-byte limit")
         chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+        message = await receive()
 
 
 def parse_json(body: bytes) -> dict[str, Any]:

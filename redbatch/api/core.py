@@ -91,14 +91,17 @@ class InferCore:
 
     # --- the steps -------------------------------------------------------------
     async def served(self, model: str, headers: body.Headers, arrived_ms: int,
-                     version: str | None = None) -> ModelInfo:
+                     version: str | None = None, plain: bool | None = None) -> ModelInfo:
         """The info of the model (of the version pinned, else picked by its routing
         table: ``Client.route``) once a live worker serves it; the look-ups end by the
-        header's timeout (else the gateway's default) from arrival."""
+        header's timeout (else the gateway's default) from arrival.  ``plain``: the
+        request's verdict ``Client.direct``, when its caller took it (None: taken here)."""
         config = self.config
         lookup_ms = arrived_ms + round(1000 * body.timeout_s(
             headers, {}, config.default_timeout_s, config.max_timeout_s))
-        if version is None and self.client.direct(model):  # its own name; a live worker
+        if plain is None:
+            plain = version is None and self.client.direct(model)
+        if plain:  # its own name; a live worker
             return await self.directory.get(model, lookup_ms)
         name = await self.client.route(model, version, lookup_ms)
         info = await self.directory.get(name, lookup_ms)
@@ -146,15 +149,20 @@ class InferCore:
     async def serve(self, model: str, scope: Scope, receive: Receive, send: Send,
                     version: str | None = None) -> None:
         """Answer ``POST`` or ``GET /v1/models/{model}[/versions/{version}]/predict``
-        (metered under the served name of the version that answers, when known)."""
+        (metered under the served name of the version that answers, when known).  The
+        plain verdict (``Client.direct``) is taken once, here, and passed down."""
+        plain = False
         if not version:  # a plain model has no version to pick (no table read)
-            version = None if self.client.direct(model) else self.client.cached_pick(model)
-        response = await self.metered(protocol.served_name(model, version),
-                                      self._respond(model, scope, receive, version))
+            plain = self.client.direct(model)
+            version = None if plain else self.client.cached_pick(model)
+        response = await self.metered(
+            model if version is None else protocol.served_name(model, version),
+            self._respond(model, scope, receive, version, plain))
         await response(scope, receive, send)
 
     async def _respond(self, model: str, scope: Scope, receive: Receive,
-                       version: str | None = None) -> RawResponse | Response:
+                       version: str | None = None, plain: bool = False
+                       ) -> RawResponse | Response:
         """The response, with ``X-Request-ID``: the caller's, else the request's id (set
         by ``predict`` on answers from a worker), else a fresh one (errors before
         enqueueing, a bad X-Request-ID among them)."""
@@ -166,7 +174,7 @@ class InferCore:
             if scope["method"] != "GET":
                 body.check_content_type(headers)
                 query = None
-            return await self.predict(model, headers, receive, trace, query, version)
+            return await self.predict(model, headers, receive, trace, query, version, plain)
         except RedbatchError as exc:
             response = from_exception(exc)
         except Exception:
@@ -178,12 +186,19 @@ class InferCore:
 
     async def predict(self, model: str, headers: body.Headers, receive: Receive,
                       trace_id: str = "", query: bytes | None = None,
-                      version: str | None = None) -> Response | RawResponse:
-        """One v1 request: its input from the JSON body, or from ``query`` (a GET)."""
+                      version: str | None = None, plain: bool = False
+                      ) -> Response | RawResponse:
+        """One v1 request: its input from the JSON body, or from ``query`` (a GET).
+        ``plain``: ``Client.direct`` said so for ``model`` (no version pinned), once for
+        the request: its info from the directory's cache while fresh, its request
+        straight to the model's queue (``Client._submit_direct``)."""
         arrived_ms = protocol.now_ms()
-        info = await self.served(model, headers, arrived_ms, version)
-        model = info.name  # a version's served name
-        raw = await self.read(headers, receive)
+        # (a timeout header is checked by ``served`` before the body is read, as always)
+        info = self.directory.cached(model) if plain and body.TIMEOUT_HEADER not in headers \
+            else None
+        if info is None:
+            info = await self.served(model, headers, arrived_ms, version, plain)
+        raw = await body.read_body(headers, receive, self.config.max_body_bytes)
         data = body.parse_json(raw) if query is None else query_input(query, raw, info)
         if info.meta.get(protocol.F_STREAMING):
             return await self.stream(info, data, headers, arrived_ms, trace_id,
@@ -192,14 +207,14 @@ class InferCore:
         value = body.model_input(data, info)
         deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
             headers, data, self.model_default_s(info), self.config.max_timeout_s))
-        pending = await self.client.submit(model, value, reply=True, trace_id=trace_id,
-                                           deadline_ms=deadline_ms,
-                                           max_queue_len=info.max_queue_len,
-                                           priority=body.priority_header(headers, info))
+        submit = self.client._submit_direct if plain else self.client.submit
+        pending = await submit(info.name, value, reply=True, trace_id=trace_id,
+                               deadline_ms=deadline_ms, max_queue_len=info.max_queue_len,
+                               priority=body.priority_header(headers, info))
         request_id = pending.request_id
         watch = asyncio.get_running_loop().call_later(  # most end first: no task, no Pending
-            WATCH_AFTER_S, self._watch, pending.tag or model, request_id, deadline_ms, pending,
-            receive, info.meta)
+            WATCH_AFTER_S, self._watch, pending.tag or info.name, request_id, deadline_ms,
+            pending, receive, info.meta)
         try:
             reply = await pending
         except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request
@@ -235,21 +250,24 @@ class InferCore:
         streamed answer counts its first chunk now, its duration and its time in flight
         once its last chunk is sent (``StreamAnswer.on_end``)."""
         started = time.perf_counter()
-        inflight = self.meters.get(self._label(model))[1]
+        label = self._label(model)
+        duration, inflight, outcomes = self.meters.get(label)
         inflight.inc()
         try:
             response = await respond
         except BaseException:
             inflight.dec()
             raise
-        label = self._label(model)
-        duration, _, outcomes = self.meters.get(label)
+        if label != model:  # a name that may have become known meanwhile: labelled anew
+            label = self._label(model)
+            duration, _, outcomes = self.meters.get(label)
         outcomes[metrics.outcome_of(response.status_code)].inc()
         if isinstance(response, streaming.StreamAnswer):
             self.meters.first_chunk(label).observe(time.perf_counter() - started)
             response.on_end = functools.partial(_ended, inflight, duration, started)
         else:
-            _ended(inflight, duration, started)
+            inflight.dec()
+            duration.observe(time.perf_counter() - started)
         return response
 
     def _label(self, model: str) -> str:

@@ -47,6 +47,15 @@ class ModelDirectory:
             raise unknown_model(name)
         return hit[1]
 
+    def cached(self, name: str) -> ModelInfo | None:
+        """The model's info while the cache holds it fresh (no I/O); None otherwise
+        (stale, never read, or no worker registered it: ``get`` says which)."""
+        hit = self._cache.get(name)
+        if hit is not None and hit[1] is not None and \
+                time.monotonic() - hit[0] <= self._refresh_s:
+            return hit[1]
+        return None
+
     def _stale(self, hit: tuple[float, ModelInfo | None]) -> bool:
         refresh_s = self._refresh_s if hit[1] is not None else \
             min(self._refresh_s, defaults.MISS_REFRESH_S)

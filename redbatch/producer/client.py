@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -129,7 +128,8 @@ class Client:
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
-                                      self.pack_rows, listeners.route_pack, self.replica_wait)
+                                      self.pack_rows, listeners.route_pack, self.replica_wait,
+                                      self._failed)
             self._listeners = listeners
 
     async def close(self) -> None:
@@ -394,22 +394,51 @@ class Client:
         out of its range: ``InvalidPayload``); ``version``: the model's version to run
         (None: by its routing table's weights, ``redbatch.versions``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
-        direct = self._plain_ready(model, version, 1)
-        model, listeners, pipeline = (model, direct, None) if direct is not None \
-            else await self._resolve(model, version, 1, deadline)
+        if version is None and self.direct(model):  # the plain path: no look-up awaited
+            return await self._submit_direct(model, inputs, reply=reply,
+                                             request_id=request_id, trace_id=trace_id,
+                                             deadline_ms=deadline,
+                                             max_queue_len=max_queue_len, priority=priority)
+        model, listeners, pipeline = await self._resolve(model, version, 1, deadline)
         if pipeline is not None:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
                                      request_id, trace_id, asked_priority(priority),
                                      cap=max_queue_len)
         level = 0 if priority is None else await self._level(model, priority)
-        tag = model if direct is not None else await self._route(model, request_id)
-        request = self._request(model, inputs, deadline, request_id, listeners.reply_to(tag),
-                                trace_id, priority=level)
+        return self._expect(listeners, model, await self._route(model, request_id), inputs,
+                            deadline, reply, request_id, trace_id, max_queue_len, level)
+
+    async def _submit_direct(self, model: str, inputs: Any, *, deadline_ms: int,
+                             reply: bool = False, request_id: str | None = None,
+                             trace_id: str = "", max_queue_len: int | None = None,
+                             priority: int | None = None) -> RequestFuture[Any]:
+        """``submit`` of a request that pins no version, for a model its caller found
+        ``direct`` (the gateway's infer core takes that verdict once per request and
+        calls this; not a public request method): straight to the model's own queue,
+        the verdict not taken again.  ``RedbatchError`` unless the client is started
+        (``direct`` is False before)."""
+        listeners = self._listeners
+        if listeners is None:
+            raise RedbatchError("client is not started")
+        self._check_room(listeners, 1)
+        level = 0 if priority is None else await self._level(model, priority)
+        return self._expect(listeners, model, model, inputs, deadline_ms, reply, request_id,
+                            trace_id, max_queue_len, level)
+
+    def _expect(self, listeners: Listeners, model: str, tag: str, inputs: Any,
+                deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
+                cap: int | None, level: int) -> RequestFuture[Any]:
+        """One request of ``model`` into sub-queue ``tag``: its waiter, then its push."""
+        request = self._request(model, inputs, deadline_ms, request_id,
+                                listeners.reply_to(tag), trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
-        future = listeners.expect(tag, request.id, deadline, reply)
-        self._push(tag, [request], entries, max_queue_len, level)
+        future = listeners.expect(tag, request.id, deadline_ms, reply)
+        # the enqueue goes out with this tick's flush, bounded by the waiters' own
+        # deadline timers; the enqueuer settles refused or failed waiters (``_failed``)
+        assert self._enqueuer is not None
+        self._enqueuer.push(tag, [request], entries, cap, level)
         return future
 
     async def submit_many(self, model: str, inputs: Sequence[Any],
@@ -459,8 +488,9 @@ class Client:
             # as in ``submit``: the caller's ids travel alone, encoded now
             entries = [codec.encode(r.to_wire(), self.fmt) for r in requests] \
                 if request_ids else None
-            pushed.append(self._enqueued(self._push(tag, requests, entries, max_queue_len,
-                                                    level), requests, deadline, tag))
+            assert self._enqueuer is not None
+            pushed.append(self._enqueued(self._enqueuer.push_watched(
+                tag, requests, entries, max_queue_len, level), requests, deadline, tag))
         await (pushed[0] if len(pushed) == 1 else asyncio.gather(*pushed))
         return futures if len(groups) == 1 else _in_order(futures, groups)
 
@@ -534,17 +564,6 @@ class Client:
             listeners.fail(rid, exc, pipeline.name)
         return future
 
-    def _push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
-              cap: int | None, level: int = 0) -> asyncio.Future[Outcome]:
-        """The one push path (into sub-queue ``tag``: ``_route``): the enqueue goes out
-        with this tick's flush, bounded by the waiters' own deadline timers; its
-        outcome settles the refused or failed waiters through a callback (no task, no
-        second timer)."""
-        assert self._enqueuer is not None
-        pushed = self._enqueuer.push(tag, requests, entries, cap, level)
-        pushed.add_done_callback(functools.partial(self._pushed, tag, requests))
-        return pushed
-
     async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],
                         deadline_ms: int, tag: str) -> None:
         """Wait (until ``deadline_ms`` at most) for a push's outcome, which its callback
@@ -559,16 +578,13 @@ class Client:
                     self._listeners.fail(request.id, asyncio.CancelledError(), tag)
             raise
 
-    def _pushed(self, tag: str, requests: list[Request], pushed: asyncio.Future[Outcome]
-                ) -> None:
-        """Fail the waiters of a push's refused or failed requests (the outcome is read
-        first, so that it is consumed even after ``close``)."""
-        outcome = [(r.id, asyncio.CancelledError()) for r in requests] \
-            if pushed.cancelled() else pushed.result()
+    def _failed(self, tag: str, outcome: Outcome) -> None:
+        """Fail the waiters of a push's refused or failed requests (of sub-queue
+        ``tag``; closed: ``close`` failed every waiter)."""
         listeners = self._listeners
-        if listeners is None or not requests:  # closed: close() failed every waiter
+        if listeners is None:
             return
-        for request_id, exc in outcome:  # (a push is of one sub-queue)
+        for request_id, exc in outcome:
             listeners.fail(request_id, exc, tag)
 
     async def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
@@ -603,8 +619,9 @@ class Client:
                                 trace_id)
         queue = listeners.of(model).expect_stream(request.id, deadline_ms)
         # encoded now: a stream's entry travels alone, never packed with others
-        self._push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
-                   max_queue_len)
+        assert self._enqueuer is not None
+        self._enqueuer.push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
+                            max_queue_len)
         return request.id, queue
 
     async def predict_many(self, model: str, inputs: Sequence[Any],

@@ -7,6 +7,7 @@ is the list of its requests that were refused or failed, each with its error."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from redbatch.redis_conn import drop_idle, is_stale, translated
 ENQUEUE_CHUNK = 1000  # entries per script call: keeps each call short for Redis
 Outcome = list[tuple[str, Exception]]  # a push's refused or failed requests: id, error
 ALL_IN: Outcome = []  # the outcome of a push whose requests all went in (never mutated)
+OnFailed = Callable[[str, Outcome], None]  # a sub-queue's refused or failed requests
 
 
 @dataclass(slots=True)
@@ -38,7 +40,7 @@ class Push:
     requests: list[Request]
     entries: list[bytes] | None  # None: encoded (or packed) at the flush
     cap: int | None  # the caller's own queue cap for the model, if any
-    done: asyncio.Future[Outcome]
+    done: asyncio.Future[Outcome] | None  # None: no one awaits it (``on_failed`` alone)
     level: int = 0  # the priority level the caller asked for; 0: the model's default
 
 
@@ -67,13 +69,17 @@ class Enqueuer:
     def __init__(self, redis: aioredis.Redis, settings: RedisSettings, admission: Admission,
                  fmt: Format = "msgpack", pack_rows: int = 1,
                  route_pack: RoutePack | None = None,
-                 replica_wait: ReplicaWait | None = None) -> None:
+                 replica_wait: ReplicaWait | None = None,
+                 on_failed: OnFailed | None = None) -> None:
+        """``on_failed(tag, outcome)``: called once a flush of sub-queue ``tag`` ends,
+        with a push's refused or failed requests (never with none)."""
         self._redis = redis
         self._settings = settings
         self._admission = admission
         self._fmt: Format = fmt
         self._pack_rows = pack_rows
         self._route_pack = route_pack
+        self._on_failed = on_failed
         self._link = LeanLink(redis)
         # opt-in: WAIT for replicas after each enqueue (None: off, nothing more is sent)
         self.waiter = ReplicaWaiter(self._link, replica_wait) \
@@ -88,12 +94,20 @@ class Enqueuer:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
     def push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
-             cap: int | None = None, level: int = 0) -> asyncio.Future[Outcome]:
+             cap: int | None = None, level: int = 0) -> None:
         """Queue a push for this tick's flush into the sub-queue ``tag`` (a model's
         name, or one of its ``protocol.sub_queue_tag``s: ``Router.pick``) (``cap``:
         the caller's own queue cap for the model; ``level``: a priority level, 0 for
-        the model's default); resolves to its refused or failed requests (``ALL_IN``:
-        none)."""
+        the model's default); its refused or failed requests go to ``on_failed``.  No
+        future, no callback per push: most pushes go in whole."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.setdefault(tag, []).append(Push(requests, entries, cap, None, level))
+
+    def push_watched(self, tag: str, requests: list[Request], entries: list[bytes] | None,
+                     cap: int | None = None, level: int = 0) -> asyncio.Future[Outcome]:
+        """``push``, with a future that resolves to its refused or failed requests
+        (``ALL_IN``: none) once ``on_failed`` has had them."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Outcome] = loop.create_future()
         if not self._pending:
@@ -119,10 +133,18 @@ class Enqueuer:
                                 else self._send_level(tag, pushes, 0, levels))
         except Exception as exc:
             for push in pushes:
-                _settle(push, [(r.id, exc) for r in push.requests])
+                self._settle(tag, push, [(r.id, exc) for r in push.requests])
             return
         for index, push in enumerate(pushes):
-            _settle(push, failed.get(index, ALL_IN))
+            self._settle(tag, push, failed.get(index, ALL_IN))
+
+    def _settle(self, tag: str, push: Push, outcome: Outcome) -> None:
+        """A push's outcome: its refused or failed requests to ``on_failed``, then its
+        future (if any) resolved."""
+        if outcome and self._on_failed is not None:
+            self._on_failed(tag, outcome)
+        if push.done is not None and not push.done.done():
+            push.done.set_result(outcome)
 
     async def _send_level(self, tag: str, pushes: list[Push], level: int, levels: Levels
                           ) -> Failures:
@@ -300,8 +322,3 @@ def _add_refused(failed: Failures, refused: list[Unit], full: RedbatchError) -> 
     for unit in refused:
         for index, request in unit.members:
             failed.setdefault(index, []).append((request.id, full))
-
-
-def _settle(push: Push, outcome: Outcome) -> None:
-    if not push.done.done():
-        push.done.set_result(outcome)

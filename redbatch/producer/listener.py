@@ -59,13 +59,25 @@ class RequestFuture(asyncio.Future[T]):
     and ``mark_cancelled``), and ``tag``, the sub-queue it went to (its model's name,
     or one of a sharded model's ``protocol.sub_queue_tag``s)."""
 
-    __slots__ = ("request_id", "tag")
+    __slots__ = ("_on_cancel", "request_id", "tag")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tag: str = ""
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tag: str = "",
+                 on_cancel: Callable[[str, asyncio.Future[Any]], None] | None = None
                  ) -> None:
         super().__init__(loop=loop)
         self.request_id = request_id
         self.tag = tag
+        self._on_cancel = on_cancel
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel it (a caller that gave up: ``on_cancel(request_id, self)`` frees its
+        waiter at once).  Every cancel comes here, a task's or ``wait_for``'s too: no
+        done callback per request is needed for the rare one."""
+        if not super().cancel(msg):
+            return False
+        if self._on_cancel is not None:
+            self._on_cancel(self.request_id, self)
+        return True
 
 
 @dataclass(slots=True)
@@ -181,12 +193,11 @@ class ReplyListener:
         if request_id in self._waiters:
             raise InvalidPayload(f"request id {request_id!r} is already waiting for a reply")
         loop = asyncio.get_running_loop()
-        future: RequestFuture[Any] = RequestFuture(request_id, loop, self.tag)
+        future: RequestFuture[Any] = RequestFuture(request_id, loop, self.tag, self._forget)
         self._busy = True
         delay_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)
         timer = loop.call_later(delay_s, self._expire, request_id)
         self._waiters[request_id] = Waiter(future, timer, want_reply, deadline_ms)
-        future.add_done_callback(lambda f: self._forget(request_id, f))
         return future
 
     def expect_stream(self, request_id: str, deadline_ms: int) -> ChunkQueue:
@@ -200,9 +211,9 @@ class ReplyListener:
         return queue
 
     def _forget(self, request_id: str, future: asyncio.Future[Any]) -> None:
-        """A caller that gave up (cancelled) frees its slot at once."""
+        """A caller that gave up (cancelled its future) frees its slot at once."""
         waiter = self._waiters.get(request_id)
-        if future.cancelled() and waiter is not None and waiter.future is future:
+        if waiter is not None and waiter.future is future:
             del self._waiters[request_id]
             waiter.timer.cancel()
 
