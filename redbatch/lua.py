@@ -453,6 +453,7 @@ return 1
 # versions, else no weight.  Returns the row.
 REGISTER_VERSION: Final = """
 local row = redis.call('HMGET', KEYS[1], ARGV[1])[1]
+if row and not string.find(row, '"base"', 1, true) then return row end
 local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
 if row then
   local ok, r = pcall(cjson.decode, row)
