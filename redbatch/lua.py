@@ -443,22 +443,28 @@ return 1
 # (its workers served without versions; the same slot, ``{model}``)
 # ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0.
 # A worker registers its version, in one step that merges with the stored table: a
-# version already in the table keeps its row (an operator's weight stays), but loses
-# the "base" mark of the workers served without versions (an operator's change stored
-# it as version "1": a real version "1" takes it over, weight and draining kept); a new
-# one gets weight 0 (requests that pin it only, until an operator promotes it) while the
+# version already in the table keeps its row (an operator's weight stays).  A row
+# marked "base" (an operator's change stored the workers served without versions as
+# version "1") stays theirs while any of them is live (the worker reads a canary row
+# back: it never drains by their flag); once none is, the first beat of a real version
+# "1" takes it over: the mark dropped, the weight kept, not draining.  A new version
+# gets weight 0 (requests that pin it only, until an operator promotes it) while the
 # model is served already, by another version not draining or by live workers without
 # versions, else no weight.  Returns the row.
 REGISTER_VERSION: Final = """
 local row = redis.call('HMGET', KEYS[1], ARGV[1])[1]
-if row then
-  local mine, marks = string.gsub(row, '"base":%s*true%s*,?', '')
-  if marks == 0 then return row end
-  mine = string.gsub(mine, ',%s*}', '}')
-  redis.call('HSET', KEYS[1], ARGV[1], mine)
-  return mine
-end
+if row and not string.find(row, '"base"', 1, true) then return row end
 local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
+if row then
+  local ok, r = pcall(cjson.decode, row)
+  if not (ok and type(r) == 'table' and r['base'] == true) then return row end
+  if serving then return ARGV[4] end
+  r['base'] = nil
+  r['draining'] = false
+  row = cjson.encode(r)
+  redis.call('HSET', KEYS[1], ARGV[1], row)
+  return row
+end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   if not serving and string.sub(all[i], 1, 1) ~= '@' then

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -14,6 +15,7 @@ from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.stream_batch import STOP, StreamBatch
 
 STEPS: list[list[str]] = []  # the members (keys) of every step, in-process models
+STARTS: list[int] = [0]  # how many generators counting and held_counting started
 STEP_S = float(os.environ.get("STREAM_STEP_S", "0"))
 DIE_AT = int(os.environ.get("STREAM_DIE_AT", "-1"))  # crasher: exit at this chunk,
 DIE_FILE = os.environ.get("STREAM_DIE_FILE", "")  # once: the file it then creates says so
@@ -44,6 +46,7 @@ def _items(batch: StreamBatch, sent: dict[str, int]) -> list[Any]:
 
 
 def counting(batch: StreamBatch) -> Iterator[list[Any]]:
+    STARTS[0] += 1
     sent: dict[str, int] = {}
     while len(batch):
         items = _items(batch, sent)
@@ -84,10 +87,12 @@ def fixed_counting(batch: StreamBatch) -> Iterator[list[Any]]:
     STEPS.append(keys)
     for i in range(max(v["n"] for v in values) + 1):
         time.sleep(STEP_S)
+        if any(v.get("fail") == i for v in values):
+            raise ValueError("asked to fail")
         yield [STOP if i >= v["n"] else f"{v.get('tag', '')}{i}" for v in values]
 
 
-def fixed(size: int = 2) -> Model:
+def fixed(size: int = 2) -> Model:  # (``fail``: it raises at that step)
     return Model("fixed", fn=fixed_counting, policy=policy(size, 0.3), continuous=False)
 
 
@@ -115,3 +120,32 @@ def noisy_counting(batch: StreamBatch) -> Iterator[list[Any]]:
 
 def noisy() -> Model:
     return Model("noisy", fn=noisy_counting, policy=policy(2))
+
+
+HELD = threading.Event()  # held_counting: a rerun waits at its first step
+RELEASE = threading.Event()  # ... until this is set
+
+
+def held_counting(batch: StreamBatch) -> Iterator[list[Any]]:
+    """A counter whose reruns (each generator after the first) wait at their first
+    step until ``RELEASE`` is set (``HELD`` says one waits)."""
+    STARTS[0] += 1
+    if STARTS[0] > 1:
+        HELD.set()
+        RELEASE.wait(10)
+    sent: dict[str, int] = {}
+    while len(batch):
+        time.sleep(STEP_S)
+        yield _items(batch, sent)
+
+
+def held() -> Model:
+    return Model("held", fn=held_counting, policy=policy(2, 0.3))
+
+
+def reset() -> None:
+    """Forget what earlier tests' models counted."""
+    STEPS.clear()
+    STARTS[0] = RUNS[0] = 0
+    HELD.clear()
+    RELEASE.clear()

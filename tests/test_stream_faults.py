@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture(autouse=True)
 def _fresh_steps() -> None:
-    stream_models.STEPS.clear()
+    stream_models.reset()
 
 
 async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -407,6 +407,133 @@ async def test_a_rerun_that_yields_other_chunks_ends_that_stream_with_an_error(
             async for chunk in bad:
                 seen.append(chunk)
         assert [c.seq for c in seen] == [0, 1]
+
+
+async def _ended(stream: Any) -> tuple[list[int], str | None]:
+    """The numbers of a stream's chunks, and the code of the error it ended with."""
+    seqs: list[int] = []
+    try:
+        async for chunk in stream:
+            seqs.append(chunk.seq)
+    except RedbatchError as exc:
+        return seqs, exc.code
+    return seqs, None
+
+
+async def _open(client: Client, model: str, values: list[dict[str, Any]]) -> list[Any]:
+    streams_ = [client.stream(model, value, 20, chunks=True) for value in values]
+    await asyncio.gather(*(s.open() for s in streams_))
+    return streams_
+
+
+async def test_a_fixed_batch_whose_generator_raises_fails_its_culprit_alone(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """A fixed batch keeps its ended members: a rerun lane holds only its own half."""
+    start_worker([fixed(size=4)])
+    await wait_live(redis_url, "fixed")
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "fixed", [{"n": 5}, {"n": 5}, {"n": 5, "fail": 2},
+                                                 {"n": 5}])
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert ended == [([0, 1, 2, 3, 4], None)] * 2 + [([0, 1], "model_error")] + \
+        [([0, 1, 2, 3, 4], None)]
+    assert len(stream_models.STEPS[0]) == 4  # they ran as one batch
+    assert streams_[0].timings[protocol.F_STEPS] == 6  # its replayed steps count once
+
+
+async def test_the_halves_of_a_batch_that_raised_rerun_side_by_side(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Neither half waits for the other's whole streams: they step in turn; one line
+    says what the bisection isolated."""
+    caplog.set_level(logging.WARNING, "redbatch.worker")
+    await _live(start_worker, redis_url, monkeypatch, step_s=0.005)
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "counter", [{"n": 12}, {"n": 12, "fail": 2},
+                                                   {"n": 12}, {"n": 12}])
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert ended == [(list(range(12)), None), ([0, 1], "model_error")] + \
+        [(list(range(12)), None)] * 2
+    steps = [frozenset(keys) for keys in stream_models.STEPS]
+    assert len(steps[0]) == 4 and steps[2] == steps[0]  # it raised at its third step
+    assert steps[3] | steps[4] == steps[0] and not steps[3] & steps[4]  # both halves
+    isolated = [r.getMessage() for r in caplog.records if "isolated" in r.getMessage()]
+    assert len(isolated) == 1 and streams_[1].request_id in isolated[0]
+
+
+async def test_an_async_generator_that_raises_fails_its_culprit_alone(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([stream_models.counter_async()])
+    await wait_live(redis_url, "acounter")
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "acounter", [{"n": 6}, {"n": 6, "fail": 3}])
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert ended == [(list(range(6)), None), ([0, 1, 2], "model_error")]
+
+
+async def test_a_batch_whose_every_member_raises_splits_a_bounded_number_of_times(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Eight members that all raise at their fourth step: at most ceil(log2 8) = 3
+    splits (1 + 6 generators), not one per member (15); each ends after its 3 chunks."""
+    start_worker([counter(size=8, wait_s=0.3)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "counter", [{"n": 9, "fail": 3}] * 8)
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert len(stream_models.STEPS[0]) == 8
+    assert ended == [([0, 1, 2], "model_error")] * 8
+    assert stream_models.STARTS[0] == 7
+
+
+async def test_a_request_joins_while_the_others_of_a_batch_that_raised_rerun(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    await _live(start_worker, redis_url, monkeypatch, step_s=0.02)
+    async with Client(redis_url) as client:
+        good, bad = await _open(client, "counter", [{"n": 60}, {"n": 60, "fail": 2}])
+        assert await _ended(bad) == ([0, 1], "model_error")
+        late = client.stream("counter", {"n": 2}, 20)
+        assert [x async for x in late] == ["0", "1"]
+        assert await _ended(good) == (list(range(60)), None)
+    joint = [keys for keys in stream_models.STEPS if late.request_id in keys]
+    assert good.request_id in joint[0]  # it joined the running lane
+
+
+async def test_a_caller_that_cancels_during_a_replay_is_not_replayed_to_the_end(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_models, "STEP_S", 0.002)
+    start_worker([stream_models.held()])
+    await wait_live(redis_url, "held")
+    async with Client(redis_url) as client:
+        gone, bad = await _open(client, "held", [{"n": 100}, {"n": 100, "fail": 30}])
+        await asyncio.to_thread(stream_models.HELD.wait, 10)  # a rerun begins
+        raw_redis.zadd(protocol.cancelled_key("held"), {gone.request_id: protocol.now_ms()})
+        stream_models.RELEASE.set()
+        assert (await _ended(bad))[1] == "model_error"
+    marker = protocol.request_key("held", gone.request_id)
+    await _until(lambda: raw_redis.get(marker) == b"d")
+    alone = [keys for keys in stream_models.STEPS if keys == [gone.request_id]]
+    assert len(alone) < 5  # not its 30 steps replayed
+
+
+async def test_a_deadline_that_passes_during_a_replay_ends_the_stream_where_it_was(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun stuck past its members' deadlines: each ends with
+    ``deadline_exceeded`` after the chunks its caller got, never a chunk again."""
+    monkeypatch.setattr(stream_models, "STEP_S", 0.002)
+    start_worker([stream_models.held()])
+    await wait_live(redis_url, "held")
+    async with Client(redis_url) as client:
+        streams_ = [client.stream("held", value, 1.5, chunks=True)
+                    for value in ({"n": 100}, {"n": 100, "fail": 20})]
+        await asyncio.gather(*(s.open() for s in streams_))
+        try:
+            ended = await asyncio.gather(*(_ended(s) for s in streams_))
+        finally:
+            stream_models.RELEASE.set()
+    assert ended == [(list(range(20)), "deadline_exceeded")] * 2
 
 
 async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(

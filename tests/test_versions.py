@@ -29,7 +29,7 @@ from redbatch.cli import main
 from redbatch.errors import BadRequest, NoLiveWorkers, UnknownModel
 from redbatch.producer import SyncClient
 from redbatch.versions import Table, Version
-from redbatch.worker import heartbeat
+from redbatch.worker import drain, heartbeat
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from tests.conftest import wait_live
@@ -349,12 +349,12 @@ async def test_versions_registered_at_once_all_land_beside_an_operators_change(
     assert all(table.versions[str(n)].weight == 0.0 for n in range(2, 10))  # canaries
 
 
-async def test_a_version_1_registered_over_a_stored_base_row_takes_it_over(
+async def test_a_version_1_takes_over_a_stored_base_row_once_its_workers_left(
         redis_url: str, raw_redis: redis.Redis) -> None:
     """An operator's change stores the row of the workers served without versions
-    (``"base": true``, as version 1); a worker of a real version 1 registering then
-    merges into that row (the operator's weight stays) rather than being masked by
-    it: version 1 routes to ``vm@1``, also once the unversioned workers left."""
+    (``"base": true``, as version 1, weight 70). A worker of a real version 1 leaves it
+    theirs while they are live (no traffic moves to it unasked), then takes it over
+    (the operator's weight stays) rather than being masked by it."""
     raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
     conn = aioredis.Redis.from_url(redis_url)
     try:
@@ -362,20 +362,41 @@ async def test_a_version_1_registered_over_a_stored_base_row_takes_it_over(
         await versions.change(conn, MODEL, weights={"1": 70, "2": 30})
         await _register(conn, "1")
         table = await versions.load(conn, MODEL)
-        assert (table.served(MODEL, "1"), table.versions["1"].weight) == ("vm@1", 70.0)
+        assert (table.served(MODEL, "1"), table.versions["1"].weight) == ("vm", 70.0)
         raw_redis.delete(protocol.workers_key(MODEL))
+        await _register(conn, "1")
         table = await versions.load(conn, MODEL)
     finally:
         await conn.aclose()
     assert table.versions["1"] == Version(70.0) and table.served(MODEL, "1") == "vm@1"
 
 
-async def _register(conn: aioredis.Redis, number: str) -> None:
-    """A heartbeat's registration of version ``number`` of ``vm``."""
+async def test_a_version_1_never_takes_the_drain_of_a_stored_base_row(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """An operator drained the workers served without versions: a worker of version 1
+    starting meanwhile reads a row not draining (it serves on), and takes the row over
+    not draining once they left."""
+    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
+    conn = aioredis.Redis.from_url(redis_url)
+    try:
+        await _register(conn, "2")
+        await versions.change(conn, MODEL, weights={"2": 30}, drain="1")
+        assert not drain._draining(version(1), await _register(conn, "1"))  # as it reads
+        raw_redis.delete(protocol.workers_key(MODEL))
+        assert not drain._draining(version(1), await _register(conn, "1"))
+        table = await versions.load(conn, MODEL)
+    finally:
+        await conn.aclose()
+    assert table.versions["1"] == Version(0.0) and table.served(MODEL, "1") == "vm@1"
+
+
+async def _register(conn: aioredis.Redis, number: str) -> bytes:
+    """A heartbeat's registration of version ``number`` of ``vm``; the row it read."""
     await conn.script_load(lua.REGISTER_VERSION)
     async with conn.pipeline(transaction=False) as pipe:
         heartbeat._version_rows(pipe, [version(int(number))])
-        await pipe.execute()
+        row: bytes = (await pipe.execute())[0]
+    return row
 
 
 # --- draining: nothing left behind ----------------------------------------------------

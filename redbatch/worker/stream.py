@@ -12,10 +12,13 @@ is bounded by the latest deadline of its members, and a member whose deadline pa
 ends with ``deadline_exceeded``: the deadline bounds the whole stream.
 
 A generator that raises is bisected: its running members are split in two halves,
-each rerun from its first step by a generator of its own, until the member that fails
-alone ends with the error.  A rerun sends no chunk below the number its caller already
+each rerun from its first step by a generator of its own (a lane), stepped beside the
+other lanes, until the member that fails alone ends with the error; a bisection splits
+at most ceil(log2 n) times (n: the members running when it began), then a lane that
+raises fails its members.  A rerun sends no chunk below the number its caller already
 got, and checks that it yielded those same chunks (a hash of their bytes): a member
 whose rerun yields others ends with ``model_error`` at the number it had reached.
+Newcomers join the last lane, or a lane of their own while that one reruns.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -76,8 +80,8 @@ class Member:
     batch_size: int = 0  # the largest batch it ran in
     done: bool = False  # its final message is made (or it was dropped)
     sent: int = 0  # the chunks its caller got: a rerun sends none below this number
-    digest: Any = field(default_factory=hashlib.blake2b)  # of the chunks its caller got
-    rerun: Any = None  # on a rerun, until it passes ``sent``: the hash of its chunks
+    digest: hashlib.blake2b = field(default_factory=hashlib.blake2b)  # of the chunks sent
+    rerun: hashlib.blake2b | None = None  # a rerun's, until it passes ``sent``
 
 
 @dataclass(slots=True)
@@ -159,10 +163,10 @@ class StreamRunner(BatchRunner):
         self.queue_claimer.cancels = self.queue_claimer.cancels or cancels == 1
         return [int(s) for s in status], list(claimed)
 
-    async def cancelled(self, ids: list[str]) -> set[str]:
+    async def cancelled(self, ids: list[str], ask: bool = False) -> set[str]:
         """Which of these requests their callers cancelled (asked only while the
-        cancelled set exists: no round trip otherwise)."""
-        if not self.queue_claimer.cancels or not ids:
+        cancelled set exists, as the last STEP saw, unless ``ask``)."""
+        if not (ask or self.queue_claimer.cancels) or not ids:
             return set()
         try:
             scores = await self.stream_link.execute("ZMSCORE", self.queue_claimer.cancelled, *ids)
@@ -249,6 +253,8 @@ class StreamRunner(BatchRunner):
     def _replayed(self, member: Member, data: bytes) -> Message | None:
         """A rerun's chunk its caller got already: never sent again; the last of them
         checks that the rerun yielded the same chunks (else the member fails)."""
+        if member.rerun is None:  # (a member rerun from its first chunk has none)
+            return None
         member.rerun.update(data)
         if member.seq < member.sent:
             return None
@@ -268,6 +274,25 @@ def _next(gen: Iterator[Any]) -> Any:
     return next(gen, END)
 
 
+@dataclass(slots=True, eq=False)
+class Bisection:
+    """The reruns of a generator that raised: how many more times they may split."""
+
+    splits_left: int
+
+
+@dataclass(slots=True, eq=False)
+class Lane:
+    """A generator and the members it steps.  A batch runs in one lane until its
+    generator raises: each half of its running members then reruns in a lane of its
+    own, and every lane steps once per step of the loop, side by side."""
+
+    batch: StreamBatch = field(default_factory=StreamBatch)
+    gen: Any = None
+    steps: int = 0
+    bisection: Bisection | None = None  # a rerun that yielded no new chunk yet
+
+
 class StreamLoop:
     """One streaming batch, from its first claim until its last member ends."""
 
@@ -276,24 +301,20 @@ class StreamLoop:
         self.r = runner
         self.stop = stop
         self.alone = alone  # a suspect's batch of one: it never grows
-        self.batch = StreamBatch()
+        self.lanes: list[Lane] = []
         self.members: dict[str, Member] = {}
         self.pending: list[Message] = []
-        self.gen: Any = None
         self.steps = 0
         self.joined = 0
         self.dropped: list[bytes] = []  # unreadable entries, to dead-letter
-        # the halves of a batch whose generator raised, waiting for their rerun
-        self.groups: list[list[Member]] = []
-        self.isolating = False  # a generator raised: the batch takes no newcomer
 
     @property
     def running(self) -> int:
         return sum(not m.done for m in self.members.values())
 
-    def active(self) -> list[Member]:
-        """The members that the running generator steps and that did not end."""
-        return [m for key in self.batch.keys if not (m := self.members[key]).done]
+    def active(self, lane: Lane) -> list[Member]:
+        """The members of a lane that did not end."""
+        return [m for key in lane.batch.keys if not (m := self.members[key]).done]
 
     async def run(self, raws: list[bytes]) -> None:
         await self.admit(raws)
@@ -305,8 +326,8 @@ class StreamLoop:
                 await self.step()
             await self.flush()  # a claim of only unreadable entries never stepped
         finally:
-            if self.gen is not None:
-                await self.r.close(self.gen)
+            for lane in self.lanes:
+                await self.close(lane)
         if suspect is not None:
             await self.r.name_crashing(None)  # (only once it ended: else it is to blame)
         log.info("model=%s stream batch: requests=%d joined=%d steps=%d", self.r.model.name,
@@ -314,6 +335,7 @@ class StreamLoop:
 
     async def step(self) -> None:
         self.expire()
+        await self.cancel_replays()
         if self.running:
             await self.forward()
         room = self.room()
@@ -331,11 +353,15 @@ class StreamLoop:
             await self.r.drop(self.dropped)
             self.dropped = []
 
+    async def close(self, lane: Lane) -> None:
+        if lane.gen is not None:
+            await self.r.close(lane.gen)
+            lane.gen = None
+
     def room(self) -> int:
         """Places to fill at this step; ``NO_CLAIM`` for a fixed batch, or stopping
         (not even the places of members that end at this step)."""
-        if self.stop.is_set() or not self.r.model.continuous or self.alone or \
-                self.isolating:
+        if self.stop.is_set() or not self.r.model.continuous or self.alone:
             return NO_CLAIM
         return max(0, self.r.model.policy.max_batch_size - self.running - len(self.r.deferred))
 
@@ -346,74 +372,107 @@ class StreamLoop:
                 self.pending.append(self.r.final(member, DeadlineExceeded(
                     f"request {member.request.id} reached its deadline mid-stream")))
 
+    async def cancel_replays(self) -> None:
+        """End the replaying members whose callers cancelled: a replay sends nothing, so
+        STEP cannot see it (one ZMSCORE a step, only while a member replays)."""
+        replaying = [m.request.id for m in self.members.values()
+                     if not m.done and m.rerun is not None]
+        for request_id in await self.r.cancelled(replaying, ask=True):
+            self.pending.append(self.r.final(self.members[request_id],
+                                             _cancelled(request_id)))
+
     async def forward(self) -> None:
-        """One step of the generator (started if need be), turned into messages."""
-        if self.gen is not None and not self.active():  # its members ended: the next half
-            await self.r.close(self.gen)
-            self.gen = None
-        if self.gen is None:
-            self.rerun()
-            self.gen = self.r.fn(self.batch)
-            self.r.stats.batches += 1
-        latest_ms = max(m.request.deadline_ms for m in self.active())
+        """One step of every lane's generator; a lane whose members all ended closes."""
+        for lane in list(self.lanes):
+            if self.active(lane):
+                await self.step_lane(lane)
+            else:
+                await self.close(lane)
+                self.lanes.remove(lane)
+
+    async def step_lane(self, lane: Lane) -> None:
+        """One step of a lane's generator (started if need be), turned into messages."""
+        if lane.gen is None:
+            lane.gen = self.r.fn(lane.batch)
+            if lane.bisection is None:  # a rerun is no new batch
+                self.r.stats.batches += 1
+        items, step_ms = await self.next_items(lane)
+        if isinstance(items, list) and len(items) == len(lane.batch):
+            self.route(lane, items, step_ms)
+            return
+        lane.gen = None  # ended, failed, or broke the contract: its members end
+        if not (isinstance(items, ModelError) and self.split(lane, items)):
+            self.end(lane, items)
+
+    async def next_items(self, lane: Lane) -> tuple[Any, float]:
+        """A lane's next list, bounded by its members' latest deadline; its time, ms."""
+        latest_ms = max(m.request.deadline_ms for m in self.active(lane))
         timeout_s = max(0.0, (latest_ms - protocol.now_ms()) / 1000) + STEP_GRACE_S
         started = time.perf_counter()
-        items = await self.r.advance(self.gen, timeout_s)
+        items = await self.r.advance(lane.gen, timeout_s)
         step_ms = (time.perf_counter() - started) * 1000
         self.steps += 1
-        self._count(step_ms)
-        if isinstance(items, list) and len(items) == len(self.batch):
-            self.route(items, step_ms)
-            return
-        self.gen = None  # ended, failed, or broke the contract: its members end
-        if isinstance(items, ModelError) and self.isolate():
-            return
+        lane.steps += 1
+        self._count(lane, step_ms)
+        return items, step_ms
+
+    def end(self, lane: Lane, items: Any) -> None:
+        """The running members of a lane whose generator returned (``END``), raised, or
+        yielded a list of the wrong length end."""
         error = None if items is END else items if isinstance(items, RedbatchError) else \
             ModelError(f"model {self.r.model.name!r} yielded {type(items).__name__} "
-                       f"{_length(items)}for a batch of {len(self.batch)} members")
-        for member in self.active():
+                       f"{_length(items)}for a batch of {len(lane.batch)} members")
+        for member in self.active(lane):
             self.pending.append(self.r.final(member, error))
 
-    def isolate(self) -> bool:
-        """Split the running members of a generator that raised in two halves, each
-        to rerun on its own (False: one member, the culprit, ran)."""
-        running = self.active()
-        if len(running) < 2:
+    def split(self, lane: Lane, error: ModelError) -> bool:
+        """Rerun each half of the running members of a lane whose generator raised in a
+        lane of its own (False: it ran one member, the culprit, or its bisection spent
+        its splits: they fail)."""
+        running = self.active(lane)
+        bisection = lane.bisection or Bisection(math.ceil(math.log2(max(2, len(running)))))
+        if len(running) < 2 or not bisection.splits_left:
+            self._blamed(lane, running, error)
             return False
-        self.isolating = True
+        bisection.splits_left -= 1
+        log.log(logging.DEBUG if lane.bisection else logging.WARNING,  # (once a bisection)
+                "model=%s stream generator raised at its step %d (%s): its %d running "
+                "members rerun in two halves", self.r.model.name, lane.steps, error,
+                len(running))
+        self.lanes.remove(lane)
         mid = len(running) // 2
-        self.groups[:0] = [running[:mid], running[mid:]]
-        self.batch = StreamBatch()
+        self.lanes += [_rerun(half, bisection) for half in (running[:mid], running[mid:])]
         return True
 
-    def rerun(self) -> None:
-        """The next half of a failed batch whose members did not end (if any) makes
-        the batch: each restarts at its first chunk."""
-        while self.groups and not len(self.batch):
-            for member in self.groups.pop(0):
-                if not member.done:
-                    member.seq, member.rerun = 0, hashlib.blake2b()
-                    self.batch.add(member.request.id, member.request.payload)
+    def _blamed(self, lane: Lane, running: list[Member], error: ModelError) -> None:
+        """Log what a bisection isolated: the request that fails alone, or the members
+        that fail together once it spent its splits."""
+        if lane.bisection is None:
+            return
+        culprits = ",".join(m.request.id for m in running)
+        log.warning("model=%s stream rerun isolated %s (%s): %s", self.r.model.name,
+                    culprits, "it fails alone" if len(running) == 1 else
+                    "no split left: they fail", error)
 
-    def _count(self, step_ms: float) -> None:
+    def _count(self, lane: Lane, step_ms: float) -> None:
         stats = self.r.stats
         stats.passes += 1
-        stats.pass_items += len(self.active())
+        stats.pass_items += len(self.active(lane))
         stats.forward_ms += step_ms
         stats.busy_s += step_ms / 1000
 
-    def route(self, items: list[Any], step_ms: float) -> None:
-        size = len(self.active())
-        for key, item in zip(self.batch.keys, items, strict=True):
+    def route(self, lane: Lane, items: list[Any], step_ms: float) -> None:
+        size = len(self.active(lane))
+        for key, item in zip(lane.batch.keys, items, strict=True):
             member = self.members[key]
             if member.done:
                 continue  # a fixed batch's member that ended: its items are ignored
-            member.steps += 1
-            member.forward_ms += step_ms
-            member.batch_size = max(member.batch_size, size)
+            _timed(member, step_ms, size)
             message = self._message(member, item)
             if message is not None:
                 self.pending.append(message)
+                if not message.last:
+                    lane.bisection = None  # a new chunk: an ordinary lane again
 
     def _message(self, member: Member, item: Any) -> Message | None:
         """A chunk; a final message for ``STOP``, or an exception (that member fails)."""
@@ -440,13 +499,19 @@ class StreamLoop:
                 self.dropped.append(message.member.raw)
         self.pending = []
         if self.r.model.continuous:
-            self.batch.remove(gone)
-            for key in gone:
-                self.members.pop(key, None)
+            self.leave(gone)
+
+    def leave(self, gone: set[str]) -> None:
+        """Members that ended leave a continuous batch: each lane's, and the loop's."""
+        for lane in self.lanes:
+            lane.batch.remove(gone)
+        for key in gone:
+            self.members.pop(key, None)
 
     async def admit(self, raws: list[bytes]) -> None:
-        """Claimed entries join the batch; one that cannot run (or whose caller
-        cancelled it) gets its final error."""
+        """Claimed entries join the batch (the last lane, unless it reruns: then a
+        lane of their own); one that cannot run (or whose caller cancelled it) gets its
+        final error."""
         now = protocol.now_ms()
         members = [m for m in (self._member(raw, now) for raw in raws) if m is not None]
         cancelled = await self.r.cancelled([m.request.id for m in members])
@@ -459,7 +524,13 @@ class StreamLoop:
                 self.r.deferred.append(member.raw)  # it runs alone after this batch
                 continue
             self.members[member.request.id] = member
-            self.batch.add(member.request.id, member.request.payload)
+            self._open_lane().batch.add(member.request.id, member.request.payload)
+
+    def _open_lane(self) -> Lane:
+        """The lane newcomers join: the last one, unless a bisection reruns it."""
+        if not self.lanes or self.lanes[-1].bisection is not None:
+            self.lanes.append(Lane())
+        return self.lanes[-1]
 
     def _member(self, raw: bytes, now: int) -> Member | None:
         fmt = codec.sniff_format(raw)
@@ -478,9 +549,31 @@ class StreamLoop:
             return None
 
 
+def _rerun(members: list[Member], bisection: Bisection) -> Lane:
+    """A lane that reruns these members from their first step, each checking the
+    chunks its caller got."""
+    lane = Lane(bisection=bisection)
+    for member in members:
+        member.seq, member.rerun = 0, hashlib.blake2b() if member.sent else None
+        lane.batch.add(member.request.id, member.request.payload)
+    return lane
+
+
+def _timed(member: Member, step_ms: float, size: int) -> None:
+    """Count a step in the member's timings (a replayed step counted when it first ran)."""
+    if member.seq >= member.sent:
+        member.steps += 1
+        member.forward_ms += step_ms
+    member.batch_size = max(member.batch_size, size)
+
+
+def _cancelled(request_id: str) -> BadRequest:
+    return BadRequest(f"request {request_id} was cancelled by its caller")
+
+
 def _refusal(request: Request, now: int, cancelled: set[str]) -> RedbatchError | None:
     if request.id in cancelled:
-        return BadRequest(f"request {request.id} was cancelled by its caller")
+        return _cancelled(request.id)
     if request.deadline_ms <= now:
         return DeadlineExceeded(f"request {request.id} expired in the queue")
     if request.rows:
