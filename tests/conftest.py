@@ -202,6 +202,16 @@ def connected(pool: Any) -> int:
                                               *pool._in_use_connections))
 
 
+async def ping_once_ended(client: Any, started: asyncio.Event) -> None:
+    """Wait until cancelled, then send one more command on ``client`` (as a task does
+    that goes on after its cancel: a read's retry, a cancel's mark)."""
+    try:
+        started.set()
+        await asyncio.Event().wait()
+    finally:
+        await client.ping()
+
+
 DEMO_NAMES = frozenset({"mlp", "echo", "echo_tokens", "textcls", "adder", "pair", "generate",
                         "tok", "classify_text"})
 

@@ -21,7 +21,7 @@ from redbatch.api.gateway import Gateway
 from redbatch.embedded import free_port
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
-from tests.conftest import connected, wait_live
+from tests.conftest import connected, ping_once_ended, wait_live
 from tests.test_gateway import _wait_registered
 
 pytestmark = pytest.mark.e2e
@@ -195,15 +195,7 @@ async def test_the_gateways_watchers_end_before_its_client_closes(redis_url: str
     await gateway.start()
     pool = gateway.client.redis.connection_pool
     watching = asyncio.Event()
-
-    async def mark_on_cancel() -> None:
-        try:
-            watching.set()
-            await asyncio.Event().wait()
-        finally:
-            await gateway.client.redis.ping()  # a mark, on the client's pool
-
-    task = asyncio.create_task(mark_on_cancel())
+    task = asyncio.create_task(ping_once_ended(gateway.client.redis, watching))  # a mark
     gateway.core._watchers.add(task)
     await watching.wait()
     await gateway.close()

@@ -5,6 +5,7 @@ an ordinary model's submit or the worker's clean exit."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,7 +26,7 @@ from redbatch.protocol import Reply
 from redbatch.registry import LiveCache
 from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
-from tests.conftest import FAST_WORKER, connected, wait_live
+from tests.conftest import FAST_WORKER, connected, ping_once_ended, wait_live
 from tests.test_pipelines import CALC, POLICY, inc
 
 pytestmark = pytest.mark.timeout(30)
@@ -249,15 +250,8 @@ async def test_a_registry_read_in_flight_ends_before_the_client_closes(
     await client.start()
     pool = client.redis.connection_pool
     reading = asyncio.Event()
-
-    async def read_that_ends_late() -> None:
-        try:
-            reading.set()
-            await asyncio.Event().wait()
-        finally:
-            await client.redis.ping()  # the retry, on a connection of the pool
-
-    client._pipelines._read = read_that_ends_late  # type: ignore[method-assign]
+    client._pipelines._read = functools.partial(  # type: ignore[method-assign]
+        ping_once_ended, client.redis, reading)
     assert not client._pipelines.settled("calc")
     flight = client._pipelines._start_read()
     await reading.wait()
