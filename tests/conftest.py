@@ -48,7 +48,8 @@ def no_leaked_resources() -> Iterator[None]:
     """Fail the test that left an unclosed resource (a socket, a transport, a
     redis-py connection): collected here, after its own fixtures' teardown, instead of
     in whichever later test the collector happens to run.  With ``PYTHONTRACEMALLOC=N``
-    the failure shows where the object was allocated."""
+    the failure shows where the object was allocated.  The heap alive after the first
+    test (the imports') is frozen out of the collector: a collection costs ~2 ms, not 50."""
     yield
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

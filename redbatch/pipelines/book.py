@@ -65,8 +65,8 @@ class PipelineBook:
 
     async def aclose(self) -> None:
         """Cancel a read in flight and wait for it, before the client's connection pool
-        closes: a read cancelled only later (while it connects, say) would put a live
-        connection back in a pool already closed."""
+        closes: a read left running saw the pool's close break its connection, read
+        again (``idempotent``) on a fresh one of the closed pool, and left it open."""
         flight = self._flight
         if flight is not None:
             flight.cancel()
