@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,39 @@ from tests.engines import ClusterEngine, SentinelEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_BIN = shutil.which("redis-server")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_resources() -> Iterator[None]:
+    """Fail the test that left an unclosed resource (a socket, a transport, a
+    redis-py connection): collected here, after its own fixtures' teardown, instead of
+    in whichever later test the collector happens to run.  With ``PYTHONTRACEMALLOC=N``
+    the failure shows where the object was allocated.  The heap alive after the first
+    test (the imports') is frozen out of the collector: a collection costs ~2 ms, not 50."""
+    yield
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    if not gc.get_freeze_count():  # the imports' heap, walked by no collection after
+        gc.freeze()
+    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    for other in caught:
+        if other not in leaks:
+            warnings.warn_explicit(other.message, other.category, other.filename,
+                                   other.lineno, source=other.source)
+    if leaks:
+        pytest.fail("\n\n".join(_leak_report(w) for w in leaks), pytrace=False)
+
+
+def _leak_report(leak: warnings.WarningMessage) -> str:
+    trace = tracemalloc.get_object_traceback(leak.source) if leak.source else None
+    if trace is not None:
+        where = "\n".join(trace.format())
+    elif tracemalloc.is_tracing():
+        where = "(not traced: see the other objects of this leak)"
+    else:
+        where = "(run with PYTHONTRACEMALLOC=25 for where it was allocated)"
+    return f"{leak.category.__name__}: {leak.message}\nallocated at:\n{where}"
 
 
 @dataclass
@@ -150,6 +186,31 @@ async def wait_live(url: str, model: str, timeout_s: float = 30.0) -> None:
             await asyncio.sleep(0.02)
     finally:
         client.close()
+
+
+async def until(check: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+    """Wait until ``check()`` holds, polling; fail naming ``what`` after ``timeout_s``
+    (generous: a loaded 2-core machine is slow, never wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def connected(pool: Any) -> int:
+    """How many connections of a redis-py asyncio pool are open (idle or in use)."""
+    return sum(conn.is_connected for conn in (*pool._available_connections,
+                                              *pool._in_use_connections))
+
+
+async def ping_once_ended(client: Any, started: asyncio.Event) -> None:
+    """Wait until cancelled, then send one more command on ``client`` (as a task does
+    that goes on after its cancel: a read's retry, a cancel's mark)."""
+    try:
+        started.set()
+        await asyncio.Event().wait()
+    finally:
+        await client.ping()
 
 
 DEMO_NAMES = frozenset({"mlp", "echo", "echo_tokens", "textcls", "adder", "pair", "generate",

@@ -17,10 +17,11 @@ import uvicorn
 
 from redbatch import GatewayConfig, Model, RedisSettings, batch, protocol
 from redbatch.api import create_app
+from redbatch.api.gateway import Gateway
 from redbatch.embedded import free_port
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
-from tests.conftest import wait_live
+from tests.conftest import connected, ping_once_ended, wait_live
 from tests.test_gateway import _wait_registered
 
 pytestmark = pytest.mark.e2e
@@ -184,3 +185,18 @@ async def test_a_disconnected_pipeline_request_is_skipped_at_its_next_stage(
         release.set()
         await workers.stop_all()
     assert seen == [1, 99]  # 2-6 were skipped at the second stage, not computed
+
+
+async def test_the_gateways_watchers_end_before_its_client_closes(redis_url: str) -> None:
+    """A disconnect watcher or cancel mark still under way when the gateway stops ends
+    (cancelled) before the client's pool closes: one that marked after would take a
+    connection of the closed pool and leave it open."""
+    gateway = Gateway(GatewayConfig(), RedisSettings(redis_url))
+    await gateway.start()
+    pool = gateway.client.redis.connection_pool
+    watching = asyncio.Event()
+    task = asyncio.create_task(ping_once_ended(gateway.client.redis, watching))  # a mark
+    gateway.core._watchers.add(task)
+    await watching.wait()
+    await gateway.close()
+    assert task.cancelled() and connected(pool) == 0

@@ -27,6 +27,7 @@ from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.replies import encode_reply
 from redbatch.worker.runner import BatchRunner, Claimed
+from tests.conftest import until
 
 SPEC = TensorSpec("float32", (4,))
 
@@ -300,9 +301,9 @@ async def test_lone_requests_of_one_tick_travel_as_one_entry(
         out = await asyncio.gather(*(client.predict("double", x, timeout_s=10) for x in xs),
                                    return_exceptions=True)
         reply = await client.predict("double", xs[1], 10, reply=True, trace_id="caller-1")
-        await asyncio.sleep(0.3)  # the worker counts a batch once its replies are out
-        entries, items = (worker.runners[0].stats.entries - before[0],
-                          worker.runners[0].stats.items - before[1])
+        stats = worker.runners[0].stats  # counted once a batch's replies are out
+        await until(lambda: stats.items - before[1] >= 11, "the batches counted")
+        entries, items = stats.entries - before[0], stats.items - before[1]
     assert items == 11 and entries <= 3  # one or two packs, and the traced one alone
     assert isinstance(out[4], InvalidPayload)
     assert [o.tolist() for i, o in enumerate(out) if i != 4] == [

@@ -5,6 +5,7 @@ an ordinary model's submit or the worker's clean exit."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,7 +26,7 @@ from redbatch.protocol import Reply
 from redbatch.registry import LiveCache
 from redbatch.worker.model import Model
 from redbatch.worker.process import Worker
-from tests.conftest import FAST_WORKER, wait_live
+from tests.conftest import FAST_WORKER, connected, ping_once_ended, wait_live
 from tests.test_pipelines import CALC, POLICY, inc
 
 pytestmark = pytest.mark.timeout(30)
@@ -220,7 +221,7 @@ async def test_an_ordinary_submit_never_waits_on_the_pipeline_registry(
         book._refresh_s = 0.0
         book._read = stalled_read  # type: ignore[method-assign]
         assert await asyncio.wait_for(client.predict("inc", 2, timeout_s=5), 5) == 3
-        book.aclose()
+        await book.aclose()
         del book._read
         raw_redis.delete(protocol.PIPELINES_KEY)
         raw_redis.set(protocol.PIPELINES_KEY, "not a hash")  # every read fails
@@ -237,6 +238,25 @@ async def test_an_ordinary_submit_never_waits_on_the_pipeline_registry(
             await asyncio.wait_for(fresh.submit("other", 1, timeout_s=0.2), 5)
     stop.set()
     await asyncio.wait_for(task, 10)
+
+
+async def test_a_registry_read_in_flight_ends_before_the_client_closes(
+        redis_url: str) -> None:
+    """A read of the pipeline registry still running when the client closes ends
+    before its connection pool does: one that went on after (a cancel that redis-py
+    turned into a broken connection, and the read's retry on a fresh one) would leave
+    a live connection in the closed pool, warned of when it is collected."""
+    client = Client(redis_url, require_workers=False)
+    await client.start()
+    pool = client.redis.connection_pool
+    reading = asyncio.Event()
+    client._pipelines._read = functools.partial(  # type: ignore[method-assign]
+        ping_once_ended, client.redis, reading)
+    assert not client._pipelines.settled("calc")
+    flight = client._pipelines._start_read()
+    await reading.wait()
+    await client.close()
+    assert flight.cancelled() and connected(pool) == 0
 
 
 def test_a_stage_a_pipeline_cannot_route_to_is_refused() -> None:

@@ -26,7 +26,7 @@ from redbatch.pipelines.mover import Mover
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
-from tests.conftest import FAST_WORKER, wait_live
+from tests.conftest import FAST_WORKER, until, wait_live
 
 pytestmark = pytest.mark.timeout(30)
 POLICY = BatchPolicy(max_batch_size=16, batch_wait_timeout_s=0.0)
@@ -273,8 +273,14 @@ async def test_a_pipeline_stored_in_redis_is_served_and_shown_by_status(
     async with Client(redis_url) as client:
         assert await client.predict_many("calc", list(range(40)), timeout_s=5) == [
             2 * (x + 1) for x in range(40)]
-    await asyncio.sleep(0.5)  # the workers publish their counters with the heartbeat
-    snap = await asyncio.to_thread(status.sample, raw_redis, 0.01)
+    snaps: list[Any] = []
+
+    def counted() -> bool:  # the workers publish their counters with the heartbeat
+        snaps.append(status.sample(raw_redis, 0.01))
+        return snaps[-1]["inc"].items == snaps[-1]["dbl"].items == 40
+
+    await until(counted, "both stages' counters published")
+    snap = snaps[-1]
     (calc,) = pipeline_status.read(raw_redis, snap)
     assert [s.stage for s in calc.stages] == ["inc", "dbl"]
     assert all(s.live_workers == 1 and s.queue_depth == 0 and s.handoff_backlog == 0

@@ -7,6 +7,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -25,7 +26,7 @@ from redbatch import (
 )
 from redbatch.protocol import Reply
 from redbatch.worker.process import Worker
-from tests.conftest import free_port
+from tests.conftest import free_port, until
 
 
 @batch(name="inc", max_batch_size=16, batch_wait_timeout_s=0.01)
@@ -62,9 +63,13 @@ async def test_one_listener_serves_many_waiters(start_worker: Callable[..., Work
     start_worker([held])
     async with Client(redis_url, require_workers=False) as client:
         pending = [asyncio.create_task(client.predict("held", i)) for i in range(64)]
-        await asyncio.sleep(0.5)  # all 64 wait for their replies now
-        assert client.waiting == 64
-        listeners = [c for c in raw_redis.client_list() if c["cmd"] == "blmpop"]
+        await until(lambda: client.waiting == 64, "all 64 waiting for their replies")
+
+        def popping() -> list[Any]:
+            return [c for c in raw_redis.client_list() if c["cmd"] == "blmpop"]
+
+        await until(popping, "the reply listener's blocking pop")
+        listeners = popping()
         release.set()
         results = await asyncio.gather(*pending)
     assert results == list(range(1, 65))

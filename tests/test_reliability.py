@@ -17,7 +17,7 @@ from redbatch import Client, ModelError, WorkerCrashed, batch, codec, defaults, 
 from redbatch.config import WorkerConfig
 from redbatch.worker.claim import Claimer
 from redbatch.worker.process import Worker
-from tests.conftest import Proc, redbatch_cmd, test_env
+from tests.conftest import Proc, redbatch_cmd, test_env, until
 
 pytestmark = pytest.mark.e2e
 FAST_LEASE = {"REDBATCH_HEARTBEAT_INTERVAL_S": "0.2", "REDBATCH_LEASE_TTL_S": "1.0"}
@@ -229,7 +229,8 @@ async def test_a_claim_that_fails_midway_is_returned_not_lost(
     monkeypatch.setattr(Claimer, "_block_some", blocking)
     worker = start_worker([fast_slow], config=TAKEOVER)
     async with Client(redis_url, require_workers=False) as client:
-        await asyncio.sleep(0.3)  # the worker is blocked in BLMOVE
+        await until(lambda: any(c["cmd"] == "blmove" for c in raw_redis.client_list()),
+                    "the worker blocked in BLMOVE")
         assert await client.predict("slow", 41, timeout_s=10) == 41
         assert await client.predict("slow", 42, timeout_s=10) == 42
     assert state["failed"] == 1

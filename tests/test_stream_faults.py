@@ -26,7 +26,7 @@ from redbatch.worker.process import Worker
 from redbatch.worker.stats import WorkerStats
 from redbatch.worker.stream_reap import StreamReaper
 from tests import stream_models
-from tests.conftest import wait_live
+from tests.conftest import connected, wait_live
 from tests.stream_models import bytes_model, counter, fixed
 from tests.test_disconnect import served
 
@@ -257,22 +257,52 @@ async def test_an_http_client_gone_before_its_first_chunk_cancels_its_stream(
     assert len(late) == 1 and not late & {key for keys in stream_models.STEPS for key in keys}
 
 
+async def test_a_streams_cancel_under_way_ends_before_its_client_closes(
+        redis_url: str) -> None:
+    """``Client.close`` waits for its streams' cancels (``close_soon``) before its pool
+    closes: a cancel that marked its request after would take a connection of the
+    closed pool and leave it open."""
+    client = Client(redis_url, require_workers=False)
+    await client.start()
+    pool = client.redis.connection_pool
+    stream = streams.Stream(client, "counter", {}, protocol.now_ms() + 60_000)
+    await stream.open()
+    real_mark, marked = client.mark_cancelled, asyncio.Event()
+
+    async def late_mark(*args: Any) -> None:
+        await asyncio.sleep(0.2)  # a Redis that answers late
+        await real_mark(*args)
+        marked.set()
+
+    client.mark_cancelled = late_mark  # type: ignore[method-assign]
+    stream.close_soon()
+    await client.close()
+    assert marked.is_set() and connected(pool) == 0
+
+
+class StreamsClient:
+    """The part of ``Client`` that a ``Stream`` calls, for a stream "r1" (no Redis)."""
+
+    def abandon(self, *_args: Any) -> None:
+        pass
+
+    async def _routed(self, model: str, *_args: Any) -> str:
+        return model  # (no versions here)
+
+    async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
+        return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
+
+    def _keep_till_close(self, task: asyncio.Task[None]) -> None:
+        self.cancel_task = task  # (a reference keeps it)
+
+
 def test_closing_a_stream_never_waits_long_on_redis_nor_raises(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(streams, "CANCEL_TIMEOUT_S", 0.05)
 
-    class Stalled:
-        def abandon(self, *_args: Any) -> None:
-            pass
-
+    class Stalled(StreamsClient):
         async def mark_cancelled(self, *_args: Any) -> None:
             await asyncio.sleep(60)  # a Redis that stalls
-
-        async def _routed(self, model: str, *_args: Any) -> str:
-            return model  # (no versions here)
-
-        async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
-            return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
 
     class Failing(Stalled):
         async def mark_cancelled(self, *_args: Any) -> None:
@@ -312,18 +342,9 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_stream_cancelled(
     monkeypatch.setattr(streaming, "SEND_GRACE_S", 0.05)
     cancels: list[str] = []
 
-    class Listening:
-        def abandon(self, *_args: Any) -> None:
-            pass
-
+    class Listening(StreamsClient):
         async def mark_cancelled(self, _model: str, request_id: str, _deadline: int) -> None:
             cancels.append(request_id)
-
-        async def _routed(self, model: str, *_args: Any) -> str:
-            return model  # (no versions here)
-
-        async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
-            return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
 
     stream = streams.Stream(Listening(), "counter", {},  # type: ignore[arg-type]
                             protocol.now_ms() - protocol.STREAM_GRACE_MS)

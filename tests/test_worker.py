@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import redis
 
-from redbatch import DeadlineExceeded, InvalidPayload, ModelError, protocol
+from redbatch import DeadlineExceeded, InvalidPayload, ModelError, RedisSettings, protocol
 from redbatch.producer import Client
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from redbatch.worker.torch_helpers import torch_model
+from tests.conftest import FAST_WORKER, wait_live
 
 
 @batch(name="double", max_batch_size=8, batch_wait_timeout_s=0.05)
@@ -187,3 +188,20 @@ async def test_inline_models_run_on_the_event_loop(start_worker: Callable[..., W
         assert await client.predict("in-thread", 2) == 2
     assert on_loop == {threading.current_thread().name}
     assert any(name.startswith("redbatch-forward") for name in threads - on_loop)
+
+
+async def test_a_cancelled_worker_leaves_no_task_or_connection_behind(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """A worker's run cancelled (not stopped) ends its batch loops, heartbeat and
+    pipeline duty with it: one that went on would take connections of the closed
+    pools again, left open."""
+    ours = {c["id"] for c in raw_redis.client_list()}
+    worker = Worker([Model("idle", fn=lambda xs: xs)], RedisSettings(redis_url), FAST_WORKER)
+    run = asyncio.create_task(worker.run(asyncio.Event()))
+    await wait_live(redis_url, "idle")
+    before = set(asyncio.all_tasks())
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    await asyncio.sleep(2 * FAST_WORKER.heartbeat_interval_s)  # a beat that went on
+    assert not [t for t in before if not t.done() and t is not asyncio.current_task()]
+    assert {c["id"] for c in raw_redis.client_list()} == ours

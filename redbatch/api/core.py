@@ -281,6 +281,14 @@ class InferCore:
             metrics.UNKNOWN_MODEL
 
     # --- disconnects -------------------------------------------------------------
+    async def aclose(self) -> None:
+        """End the disconnect watchers and the cancel marks still under way (the gateway
+        stops: its requests go with it) before the client's connection pool closes."""
+        watchers = list(self._watchers)
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
     def _watch(self, model: str, request_id: str, deadline_ms: int,
                future: asyncio.Future[Reply], receive: Receive, meta: dict[str, Any]) -> None:
         """A request still waiting after ``WATCH_AFTER_S``: from now on, its client's

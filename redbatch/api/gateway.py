@@ -53,6 +53,7 @@ class Gateway:
         log.info("gateway using redis at %s", self.redis_settings.safe_url)
 
     async def close(self) -> None:
+        await self.core.aclose()  # its tasks use the client's pool
         await self.client.close()
         await self._redis.aclose()
 

@@ -63,10 +63,14 @@ class PipelineBook:
                 self.changes += 1
             self._models.add(name)
 
-    def aclose(self) -> None:
-        """Cancel a read in flight (the client closes)."""
-        if self._flight is not None:
-            self._flight.cancel()
+    async def aclose(self) -> None:
+        """Cancel a read in flight and wait for it, before the client's connection pool
+        closes: a read left running saw the pool's close break its connection, read
+        again (``idempotent``) on a fresh one of the closed pool, and left it open."""
+        flight = self._flight
+        if flight is not None:
+            flight.cancel()
+            await asyncio.gather(flight, return_exceptions=True)
 
     def quiet_until(self) -> float:
         """The ``time.monotonic()`` until which ``settled`` starts no read."""

@@ -98,6 +98,7 @@ class Client:
         self._listeners: Listeners | None = None
         self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
+        self._cancels: set[asyncio.Task[None]] = set()  # streams' cancels under way
 
     # --- life cycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -133,6 +134,9 @@ class Client:
             self._listeners = listeners
 
     async def close(self) -> None:
+        # every task on the pool ends before it closes: one that went on would take a
+        # connection of the closed pool and leave it open
+        await asyncio.gather(*self._cancels, return_exceptions=True)  # (bounded each)
         if self._enqueuer is not None:
             await self._enqueuer.drain()
             self._enqueuer = None
@@ -141,9 +145,15 @@ class Client:
             self._listeners = None
         if self._redis is not None:  # started: the admission's reads end first
             await self._admission.aclose()
-            self._pipelines.aclose()
+            await self._pipelines.aclose()
             await self._redis.aclose()
             self._redis = None
+
+    def _keep_till_close(self, task: asyncio.Task[None]) -> None:
+        """Hold ``task`` (a stream's cancel, ``Stream.close_soon``) until it ends;
+        ``close`` waits for it before the connection pool closes."""
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def __aenter__(self) -> Client:
         await self.start()

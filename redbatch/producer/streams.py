@@ -27,7 +27,6 @@ T = TypeVar("T")
 log = logging.getLogger("redbatch.producer")
 
 CANCEL_TIMEOUT_S = 2.0  # marking a closed stream cancelled in Redis takes at most this
-_CANCELS: set[asyncio.Task[None]] = set()  # cancels under way (a reference keeps them)
 
 
 class ChunkQueue:
@@ -150,8 +149,7 @@ class Stream:
         self.ended = True
         self._client.abandon(self.request_id, BadRequest("the stream was closed"), self.model)
         task = asyncio.create_task(self._mark_cancelled())
-        _CANCELS.add(task)
-        task.add_done_callback(_CANCELS.discard)
+        self._client._keep_till_close(task)
         return task
 
     async def _mark_cancelled(self) -> None:

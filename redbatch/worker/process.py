@@ -162,7 +162,9 @@ class Worker:
         return heartbeat.Draining(counts, round(beats_ms))
 
     async def _serve(self, redis: aioredis.Redis, stop: asyncio.Event) -> bool:
-        """Run until ``stop``; return whether every batch finished within the grace."""
+        """Run until ``stop``; return whether every batch finished within the grace.
+        Cancelled instead, its tasks end with it, before the connection pools close
+        (one that went on would reconnect on a closed pool and leave it open)."""
         beating = asyncio.Event()  # set when the batch loops are done: the lease outlives them
 
         async def beat() -> None:
@@ -175,6 +177,18 @@ class Worker:
                  for r in self.runners]
         heart = asyncio.create_task(_keep_going("heartbeat", beat, beating))
         duty = asyncio.create_task(self._duty(redis).run(beating))  # hand-offs: till the end
+        try:
+            return await self._stop_after(redis, stop, beating, tasks, heart, duty)
+        finally:  # (all done by now, unless cancelled)
+            for task in (*tasks, heart, duty):
+                task.cancel()
+            await asyncio.gather(*tasks, heart, duty, return_exceptions=True)
+
+    async def _stop_after(self, redis: aioredis.Redis, stop: asyncio.Event,
+                          beating: asyncio.Event, tasks: list[asyncio.Task[None]],
+                          heart: asyncio.Task[None], duty: asyncio.Task[None]) -> bool:
+        """Serve until ``stop``, then the batch loops finish (within the grace), the
+        heartbeat and the duty end, and the worker leaves."""
         log.info("worker %s serving %s on %s", self.worker_id,
                  ",".join(m.name for m in self.models), self.device)
         self.on_serving()
