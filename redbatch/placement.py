@@ -5,9 +5,9 @@ Every key of a model's sub-queue carries its hash tag (``{model}``, ``{model:1}`
 one primary.  Hashing a few tags is lumpy: 6 models on 3 primaries land 2-2-2 only by
 luck, and a hot model's 3 sub-queues may share a primary.  This places every
 sub-queue of the given models (S as producers read it: ``LIVE_SUMMARY``; or given):
-each model's sub-queues round-robin over the primaries first (its counts per primary
-differ by one at most), the distinct slots of all evenly too (likewise), keeping
-first every slot its owner has room for; it moves the others as ``redis-cli --cluster reshard``
+each model's sub-queues round-robin over the primaries (its counts per primary
+differ by one at most), the distinct slots of all evenly too (likewise), moving the
+fewest slots that both allow (``placement_flow``); it moves them as ``redis-cli --cluster reshard``
 moves a slot: ``SETSLOT IMPORTING`` / ``MIGRATING``, ``MIGRATE`` of the slot's keys,
 then ``SETSLOT NODE`` on every primary.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from redis.crc import key_slot
 from redbatch import lua, protocol, registry
 from redbatch.config import RedisSettings
 from redbatch.errors import ConfigError, InvalidPayload, RedisUnavailable
+from redbatch.placement_flow import extras
 
 MIGRATE_TIMEOUT_MS = 5000
 KEYS_PER_MIGRATE = 100
@@ -68,41 +68,21 @@ class SlotMap:
         return node
 
 
-class _Even:
-    """Counts per primary that must end up even: ``total`` over ``width`` primaries,
-    each ``share`` or ``share + 1``, at most ``total % width`` of them ``share + 1``."""
-
-    def __init__(self, total: int, width: int) -> None:
-        self.share, self.extra = divmod(total, width)
-        self.count: Counter[str] = Counter()
-
-    def room(self, node: Primary) -> bool:
-        """Whether one more on ``node`` keeps the counts even."""
-        held = self.count[node.node_id]
-        over = sum(1 for n in self.count.values() if n > self.share)
-        return held < self.share or (held == self.share and over < self.extra)
-
-
 def plan(groups: Sequence[Sequence[int]], slot_map: SlotMap) -> dict[int, Primary]:
     """Each distinct slot of ``groups`` (each a model's sub-queues' slots) -> the
     primary it should live on: each group round-robin over the primaries (its counts
-    differ by one at most), then all slots evenly (likewise, where the groups allow).
-    Every group first keeps the slots its owners have room for in both spreads (larger
-    groups first; a slot in two groups counts in the first), then the others are
-    placed, then moved until even: models of one sub-queue each move the fewest slots
-    that evening takes, models of several a few more at times."""
-    distinct = _distinct(groups)
-    width = len(slot_map.primaries)
-    total = _Even(sum(map(len, distinct)), width)
-    spreads = [(group, _Even(len(group), width))
-               for group in sorted(distinct, key=len, reverse=True)]
+    differ by one at most) and all slots evenly (likewise), moving the fewest slots
+    that both spreads allow (``placement_flow``; a slot in two groups counts in the
+    first; ties keep the earlier group's slots)."""
+    distinct = [group for group in _distinct(groups) if group]
+    primaries, width = slot_map.primaries, len(slot_map.primaries)
+    keeps = [[_owned(group, slot_map, p) > len(group) // width for p in primaries]
+             for group in distinct]
+    chosen = extras([len(group) for group in distinct], keeps, width)
     placed: dict[int, Primary] = {}
-    for group, spread in spreads:
-        _keep(group, slot_map, spread, total, placed)
-    for group, spread in spreads:
-        _place_rest(group, slot_map, spread, total, placed)
-    while move := _evening_move(distinct, placed, slot_map):
-        placed[move[0]] = move[1]
+    for group, picks in zip(distinct, chosen, strict=True):
+        counts = {p: len(group) // width + (i in picks) for i, p in enumerate(primaries)}
+        _assign(group, counts, slot_map, placed)
     return placed
 
 
@@ -116,51 +96,25 @@ def _distinct(groups: Sequence[Sequence[int]]) -> list[list[int]]:
     return distinct
 
 
-def _keep(group: list[int], slot_map: SlotMap, spread: _Even, total: _Even,
-          placed: dict[int, Primary]) -> None:
-    """A group's slots kept on their owner where both spreads allow."""
+def _owned(group: list[int], slot_map: SlotMap, node: Primary) -> int:
+    """How many of ``group``'s slots ``node`` owns now."""
+    return sum(1 for slot in group if slot_map.of(slot) == node)
+
+
+def _assign(group: list[int], counts: dict[Primary, int], slot_map: SlotMap,
+            placed: dict[int, Primary]) -> None:
+    """``counts[p]`` of ``group``'s slots on each primary ``p``: first those it owns
+    (in the group's order), then the others where room is left (in address order)."""
+    room, rest = dict(counts), []
     for slot in group:
         owner = slot_map.of(slot)
-        if spread.room(owner) and total.room(owner):
-            _put(placed, slot, owner, spread, total)
-
-
-def _place_rest(group: list[int], slot_map: SlotMap, spread: _Even, total: _Even,
-                placed: dict[int, Primary]) -> None:
-    """A group's slots not kept: each to the primary that holds fewest of the group,
-    then fewest in all."""
-    for slot in (s for s in group if s not in placed):
-        fits = [p for p in slot_map.primaries if spread.room(p)]
-        target = min([p for p in fits if total.room(p)] or fits, key=lambda p: (
-            spread.count[p.node_id], total.count[p.node_id], p.address))
-        _put(placed, slot, target, spread, total)
-
-
-def _evening_move(groups: list[list[int]], placed: dict[int, Primary], slot_map: SlotMap
-                  ) -> tuple[int, Primary] | None:
-    """While the most loaded primary holds two more slots than the least: one slot to
-    move between them that keeps its group's spread (a group with more slots on the
-    one than on the other has one: the counts say so), best one going back to its
-    owner, else one moving anyway; None once even.  Each move evens the loads."""
-    load = Counter(placed.values())
-    heavy = max(slot_map.primaries, key=lambda p: (load[p], p.address))
-    light = min(slot_map.primaries, key=lambda p: (load[p], p.address))
-    if load[heavy] - load[light] <= 1:
-        return None
-    slots = [s for group in groups for s in group if placed[s] == heavy
-             and _held(group, placed, heavy) > _held(group, placed, light)]
-    return min(slots, key=lambda s: (slot_map.of(s) != light,
-                                     slot_map.of(s) == heavy, s)), light
-
-
-def _held(group: list[int], placed: dict[int, Primary], node: Primary) -> int:
-    return sum(1 for slot in group if placed[slot] == node)
-
-
-def _put(placed: dict[int, Primary], slot: int, node: Primary, *counts: _Even) -> None:
-    placed[slot] = node
-    for even in counts:
-        even.count[node.node_id] += 1
+        if room.get(owner, 0) > 0:
+            placed[slot], room[owner] = owner, room[owner] - 1
+        else:
+            rest.append(slot)
+    for slot in rest:
+        target = next(p for p in slot_map.primaries if room[p] > 0)
+        placed[slot], room[target] = target, room[target] - 1
 
 
 class Nodes:

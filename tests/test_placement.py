@@ -102,6 +102,42 @@ def test_both_spreads_hold_whatever_the_start() -> None:
         assert max(total) - min(total) <= 1, groups
 
 
+def even(slots: list[int], placed: dict[int, Primary]) -> bool:
+    counts = spread(slots, placed)
+    return max(counts) - min(counts) <= 1
+
+
+def fewest_moves_of_groups(groups: list[list[int]], owners: dict[int, Primary]) -> int:
+    """The fewest slots that move under both spreads (each group's, and all slots')."""
+    slots = list(owners)
+    plans = (dict(zip(slots, combo, strict=True)) for combo in
+             itertools.product((A, B, C), repeat=len(slots)))
+    return min(sum(p[s] != owners[s] for s in slots) for p in plans
+               if even(slots, p) and all(even(g, p) for g in groups))
+
+
+def test_a_hot_model_and_a_lone_one_move_one_slot() -> None:
+    """The hot model keeps 2 of its 4 sub-queues on C, the lone model moves off C."""
+    owners = {6955: A, 8562: C, 12304: C, 1369: A, 1081: C}
+    groups = [[6955, 8562, 12304, 1369], [1081]]
+    placed = plan(groups, slot_map(owners))
+    assert sum(placed[s] != owners[s] for s in owners) == 1
+    assert even(list(owners), placed) and all(even(g, placed) for g in groups)
+
+
+def test_models_of_several_sub_queues_move_the_fewest_slots_too() -> None:
+    rng = random.Random(5)
+    for _ in range(300):
+        slots = rng.sample(range(16384), rng.randint(2, 7))
+        cuts = sorted(rng.sample(range(1, len(slots)), rng.randint(0, len(slots) - 1)))
+        groups = [slots[a:b] for a, b in zip([0, *cuts], [*cuts, len(slots)], strict=True)]
+        owners = {s: rng.choice([A, B, C, A]) for s in slots}
+        placed = plan(groups, slot_map(owners))
+        assert even(slots, placed) and all(even(g, placed) for g in groups), groups
+        assert sum(placed[s] != owners[s] for s in slots) == fewest_moves_of_groups(
+            groups, owners), (groups, owners)
+
+
 def test_a_model_names_its_sub_queues_and_a_tag_itself() -> None:
     counts = {"hot": 3, "m": 1}
     assert placement.groups_of(["hot", "m", "x:2", "hot:1"], counts.__getitem__) == {
