@@ -95,6 +95,18 @@ async def test_a_user_without_lmove_claims_by_script(
     assert "retrying" not in caplog.text, caplog.text
 
 
+async def test_a_user_without_lpos_acks_its_batches(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A least-privilege user set up before PUBLISH compared the batch by LPOS: its acks
+    still pass (through a copy of the in-flight head), so no batch fails and comes back
+    ("retrying" after the lost lease it would be taken for)."""
+    url = acl_url(acl_server, documented_rules().replace(" +lpos", ""))
+    with caplog.at_level(logging.WARNING):
+        await serves(start_worker, acl_server, url)
+    assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text
+
+
 async def test_the_documented_user_serves_versions_and_drains_them(
         acl_server: RedisServer, start_worker: Callable[..., Worker],
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -6,6 +6,7 @@ ack only while the in-flight head holds the batch."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -21,12 +22,15 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def publish(raw: redis.Redis, replies: list[tuple[str, str, bytes]], batch: list[bytes],
-            digest: str | None = None, marker_ttl_ms: int = 60_000) -> list[object]:
-    """PUBLISH ``replies`` (request id, reply list, data) and ack ``batch``; each
-    request's marker TTL (its deadline) is ``marker_ttl_ms``."""
+            digest: str | None = None, marker_ttl_ms: int = 60_000, by_entries: bool = False
+            ) -> list[object]:
+    """PUBLISH ``replies`` (request id, reply list, data) and ack ``batch`` (checked by
+    its SHA-1, or ``by_entries``: by the entries themselves); each request's marker TTL
+    (its deadline) is ``marker_ttl_ms``."""
     keys: list[str] = [INFLIGHT, DEAD]
-    argv: list[object] = [len(batch), protocol.REPLY_TTL_S,
-                          digest or hashlib.sha1(b"".join(batch)).hexdigest(), 3600, 0]
+    check: list[object] = [protocol.ACK_BY_ENTRIES, *batch] if by_entries else [
+        digest or hashlib.sha1(b"".join(batch)).hexdigest()]
+    argv: list[object] = [len(batch), protocol.REPLY_TTL_S, *check, 3600, 0]
     for request_id, reply_to, data in replies:
         keys += [protocol.request_key(MODEL, request_id), reply_to]
         argv += [marker_ttl_ms, data]
@@ -91,6 +95,50 @@ def test_a_changed_inflight_head_is_not_acked(raw_redis: redis.Redis) -> None:
     raw_redis.rpush(INFLIGHT, b"other", b"e1")
     assert publish(raw_redis, two_clients(raw_redis), [b"e1", b"e2"]) == [0, 4]
     assert raw_redis.lrange(INFLIGHT, 0, -1) == [b"other", b"e1"]
+
+
+@pytest.fixture(params=["lpos", "no_lpos"])
+def acker(request: pytest.FixtureRequest, raw_redis: redis.Redis) -> Iterator[redis.Redis]:
+    """A client that acks by entries: Redis compares them in place (LPOS), or, as a user
+    who may not run LPOS (set up before PUBLISH used it), through a copy."""
+    if request.param == "lpos":
+        yield raw_redis
+        return
+    raw_redis.acl_setuser("nolpos", enabled=True, passwords=["+pw"], keys=["*"],
+                          commands=["+@all", "-lpos"], reset=True)
+    kwargs = raw_redis.connection_pool.connection_kwargs
+    client = redis.Redis(host=kwargs["host"], port=kwargs["port"], username="nolpos",
+                         password="pw")
+    yield client
+    client.close()
+    raw_redis.acl_deluser("nolpos")
+
+
+@pytest.mark.parametrize("inflight", [
+    [b"other", b"e1", b"e2"],  # this worker claimed another since the reap
+    [b"e1"],  # a reaper took e2 (it had come back)
+    [b"e2", b"e1"],  # the same entries, in another order
+    [b"e1", b"e1"],  # a copy of e1 (a plain RPUSH pushed it twice) where e2 was
+    [],  # the list is gone
+])
+def test_an_ack_by_entries_refuses_any_other_head(raw_redis: redis.Redis, acker: redis.Redis,
+                                                   inflight: list[bytes]) -> None:
+    if inflight:
+        raw_redis.rpush(INFLIGHT, *inflight)
+    assert publish(acker, two_clients(raw_redis), [b"e1", b"e2"], by_entries=True) == [0, 4]
+    assert raw_redis.lrange(INFLIGHT, 0, -1) == inflight  # replies out, nothing trimmed
+    assert raw_redis.lrange(A, 0, -1) == [b"a1", b"a2"]
+
+
+@pytest.mark.parametrize("batch", [[b"e1", b"e2"], [b"e1", b"e1", b"e2", b"e1"]])
+def test_an_ack_by_entries_trims_its_batch_alone(raw_redis: redis.Redis, acker: redis.Redis,
+                                                  batch: list[bytes]) -> None:
+    """Copies of one entry in a batch (a request pushed twice) match copy by copy."""
+    raw_redis.rpush(INFLIGHT, *batch, b"e1", b"next")
+    raw_redis.rpush(DEAD, b"old")
+    assert publish(acker, two_clients(raw_redis), batch, by_entries=True) == [1, 4]
+    assert raw_redis.lrange(INFLIGHT, 0, -1) == [b"e1", b"next"]
+    assert raw_redis.lrange(B, 0, -1) == [b"b1", b"b2"]  # the replies follow the entries
 
 
 def test_a_thousand_replies_to_one_list(raw_redis: redis.Redis) -> None:

@@ -67,6 +67,15 @@ class Claimed:
     # many, their SHA-1), and the positions (1-based) of those this one holds over
     released: tuple[int, str] = (0, "")
     hold: list[int] = field(default_factory=list)
+    raws: list[bytes] = field(default_factory=list)  # the claimed entries, in claim order
+
+    @property
+    def ack_check(self) -> list[bytes | str]:
+        """PUBLISH's ARGV[3..]: what the ack checks the in-flight head against (the
+        entries themselves for a few, which Redis compares in place; else their SHA-1)."""
+        if 0 < self.claimed <= protocol.ACK_BY_ENTRIES_MAX and len(self.raws) == self.claimed:
+            return [protocol.ACK_BY_ENTRIES, *self.raws]
+        return [self.digest]
 
     @property
     def size(self) -> int:
@@ -339,7 +348,7 @@ class BatchRunner:
         assert held is None or source is held.source, "held items cross sub-queues"
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         decoded = decode_batch(raws, self.model, claimed_ms, self._same_slot, source.tag)
-        batch = Claimed(len(raws), decoded, claimed_ms, digest, source)
+        batch = Claimed(len(raws), decoded, claimed_ms, digest, source, raws=raws)
         if held is not None:
             hold.merge(decoded, held, claimed_ms)
             batch.released = (len(held.raws), held.digest)
@@ -525,7 +534,7 @@ class BatchRunner:
         """Replies (each at most once), dead letters and the ack: one atomic script.
         Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
         done = await self._script_publish(batch.source, outs, dead, batch.claimed,
-                                          batch.digest, batch)
+                                          batch.ack_check, batch)
         if done[2:] and done[0]:  # refused replies of an acked batch (else the reaper
             await self._dead_letter_refused(batch.source, outs, done[2:])  # requeued them)
         if not done[0]:
@@ -534,7 +543,8 @@ class BatchRunner:
                             "returning what it still holds")
 
     async def _script_publish(self, source: Claimer, outs: list[Outgoing], dead: list[bytes],
-                              ack: int, digest: str, batch: Claimed | None = None
+                              ack: int, check: list[bytes | str],
+                              batch: Claimed | None = None
                               ) -> list[Any]:
         """PUBLISH in the slot of ``source``, the sub-queue the batch came from; a
         ``batch`` that holds entries over, or runs those held before: PUBLISH_HOLD."""
@@ -543,7 +553,7 @@ class BatchRunner:
             return await self._script_publish_hold(batch, keys, argv)
         keys = [source.inflight, protocol.dead_letter_key(source.tag), *keys]
         return list(await self._link.script(lua.PUBLISH, keys,
-                                            [ack, protocol.REPLY_TTL_S, digest, *argv]))
+                                            [ack, protocol.REPLY_TTL_S, *check, *argv]))
 
     async def _script_publish_hold(self, batch: Claimed, keys: list[Any], argv: list[Any]
                                    ) -> list[Any]:
@@ -565,7 +575,7 @@ class BatchRunner:
             log.error("model=%s Redis refused the reply to request %s (its key %s or %s "
                       "holds a value of another type); dead-lettered it", self.model.name,
                       out.request.id, out.reply_to, out.marker)
-        await self._script_publish(source, [], refused_entries(outs, refused), 0, "")
+        await self._script_publish(source, [], refused_entries(outs, refused), 0, [""])
         self.stats.dead_lettered(len(refused))
 
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
