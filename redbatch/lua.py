@@ -252,9 +252,12 @@ local function digest(entries)
 end
 
 -- Whether the list ``key`` starts with the n entries ARGV[base + 1..base + n]: compared
--- by Redis in place (LPOS), none of the list copied into Lua, entry i must be the r-th
--- of its value among the list's first i, r counting its copies among entries 1..i.  A
--- user who may not run LPOS (set up before PUBLISH used it) compares a copy instead.
+-- by Redis in place (LPOS), none of the list read into Lua, entry i must be the r-th
+-- of its value among the list's first i, r counting its copies among entries 1..i.
+-- The worker sends entries only while its user may run LPOS (checked once, at its
+-- first claim); should the user lose that right later, or the server not know LPOS,
+-- the script compares a copy of the head instead.  Any other error (WRONGTYPE, a bad
+-- argument) is raised: nothing is written.
 local function copied_starts_with(key, n, base)
   local head = redis.call('LRANGE', key, 0, n - 1)
   if #head ~= n then return false end
@@ -264,14 +267,26 @@ local function copied_starts_with(key, n, base)
   return true
 end
 
+-- An error of a command that the user may not run (NOPERM; "can't run this command"
+-- from a script on Redis 7.0), or that the server does not know.
+local function denied(err)
+  local e = string.lower(err)
+  for _, text in ipairs({{'noperm', "can't run this command", 'unknown command',
+                         'unknown redis command'}}) do
+    if string.find(e, text, 1, true) then return true end
+  end
+  return false
+end
+
 local function starts_with(key, n, base)
   local seen = {{}}
   for i = 1, n do
     local entry = ARGV[base + i]
     seen[entry] = (seen[entry] or 0) + 1
     local at = redis.pcall('LPOS', key, entry, 'RANK', seen[entry], 'MAXLEN', i)
-    if type(at) == 'table' and at.err then  -- refused (an error of the list's own
-      return copied_starts_with(key, n, base)  -- raises from LRANGE as before)
+    if type(at) == 'table' and at.err then
+      if not denied(at.err) then error(at) end
+      return copied_starts_with(key, n, base)
     end
     if at ~= i - 1 then return false end
   end
@@ -294,10 +309,12 @@ end
 # ARGV[3]=sha1 hex of those entries, concatenated, then the replies and dead letters
 # (t=4, see _HELPERS); or ARGV[3]=ACK_BY_ENTRIES, ARGV[4..3+n]=the entries themselves
 # (compared in place: no copy of the list into Lua, no SHA-1), then the replies and dead
-# letters (t=4+n).  Replies (each at most once), dead letters and the ack, in one step.
-# The ack trims the batch off the in-flight head only if the head still holds exactly
-# the batch: a reaper that took over this worker's list (its lease had lapsed) changes
-# it, and then nothing is trimmed and nothing dead-lettered (the reaper does that).
+# letters (t=4+n).  The worker passes exactly n entries there (fewer would be a Lua
+# error on a nil, before any write).  Replies (each at most once), dead letters and the
+# ack, in one step.  The ack trims the batch off the in-flight head only if the head
+# still holds exactly the batch: a reaper that took over this worker's list (its lease
+# had lapsed) changes it, and then nothing is trimmed and nothing dead-lettered (the
+# reaper does that).
 # Returns {1 (acked) or 0 (refused), replies sent, indices of refused replies}.
 PUBLISH: Final = _HELPERS + f"""
 local n, t = tonumber(ARGV[1]), 4

@@ -1,5 +1,5 @@
-"""scripts/redis-cost-ab: Redis's cost per request of W2 (the demo ``mlp`` over HTTP at
-64 connections), the code at REV (A, a detached worktree) against the working tree (B).
+"""scripts/redis_cost_ab.py: Redis's cost per request of W2 (the demo ``mlp`` over HTTP
+at 64 connections), the code at REV (A, a detached worktree) against the working tree (B).
 
 Each side runs its own redis-server, one worker (``redbatch.demo:models``, one torch
 thread) and the gateway (``--workers`` processes); an aiohttp load of ``connections``
@@ -12,8 +12,9 @@ from the tree's ``lua.py``).
 
 On a shared machine, the call counts and commandstats usec are the figures to trust
 (usec is wall time inside a command: a busy machine inflates both sides alike).
-Usage: ``python scripts/redis_cost_ab.py [--rev REV] [--rounds N] [--seconds S]``
-(REV: the code to compare with, the working tree being B).
+Usage: ``python scripts/redis_cost_ab.py --rev REV [--rounds N] [--seconds S]``
+(REV, required: the code to compare with, e.g. ``main`` or the commit before a change;
+the working tree, uncommitted edits included, is B).
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ async def main_async(args: argparse.Namespace, base: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rev", default="9a5651a")
+    parser.add_argument("--rev", required=True,
+                        help="the code to compare with (A): a branch, tag or commit")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--connections", type=int, default=64)
