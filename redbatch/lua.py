@@ -251,6 +251,48 @@ local function digest(entries)
   return redis.sha1hex(table.concat(entries))
 end
 
+-- Whether the list ``key`` starts with the n entries ARGV[base + 1..base + n]: compared
+-- by Redis in place (LPOS), none of the list read into Lua, entry i must be the r-th
+-- of its value among the list's first i, r counting its copies among entries 1..i.
+-- The worker sends entries only while its user may run LPOS (checked once, at its
+-- first claim); should the user lose that right later, or the server not know LPOS,
+-- the script compares a copy of the head instead.  Any other error (WRONGTYPE, a bad
+-- argument) is raised: nothing is written.
+local function copied_starts_with(key, n, base)
+  local head = redis.call('LRANGE', key, 0, n - 1)
+  if #head ~= n then return false end
+  for i = 1, n do
+    if head[i] ~= ARGV[base + i] then return false end
+  end
+  return true
+end
+
+-- An error of a command that the user may not run (NOPERM; "can't run this command"
+-- from a script on Redis 7.0), or that the server does not know.
+local function denied(err)
+  local e = string.lower(err)
+  for _, text in ipairs({{'noperm', "can't run this command", 'unknown command',
+                         'unknown redis command'}}) do
+    if string.find(e, text, 1, true) then return true end
+  end
+  return false
+end
+
+local function starts_with(key, n, base)
+  local seen = {{}}
+  for i = 1, n do
+    local entry = ARGV[base + i]
+    seen[entry] = (seen[entry] or 0) + 1
+    local at = redis.pcall('LPOS', key, entry, 'RANK', seen[entry], 'MAXLEN', i)
+    if type(at) == 'table' and at.err then
+      if not denied(at.err) then error(at) end
+      return copied_starts_with(key, n, base)
+    end
+    if at ~= i - 1 then return false end
+  end
+  return true
+end
+
 local function dead_letters(key, t)
   local nd = tonumber(ARGV[t + 1])
   if nd == 0 then return end
@@ -263,20 +305,30 @@ end
 """
 
 # KEYS[1]=inflight  KEYS[2]=dead letters  KEYS[1+2j]=marker j  KEYS[2+2j]=reply_to j
-# ARGV[1]=entries to ack (from the in-flight head)  ARGV[2]=reply ttl s
-# ARGV[3]=sha1 hex of those entries, concatenated  ARGV[4..]=replies and dead letters
-# (t=4, see _HELPERS).  Replies (each at most once), dead letters and the ack, in one
-# step.  The ack trims the batch off the in-flight head only if the head still holds
-# exactly the batch: a reaper that took over this worker's list (its lease had lapsed)
-# changes it, and then nothing is trimmed and nothing dead-lettered (the reaper does
-# that).  Returns {1 (acked) or 0 (refused), replies sent, indices of refused replies}.
-PUBLISH: Final = _HELPERS + """
-local n = tonumber(ARGV[1])
-local acked = n == 0 or digest(redis.call('LRANGE', KEYS[1], 0, n - 1)) == ARGV[3]
-local out = replies(4, 3, ARGV[2])
+# ARGV[1]=n: entries to ack (from the in-flight head)  ARGV[2]=reply ttl s
+# ARGV[3]=sha1 hex of those entries, concatenated, then the replies and dead letters
+# (t=4, see _HELPERS); or ARGV[3]=ACK_BY_ENTRIES, ARGV[4..3+n]=the entries themselves
+# (compared in place: no copy of the list into Lua, no SHA-1), then the replies and dead
+# letters (t=4+n).  The worker passes exactly n entries there (fewer would be a Lua
+# error on a nil, before any write).  Replies (each at most once), dead letters and the
+# ack, in one step.  The ack trims the batch off the in-flight head only if the head
+# still holds exactly the batch: a reaper that took over this worker's list (its lease
+# had lapsed) changes it, and then nothing is trimmed and nothing dead-lettered (the
+# reaper does that).
+# Returns {1 (acked) or 0 (refused), replies sent, indices of refused replies}.
+PUBLISH: Final = _HELPERS + f"""
+local n, t = tonumber(ARGV[1]), 4
+local acked = n == 0
+if ARGV[3] == '{protocol.ACK_BY_ENTRIES}' then
+  t = 4 + n
+  acked = acked or starts_with(KEYS[1], n, 3)
+else
+  acked = acked or digest(redis.call('LRANGE', KEYS[1], 0, n - 1)) == ARGV[3]
+end
+local out = replies(t, 3, ARGV[2])
 table.insert(out, 1, acked and 1 or 0)
 if not acked then return out end
-dead_letters(KEYS[2], 4)
+dead_letters(KEYS[2], t)
 if n > 0 then redis.call('LTRIM', KEYS[1], n, -1) end
 return out
 """

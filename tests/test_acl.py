@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from redbatch import Client, batch, defaults, protocol, scaling
 from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
-from redbatch.worker.claim import LMOVE_REFUSED
+from redbatch.worker.claim import LMOVE_REFUSED, LPOS_REFUSED
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, RedisServer, wait_live
 from tests.stream_models import counter
@@ -81,6 +81,7 @@ async def test_the_documented_user_gets_no_warning(
         finally:
             await gauges.aclose()
     assert "NOPERM" not in caplog.text and "retrying" not in caplog.text, caplog.text
+    assert LPOS_REFUSED.split(" (", 1)[0] not in caplog.text, caplog.text
 
 
 async def test_a_user_without_lmove_claims_by_script(
@@ -92,6 +93,29 @@ async def test_a_user_without_lmove_claims_by_script(
     with caplog.at_level(logging.WARNING):
         await serves(start_worker, acl_server, url)
     assert caplog.text.count(LMOVE_REFUSED) == 1, caplog.text
+    assert "retrying" not in caplog.text, caplog.text
+
+
+async def test_a_user_without_lpos_acks_by_sha1_after_one_refusal(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A least-privilege user set up before the ack of a small batch used LPOS: the
+    worker asks once, at its first claim, says so once, and acks every batch by its
+    SHA-1: no publish meets a refusal (``ACL LOG``, ``rejected_calls``), and none fails
+    and comes back ("retrying" after the lost lease it would be taken for)."""
+    admin = acl_server.client()
+    admin.config_resetstat()
+    admin.acl_log_reset()
+    url = acl_url(acl_server, documented_rules().replace(" +lpos", ""))
+    with caplog.at_level(logging.WARNING):
+        await serves(start_worker, acl_server, url)
+        async with Client(url) as client:
+            for x in range(10):  # lone requests: batches of one entry
+                assert await client.predict("acl_double", x, timeout_s=10) == 2 * x
+    denials = [e for e in admin.acl_log() if e["object"] == "lpos"]
+    assert [(e["context"], e["count"]) for e in denials] == [("toplevel", 1)], denials
+    assert admin.info("commandstats")["cmdstat_lpos"]["rejected_calls"] == 1
+    assert caplog.text.count(LPOS_REFUSED.split(" (", 1)[0]) == 1, caplog.text
     assert "retrying" not in caplog.text, caplog.text
 
 

@@ -6,6 +6,7 @@ ack only while the in-flight head holds the batch."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -21,12 +22,15 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def publish(raw: redis.Redis, replies: list[tuple[str, str, bytes]], batch: list[bytes],
-            digest: str | None = None, marker_ttl_ms: int = 60_000) -> list[object]:
-    """PUBLISH ``replies`` (request id, reply list, data) and ack ``batch``; each
+            digest: str | None = None, marker_ttl_ms: int = 60_000, by_entries: bool = False,
+            dead: tuple[bytes, ...] = ()) -> list[object]:
+    """PUBLISH ``replies`` (request id, reply list, data) and ``dead`` letters, and ack
+    ``batch`` (checked by its SHA-1, or ``by_entries``: by the entries themselves); each
     request's marker TTL (its deadline) is ``marker_ttl_ms``."""
     keys: list[str] = [INFLIGHT, DEAD]
-    argv: list[object] = [len(batch), protocol.REPLY_TTL_S,
-                          digest or hashlib.sha1(b"".join(batch)).hexdigest(), 3600, 0]
+    check: list[object] = [protocol.ACK_BY_ENTRIES, *batch] if by_entries else [
+        digest or hashlib.sha1(b"".join(batch)).hexdigest()]
+    argv: list[object] = [len(batch), protocol.REPLY_TTL_S, *check, 3600, len(dead), *dead]
     for request_id, reply_to, data in replies:
         keys += [protocol.request_key(MODEL, request_id), reply_to]
         argv += [marker_ttl_ms, data]
@@ -93,6 +97,78 @@ def test_a_changed_inflight_head_is_not_acked(raw_redis: redis.Redis) -> None:
     assert raw_redis.lrange(INFLIGHT, 0, -1) == [b"other", b"e1"]
 
 
+def lpos_denials(raw: redis.Redis) -> int:
+    """The LPOS calls that Redis refused a user, as ``ACL LOG`` counts them."""
+    return sum(int(e["count"]) for e in raw.acl_log() if e["object"] == "lpos")
+
+
+@pytest.fixture(params=["lpos", "no_lpos"])
+def acker(request: pytest.FixtureRequest, raw_redis: redis.Redis) -> Iterator[redis.Redis]:
+    """A client that acks by entries: Redis compares them in place (LPOS), or, as a user
+    who lost the right to run LPOS (refused: ``ACL LOG`` says so), through a copy."""
+    raw_redis.acl_log_reset()
+    if request.param == "lpos":
+        yield raw_redis
+        assert lpos_denials(raw_redis) == 0
+        return
+    raw_redis.acl_setuser("nolpos", enabled=True, passwords=["+pw"], keys=["*"],
+                          commands=["+@all", "-lpos"], reset=True)
+    kwargs = raw_redis.connection_pool.connection_kwargs
+    client = redis.Redis(host=kwargs["host"], port=kwargs["port"], username="nolpos",
+                         password="pw")
+    yield client
+    client.close()
+    raw_redis.acl_deluser("nolpos")
+    assert lpos_denials(raw_redis) > 0  # the copy was compared: LPOS really was refused
+
+
+@pytest.mark.parametrize("inflight", [
+    [b"other", b"e1", b"e2"],  # this worker claimed another since the reap
+    [b"e1"],  # a reaper took e2 (it had come back)
+    [b"e2", b"e1"],  # the same entries, in another order
+    [b"e1", b"e1"],  # a copy of e1 (a plain RPUSH pushed it twice) where e2 was
+    [],  # the list is gone
+])
+def test_an_ack_by_entries_refuses_any_other_head(raw_redis: redis.Redis, acker: redis.Redis,
+                                                   inflight: list[bytes]) -> None:
+    if inflight:
+        raw_redis.rpush(INFLIGHT, *inflight)
+    assert publish(acker, two_clients(raw_redis), [b"e1", b"e2"], by_entries=True) == [0, 4]
+    assert raw_redis.lrange(INFLIGHT, 0, -1) == inflight  # replies out, nothing trimmed
+    assert raw_redis.lrange(A, 0, -1) == [b"a1", b"a2"]
+
+
+@pytest.mark.parametrize("batch", [[b"e1", b"e2"], [b"e1", b"e1", b"e2", b"e1"]])
+def test_an_ack_by_entries_trims_its_batch_alone(raw_redis: redis.Redis, acker: redis.Redis,
+                                                  batch: list[bytes]) -> None:
+    """Copies of one entry in a batch (a request pushed twice) match copy by copy; the
+    replies and dead letters follow the entries in ARGV."""
+    raw_redis.rpush(INFLIGHT, *batch, b"e1", b"next")
+    raw_redis.rpush(DEAD, b"old")
+    assert publish(acker, two_clients(raw_redis), batch, by_entries=True,
+                   dead=(b"dl",)) == [1, 4]
+    assert raw_redis.lrange(INFLIGHT, 0, -1) == [b"e1", b"next"]
+    assert raw_redis.lrange(B, 0, -1) == [b"b1", b"b2"]
+    assert raw_redis.lrange(DEAD, 0, -1) == [b"old", b"dl"]
+
+
+def test_a_refused_ack_by_entries_writes_no_dead_letter(raw_redis: redis.Redis,
+                                                        acker: redis.Redis) -> None:
+    raw_redis.rpush(INFLIGHT, b"other", b"e1")
+    assert publish(acker, [], [b"e1"], by_entries=True, dead=(b"dl",)) == [0, 0]
+    assert not raw_redis.exists(DEAD)  # the reaper dead-letters: it took the list over
+
+
+def test_an_ack_by_entries_raises_any_other_error(raw_redis: redis.Redis) -> None:
+    """Only a refusal (no right to run LPOS) falls back to the copy: a WRONGTYPE in-flight
+    key fails the script before it writes anything."""
+    raw_redis.set(INFLIGHT, b"not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        publish(raw_redis, two_clients(raw_redis), [b"e1"], by_entries=True, dead=(b"dl",))
+    assert not raw_redis.exists(A, B, DEAD)
+    assert raw_redis.get(protocol.request_key(MODEL, "r1")) == b"q"
+
+
 def test_a_thousand_replies_to_one_list(raw_redis: redis.Redis) -> None:
     """Over Lua's unpack limit: the replies of one list go in slices, in order."""
     replies = [(f"r{i}", A, str(i).encode()) for i in range(2500)]
@@ -127,3 +203,16 @@ def test_a_reply_list_with_a_ttl_is_kept_longer_for_a_far_reply(raw_redis: redis
     publish(raw_redis, [("far", A, b"f")], [], marker_ttl_ms=500_400)
     assert 490 <= raw_redis.ttl(A) <= 501
     assert raw_redis.info("commandstats")["cmdstat_expire"]["calls"] == 2
+
+
+@pytest.mark.parametrize(("error", "falls_back"), [
+    ("NOPERM User nolpos has no permissions to run the 'lpos' command", True),  # 7.2+
+    ("ERR The user executing the script can't run this command or subcommand", True),  # 7.0
+    ("ERR Unknown Redis command called from script", True),
+    ("WRONGTYPE Operation against a key holding the wrong kind of value", False),
+    ("ERR RANK can't be zero: use 1 to start from the first match", False),  # a bad argument
+])
+def test_only_a_refused_lpos_falls_back_to_the_copy(raw_redis: redis.Redis, error: str,
+                                                    falls_back: bool) -> None:
+    script = lua._HELPERS + "return denied(ARGV[1]) and 1 or 0"
+    assert raw_redis.eval(script, 0, error) == int(falls_back)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import redis
 
-from redbatch import DeadlineExceeded, InvalidPayload, ModelError, RedisSettings, protocol
+from redbatch import DeadlineExceeded, InvalidPayload, ModelError, RedisSettings, lua, protocol
+from redbatch.lean import LeanLink
 from redbatch.producer import Client
 from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model, batch
@@ -33,6 +36,11 @@ def short(xs: list[int]) -> list[int]:
 @batch(name="raiser", max_batch_size=8, batch_wait_timeout_s=0.0)
 def raiser(xs: list[int]) -> list[int]:
     raise RuntimeError("model exploded")
+
+
+@batch(name="lengths", max_batch_size=16, batch_wait_timeout_s=0.0)
+def lengths(xs: list[str]) -> list[int]:
+    return [len(x) for x in xs]
 
 
 async def test_batch_results_in_order(start_worker: Callable[..., Worker], redis_url: str
@@ -102,6 +110,43 @@ def gated(name: str) -> tuple[Model, threading.Event, threading.Event]:
         return xs
 
     return Model(name, fn=forward, policy=BatchPolicy(batch_wait_timeout_s=0)), entered, release
+
+
+@pytest.fixture
+def ack_checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """(entries acked, ARGV[3]: ``=`` or a SHA-1's hex) of every PUBLISH."""
+    checks: list[tuple[int, str]] = []
+    script = LeanLink.script
+
+    async def record(self: LeanLink, source: str, keys: list[Any], args: list[Any]) -> Any:
+        if source == lua.PUBLISH:
+            checks.append((int(args[0]), str(args[2])))
+        return await script(self, source, keys, args)
+
+    monkeypatch.setattr(LeanLink, "script", record)
+    return checks
+
+
+async def test_a_small_batch_is_acked_by_its_entries(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        ack_checks: list[tuple[int, str]]) -> None:
+    """By its entries (Redis runs one LPOS each) while a batch holds at most
+    ``ACK_BY_ENTRIES_MAX`` entries and ``ACK_BY_ENTRIES_MAX_BYTES``; else by its SHA-1:
+    9 entries (queued before the worker starts: its first claim takes them all), or one
+    entry over the byte cap."""
+    async with Client(redis_url, require_workers=False) as client:
+        nine = [await client.submit("lengths", "x") for _ in range(9)]
+        start_worker([lengths])
+        assert [await future for future in nine] == [1] * 9
+        raw_redis.config_resetstat()
+        assert await client.predict("lengths", "y") == 1
+        lpos = raw_redis.info("commandstats")["cmdstat_lpos"]["calls"]
+        big = "z" * protocol.ACK_BY_ENTRIES_MAX_BYTES
+        assert await client.predict("lengths", big) == len(big)
+    sha1 = re.compile("[0-9a-f]{40}")
+    assert [(n, check if check == "=" else bool(sha1.fullmatch(check)))
+            for n, check in ack_checks] == [(9, True), (1, "="), (1, True)], ack_checks
+    assert lpos == 1
 
 
 async def test_claimed_items_sit_in_flight_until_acked(start_worker: Callable[..., Worker],

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -83,6 +84,14 @@ def _cold(size: int) -> float | None:
 _CANCEL_REFUSED: set[str] = set()  # models already warned about
 LMOVE_REFUSED = ("the redis user may not run LMOVE (NOPERM): claims go by the CLAIM script "
                  "instead, at more Redis CPU per request; allow +lmove (docs/redis.md)")
+LPOS_REFUSED = ("the redis user may not run LPOS (%s): batches are acked by their SHA-1 "
+                "instead (Redis reads the in-flight head into the script and hashes it), at "
+                "more Redis CPU per request for entries of a few KB and up; allow +lpos "
+                "(docs/redis.md)")
+# whether the user of a worker's Redis client may run LPOS: probed once per client (one
+# worker), by the first claimer to claim; the others await that one probe
+_LPOS_PROBES: weakref.WeakKeyDictionary[aioredis.Redis, asyncio.Future[bool]] = (
+    weakref.WeakKeyDictionary())
 
 
 def _warn_cancel_refused(model: str, exc: ResponseError) -> None:
@@ -130,6 +139,9 @@ class Claimer:
         self._lone = 0
         self._drained = False  # the queue was empty at the last look: block at once
         self._moves = True  # the user may run LMOVE (checked at the first claim)
+        # the user may run LPOS (checked once per worker, at its first claim): a small
+        # batch is acked by its entries (``protocol.ACK_BY_ENTRIES``), not its SHA-1
+        self.acks_by_entries = False
         self._left = 0  # the queue's length that the last blocking pop saw
         # the measured time of a pass of n items (None: not measured yet), set by the
         # runner: a window closes early enough for its most urgent request's pass
@@ -285,6 +297,7 @@ class Claimer:
         if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)
             await self._link.execute("SCRIPT", "LOAD", self.script)
             self._moves = await self._may_move()
+            self.acks_by_entries = await self._may_lpos()
             self._loaded = True
         if self._precise and (self._client_id is None
                               or self._node != self._link.node_of(self.queue)):
@@ -301,6 +314,35 @@ class Claimer:
             return False
         except ResponseError:  # WRONGTYPE: LMOVE is allowed
             pass
+        return True
+
+    async def _may_lpos(self) -> bool:
+        """Whether the user may run LPOS: the worker's one probe (``_probe_lpos``),
+        shared by its claimers; a probe that failed (a lost connection) is asked again
+        at the next claim."""
+        probe = _LPOS_PROBES.get(self._redis)
+        if probe is None:
+            probe = _LPOS_PROBES[self._redis] = asyncio.ensure_future(self._probe_lpos())
+        try:
+            return await asyncio.shield(probe)  # (a cancelled claim leaves it running)
+        except Exception:
+            if _LPOS_PROBES.get(self._redis) is probe:
+                del _LPOS_PROBES[self._redis]
+            raise
+
+    async def _probe_lpos(self) -> bool:
+        """An LPOS on this worker's in-flight list, which changes nothing: refused
+        (NOPERM, or a server that does not know LPOS), it is logged once, and every
+        batch is acked by its SHA-1, so that no publish meets a refusal (each one would
+        count in ``ACL LOG`` and ``rejected_calls``)."""
+        try:
+            await self._redis.lpos(self.inflight, "")
+        except ResponseError as exc:  # (WRONGTYPE: LPOS is allowed)
+            if not isinstance(exc, NoPermissionError) and "unknown command" not in str(
+                    exc).lower():
+                return True
+            log.warning("model=%s " + LPOS_REFUSED, self.model, exc)
+            return False
         return True
 
     async def claim(self, count: int | None = None, wait_s: float | None = None,

@@ -54,8 +54,9 @@ ROWS_SMOOTHING = 0.5  # weight of the last claim in the rows-per-entry estimate
 
 @dataclass(slots=True)
 class Claimed:
-    """A claimed batch, decoded: ``claimed`` entries moved to the in-flight list, whose
-    SHA-1 the ack checks."""
+    """A claimed batch, decoded: ``claimed`` entries moved to the in-flight list, which
+    the ack checks by their SHA-1 (``digest``) or, a small batch, by the entries
+    themselves (``raws``, kept only then; ``digest`` is then made only if needed)."""
 
     claimed: int
     decoded: Decoded
@@ -67,6 +68,23 @@ class Claimed:
     # many, their SHA-1), and the positions (1-based) of those this one holds over
     released: tuple[int, str] = (0, "")
     hold: list[int] = field(default_factory=list)
+    # the claimed entries, in claim order, when the ack goes by them (``acks_by_entries``)
+    raws: list[bytes] = field(default_factory=list)
+
+    @property
+    def ack_check(self) -> list[bytes | str]:
+        """PUBLISH's ARGV[3..]: what the ack checks the in-flight head against (the
+        entries themselves for a few, which Redis compares in place; else their SHA-1)."""
+        if self.raws:
+            return [protocol.ACK_BY_ENTRIES, *self.raws]
+        return [self.digest]
+
+    @property
+    def sha1(self) -> str:
+        """The entries' SHA-1 (PUBLISH_HOLD's check), made now if the ack went by them."""
+        if self.raws and not self.digest:
+            self.digest = entries_digest(self.raws)
+        return self.digest
 
     @property
     def size(self) -> int:
@@ -337,9 +355,11 @@ class BatchRunner:
         claimed_ms = protocol.now_ms()
         source = self.claimer.source if raws or held is None else held.source
         assert held is None or source is held.source, "held items cross sub-queues"
-        digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
+        by_entries = source.acks_by_entries and acks_by_entries(raws)
+        digest = "" if by_entries else entries_digest(raws)
         decoded = decode_batch(raws, self.model, claimed_ms, self._same_slot, source.tag)
-        batch = Claimed(len(raws), decoded, claimed_ms, digest, source)
+        batch = Claimed(len(raws), decoded, claimed_ms, digest, source,
+                        raws=raws if by_entries else [])
         if held is not None:
             hold.merge(decoded, held, claimed_ms)
             batch.released = (len(held.raws), held.digest)
@@ -525,7 +545,7 @@ class BatchRunner:
         """Replies (each at most once), dead letters and the ack: one atomic script.
         Raises ``LeaseLost`` when the in-flight list no longer starts with this batch."""
         done = await self._script_publish(batch.source, outs, dead, batch.claimed,
-                                          batch.digest, batch)
+                                          batch.ack_check, batch)
         if done[2:] and done[0]:  # refused replies of an acked batch (else the reaper
             await self._dead_letter_refused(batch.source, outs, done[2:])  # requeued them)
         if not done[0]:
@@ -534,7 +554,8 @@ class BatchRunner:
                             "returning what it still holds")
 
     async def _script_publish(self, source: Claimer, outs: list[Outgoing], dead: list[bytes],
-                              ack: int, digest: str, batch: Claimed | None = None
+                              ack: int, check: list[bytes | str],
+                              batch: Claimed | None = None
                               ) -> list[Any]:
         """PUBLISH in the slot of ``source``, the sub-queue the batch came from; a
         ``batch`` that holds entries over, or runs those held before: PUBLISH_HOLD."""
@@ -543,7 +564,7 @@ class BatchRunner:
             return await self._script_publish_hold(batch, keys, argv)
         keys = [source.inflight, protocol.dead_letter_key(source.tag), *keys]
         return list(await self._link.script(lua.PUBLISH, keys,
-                                            [ack, protocol.REPLY_TTL_S, digest, *argv]))
+                                            [ack, protocol.REPLY_TTL_S, *check, *argv]))
 
     async def _script_publish_hold(self, batch: Claimed, keys: list[Any], argv: list[Any]
                                    ) -> list[Any]:
@@ -551,7 +572,7 @@ class BatchRunner:
         source, (released, released_digest) = batch.source, batch.released
         keys = [source.inflight, protocol.dead_letter_key(source.tag),
                 protocol.held_key(source.tag, self._worker_id), *keys]
-        argv = [batch.claimed, protocol.REPLY_TTL_S, batch.digest, released, released_digest,
+        argv = [batch.claimed, protocol.REPLY_TTL_S, batch.sha1, released, released_digest,
                 protocol.INFLIGHT_TTL_S * 1000, len(batch.hold), *batch.hold, *argv]
         return list(await self._link.script(lua.PUBLISH_HOLD, keys, argv))
 
@@ -565,7 +586,7 @@ class BatchRunner:
             log.error("model=%s Redis refused the reply to request %s (its key %s or %s "
                       "holds a value of another type); dead-lettered it", self.model.name,
                       out.request.id, out.reply_to, out.marker)
-        await self._script_publish(source, [], refused_entries(outs, refused), 0, "")
+        await self._script_publish(source, [], refused_entries(outs, refused), 0, [""])
         self.stats.dead_lettered(len(refused))
 
     def _log_batch(self, batch: Claimed, computed: Computed, reply_ms: float) -> None:
@@ -596,6 +617,18 @@ class BatchRunner:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s request_ids=%s", self.model.name, ",".join(
                 r.trace_id or r.id for r in _requests(decoded)))
+
+
+def entries_digest(raws: list[bytes]) -> str:
+    """The SHA-1 (hex) of ``raws`` concatenated: what a digest-guarded script checks."""
+    return hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
+
+
+def acks_by_entries(raws: list[bytes]) -> bool:
+    """Whether a batch of ``raws`` is acked by its entries (a worker whose user may run
+    LPOS): at most ``ACK_BY_ENTRIES_MAX`` of them, ``ACK_BY_ENTRIES_MAX_BYTES`` in all."""
+    return (0 < len(raws) <= protocol.ACK_BY_ENTRIES_MAX
+            and sum(map(len, raws)) <= protocol.ACK_BY_ENTRIES_MAX_BYTES)
 
 
 def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeout_s: float,
