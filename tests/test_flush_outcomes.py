@@ -8,7 +8,6 @@ before the write take."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import pytest
@@ -51,6 +50,22 @@ async def test_a_cancelled_flush_fails_its_requests_at_once(raw_redis: redis.Red
             assert isinstance(error, RedbatchError), error
             assert not isinstance(error, DeadlineExceeded)
             assert "cancelled" in str(error)
+
+
+async def test_a_flush_cancelled_before_its_start_fails_its_requests(
+        raw_redis: redis.Redis, redis_url: str) -> None:
+    registered(raw_redis, MODEL, 1)
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        await client.live_workers(MODEL)
+        enqueuer = client._enqueuer
+        assert enqueuer is not None
+        one = await client.submit(MODEL, 1, timeout_s=30)
+        # after the flush made its task, before the task's first step (a loop's shutdown)
+        asyncio.get_running_loop().call_soon(lambda: [t.cancel() for t in enqueuer._tasks])
+        await _settled(one)
+        assert isinstance(one.exception(), RedbatchError)
+        assert "cancelled" in str(one.exception())
+        assert client.waiting == 0
 
 
 async def test_an_on_failed_that_raises_leaves_the_rest_of_the_flush_settled(

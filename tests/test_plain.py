@@ -13,12 +13,13 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import NoReturn
 
+import httpx
 import orjson
 import pytest
 import redis
+from starlette.applications import Starlette
 
 from redbatch import Client, Model, batch, protocol
-from redbatch.api.directory import ModelDirectory
 from redbatch.config import RedisSettings
 from redbatch.errors import NoLiveWorkers
 from redbatch.pipelines import Pipeline
@@ -187,12 +188,7 @@ async def test_the_gateway_judges_a_plain_model_once_per_request(redis_url: str)
     look-up or the submit, and no look-up step (the info from the directory's fresh
     cache, no routing, no live-worker check), while the answer is unchanged."""
     async with _worker(redis_url, warm), gateway_app(redis_url) as (app, http):
-        for value in range(3):
-            resp = await http.post("/v1/models/warm/predict", json={"inputs": value})
-            assert resp.json() == {"outputs": 2 * value}
-        client = app.state.gateway.client
-        await _direct_again(client, "warm")
-        await _listed_again(app.state.gateway.core.directory, "warm")
+        client = await _gateway_plain(app, http)
         judged: list[str] = []
         plain = client._plain.plain
 
@@ -219,12 +215,7 @@ async def test_a_pipeline_that_takes_the_name_during_a_slow_upload_gets_the_requ
     start_worker([inc])
     await wait_live(redis_url, "inc")
     async with gateway_app(redis_url) as (app, http):
-        for value in range(3):
-            resp = await http.post("/v1/models/warm/predict", json={"inputs": value})
-            assert resp.json() == {"outputs": 2 * value}
-        client = app.state.gateway.client
-        await _direct_again(client, "warm")
-        await _listed_again(app.state.gateway.core.directory, "warm")
+        client = await _gateway_plain(app, http)
         body, sent = asyncio.Event(), []
 
         async def receive() -> dict[str, object]:
@@ -250,11 +241,20 @@ async def test_a_pipeline_that_takes_the_name_during_a_slow_upload_gets_the_requ
         assert sent[0]["status"] == 200 and orjson.loads(sent[1]["body"]) == {"outputs": 4}
 
 
-async def _listed_again(directory: ModelDirectory, model: str) -> None:
-    """The directory's entry for ``model`` fetched anew (fresh for ``META_REFRESH_S``
-    from now: a slow test would leave it stale, and the look-up would run)."""
-    directory._cache.pop(model, None)
-    await directory.get(model)
+async def _gateway_plain(app: Starlette, http: httpx.AsyncClient) -> Client:
+    """The gateway's client, once a few requests for ``warm`` are answered and it takes
+    ``warm`` as plain; the directory's entry fetched anew as well (fresh for
+    ``META_REFRESH_S`` from now: a slow test would leave it stale, and the look-up
+    step would run)."""
+    for value in range(3):
+        resp = await http.post("/v1/models/warm/predict", json={"inputs": value})
+        assert resp.json() == {"outputs": 2 * value}
+    client: Client = app.state.gateway.client
+    await _direct_again(client, "warm")
+    directory = app.state.gateway.core.directory
+    directory._cache.pop("warm", None)
+    await directory.get("warm")
+    return client
 
 
 class _Book:

@@ -419,10 +419,10 @@ class Client:
                              trace_id: str = "", max_queue_len: int | None = None,
                              priority: int | None = None) -> RequestFuture[Any]:
         """``submit`` of a request that pins no version, for a model its caller found
-        ``direct`` (the gateway's infer core takes that verdict once per request and
-        calls this; not a public request method): straight to the model's own queue,
-        the verdict not taken again.  ``RedbatchError`` unless the client is started
-        (``direct`` is False before)."""
+        ``direct`` just now (the gateway's infer core, once a request's body is read;
+        not a public request method): straight to the model's own queue, the verdict
+        not taken again.  ``RedbatchError`` unless the client is started (``direct`` is
+        False before) or once ``close`` has begun."""
         listeners = self._listeners
         if listeners is None:
             raise RedbatchError("client is not started")

@@ -78,10 +78,11 @@ class Turn:
     A write that goes out in the writer's own step (``LeanLink.writes_now``) counts as
     written when it is sent; any other once its reply is in."""
 
-    __slots__ = ("prev", "writes", "written")
+    __slots__ = ("prev", "started", "writes", "written")
 
     def __init__(self, prev: asyncio.Future[None] | None) -> None:
         self.prev = prev
+        self.started = False  # its task ran (one cancelled first never does)
         self.written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.writes = 1  # script calls still to write (a multi-level flush: one a level)
 
@@ -168,18 +169,23 @@ class Enqueuer:
         turn = self._turns[tag] = Turn(None if last is None else last.written)
         task = asyncio.create_task(self._send(tag, pushes, turn))
         self._tasks.add(task)
-        task.add_done_callback(functools.partial(self._ended, tag, turn))
+        task.add_done_callback(functools.partial(self._ended, tag, pushes, turn))
 
-    def _ended(self, tag: str, turn: Turn, task: asyncio.Task[None]) -> None:
-        """A flush's task ended (even cancelled before its start): the next may write."""
+    def _ended(self, tag: str, pushes: list[Push], turn: Turn, task: asyncio.Task[None]
+               ) -> None:
+        """A flush's task ended: the next may write; cancelled before its start (a
+        loop's shutdown), its pushes fail."""
         self._tasks.discard(task)
         turn.end()
         if self._turns.get(tag) is turn:
             del self._turns[tag]
+        if not turn.started:
+            self._fail_all(tag, pushes, _cancelled(tag))
 
     async def _send(self, tag: str, pushes: list[Push], turn: Turn) -> None:
         """One flush of sub-queue ``tag``: each push learns its refused or failed
         requests; a cancel fails them all (``RedbatchError``), then goes on."""
+        turn.started = True
         try:
             async with translated(self._settings):
                 levels = await self._admission.levels(protocol.model_of_tag(tag))  # cached
@@ -189,7 +195,7 @@ class Enqueuer:
             self._fail_all(tag, pushes, exc)
             return
         except BaseException:  # cancelled: no waiter is left to its deadline
-            self._fail_all(tag, pushes, RedbatchError(f"enqueue into {tag!r} cancelled"))
+            self._fail_all(tag, pushes, _cancelled(tag))
             raise
         for index, push in enumerate(pushes):
             self._settle(tag, push, failed.get(index, ALL_IN))
@@ -391,6 +397,10 @@ def _calls(tag: str, target: Target, requests: list[Request], entries: list[byte
         args: list[Any] = [*target.args, *ttls, *entries[start:start + ENQUEUE_CHUNK]]
         calls.append((keys, args))
     return calls
+
+
+def _cancelled(tag: str) -> RedbatchError:
+    return RedbatchError(f"enqueue into {tag!r} cancelled")
 
 
 def _own_cap(pushes: list[Push]) -> int | None:
