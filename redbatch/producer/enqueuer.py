@@ -166,8 +166,9 @@ class Enqueuer:
     def _start(self, tag: str, pushes: list[Push]) -> None:
         """Sub-queue ``tag``'s flush, in a task, after the tag's flush before it."""
         last = self._turns.get(tag)
-        turn = self._turns[tag] = Turn(None if last is None else last.written)
+        turn = Turn(None if last is None else last.written)
         task = asyncio.create_task(self._send(tag, pushes, turn))
+        self._turns[tag] = turn  # (the task made: a flush that has none holds no turn)
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._ended, tag, pushes, turn))
 
