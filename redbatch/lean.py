@@ -55,9 +55,7 @@ class LeanLink:
         """Whether a call made now is written before the caller's step ends: no call in
         flight, the held connection open (else it goes once a connection is had)."""
         conn = self._conn
-        writer: Any = getattr(conn, "_writer", None)
-        return not self._busy and conn is not None and conn.is_connected and \
-            writer is not None and not writer.is_closing()
+        return not self._busy and conn is not None and conn.is_connected
 
     async def execute(self, *args: Any) -> Any:
         """One command's parsed reply (no response callbacks: bytes, ints, lists)."""

@@ -74,22 +74,25 @@ def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
 
 class Turn:
     """A flush's place among the flushes of its sub-queue (``tag``): it writes once the
-    flush before it has written (``prev``), then lets the next one write (``written``).
+    flush before it has written (``prev``), then lets the next one write (``done``).
     A write that goes out in the writer's own step (``LeanLink.writes_now``) counts as
-    written when it is sent; any other once its reply is in."""
+    written when it is sent; any other once its reply is in.  No future is made unless
+    a flush has to wait (``later``)."""
 
-    __slots__ = ("prev", "started", "writes", "written")
+    __slots__ = ("done", "prev", "started", "waiter", "writes")
 
-    def __init__(self, prev: asyncio.Future[None] | None) -> None:
-        self.prev = prev
+    def __init__(self, prev: Turn | None) -> None:
+        self.prev = prev  # the tag's flush before (None once this one is done)
         self.started = False  # its task ran (one cancelled first never does)
-        self.written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.writes = 1  # script calls still to write (a multi-level flush: one a level)
+        self.done = False  # written, or ended without writing
+        self.waiter: asyncio.Future[None] | None = None  # the next flush's, if it waits
 
-    async def wait(self) -> None:
-        """Until the flush before has written (at once in the steady state)."""
-        if self.prev is not None and not self.prev.done():
-            await self.prev
+    def later(self) -> asyncio.Future[None]:
+        """What the next flush awaits while this one has not written."""
+        if self.waiter is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter
 
     def wrote(self) -> None:
         """One of the flush's writes went out; once all have, the next may write."""
@@ -99,8 +102,10 @@ class Turn:
 
     def end(self) -> None:
         """The next flush may write (this one wrote, or ended without writing)."""
-        if not self.written.done():
-            self.written.set_result(None)
+        if not self.done:
+            self.done, self.prev, waiter = True, None, self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
 
 class Enqueuer:
@@ -165,8 +170,7 @@ class Enqueuer:
 
     def _start(self, tag: str, pushes: list[Push]) -> None:
         """Sub-queue ``tag``'s flush, in a task, after the tag's flush before it."""
-        last = self._turns.get(tag)
-        turn = Turn(None if last is None else last.written)
+        turn = Turn(self._turns.get(tag))
         task = asyncio.create_task(self._send(tag, pushes, turn))
         self._turns[tag] = turn  # (the task made: a flush that has none holds no turn)
         self._tasks.add(task)
@@ -177,7 +181,8 @@ class Enqueuer:
         """A flush's task ended: the next may write; cancelled before its start (a
         loop's shutdown), its pushes fail."""
         self._tasks.discard(task)
-        turn.end()
+        if not turn.done:
+            turn.end()
         if self._turns.get(tag) is turn:
             del self._turns[tag]
         if not turn.started:
@@ -302,7 +307,9 @@ class Enqueuer:
         make a push that did land count once, not twice.  The pool's idle connections
         are dropped then, stale as well."""
         calls = _calls(tag, target, requests, entries)
-        await turn.wait()
+        prev = turn.prev
+        if prev is not None and not prev.done:  # (at once in the steady state)
+            await prev.later()
         now = self._link.writes_now() and (len(calls) == 1 or self.waiter is not None)
         if now:  # the call writes before this step ends: the next flush writes after
             turn.wrote()
