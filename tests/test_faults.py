@@ -19,7 +19,7 @@ from redbatch import Client, DeadlineExceeded, Model, RedisUnavailable, batch, p
 from redbatch.checks import check_eviction
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.levels import ONE
-from redbatch.producer.enqueuer import _target
+from redbatch.producer.enqueuer import Turn, _target
 from redbatch.worker.process import Worker
 from tests.conftest import RedisServer
 from tests.test_gateway import _wait_registered, gateway
@@ -103,7 +103,8 @@ async def test_a_retried_push_is_not_queued_twice(redis_url: str) -> None:
         for _ in range(3):  # e.g. the connection reset after the first push
             assert client._enqueuer is not None
             target = _target("m", (100, None), 0, ONE)
-            accepted, depths = await client._enqueuer._run("m", target, [request], [entry])
+            accepted, depths = await client._enqueuer._run("m", target, [request], [entry],
+                                                           Turn(None))
             assert accepted == 1
         assert depths == [1]
         assert await client.redis.llen(protocol.queue_key("m")) == 1

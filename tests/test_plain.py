@@ -13,8 +13,11 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import NoReturn
 
+import httpx
+import orjson
 import pytest
 import redis
+from starlette.applications import Starlette
 
 from redbatch import Client, Model, batch, protocol
 from redbatch.config import RedisSettings
@@ -180,15 +183,12 @@ async def test_the_gateway_refuses_a_version_of_a_plain_model_and_one_gone(
 
 
 async def test_the_gateway_judges_a_plain_model_once_per_request(redis_url: str) -> None:
-    """The plain verdict is taken once per request and passed down: no second judging
-    in the look-up or the submit, and no look-up step (the info from the directory's
-    fresh cache, no routing, no live-worker check), while the answer is unchanged."""
+    """The plain verdict is taken when the request arrives and passed down, judged once
+    more after the body read (a cached verdict) and nowhere else: no judging in the
+    look-up or the submit, and no look-up step (the info from the directory's fresh
+    cache, no routing, no live-worker check), while the answer is unchanged."""
     async with _worker(redis_url, warm), gateway_app(redis_url) as (app, http):
-        for value in range(3):
-            resp = await http.post("/v1/models/warm/predict", json={"inputs": value})
-            assert resp.json() == {"outputs": 2 * value}
-        client = app.state.gateway.client
-        await _direct_again(client, "warm")
+        client = await _gateway_plain(app, http)
         judged: list[str] = []
         plain = client._plain.plain
 
@@ -204,7 +204,57 @@ async def test_the_gateway_judges_a_plain_model_once_per_request(redis_url: str)
         app.state.gateway.core.served = full_path
         resp = await http.post("/v1/models/warm/predict", json={"inputs": 5})
         assert resp.status_code == 200 and resp.json() == {"outputs": 10}, resp.text
-        assert judged == ["warm"]
+        assert judged == ["warm", "warm"]
+
+
+async def test_a_pipeline_that_takes_the_name_during_a_slow_upload_gets_the_request(
+        start_worker: Callable[..., Worker], raw_redis: redis.Redis, redis_url: str) -> None:
+    """The plain verdict taken when the request arrived does not outlive the body read:
+    a pipeline of the model's name, learned while the body was on its way, serves it."""
+    start_worker([warm])
+    start_worker([inc])
+    await wait_live(redis_url, "inc")
+    async with gateway_app(redis_url) as (app, http):
+        client = await _gateway_plain(app, http)
+        body, sent = asyncio.Event(), []
+
+        async def receive() -> dict[str, object]:
+            await body.wait()  # the upload ends once the pipeline is known
+            return {"type": "http.request", "body": b'{"inputs": 3}', "more_body": False}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/models/warm/predict",
+                 "headers": [(b"content-type", b"application/json")], "query_string": b""}
+        task = asyncio.create_task(app.state.gateway.core.serve("warm", scope, receive,
+                                                                send))
+        await asyncio.sleep(0.05)  # judged plain, waiting for its body
+        publish_sync(raw_redis, [Pipeline("warm", ["inc"])])
+        for _ in range(100):  # the client learns of it (the book is read once a second)
+            if await client.predict("warm", 3) == 4:  # the pipeline's stage: 3 + 1
+                break
+            await asyncio.sleep(0.05)
+        assert not client.direct("warm")
+        body.set()
+        await task
+        assert sent[0]["status"] == 200 and orjson.loads(sent[1]["body"]) == {"outputs": 4}
+
+
+async def _gateway_plain(app: Starlette, http: httpx.AsyncClient) -> Client:
+    """The gateway's client, once a few requests for ``warm`` are answered and it takes
+    ``warm`` as plain; the directory's entry fetched anew as well (fresh for
+    ``META_REFRESH_S`` from now: a slow test would leave it stale, and the look-up
+    step would run)."""
+    for value in range(3):
+        resp = await http.post("/v1/models/warm/predict", json={"inputs": value})
+        assert resp.json() == {"outputs": 2 * value}
+    client: Client = app.state.gateway.client
+    await _direct_again(client, "warm")
+    directory = app.state.gateway.core.directory
+    directory._cache.pop("warm", None)
+    await directory.get("warm")
+    return client
 
 
 class _Book:

@@ -110,6 +110,8 @@ class InferCore:
         return info
 
     async def read(self, headers: body.Headers, receive: Receive) -> bytes:
+        """A v2 request's body (v1's ``predict`` calls ``body.read_body`` itself: one
+        call less per request, so an override of this one does not reach v1)."""
         return await body.read_body(headers, receive, self.config.max_body_bytes)
 
     def model_default_s(self, info: ModelInfo) -> float:
@@ -150,7 +152,8 @@ class InferCore:
                     version: str | None = None) -> None:
         """Answer ``POST`` or ``GET /v1/models/{model}[/versions/{version}]/predict``
         (metered under the served name of the version that answers, when known).  The
-        plain verdict (``Client.direct``) is taken once, here, and passed down."""
+        plain verdict (``Client.direct``) is taken here and passed down (``predict``
+        takes it again after the body read)."""
         plain = False
         if not version:  # a plain model has no version to pick (no table read)
             plain = self.client.direct(model)
@@ -189,9 +192,10 @@ class InferCore:
                       version: str | None = None, plain: bool = False
                       ) -> Response | RawResponse:
         """One v1 request: its input from the JSON body, or from ``query`` (a GET).
-        ``plain``: ``Client.direct`` said so for ``model`` (no version pinned), once for
-        the request: its info from the directory's cache while fresh, its request
-        straight to the model's queue (``Client._submit_direct``)."""
+        ``plain``: ``Client.direct`` said so for ``model`` (no version pinned) when the
+        request arrived: its info from the directory's cache while fresh; judged again
+        once the body is read, its request straight to the model's queue while the
+        verdict holds (``Client._submit_direct``), else down the full path."""
         arrived_ms = protocol.now_ms()
         # (a timeout header is checked by ``served`` before the body is read, as always)
         info = self.directory.cached(model) if plain and body.TIMEOUT_HEADER not in headers \
@@ -199,6 +203,9 @@ class InferCore:
         if info is None:
             info = await self.served(model, headers, arrived_ms, version, plain)
         raw = await body.read_body(headers, receive, self.config.max_body_bytes)
+        # judged again (a cached verdict): a pipeline, version or sub-queue that came
+        # during a slow upload sends the request down the full path (``Client.submit``)
+        plain = plain and self.client.direct(model)
         data = body.parse_json(raw) if query is None else query_input(query, raw, info)
         if info.meta.get(protocol.F_STREAMING):
             return await self.stream(info, data, headers, arrived_ms, trace_id,

@@ -128,9 +128,9 @@ class Client:
             self._pipeline_link = LeanLink(redis)  # one held connection: pipeline entries
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
                                   self._listener_idle_s)
-            self._enqueuer = Enqueuer(redis, self.settings, self._admission, self.fmt,
-                                      self.pack_rows, listeners.route_pack, self.replica_wait,
-                                      self._failed)
+            self._enqueuer = Enqueuer(redis, self.settings, self._admission, self._failed,
+                                      self.fmt, self.pack_rows, listeners.route_pack,
+                                      self.replica_wait)
             self._listeners = listeners
 
     async def close(self) -> None:
@@ -354,12 +354,18 @@ class Client:
         """The sub-queue a request of ``model`` joins (``routing.Router.pick``): the
         model's own queue while it has one sub-queue (its count is cached with the
         live workers: no round trip)."""
-        assert self._enqueuer is not None
         count = self._admission.sub_queues_cached(model)
         if count is None:
             async with translated(self.settings):
                 count = await self._admission.sub_queues(model)
-        return model if count == 1 else self._enqueuer.router.pick(model, count, request_id)
+        return model if count == 1 else self._pusher().router.pick(model, count, request_id)
+
+    def _pusher(self) -> Enqueuer:
+        """The enqueuer; ``RedbatchError`` once ``close`` has begun (a request racing
+        the close fails typed, before its waiter is made)."""
+        if self._enqueuer is None:
+            raise RedbatchError("client is closing")
+        return self._enqueuer
 
     async def _ready(self, model: str, count: int, deadline_ms: int) -> Listeners:
         """The listeners (starting the client if needed), once ``model`` is a valid
@@ -423,10 +429,10 @@ class Client:
                              trace_id: str = "", max_queue_len: int | None = None,
                              priority: int | None = None) -> RequestFuture[Any]:
         """``submit`` of a request that pins no version, for a model its caller found
-        ``direct`` (the gateway's infer core takes that verdict once per request and
-        calls this; not a public request method): straight to the model's own queue,
-        the verdict not taken again.  ``RedbatchError`` unless the client is started
-        (``direct`` is False before)."""
+        ``direct`` just now (the gateway's infer core, once a request's body is read;
+        not a public request method): straight to the model's own queue, the verdict
+        not taken again.  ``RedbatchError`` unless the client is started (``direct`` is
+        False before) or once ``close`` has begun."""
         listeners = self._listeners
         if listeners is None:
             raise RedbatchError("client is not started")
@@ -438,7 +444,11 @@ class Client:
     def _expect(self, listeners: Listeners, model: str, tag: str, inputs: Any,
                 deadline_ms: int, reply: bool, request_id: str | None, trace_id: str,
                 cap: int | None, level: int) -> RequestFuture[Any]:
-        """One request of ``model`` into sub-queue ``tag``: its waiter, then its push."""
+        """One request of ``model`` into sub-queue ``tag``: its waiter, then its push
+        (``RedbatchError`` once ``close`` has begun: no waiter then)."""
+        enqueuer = self._enqueuer
+        if enqueuer is None:
+            raise RedbatchError("client is closing")
         request = self._request(model, inputs, deadline_ms, request_id,
                                 listeners.reply_to(tag), trace_id, priority=level)
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
@@ -447,8 +457,7 @@ class Client:
         future = listeners.expect(tag, request.id, deadline_ms, reply)
         # the enqueue goes out with this tick's flush, bounded by the waiters' own
         # deadline timers; the enqueuer settles refused or failed waiters (``_failed``)
-        assert self._enqueuer is not None
-        self._enqueuer.push(tag, [request], entries, cap, level)
+        enqueuer.push(tag, [request], entries, cap, level)
         return future
 
     async def submit_many(self, model: str, inputs: Sequence[Any],
@@ -492,14 +501,13 @@ class Client:
             for tag, requests in built.items():
                 listeners.of(tag).check_new([r.id for r in requests])
         futures: list[RequestFuture[Any]] = []
-        pushed = []
+        pushed, enqueuer = [], self._pusher()
         for tag, requests in built.items():
             futures += [listeners.of(tag).expect(r.id, deadline, reply) for r in requests]
             # as in ``submit``: the caller's ids travel alone, encoded now
             entries = [codec.encode(r.to_wire(), self.fmt) for r in requests] \
                 if request_ids else None
-            assert self._enqueuer is not None
-            pushed.append(self._enqueued(self._enqueuer.push_watched(
+            pushed.append(self._enqueued(enqueuer.push_watched(
                 tag, requests, entries, max_queue_len, level), requests, deadline, tag))
         await (pushed[0] if len(pushed) == 1 else asyncio.gather(*pushed))
         return futures if len(groups) == 1 else _in_order(futures, groups)
@@ -576,9 +584,9 @@ class Client:
 
     async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],
                         deadline_ms: int, tag: str) -> None:
-        """Wait (until ``deadline_ms`` at most) for a push's outcome, which its callback
-        has settled in the waiters by then; a caller that gives up meanwhile leaves
-        no waiter behind."""
+        """Wait (until ``deadline_ms`` at most) for a push's outcome, whose refused or
+        failed requests the enqueuer's ``on_failed`` (``_failed``) has settled in the
+        waiters by then; a caller that gives up meanwhile leaves no waiter behind."""
         try:
             await asyncio.wait([pushed], timeout=max(0.0, (deadline_ms - protocol.now_ms())
                                                      / 1000))
@@ -627,10 +635,10 @@ class Client:
         listeners = await self._ready(model, 1, deadline_ms)
         request = self._request(model, inputs, deadline_ms, None, listeners.reply_to(model),
                                 trace_id)
+        enqueuer = self._pusher()
         queue = listeners.of(model).expect_stream(request.id, deadline_ms)
         # encoded now: a stream's entry travels alone, never packed with others
-        assert self._enqueuer is not None
-        self._enqueuer.push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
+        enqueuer.push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
                             max_queue_len)
         return request.id, queue
 

@@ -2,11 +2,16 @@
 the ENQUEUE script per model, so a busy gateway pays one round trip for many
 requests instead of one each; and lone requests of one shape travel as multi-row
 requests (``packing``), one queue entry for many.  A push never raises: its outcome
-is the list of its requests that were refused or failed, each with its error."""
+is the list of its requests that were refused or failed, each with its error.
+
+The flushes of one sub-queue write in the order of their ticks (``Turn``), so one
+process's requests enter a queue in the order they were submitted, across ticks too."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +33,8 @@ from redbatch.producer.replication import ReplicaWaiter
 from redbatch.producer.routing import Router
 from redbatch.protocol import Request
 from redbatch.redis_conn import drop_idle, is_stale, translated
+
+log = logging.getLogger(__name__)
 
 ENQUEUE_CHUNK = 1000  # entries per script call: keeps each call short for Redis
 Outcome = list[tuple[str, Exception]]  # a push's refused or failed requests: id, error
@@ -65,14 +72,50 @@ def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
     return total
 
 
+class Turn:
+    """A flush's place among the flushes of its sub-queue (``tag``): it writes once the
+    flush before it has written (``prev``), then lets the next one write (``done``).
+    A write that goes out in the writer's own step (``LeanLink.writes_now``) counts as
+    written when it is sent; any other once its reply is in.  No future is made unless
+    a flush has to wait (``later``)."""
+
+    __slots__ = ("done", "prev", "started", "waiter", "writes")
+
+    def __init__(self, prev: Turn | None) -> None:
+        self.prev = prev  # the tag's flush before (None once this one is done)
+        self.started = False  # its task ran (one cancelled first never does)
+        self.writes = 1  # script calls still to write (a multi-level flush: one a level)
+        self.done = False  # written, or ended without writing
+        self.waiter: asyncio.Future[None] | None = None  # the next flush's, if it waits
+
+    def later(self) -> asyncio.Future[None]:
+        """What the next flush awaits while this one has not written."""
+        if self.waiter is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter
+
+    def wrote(self) -> None:
+        """One of the flush's writes went out; once all have, the next may write."""
+        self.writes -= 1
+        if self.writes <= 0:
+            self.end()
+
+    def end(self) -> None:
+        """The next flush may write (this one wrote, or ended without writing)."""
+        if not self.done:
+            self.done, self.prev, waiter = True, None, self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+
 class Enqueuer:
     def __init__(self, redis: aioredis.Redis, settings: RedisSettings, admission: Admission,
-                 fmt: Format = "msgpack", pack_rows: int = 1,
+                 on_failed: OnFailed, fmt: Format = "msgpack", pack_rows: int = 1,
                  route_pack: RoutePack | None = None,
-                 replica_wait: ReplicaWait | None = None,
-                 on_failed: OnFailed | None = None) -> None:
-        """``on_failed(tag, outcome)``: called once a flush of sub-queue ``tag`` ends,
-        with a push's refused or failed requests (never with none)."""
+                 replica_wait: ReplicaWait | None = None) -> None:
+        """``on_failed(tag, outcome)``: called with a push's refused or failed requests
+        (never with none) once its flush into sub-queue ``tag`` has them: once per such
+        push, so possibly several times a flush; an exception in it is logged."""
         self._redis = redis
         self._settings = settings
         self._admission = admission
@@ -85,6 +128,7 @@ class Enqueuer:
         self.waiter = ReplicaWaiter(self._link, replica_wait) \
             if replica_wait is not None and replica_wait.wait_replicas else None
         self._pending: dict[str, list[Push]] = {}  # by sub-queue tag (a model's name)
+        self._turns: dict[str, Turn] = {}  # by sub-queue tag: its latest flush's
         self._tasks: set[asyncio.Task[None]] = set()
         self.router = Router()  # a sharded model's sub-queue lengths (``routing``)
 
@@ -119,65 +163,99 @@ class Enqueuer:
         pending, self._pending = self._pending, {}
         self.router.tick()
         for tag, pushes in pending.items():
-            task = asyncio.create_task(self._send(tag, pushes))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            try:
+                self._start(tag, pushes)
+            except Exception as exc:  # (a closed loop)
+                self._fail_all(tag, pushes, exc)
 
-    async def _send(self, tag: str, pushes: list[Push]) -> None:
+    def _start(self, tag: str, pushes: list[Push]) -> None:
+        """Sub-queue ``tag``'s flush, in a task, after the tag's flush before it."""
+        turn = Turn(self._turns.get(tag))
+        task = asyncio.create_task(self._send(tag, pushes, turn))
+        self._turns[tag] = turn  # (the task made: a flush that has none holds no turn)
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._ended, tag, pushes, turn))
+
+    def _ended(self, tag: str, pushes: list[Push], turn: Turn, task: asyncio.Task[None]
+               ) -> None:
+        """A flush's task ended: the next may write; cancelled before its start (a
+        loop's shutdown), its pushes fail."""
+        self._tasks.discard(task)
+        if not turn.done:
+            turn.end()
+        if self._turns.get(tag) is turn:
+            del self._turns[tag]
+        if not turn.started:
+            self._fail_all(tag, pushes, _cancelled(tag))
+
+    async def _send(self, tag: str, pushes: list[Push], turn: Turn) -> None:
         """One flush of sub-queue ``tag``: each push learns its refused or failed
-        requests."""
+        requests; a cancel fails them all (``RedbatchError``), then goes on."""
+        turn.started = True
         try:
             async with translated(self._settings):
                 levels = await self._admission.levels(protocol.model_of_tag(tag))  # cached
-                failed = await (self._send_levels(tag, pushes, levels) if levels.many
-                                else self._send_level(tag, pushes, 0, levels))
+                failed = await (self._send_levels(tag, pushes, levels, turn) if levels.many
+                                else self._send_level(tag, pushes, 0, levels, turn))
         except Exception as exc:
-            for push in pushes:
-                self._settle(tag, push, [(r.id, exc) for r in push.requests])
+            self._fail_all(tag, pushes, exc)
             return
+        except BaseException:  # cancelled: no waiter is left to its deadline
+            self._fail_all(tag, pushes, _cancelled(tag))
+            raise
         for index, push in enumerate(pushes):
             self._settle(tag, push, failed.get(index, ALL_IN))
 
-    def _settle(self, tag: str, push: Push, outcome: Outcome) -> None:
-        """A push's outcome: its refused or failed requests to ``on_failed``, then its
-        future (if any) resolved."""
-        if outcome and self._on_failed is not None:
-            self._on_failed(tag, outcome)
-        if push.done is not None and not push.done.done():
-            push.done.set_result(outcome)
+    def _fail_all(self, tag: str, pushes: list[Push], exc: Exception) -> None:
+        for push in pushes:
+            self._settle(tag, push, [(r.id, exc) for r in push.requests])
 
-    async def _send_level(self, tag: str, pushes: list[Push], level: int, levels: Levels
-                          ) -> Failures:
+    def _settle(self, tag: str, push: Push, outcome: Outcome) -> None:
+        """A push's outcome: its refused or failed requests to ``on_failed`` (an error
+        there is logged: the other pushes are still settled), then its future (if any)
+        resolved."""
+        try:
+            if outcome:
+                self._on_failed(tag, outcome)
+        except Exception:
+            log.exception("on_failed raised for %d request(s) of %r", len(outcome), tag)
+        finally:
+            if push.done is not None and not push.done.done():
+                push.done.set_result(outcome)
+
+    async def _send_level(self, tag: str, pushes: list[Push], level: int, levels: Levels,
+                          turn: Turn) -> Failures:
         """The pushes' entries into one queue (``level``: of a multi-level model)."""
         units, failed = await self._plan(tag, pushes)
         if units:
-            refused, full = await self._enqueue(tag, pushes, units, level, levels)
+            refused, full = await self._enqueue(tag, pushes, units, (level, levels), turn)
             if full is not None:
                 _add_refused(failed, refused, full)
         return failed
 
-    async def _send_levels(self, tag: str, pushes: list[Push], levels: Levels
+    async def _send_levels(self, tag: str, pushes: list[Push], levels: Levels, turn: Turn
                            ) -> Failures:
         """A multi-level model's pushes, each level's into its queue (concurrently)."""
         groups: dict[int, list[int]] = {}
         for index, push in enumerate(pushes):
             level = push.level if 0 < push.level <= levels.count else levels.default
             groups.setdefault(level, []).append(index)  # (levels may change under a push)
+        turn.writes = len(groups)
         results = await asyncio.gather(*(
-            self._send_group(tag, [pushes[i] for i in indices], level, levels)
+            self._send_group(tag, [pushes[i] for i in indices], level, levels, turn)
             for level, indices in groups.items()))
         failed: Failures = {}
         for indices, part in zip(groups.values(), results, strict=True):
             failed.update({indices[i]: errors for i, errors in part.items()})
         return failed
 
-    async def _send_group(self, tag: str, pushes: list[Push], level: int, levels: Levels
-                          ) -> Failures:
+    async def _send_group(self, tag: str, pushes: list[Push], level: int, levels: Levels,
+                          turn: Turn) -> Failures:
         """One level's pushes of a multi-level flush: an error fails those alone (the
         other levels' requests may be queued already)."""
         try:
             async with translated(self._settings):
-                return await self._send_level(tag, pushes, level, levels)
+                return await self._send_level(tag, pushes, level, levels, turn)
         except Exception as exc:
             return {i: [(r.id, exc) for r in push.requests] for i, push in enumerate(pushes)}
 
@@ -193,20 +271,23 @@ class Enqueuer:
                             self._fmt, self._pack_rows,
                             _routed(route, tag) if packing_on and route else None)
 
-    async def _enqueue(self, tag: str, pushes: list[Push], units: list[Unit], level: int,
-                       levels: Levels) -> tuple[list[Unit], RedbatchError | None]:
+    async def _enqueue(self, tag: str, pushes: list[Push], units: list[Unit],
+                       at: tuple[int, Levels], turn: Turn
+                       ) -> tuple[list[Unit], RedbatchError | None]:
         """Push the units under the queue cap (a multi-level model's: the entries at
         ``level`` and above, and ``level``'s own cap): the refused ones, and why.  A
         model of S sub-queues caps each at the model's cap (and the level's) less what
         the others hold as this process knows (``Router.caps``); a refusal counts the
-        entries of every sub-queue (``Router.learn``)."""
-        own, model = _own_cap(pushes), protocol.model_of_tag(tag)
+        entries of every sub-queue (``Router.learn``).  ``at``: the level and the
+        model's levels."""
+        (level, levels), own, model = at, _own_cap(pushes), protocol.model_of_tag(tag)
         cap = await self._admission.cap(model, min(u.request.deadline_ms for u in units), own)
         count = await self._admission.sub_queues(model)
         caps = (cap, levels.cap(level) if levels.many else None)
         accepted, depths = await self._run(
             tag, _target(tag, self.router.caps(tag, count, caps, level) if count > 1 else caps,
-                         level, levels), [u.request for u in units], [u.entry for u in units])
+                         level, levels), [u.request for u in units], [u.entry for u in units],
+            turn)
         if depths[0] < 0:  # a drained version's closed sub-queue
             return units, no_live_workers(model)
         if count > 1:
@@ -220,11 +301,26 @@ class Enqueuer:
             model, level, (depths[0], depths[1]), cap, caps[1], own)
 
     async def _run(self, tag: str, target: Target, requests: list[Request],
-                   entries: list[bytes]) -> tuple[int, list[int]]:
-        """The enqueue script, sent once more on a broken connection (Redis restarted):
-        the requests' markers make a push that did land count once, not twice.  The
-        pool's idle connections are dropped then, stale as well."""
+                   entries: list[bytes], turn: Turn) -> tuple[int, list[int]]:
+        """The enqueue script, once the sub-queue's flush before has written (``turn``),
+        sent once more on a broken connection (Redis restarted): the requests' markers
+        make a push that did land count once, not twice.  The pool's idle connections
+        are dropped then, stale as well."""
         calls = _calls(tag, target, requests, entries)
+        prev = turn.prev
+        if prev is not None and not prev.done:  # (at once in the steady state)
+            await prev.later()
+        now = self._link.writes_now() and (len(calls) == 1 or self.waiter is not None)
+        if now:  # the call writes before this step ends: the next flush writes after
+            turn.wrote()
+        try:
+            return await self._retried(target, calls, requests)
+        finally:
+            if not now:  # its reply is in (or it failed): written, or never will be
+                turn.wrote()
+
+    async def _retried(self, target: Target, calls: list[tuple[list[str], list[Any]]],
+                       requests: list[Request]) -> tuple[int, list[int]]:
         try:
             return await self._call(target, calls, requests)
         except redis.ConnectionError as exc:
@@ -309,6 +405,10 @@ def _calls(tag: str, target: Target, requests: list[Request], entries: list[byte
         args: list[Any] = [*target.args, *ttls, *entries[start:start + ENQUEUE_CHUNK]]
         calls.append((keys, args))
     return calls
+
+
+def _cancelled(tag: str) -> RedbatchError:
+    return RedbatchError(f"enqueue into {tag!r} cancelled")
 
 
 def _own_cap(pushes: list[Push]) -> int | None:
