@@ -51,12 +51,6 @@ class LeanLink:
         self._conn: AbstractConnection | None = None
         self._busy = False
 
-    def writes_now(self) -> bool:
-        """Whether a call made now is written before the caller's step ends: no call in
-        flight, the held connection open (else it goes once a connection is had)."""
-        conn = self._conn
-        return not self._busy and conn is not None and conn.is_connected
-
     async def execute(self, *args: Any) -> Any:
         """One command's parsed reply (no response callbacks: bytes, ints, lists)."""
         if self._busy:
@@ -165,9 +159,6 @@ class ClusterLink(LeanLink):
         self._node: Any = None  # the ClusterNode that ``_conn`` belongs to
         self._held: dict[str, tuple[Any, AbstractConnection]] = {}  # name -> node, conn
         self._mapped = False  # a call through the client succeeded since the last break
-
-    def writes_now(self) -> bool:
-        return False  # (the node is pinned, or the slot map read, first)
 
     async def execute(self, *args: Any) -> Any:
         if args[:2] == ("SCRIPT", "LOAD"):

@@ -74,10 +74,12 @@ def accepted_prefix(counts: list[int], sizes: list[int]) -> int:
 
 class Turn:
     """A flush's place among the flushes of its sub-queue (``tag``): it writes once the
-    flush before it has written (``prev``), then lets the next one write (``done``).
-    A write that goes out in the writer's own step (``LeanLink.writes_now``) counts as
-    written when it is sent; any other once its reply is in.  No future is made unless
-    a flush has to wait (``later``)."""
+    flush before it has started its write (``prev``), then lets the next one write
+    (``done``).  A flush never waits for the reply of the one before: replies may take
+    a ``WAIT``'s timeout, and flushes of a queue must not queue up behind them.  On the
+    one held connection (``LeanLink``) the writes reach Redis in that order; a write
+    that goes through the pool (the held one busy) or a cluster client may be passed
+    by the next.  No future is made unless a flush has to wait (``later``)."""
 
     __slots__ = ("done", "prev", "started", "waiter", "writes")
 
@@ -310,14 +312,8 @@ class Enqueuer:
         prev = turn.prev
         if prev is not None and not prev.done:  # (at once in the steady state)
             await prev.later()
-        now = self._link.writes_now() and (len(calls) == 1 or self.waiter is not None)
-        if now:  # the call writes before this step ends: the next flush writes after
-            turn.wrote()
-        try:
-            return await self._retried(target, calls, requests)
-        finally:
-            if not now:  # its reply is in (or it failed): written, or never will be
-                turn.wrote()
+        turn.wrote()  # the call goes out now: never wait for its reply (a WAIT's)
+        return await self._retried(target, calls, requests)
 
     async def _retried(self, target: Target, calls: list[tuple[list[str], list[Any]]],
                        requests: list[Request]) -> tuple[int, list[int]]:
