@@ -485,6 +485,26 @@ async def test_a_batch_whose_every_member_raises_splits_a_bounded_number_of_time
     assert stream_models.STARTS[0] == 7
 
 
+async def test_a_failure_whatever_the_input_stays_bounded_when_members_joined_late(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """One member, then seven that joined after its third chunk; every generator
+    raises at the step its cache is full: a rerun whose late members yield new chunks
+    before that step keeps its bisection's budget (at most 1 + 2 * splits generators,
+    not one per member: 15)."""
+    start_worker([stream_models.full()])
+    await wait_live(redis_url, "full")
+    async with Client(redis_url) as client:
+        first = client.stream("full", {"n": 100}, 20, chunks=True)
+        await first.open()
+        chunks = aiter(first)
+        assert [(await anext(chunks)).seq for _ in range(3)] == [0, 1, 2]
+        late = await _open(client, "full", [{"n": 100}] * 7)
+        ended = await asyncio.gather(_ended(chunks), *(_ended(s) for s in late))
+    assert stream_models.FULL_AT[0] is not None  # the eight ran as one batch
+    assert all(code == "model_error" for _, code in ended)
+    assert stream_models.STARTS[0] <= 1 + 2 * worker_stream.split_budget(8)
+
+
 async def test_a_request_joins_while_the_others_of_a_batch_that_raised_rerun(
         start_worker: Callable[..., Worker], redis_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -290,7 +290,8 @@ class Lane:
     batch: StreamBatch = field(default_factory=StreamBatch)
     gen: Any = None
     steps: int = 0
-    bisection: Bisection | None = None  # a rerun that yielded no new chunk yet
+    bisection: Bisection | None = None  # a rerun, until it passed ``failed_at`` caught up
+    failed_at: int = 0  # the step its parent raised at
 
 
 class StreamLoop:
@@ -430,7 +431,7 @@ class StreamLoop:
         lane of its own (False: it ran one member, the culprit, or its bisection spent
         its splits: they fail)."""
         running = self.active(lane)
-        bisection = lane.bisection or Bisection(math.ceil(math.log2(max(2, len(running)))))
+        bisection = lane.bisection or Bisection(split_budget(len(running)))
         if len(running) < 2 or not bisection.splits_left:
             self._blamed(lane, running, error)
             return False
@@ -441,7 +442,8 @@ class StreamLoop:
                 len(running))
         self.lanes.remove(lane)
         mid = len(running) // 2
-        self.lanes += [_rerun(half, bisection) for half in (running[:mid], running[mid:])]
+        self.lanes += [_rerun(half, bisection, lane.steps)
+                       for half in (running[:mid], running[mid:])]
         return True
 
     def _blamed(self, lane: Lane, running: list[Member], error: ModelError) -> None:
@@ -471,8 +473,13 @@ class StreamLoop:
             message = self._message(member, item)
             if message is not None:
                 self.pending.append(message)
-                if not message.last:
-                    lane.bisection = None  # a new chunk: an ordinary lane again
+        if lane.bisection is not None and self._caught_up(lane):
+            lane.bisection = None  # an ordinary lane again
+
+    def _caught_up(self, lane: Lane) -> bool:
+        """A rerun that passed the step its parent raised at, every member caught up."""
+        return lane.steps >= lane.failed_at and all(
+            m.seq >= m.sent for m in self.active(lane))
 
     def _message(self, member: Member, item: Any) -> Message | None:
         """A chunk; a final message for ``STOP``, or an exception (that member fails)."""
@@ -549,14 +556,19 @@ class StreamLoop:
             return None
 
 
-def _rerun(members: list[Member], bisection: Bisection) -> Lane:
+def _rerun(members: list[Member], bisection: Bisection, failed_at: int) -> Lane:
     """A lane that reruns these members from their first step, each checking the
-    chunks its caller got."""
-    lane = Lane(bisection=bisection)
+    chunks its caller got (a rerun until it passed ``failed_at``, caught up)."""
+    lane = Lane(bisection=bisection, failed_at=failed_at)
     for member in members:
         member.seq, member.rerun = 0, hashlib.blake2b() if member.sent else None
         lane.batch.add(member.request.id, member.request.payload)
     return lane
+
+
+def split_budget(members: int) -> int:
+    """How many times a bisection of a generator over this many members may split."""
+    return math.ceil(math.log2(max(2, members)))
 
 
 def _timed(member: Member, step_ms: float, size: int) -> None:
