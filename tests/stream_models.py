@@ -163,7 +163,7 @@ def filling(batch: StreamBatch) -> Iterator[list[Any]]:
         yield _items(batch, sent)
 
 
-FULL_SIZE = 8
+FULL_SIZE = 16
 
 
 def full(size: int = FULL_SIZE) -> Model:

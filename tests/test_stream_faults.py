@@ -473,24 +473,25 @@ async def test_an_async_generator_that_raises_fails_its_culprit_alone(
 
 async def test_a_batch_whose_every_member_raises_splits_a_bounded_number_of_times(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    """Eight members that all raise at their fourth step: at most ceil(log2 8) = 3
-    splits (1 + 6 generators), not one per member (15); each ends after its 3 chunks."""
-    start_worker([counter(size=8, wait_s=0.3)])
+    """Sixteen members that all raise at their fourth step: at most 2 * ceil(log2 16)
+    = 8 splits (1 + 16 generators), not one per member (31); each ends after its 3
+    chunks."""
+    start_worker([counter(size=16, wait_s=0.3)])
     await wait_live(redis_url, "counter")
     async with Client(redis_url) as client:
-        streams_ = await _open(client, "counter", [{"n": 9, "fail": 3}] * 8)
+        streams_ = await _open(client, "counter", [{"n": 9, "fail": 3}] * 16)
         ended = await asyncio.gather(*(_ended(s) for s in streams_))
-    assert len(stream_models.STEPS[0]) == 8
-    assert ended == [([0, 1, 2], "model_error")] * 8
-    assert stream_models.STARTS[0] == 7
+    assert len(stream_models.STEPS[0]) == 16
+    assert ended == [([0, 1, 2], "model_error")] * 16
+    assert stream_models.STARTS[0] == 1 + 2 * worker_stream.split_budget(16) == 17
 
 
 async def test_a_failure_whatever_the_input_stays_bounded_when_members_joined_late(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    """One member, then seven that joined after its third chunk; every generator
+    """One member, then fifteen that joined after its third chunk; every generator
     raises at the step its cache is full: a rerun whose late members yield new chunks
     before that step keeps its bisection's budget (at most 1 + 2 * splits generators,
-    not one per member: 15)."""
+    not one per member: 31)."""
     start_worker([stream_models.full()])
     await wait_live(redis_url, "full")
     async with Client(redis_url) as client:
@@ -498,11 +499,27 @@ async def test_a_failure_whatever_the_input_stays_bounded_when_members_joined_la
         await first.open()
         chunks = aiter(first)
         assert [(await anext(chunks)).seq for _ in range(3)] == [0, 1, 2]
-        late = await _open(client, "full", [{"n": 100}] * 7)
+        late = await _open(client, "full", [{"n": 100}] * 15)
         ended = await asyncio.gather(_ended(chunks), *(_ended(s) for s in late))
-    assert stream_models.FULL_AT[0] is not None  # the eight ran as one batch
+    assert stream_models.FULL_AT[0] is not None  # the sixteen ran as one batch
     assert all(code == "model_error" for _, code in ended)
-    assert stream_models.STARTS[0] <= 1 + 2 * worker_stream.split_budget(8)
+    assert stream_models.STARTS[0] <= 1 + 2 * worker_stream.split_budget(16) == 17
+
+
+async def test_two_bad_inputs_in_different_halves_each_fail_alone(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Two members of eight raise at their fourth step, one in each half: each is
+    isolated, the six others end whole."""
+    start_worker([counter(size=8, wait_s=0.3)])
+    await wait_live(redis_url, "counter")
+    values: list[dict[str, Any]] = [{"n": 6}] * 8
+    values[0] = values[5] = {"n": 6, "fail": 3}
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "counter", values)
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert len(stream_models.STEPS[0]) == 8
+    assert ended == [([0, 1, 2], "model_error") if value.get("fail") else
+                     (list(range(6)), None) for value in values]
 
 
 async def test_a_request_joins_while_the_others_of_a_batch_that_raised_rerun(

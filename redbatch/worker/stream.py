@@ -14,10 +14,11 @@ ends with ``deadline_exceeded``: the deadline bounds the whole stream.
 A generator that raises is bisected: its running members are split in two halves,
 each rerun from its first step by a generator of its own (a lane), stepped beside the
 other lanes, until the member that fails alone ends with the error; a bisection splits
-at most ceil(log2 n) times (n: the members running when it began), then a lane that
-raises fails its members.  A rerun sends no chunk below the number its caller already
-got, and checks that it yielded those same chunks (a hash of their bytes): a member
-whose rerun yields others ends with ``model_error`` at the number it had reached.
+at most CULPRITS * ceil(log2 n) times (n: the members running when it began; enough to
+isolate that many bad inputs), then a lane that raises fails its members.  A rerun
+sends no chunk below the number its caller already got, and checks that it yielded
+those same chunks (a hash of their bytes): a member whose rerun yields others ends
+with ``model_error`` at the number it had reached.
 Newcomers join the last lane, or a lane of their own while that one reruns.
 """
 
@@ -56,6 +57,7 @@ from redbatch.worker.stream_reap import StreamReaper
 log = logging.getLogger("redbatch.worker")
 
 END: Final = object()  # the generator returned
+CULPRITS: Final = 2  # the bad inputs a bisection isolates in any batch
 STEP_GRACE_S = 1.0  # a step may run this long past its members' latest deadline
 # a message's fate in lua_stream.STEP: sent; refused (no longer this worker's, or
 # answered); dropped (its caller cancelled); refused by Redis (its reply_to holds
@@ -567,8 +569,10 @@ def _rerun(members: list[Member], bisection: Bisection, failed_at: int) -> Lane:
 
 
 def split_budget(members: int) -> int:
-    """How many times a bisection of a generator over this many members may split."""
-    return math.ceil(math.log2(max(2, members)))
+    """How many times a bisection of a generator over this many members may split:
+    enough to isolate ``CULPRITS`` bad inputs wherever they are (one takes at most
+    ceil(log2 n) splits), never one split per member for a failure whatever the input."""
+    return min(max(1, members - 1), CULPRITS * math.ceil(math.log2(max(2, members))))
 
 
 def _timed(member: Member, step_ms: float, size: int) -> None:
