@@ -536,6 +536,23 @@ async def test_a_request_joins_while_the_others_of_a_batch_that_raised_rerun(
     assert good.request_id in joint[0]  # it joined the running lane
 
 
+async def test_a_request_joins_the_largest_lane_once_a_bisection_is_over(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the bisection of [a, bad, c, d], the lanes [c, d] and [a] go on; a
+    newcomer joins [c, d], the lane with most members, not the last one."""
+    await _live(start_worker, redis_url, monkeypatch, step_s=0.02)
+    async with Client(redis_url) as client:
+        a, bad, c, d = await _open(client, "counter", [{"n": 60}, {"n": 60, "fail": 2},
+                                                       {"n": 60}, {"n": 60}])
+        assert await _ended(bad) == ([0, 1], "model_error")
+        late = client.stream("counter", {"n": 2}, 20)
+        assert [x async for x in late] == ["0", "1"]
+        assert [await _ended(s) for s in (a, c, d)] == [(list(range(60)), None)] * 3
+    joint = [keys for keys in stream_models.STEPS if late.request_id in keys]
+    assert set(joint[0]) == {c.request_id, d.request_id, late.request_id}
+
+
 async def test_a_caller_that_cancels_during_a_replay_is_not_replayed_to_the_end(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,8 @@ isolate that many bad inputs), then a lane that raises fails its members.  A rer
 sends no chunk below the number its caller already got, and checks that it yielded
 those same chunks (a hash of their bytes): a member whose rerun yields others ends
 with ``model_error`` at the number it had reached.
-Newcomers join the last lane, or a lane of their own while that one reruns.
+Newcomers join the ordinary lane with the most members, or a lane of their own while
+every lane reruns.  Lanes never merge again: each step of the batch steps each lane.
 """
 
 from __future__ import annotations
@@ -518,7 +519,7 @@ class StreamLoop:
             self.members.pop(key, None)
 
     async def admit(self, raws: list[bytes]) -> None:
-        """Claimed entries join the batch (the last lane, unless it reruns: then a
+        """Claimed entries join the batch (the ordinary lane with most members, else a
         lane of their own); one that cannot run (or whose caller cancelled it) gets its
         final error."""
         now = protocol.now_ms()
@@ -536,10 +537,13 @@ class StreamLoop:
             self._open_lane().batch.add(member.request.id, member.request.payload)
 
     def _open_lane(self) -> Lane:
-        """The lane newcomers join: the last one, unless a bisection reruns it."""
-        if not self.lanes or self.lanes[-1].bisection is not None:
+        """The lane newcomers join: the ordinary one (not rerunning) with the most
+        members (``max_batch_size`` bounds them all together), else a new one."""
+        ordinary = [lane for lane in self.lanes if lane.bisection is None]
+        if not ordinary:
             self.lanes.append(Lane())
-        return self.lanes[-1]
+            return self.lanes[-1]
+        return max(ordinary, key=lambda lane: len(self.active(lane)))
 
     def _member(self, raw: bytes, now: int) -> Member | None:
         fmt = codec.sniff_format(raw)
