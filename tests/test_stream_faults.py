@@ -571,6 +571,29 @@ async def test_a_caller_that_cancels_during_a_replay_is_not_replayed_to_the_end(
     assert len(alone) < 5  # not its 30 steps replayed
 
 
+async def test_a_worker_that_may_not_read_the_cancelled_set_warns_once_not_per_replay(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis user without ZMSCORE: a replay of twenty steps logs one warning."""
+    caplog.set_level(logging.WARNING, "redbatch.worker")
+    monkeypatch.setattr(stream_models, "STEP_S", 0.002)
+    raw_redis.execute_command("ACL", "SETUSER", "nozms", "on", ">pw", "~*", "&*", "+@all",
+                              "-zmscore")
+    try:
+        start_worker([counter(size=2, name="nozms")],
+                     url=redis_url.replace("redis://", "redis://nozms:pw@"))
+        await wait_live(redis_url, "nozms")
+        async with Client(redis_url) as client:
+            streams_ = await _open(client, "nozms", [{"n": 25}, {"n": 25, "fail": 20}])
+            ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    finally:
+        raw_redis.execute_command("ACL", "DELUSER", "nozms")
+    assert ended == [(list(range(25)), None), (list(range(20)), "model_error")]
+    refused = [r for r in caplog.records if "ZMSCORE" in r.getMessage()
+               or "cannot read the cancelled set" in r.getMessage()]
+    assert len(refused) == 1
+
+
 async def test_a_deadline_that_passes_during_a_replay_ends_the_stream_where_it_was(
         start_worker: Callable[..., Worker], redis_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:

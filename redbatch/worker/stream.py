@@ -50,6 +50,7 @@ from redbatch.errors import (
 from redbatch.lean import LeanLink
 from redbatch.protocol import Request, Timings
 from redbatch.stream_wire import StreamChunk
+from redbatch.worker.claim import warn_cancel_refused
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.runner import BatchRunner
 from redbatch.worker.stream_batch import STOP, StreamBatch
@@ -174,7 +175,7 @@ class StreamRunner(BatchRunner):
         try:
             scores = await self.stream_link.execute("ZMSCORE", self.queue_claimer.cancelled, *ids)
         except redis.ResponseError as exc:  # e.g. NOPERM: they run, and STEP drops them
-            log.warning("model=%s cannot read the cancelled set: %s", self.model.name, exc)
+            warn_cancel_refused(self.model.name, exc)
             return set()
         return {rid for rid, score in zip(ids, scores, strict=True) if score is not None}
 
