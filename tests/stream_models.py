@@ -170,6 +170,20 @@ def full(size: int = FULL_SIZE) -> Model:
     return Model("full", fn=filling, policy=policy(size, 0.05))
 
 
+def two_steps(batch: StreamBatch) -> Iterator[list[Any]]:
+    """Yields two chunks for its members, then returns (they end); a member with
+    ``fail`` makes its first step raise."""
+    for step in range(2):
+        time.sleep(0.05)
+        if any(value.get("fail") for value in batch):
+            raise ValueError("asked to fail")
+        yield [str(step) for _ in batch]
+
+
+def brief(size: int = 2) -> Model:
+    return Model("brief", fn=two_steps, policy=policy(size, 0.3))
+
+
 def reset() -> None:
     """Forget what earlier tests' models counted."""
     STEPS.clear()

@@ -461,6 +461,42 @@ async def test_the_halves_of_a_batch_that_raised_rerun_side_by_side(
     assert len(isolated) == 1 and streams_[1].request_id in isolated[0]
 
 
+async def test_a_lane_whose_generator_returned_counts_a_new_generators_steps_anew(
+        start_worker: Callable[..., Worker], redis_url: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two queued requests join the lane whose generator returned as its members
+    ended: the new generator raises at its first step, and says so."""
+    caplog.set_level(logging.WARNING, "redbatch.worker")
+    start_worker([stream_models.brief()])
+    await wait_live(redis_url, "brief")
+    async with Client(redis_url) as client:
+        first = await _open(client, "brief", [{}, {}])
+        assert (await anext(aiter(first[0]))).seq == 0  # they run: the next two wait
+        queued = await _open(client, "brief", [{"fail": True}, {}])
+        ended = await asyncio.gather(*(_ended(s) for s in first + queued))
+    assert ended == [([1], None), ([0, 1], None), ([], "model_error"), ([0, 1], None)]
+    raised = [r.getMessage() for r in caplog.records if "raised at its step" in
+              r.getMessage()]
+    assert len(raised) == 1 and "raised at its step 1 " in raised[0]
+
+
+async def test_a_culprit_isolated_once_its_lane_is_ordinary_again_is_logged(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Two bad inputs that raise at other steps: the second raises alone after its
+    lane's rerun caught up; each gets its line."""
+    caplog.set_level(logging.WARNING, "redbatch.worker")
+    await _live(start_worker, redis_url, monkeypatch, size=2, step_s=0.005)
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "counter", [{"n": 10, "fail": 2},
+                                                   {"n": 10, "fail": 6}])
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert ended == [([0, 1], "model_error"), (list(range(6)), "model_error")]
+    isolated = [r.getMessage() for r in caplog.records if "isolated" in r.getMessage()]
+    assert [s.request_id in line for s, line in zip(streams_, isolated, strict=True)] == \
+        [True, True]
+
+
 async def test_an_async_generator_that_raises_fails_its_culprit_alone(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     start_worker([stream_models.counter_async()])

@@ -295,7 +295,7 @@ class Lane:
     gen: Any = None
     steps: int = 0
     bisection: Bisection | None = None  # a rerun, until it passed ``failed_at`` caught up
-    failed_at: int = 0  # the step its parent raised at
+    failed_at: int = 0  # the step its parent raised at (0: its batch's first lane)
 
 
 class StreamLoop:
@@ -398,9 +398,10 @@ class StreamLoop:
     async def step_lane(self, lane: Lane) -> None:
         """One step of a lane's generator (started if need be), turned into messages."""
         if lane.gen is None:
-            lane.gen = self.r.fn(lane.batch)
+            lane.gen, lane.steps = self.r.fn(lane.batch), 0
             if lane.bisection is None:  # a rerun is no new batch
                 self.r.stats.batches += 1
+                lane.failed_at = 0  # (a lane reused by newcomers is no rerun)
         items, step_ms = await self.next_items(lane)
         if isinstance(items, list) and len(items) == len(lane.batch):
             self.route(lane, items, step_ms)
@@ -452,8 +453,9 @@ class StreamLoop:
 
     def _blamed(self, lane: Lane, running: list[Member], error: ModelError) -> None:
         """Log what a bisection isolated: the request that fails alone, or the members
-        that fail together once it spent its splits."""
-        if lane.bisection is None:
+        that fail together once it spent its splits (also in a lane of a bisection
+        that is ordinary again)."""
+        if lane.bisection is None and not lane.failed_at:
             return
         culprits = ",".join(m.request.id for m in running)
         log.warning("model=%s stream rerun isolated %s (%s): %s", self.r.model.name,
