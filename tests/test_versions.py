@@ -355,12 +355,9 @@ async def test_a_version_1_takes_over_a_stored_base_row_once_its_workers_left(
     (``"base": true``, as version 1, weight 70). A worker of a real version 1 leaves it
     theirs while they are live (no traffic moves to it unasked), then takes it over
     (the operator's weight stays) rather than being masked by it."""
-    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
     conn = aioredis.Redis.from_url(redis_url)
     try:
-        await _register(conn, "2")
-        await versions.change(conn, MODEL, weights={"1": 70, "2": 30})
-        await _register(conn, "1")
+        await _base_row_of_70(conn, raw_redis)
         table = await versions.load(conn, MODEL)
         assert (table.served(MODEL, "1"), table.versions["1"].weight) == ("vm", 70.0)
         raw_redis.delete(protocol.workers_key(MODEL))
@@ -378,12 +375,9 @@ async def test_a_version_1_waits_a_settle_before_it_takes_over_a_stored_base_row
     """The workers served without versions gone for less than the settle (a restart):
     version 1 serves the row meanwhile (never absent: a pin on it is no 404), and they
     get it back, the operator's weight too, once live again."""
-    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
     conn = aioredis.Redis.from_url(redis_url)
     try:
-        await _register(conn, "2")
-        await versions.change(conn, MODEL, weights={"1": 70, "2": 30})
-        await _register(conn, "1")
+        await _base_row_of_70(conn, raw_redis)
         raw_redis.delete(protocol.workers_key(MODEL))
         table = await versions.load(conn, MODEL)  # before a beat of version 1
         assert (table.served(MODEL, "1"), table.versions["1"]) == ("vm@1", Version(70.0))
@@ -391,7 +385,7 @@ async def test_a_version_1_waits_a_settle_before_it_takes_over_a_stored_base_row
             await _register(conn, "1")
         table = await versions.load(conn, MODEL)
         assert (table.served(MODEL, "1"), table.versions["1"]) == ("vm@1", Version(70.0))
-        raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
+        _plain_live(raw_redis)
         await _register(conn, "1")
         table = await versions.load(conn, MODEL)
     finally:
@@ -404,7 +398,7 @@ async def test_a_version_1_never_takes_the_drain_of_a_stored_base_row(
     """An operator drained the workers served without versions: a worker of version 1
     starting meanwhile reads a row not draining (it serves on), and takes the row over
     not draining once they left."""
-    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
+    _plain_live(raw_redis)
     conn = aioredis.Redis.from_url(redis_url)
     try:
         await _register(conn, "2")
@@ -417,6 +411,20 @@ async def test_a_version_1_never_takes_the_drain_of_a_stored_base_row(
     finally:
         await conn.aclose()
     assert table.versions["1"] == Version(0.0) and table.served(MODEL, "1") == "vm@1"
+
+
+def _plain_live(raw_redis: redis.Redis) -> None:
+    """A live worker of ``vm`` served without versions."""
+    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
+
+
+async def _base_row_of_70(conn: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """Workers of ``vm`` without versions, live; version 2; an operator's change that
+    stores their row (base, weight 70); a worker of a real version 1 registers."""
+    _plain_live(raw_redis)
+    await _register(conn, "2")
+    await versions.change(conn, MODEL, weights={"1": 70, "2": 30})
+    await _register(conn, "1")
 
 
 async def _register(conn: aioredis.Redis, number: str, settle_ms: int = 60_000) -> bytes:
