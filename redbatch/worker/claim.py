@@ -90,7 +90,7 @@ def warn_cancel_refused(model: str, exc: ResponseError) -> None:
         return
     _CANCEL_REFUSED.add(model)
     log.warning("model=%s Redis refused ZMSCORE on the cancelled set (%s): requests whose "
-                "callers went away are computed anyway, streams replayed (see "
+                "callers went away are computed anyway, streams replayed to the end (see "
                 "docs/redis.md; logged once)", model, exc)
 
 
