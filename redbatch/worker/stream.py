@@ -578,7 +578,8 @@ def _rerun(members: list[Member], bisection: Bisection, failed_at: int) -> Lane:
 def split_budget(members: int) -> int:
     """How many times a bisection of a generator over this many members may split:
     enough to isolate ``CULPRITS`` bad inputs wherever they are (one takes at most
-    ceil(log2 n) splits), never one split per member for a failure whatever the input."""
+    ceil(log2 n) splits); a failure whatever the input spends them all: O(log n), not
+    the n - 1 splits that isolate every member (the same below 8 members)."""
     return min(max(1, members - 1), CULPRITS * math.ceil(math.log2(max(2, members))))
 
 
