@@ -493,16 +493,20 @@ return 1
 
 # KEYS[1]=versions hash (the model's routing table)  KEYS[2]=the model's own workers zset
 # (its workers served without versions; the same slot, ``{model}``)
-# ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0.
+# ARGV[1]=version  ARGV[2]=now ms  ARGV[3]=a row of weight null  ARGV[4]=a row of weight 0
+# ARGV[5]=the settle, ms.
 # A worker registers its version, in one step that merges with the stored table: a
 # version already in the table keeps its row (an operator's weight stays).  A row
 # marked "base" (an operator's change stored the workers served without versions as
 # version "1") stays theirs while any of them is live (the worker reads a canary row
-# back: it never drains by their flag); once none is, the first beat of a real version
-# "1" takes it over: the mark dropped, the weight kept, not draining.  A new version
-# gets weight 0 (requests that pin it only, until an operator promotes it) while the
-# model is served already, by another version not draining or by live workers without
-# versions, else no weight.  Returns the row.
+# back: it never drains by their flag).  A real version "1" marks it with "heir": 0
+# while they are live (version "1" waits to take it over: a table without them routes
+# "1" to it), the time it first saw none live, else.  Once none was live for the
+# settle, it takes the row over: the marks dropped, the weight kept, not draining.  Each
+# mark is written once, as it changes.  A new version gets weight 0 (requests that pin
+# it only, until an operator promotes it) while the model is served already, by another
+# version not draining or by live workers without versions, else no weight.  Returns
+# the row.
 REGISTER_VERSION: Final = """
 local row = redis.call('HMGET', KEYS[1], ARGV[1])[1]
 if row and not string.find(row, '"base"', 1, true) then return row end
@@ -510,8 +514,19 @@ local serving = redis.call('ZCOUNT', KEYS[2], ARGV[2], '+inf') > 0
 if row then
   local ok, r = pcall(cjson.decode, row)
   if not (ok and type(r) == 'table' and r['base'] == true) then return row end
-  if serving then return ARGV[4] end
+  local since = tonumber(r['heir'])
+  local now = tonumber(ARGV[2])
+  if serving or not since or since == 0 then
+    local mark = serving and 0 or now
+    if since ~= mark then
+      r['heir'] = mark
+      redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(r))
+    end
+    return ARGV[4]
+  end
+  if now - since < tonumber(ARGV[5]) then return ARGV[4] end
   r['base'] = nil
+  r['heir'] = nil
   r['draining'] = false
   row = cjson.encode(r)
   redis.call('HSET', KEYS[1], ARGV[1], row)

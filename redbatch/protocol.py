@@ -225,6 +225,9 @@ def closed_key(tag: str) -> str:
     return f"{PREFIX}:{{{tag}}}:closed"
 
 
+# a version "1" takes over the stored row of a model's workers served without versions
+# once they are gone this many of its lease TTLs (a restart of theirs moves no traffic)
+BASE_SETTLE_LEASES: Final = 2
 CLOSED_TTL_S: Final = 7 * 24 * 3600  # a drained version's sub-queue stays closed this long
 
 

@@ -45,9 +45,14 @@ class Version:
     weight: float | None = None
     draining: bool = False
     base: bool = False
+    # a base row's mark by a real version "1" that waits to take it over: 0 while they
+    # are live, else when it first saw none live (``lua.REGISTER_VERSION``)
+    heir: int | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        row = {"weight": self.weight, "draining": self.draining}
+        row: dict[str, Any] = {"weight": self.weight, "draining": self.draining}
+        if self.heir is not None:  # (a base row, whoever it routes to now)
+            return {**row, "base": True, "heir": self.heir}
         return {**row, "base": True} if self.base else row
 
 
@@ -149,14 +154,23 @@ def decode(raw: Mapping[Any, Any] | list[Any] | None, base_live: bool = False) -
     as a script returns it); unreadable rows count as a version without a weight.
     ``base_live``: the model has live workers served without versions, which count as
     version "1" (``Version.base``) unless a worker registered a version "1"; without
-    them, a stored base row is left out."""
+    them, a stored base row is version "1"'s while it waits to take it over
+    (``Version.heir``), else left out."""
     if not raw:
         return EMPTY
     table = _decoded(raw)
-    rows = {v: row for v, row in table.versions.items() if base_live or not row.base}
+    rows = {v: _routed(row, base_live) for v, row in table.versions.items()
+            if base_live or not row.base or row.heir is not None}
     if base_live and UNVERSIONED not in rows:
         rows[UNVERSIONED] = Version(base=True)
     return Table(rows, table.pinned_latest)
+
+
+def _routed(row: Version, base_live: bool) -> Version:
+    """A row as routed: a base row without live workers is its heir's, version "1"
+    served as its own (``<model>@1``) with the row's weight, until it takes the row
+    over (``lua.REGISTER_VERSION``): never absent meanwhile."""
+    return row if base_live or not row.base else replace(row, base=False)
 
 
 def _decoded(raw: Mapping[Any, Any] | list[Any]) -> Table:
@@ -188,8 +202,11 @@ def _row(data: Any) -> Version:
         return Version()
     weight = data.get("weight")
     ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight >= 0
+    heir = data.get("heir")
     return Version(float(weight) if ok and weight is not None else None,
-                   data.get("draining") is True, data.get("base") is True)
+                   data.get("draining") is True, data.get("base") is True,
+                   int(heir) if isinstance(heir, (int, float)) and not
+                   isinstance(heir, bool) and data.get("base") is True else None)
 
 
 # --- the operators' changes ---------------------------------------------------------

@@ -143,9 +143,51 @@ def held() -> Model:
     return Model("held", fn=held_counting, policy=policy(2, 0.3))
 
 
+FULL_AT: list[int | None] = [None]  # filling: the step its cache is full at
+
+
+def filling(batch: StreamBatch) -> Iterator[list[Any]]:
+    """A counter whose cache fills up: the first generator that holds ``FULL_SIZE``
+    members sets ``FULL_AT`` three steps later, and every generator (reruns too) raises
+    at that step of its own, whatever its input."""
+    STARTS[0] += 1
+    sent: dict[str, int] = {}
+    step = 0
+    while len(batch):
+        if FULL_AT[0] is None and len(batch) >= FULL_SIZE:
+            FULL_AT[0] = step + 3
+        if step == FULL_AT[0]:
+            raise ValueError("cache full")
+        step += 1
+        time.sleep(0.002)
+        yield _items(batch, sent)
+
+
+FULL_SIZE = 16
+
+
+def full(size: int = FULL_SIZE) -> Model:
+    return Model("full", fn=filling, policy=policy(size, 0.05))
+
+
+def two_steps(batch: StreamBatch) -> Iterator[list[Any]]:
+    """Yields two chunks for its members, then returns (they end); a member with
+    ``fail`` makes its first step raise."""
+    for step in range(2):
+        time.sleep(0.05)
+        if any(value.get("fail") for value in batch):
+            raise ValueError("asked to fail")
+        yield [str(step) for _ in batch]
+
+
+def brief(size: int = 2) -> Model:
+    return Model("brief", fn=two_steps, policy=policy(size, 0.3))
+
+
 def reset() -> None:
     """Forget what earlier tests' models counted."""
     STEPS.clear()
     STARTS[0] = RUNS[0] = 0
+    FULL_AT[0] = None
     HELD.clear()
     RELEASE.clear()

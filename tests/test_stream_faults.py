@@ -482,6 +482,42 @@ async def test_the_halves_of_a_batch_that_raised_rerun_side_by_side(
     assert len(isolated) == 1 and streams_[1].request_id in isolated[0]
 
 
+async def test_a_lane_whose_generator_returned_counts_a_new_generators_steps_anew(
+        start_worker: Callable[..., Worker], redis_url: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two queued requests join the lane whose generator returned as its members
+    ended: the new generator raises at its first step, and says so."""
+    caplog.set_level(logging.WARNING, "redbatch.worker")
+    start_worker([stream_models.brief()])
+    await wait_live(redis_url, "brief")
+    async with Client(redis_url) as client:
+        first = await _open(client, "brief", [{}, {}])
+        assert (await anext(aiter(first[0]))).seq == 0  # they run: the next two wait
+        queued = await _open(client, "brief", [{"fail": True}, {}])
+        ended = await asyncio.gather(*(_ended(s) for s in first + queued))
+    assert ended == [([1], None), ([0, 1], None), ([], "model_error"), ([0, 1], None)]
+    raised = [r.getMessage() for r in caplog.records if "raised at its step" in
+              r.getMessage()]
+    assert len(raised) == 1 and "raised at its step 1 " in raised[0]
+
+
+async def test_a_culprit_isolated_once_its_lane_is_ordinary_again_is_logged(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Two bad inputs that raise at other steps: the second raises alone after its
+    lane's rerun caught up; each gets its line."""
+    caplog.set_level(logging.WARNING, "redbatch.worker")
+    await _live(start_worker, redis_url, monkeypatch, size=2, step_s=0.005)
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "counter", [{"n": 10, "fail": 2},
+                                                   {"n": 10, "fail": 6}])
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert ended == [([0, 1], "model_error"), (list(range(6)), "model_error")]
+    isolated = [r.getMessage() for r in caplog.records if "isolated" in r.getMessage()]
+    assert [s.request_id in line for s, line in zip(streams_, isolated, strict=True)] == \
+        [True, True]
+
+
 async def test_an_async_generator_that_raises_fails_its_culprit_alone(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     start_worker([stream_models.counter_async()])
@@ -494,16 +530,53 @@ async def test_an_async_generator_that_raises_fails_its_culprit_alone(
 
 async def test_a_batch_whose_every_member_raises_splits_a_bounded_number_of_times(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
-    """Eight members that all raise at their fourth step: at most ceil(log2 8) = 3
-    splits (1 + 6 generators), not one per member (15); each ends after its 3 chunks."""
-    start_worker([counter(size=8, wait_s=0.3)])
+    """Sixteen members that all raise at their fourth step: at most 2 * ceil(log2 16)
+    = 8 splits (1 + 16 generators), not one per member (31); each ends after its 3
+    chunks."""
+    start_worker([counter(size=16, wait_s=0.3)])
     await wait_live(redis_url, "counter")
     async with Client(redis_url) as client:
-        streams_ = await _open(client, "counter", [{"n": 9, "fail": 3}] * 8)
+        streams_ = await _open(client, "counter", [{"n": 9, "fail": 3}] * 16)
+        ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    assert len(stream_models.STEPS[0]) == 16
+    assert ended == [([0, 1, 2], "model_error")] * 16
+    assert stream_models.STARTS[0] == 1 + 2 * worker_stream.split_budget(16) == 17
+
+
+async def test_a_failure_whatever_the_input_stays_bounded_when_members_joined_late(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """One member, then fifteen that joined after its third chunk; every generator
+    raises at the step its cache is full: a rerun whose late members yield new chunks
+    before that step keeps its bisection's budget (at most 1 + 2 * splits generators,
+    not one per member: 31)."""
+    start_worker([stream_models.full()])
+    await wait_live(redis_url, "full")
+    async with Client(redis_url) as client:
+        first = client.stream("full", {"n": 100}, 20, chunks=True)
+        await first.open()
+        chunks = aiter(first)
+        assert [(await anext(chunks)).seq for _ in range(3)] == [0, 1, 2]
+        late = await _open(client, "full", [{"n": 100}] * 15)
+        ended = await asyncio.gather(_ended(chunks), *(_ended(s) for s in late))
+    assert stream_models.FULL_AT[0] is not None  # the sixteen ran as one batch
+    assert all(code == "model_error" for _, code in ended)
+    assert stream_models.STARTS[0] <= 1 + 2 * worker_stream.split_budget(16) == 17
+
+
+async def test_two_bad_inputs_in_different_halves_each_fail_alone(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Two members of eight raise at their fourth step, one in each half: each is
+    isolated, the six others end whole."""
+    start_worker([counter(size=8, wait_s=0.3)])
+    await wait_live(redis_url, "counter")
+    values: list[dict[str, Any]] = [{"n": 6}] * 8
+    values[0] = values[5] = {"n": 6, "fail": 3}
+    async with Client(redis_url) as client:
+        streams_ = await _open(client, "counter", values)
         ended = await asyncio.gather(*(_ended(s) for s in streams_))
     assert len(stream_models.STEPS[0]) == 8
-    assert ended == [([0, 1, 2], "model_error")] * 8
-    assert stream_models.STARTS[0] == 7
+    assert ended == [([0, 1, 2], "model_error") if value.get("fail") else
+                     (list(range(6)), None) for value in values]
 
 
 async def test_a_request_joins_while_the_others_of_a_batch_that_raised_rerun(
@@ -518,6 +591,23 @@ async def test_a_request_joins_while_the_others_of_a_batch_that_raised_rerun(
         assert await _ended(good) == (list(range(60)), None)
     joint = [keys for keys in stream_models.STEPS if late.request_id in keys]
     assert good.request_id in joint[0]  # it joined the running lane
+
+
+async def test_a_request_joins_the_largest_lane_once_a_bisection_is_over(
+        start_worker: Callable[..., Worker], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the bisection of [a, bad, c, d], the lanes [c, d] and [a] go on; a
+    newcomer joins [c, d], the lane with most members, not the last one."""
+    await _live(start_worker, redis_url, monkeypatch, step_s=0.02)
+    async with Client(redis_url) as client:
+        a, bad, c, d = await _open(client, "counter", [{"n": 60}, {"n": 60, "fail": 2},
+                                                       {"n": 60}, {"n": 60}])
+        assert await _ended(bad) == ([0, 1], "model_error")
+        late = client.stream("counter", {"n": 2}, 20)
+        assert [x async for x in late] == ["0", "1"]
+        assert [await _ended(s) for s in (a, c, d)] == [(list(range(60)), None)] * 3
+    joint = [keys for keys in stream_models.STEPS if late.request_id in keys]
+    assert set(joint[0]) == {c.request_id, d.request_id, late.request_id}
 
 
 async def test_a_caller_that_cancels_during_a_replay_is_not_replayed_to_the_end(
@@ -536,6 +626,29 @@ async def test_a_caller_that_cancels_during_a_replay_is_not_replayed_to_the_end(
     await _until(lambda: raw_redis.get(marker) == b"d")
     alone = [keys for keys in stream_models.STEPS if keys == [gone.request_id]]
     assert len(alone) < 5  # not its 30 steps replayed
+
+
+async def test_a_worker_that_may_not_read_the_cancelled_set_warns_once_not_per_replay(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis user without ZMSCORE: a replay of twenty steps logs one warning."""
+    caplog.set_level(logging.WARNING, "redbatch.worker")
+    monkeypatch.setattr(stream_models, "STEP_S", 0.002)
+    raw_redis.execute_command("ACL", "SETUSER", "nozms", "on", ">pw", "~*", "&*", "+@all",
+                              "-zmscore")
+    try:
+        start_worker([counter(size=2, name="nozms")],
+                     url=redis_url.replace("redis://", "redis://nozms:pw@"))
+        await wait_live(redis_url, "nozms")
+        async with Client(redis_url) as client:
+            streams_ = await _open(client, "nozms", [{"n": 25}, {"n": 25, "fail": 20}])
+            ended = await asyncio.gather(*(_ended(s) for s in streams_))
+    finally:
+        raw_redis.execute_command("ACL", "DELUSER", "nozms")
+    assert ended == [(list(range(25)), None), (list(range(20)), "model_error")]
+    refused = [r for r in caplog.records if "ZMSCORE" in r.getMessage()
+               or "cannot read the cancelled set" in r.getMessage()]
+    assert len(refused) == 1
 
 
 async def test_a_deadline_that_passes_during_a_replay_ends_the_stream_where_it_was(

@@ -355,20 +355,42 @@ async def test_a_version_1_takes_over_a_stored_base_row_once_its_workers_left(
     (``"base": true``, as version 1, weight 70). A worker of a real version 1 leaves it
     theirs while they are live (no traffic moves to it unasked), then takes it over
     (the operator's weight stays) rather than being masked by it."""
-    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
     conn = aioredis.Redis.from_url(redis_url)
     try:
-        await _register(conn, "2")
-        await versions.change(conn, MODEL, weights={"1": 70, "2": 30})
-        await _register(conn, "1")
+        await _base_row_of_70(conn, raw_redis)
         table = await versions.load(conn, MODEL)
         assert (table.served(MODEL, "1"), table.versions["1"].weight) == ("vm", 70.0)
         raw_redis.delete(protocol.workers_key(MODEL))
-        await _register(conn, "1")
+        for _ in range(2):  # it saw them gone, then the settle (here 0 ms) passed
+            await _register(conn, "1", settle_ms=0)
+        assert b"base" not in raw_redis.hget(protocol.versions_key(MODEL), "1")
         table = await versions.load(conn, MODEL)
     finally:
         await conn.aclose()
     assert table.versions["1"] == Version(70.0) and table.served(MODEL, "1") == "vm@1"
+
+
+async def test_a_version_1_waits_a_settle_before_it_takes_over_a_stored_base_row(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """The workers served without versions gone for less than the settle (a restart):
+    version 1 serves the row meanwhile (never absent: a pin on it is no 404), and they
+    get it back, the operator's weight too, once live again."""
+    conn = aioredis.Redis.from_url(redis_url)
+    try:
+        await _base_row_of_70(conn, raw_redis)
+        raw_redis.delete(protocol.workers_key(MODEL))
+        table = await versions.load(conn, MODEL)  # before a beat of version 1
+        assert (table.served(MODEL, "1"), table.versions["1"]) == ("vm@1", Version(70.0))
+        for _ in range(2):
+            await _register(conn, "1")
+        table = await versions.load(conn, MODEL)
+        assert (table.served(MODEL, "1"), table.versions["1"]) == ("vm@1", Version(70.0))
+        _plain_live(raw_redis)
+        await _register(conn, "1")
+        table = await versions.load(conn, MODEL)
+    finally:
+        await conn.aclose()
+    assert (table.served(MODEL, "1"), table.versions["1"]) == ("vm", Version(70.0, base=True))
 
 
 async def test_a_version_1_never_takes_the_drain_of_a_stored_base_row(
@@ -376,25 +398,40 @@ async def test_a_version_1_never_takes_the_drain_of_a_stored_base_row(
     """An operator drained the workers served without versions: a worker of version 1
     starting meanwhile reads a row not draining (it serves on), and takes the row over
     not draining once they left."""
-    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
+    _plain_live(raw_redis)
     conn = aioredis.Redis.from_url(redis_url)
     try:
         await _register(conn, "2")
         await versions.change(conn, MODEL, weights={"2": 30}, drain="1")
         assert not drain._draining(version(1), await _register(conn, "1"))  # as it reads
         raw_redis.delete(protocol.workers_key(MODEL))
-        assert not drain._draining(version(1), await _register(conn, "1"))
+        for _ in range(2):
+            assert not drain._draining(version(1), await _register(conn, "1", settle_ms=0))
         table = await versions.load(conn, MODEL)
     finally:
         await conn.aclose()
     assert table.versions["1"] == Version(0.0) and table.served(MODEL, "1") == "vm@1"
 
 
-async def _register(conn: aioredis.Redis, number: str) -> bytes:
+def _plain_live(raw_redis: redis.Redis) -> None:
+    """A live worker of ``vm`` served without versions."""
+    raw_redis.zadd(protocol.workers_key(MODEL), {"plain": protocol.now_ms() + 60_000})
+
+
+async def _base_row_of_70(conn: aioredis.Redis, raw_redis: redis.Redis) -> None:
+    """Workers of ``vm`` without versions, live; version 2; an operator's change that
+    stores their row (base, weight 70); a worker of a real version 1 registers."""
+    _plain_live(raw_redis)
+    await _register(conn, "2")
+    await versions.change(conn, MODEL, weights={"1": 70, "2": 30})
+    await _register(conn, "1")
+
+
+async def _register(conn: aioredis.Redis, number: str, settle_ms: int = 60_000) -> bytes:
     """A heartbeat's registration of version ``number`` of ``vm``; the row it read."""
     await conn.script_load(lua.REGISTER_VERSION)
     async with conn.pipeline(transaction=False) as pipe:
-        heartbeat._version_rows(pipe, [version(int(number))])
+        heartbeat._version_rows(pipe, [version(int(number))], settle_ms)
         row: bytes = (await pipe.execute())[0]
     return row
 

@@ -94,13 +94,13 @@ _LPOS_PROBES: weakref.WeakKeyDictionary[aioredis.Redis, asyncio.Future[bool]] = 
     weakref.WeakKeyDictionary())
 
 
-def _warn_cancel_refused(model: str, exc: ResponseError) -> None:
+def warn_cancel_refused(model: str, exc: ResponseError) -> None:
     if model in _CANCEL_REFUSED:
         return
     _CANCEL_REFUSED.add(model)
     log.warning("model=%s Redis refused ZMSCORE on the cancelled set (%s): requests whose "
-                "callers went away are computed anyway (see docs/redis.md; logged once)",
-                model, exc)
+                "callers went away are computed anyway, streams replayed to the end (see "
+                "docs/redis.md; logged once)", model, exc)
 
 
 class Claimer:
@@ -220,7 +220,7 @@ class Claimer:
         try:
             scores = await self._link.execute("ZMSCORE", self.cancelled, *ids)
         except ResponseError as exc:  # e.g. NOPERM: cancelled requests get computed
-            _warn_cancel_refused(self.model, exc)
+            warn_cancel_refused(self.model, exc)
             return
         gone = {rid for rid, score in zip(ids, scores, strict=True) if score is not None}
         if gone:

@@ -90,7 +90,8 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
             pipe.zrangebyscore(protocol.workers_key(model.name), "-inf", now, 0, REAP_SCAN)
             pipe.hgetall(protocol.config_key(model.name))
             scans.append(len(pipe) - 2)
-        rows = _version_rows(pipe, models)
+        rows = _version_rows(pipe, models,
+                             round(lease_ttl_s * 1000) * protocol.BASE_SETTLE_LEASES)
         live = _live_ids(pipe, models, now)
         aware = _count_aware(pipe, models, now)
         _publish_draining(pipe, draining)
@@ -156,18 +157,19 @@ DRAINING_SHA = script_sha(lua.PUBLISH_DRAINING)
 BEAT_SCRIPTS = (lua.REGISTER_VERSION, lua.PUBLISH_DRAINING)  # what a beat runs by SHA
 
 
-def _version_rows(pipe: Any, models: list[Model]) -> dict[str, int]:
+def _version_rows(pipe: Any, models: list[Model], settle_ms: int) -> dict[str, int]:
     """Register each versioned model's version in its routing table
     (``lua.REGISTER_VERSION``: an operator's weights stay; a version new to a model
-    served already takes no unpinned traffic until promoted) and read its row back;
-    where each row answers."""
+    served already takes no unpinned traffic until promoted; a version "1" takes a
+    stored base row over once the workers without versions are gone ``settle_ms``)
+    and read its row back; where each row answers."""
     rows: dict[str, int] = {}
     for model in models:
         if model.version is not None:
             base = protocol.split_name(model.name)[0]
             pipe.execute_command("EVALSHA", REGISTER_SHA, 2, protocol.versions_key(base),
                                  protocol.workers_key(base), model.version,
-                                 protocol.now_ms(), NEW_VERSION_ROW, CANARY_ROW)
+                                 protocol.now_ms(), NEW_VERSION_ROW, CANARY_ROW, settle_ms)
             rows[model.name] = len(pipe) - 1
     return rows
 

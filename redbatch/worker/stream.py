@@ -14,11 +14,13 @@ ends with ``deadline_exceeded``: the deadline bounds the whole stream.
 A generator that raises is bisected: its running members are split in two halves,
 each rerun from its first step by a generator of its own (a lane), stepped beside the
 other lanes, until the member that fails alone ends with the error; a bisection splits
-at most ceil(log2 n) times (n: the members running when it began), then a lane that
-raises fails its members.  A rerun sends no chunk below the number its caller already
-got, and checks that it yielded those same chunks (a hash of their bytes): a member
-whose rerun yields others ends with ``model_error`` at the number it had reached.
-Newcomers join the last lane, or a lane of their own while that one reruns.
+at most CULPRITS * ceil(log2 n) times (n: the members running when it began; enough to
+isolate that many bad inputs), then a lane that raises fails its members.  A rerun
+sends no chunk below the number its caller already got, and checks that it yielded
+those same chunks (a hash of their bytes): a member whose rerun yields others ends
+with ``model_error`` at the number it had reached.
+Newcomers join the ordinary lane with the most members, or a lane of their own while
+every lane reruns.  Lanes never merge again: each step of the batch steps each lane.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from redbatch.errors import (
 from redbatch.lean import LeanLink
 from redbatch.protocol import Request, Timings
 from redbatch.stream_wire import StreamChunk
+from redbatch.worker.claim import warn_cancel_refused
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.runner import BatchRunner
 from redbatch.worker.stream_batch import STOP, StreamBatch
@@ -56,6 +59,7 @@ from redbatch.worker.stream_reap import StreamReaper
 log = logging.getLogger("redbatch.worker")
 
 END: Final = object()  # the generator returned
+CULPRITS: Final = 2  # the bad inputs a bisection isolates in any batch
 STEP_GRACE_S = 1.0  # a step may run this long past its members' latest deadline
 # a message's fate in lua_stream.STEP: sent; refused (no longer this worker's, or
 # answered); dropped (its caller cancelled); refused by Redis (its reply_to holds
@@ -171,7 +175,7 @@ class StreamRunner(BatchRunner):
         try:
             scores = await self.stream_link.execute("ZMSCORE", self.queue_claimer.cancelled, *ids)
         except redis.ResponseError as exc:  # e.g. NOPERM: they run, and STEP drops them
-            log.warning("model=%s cannot read the cancelled set: %s", self.model.name, exc)
+            warn_cancel_refused(self.model.name, exc)
             return set()
         return {rid for rid, score in zip(ids, scores, strict=True) if score is not None}
 
@@ -290,7 +294,8 @@ class Lane:
     batch: StreamBatch = field(default_factory=StreamBatch)
     gen: Any = None
     steps: int = 0
-    bisection: Bisection | None = None  # a rerun that yielded no new chunk yet
+    bisection: Bisection | None = None  # a rerun, until it passed ``failed_at`` caught up
+    failed_at: int = 0  # the step its parent raised at (0: its batch's first lane)
 
 
 class StreamLoop:
@@ -393,9 +398,10 @@ class StreamLoop:
     async def step_lane(self, lane: Lane) -> None:
         """One step of a lane's generator (started if need be), turned into messages."""
         if lane.gen is None:
-            lane.gen = self.r.fn(lane.batch)
+            lane.gen, lane.steps = self.r.fn(lane.batch), 0
             if lane.bisection is None:  # a rerun is no new batch
                 self.r.stats.batches += 1
+                lane.failed_at = 0  # (a lane reused by newcomers is no rerun)
         items, step_ms = await self.next_items(lane)
         if isinstance(items, list) and len(items) == len(lane.batch):
             self.route(lane, items, step_ms)
@@ -430,7 +436,7 @@ class StreamLoop:
         lane of its own (False: it ran one member, the culprit, or its bisection spent
         its splits: they fail)."""
         running = self.active(lane)
-        bisection = lane.bisection or Bisection(math.ceil(math.log2(max(2, len(running)))))
+        bisection = lane.bisection or Bisection(split_budget(len(running)))
         if len(running) < 2 or not bisection.splits_left:
             self._blamed(lane, running, error)
             return False
@@ -441,13 +447,15 @@ class StreamLoop:
                 len(running))
         self.lanes.remove(lane)
         mid = len(running) // 2
-        self.lanes += [_rerun(half, bisection) for half in (running[:mid], running[mid:])]
+        self.lanes += [_rerun(half, bisection, lane.steps)
+                       for half in (running[:mid], running[mid:])]
         return True
 
     def _blamed(self, lane: Lane, running: list[Member], error: ModelError) -> None:
         """Log what a bisection isolated: the request that fails alone, or the members
-        that fail together once it spent its splits."""
-        if lane.bisection is None:
+        that fail together once it spent its splits (also in a lane of a bisection
+        that is ordinary again)."""
+        if lane.bisection is None and not lane.failed_at:
             return
         culprits = ",".join(m.request.id for m in running)
         log.warning("model=%s stream rerun isolated %s (%s): %s", self.r.model.name,
@@ -471,8 +479,13 @@ class StreamLoop:
             message = self._message(member, item)
             if message is not None:
                 self.pending.append(message)
-                if not message.last:
-                    lane.bisection = None  # a new chunk: an ordinary lane again
+        if lane.bisection is not None and self._caught_up(lane):
+            lane.bisection = None  # an ordinary lane again
+
+    def _caught_up(self, lane: Lane) -> bool:
+        """A rerun that passed the step its parent raised at, every member caught up."""
+        return lane.steps >= lane.failed_at and all(
+            m.seq >= m.sent for m in self.active(lane))
 
     def _message(self, member: Member, item: Any) -> Message | None:
         """A chunk; a final message for ``STOP``, or an exception (that member fails)."""
@@ -509,7 +522,7 @@ class StreamLoop:
             self.members.pop(key, None)
 
     async def admit(self, raws: list[bytes]) -> None:
-        """Claimed entries join the batch (the last lane, unless it reruns: then a
+        """Claimed entries join the batch (the ordinary lane with most members, else a
         lane of their own); one that cannot run (or whose caller cancelled it) gets its
         final error."""
         now = protocol.now_ms()
@@ -527,10 +540,13 @@ class StreamLoop:
             self._open_lane().batch.add(member.request.id, member.request.payload)
 
     def _open_lane(self) -> Lane:
-        """The lane newcomers join: the last one, unless a bisection reruns it."""
-        if not self.lanes or self.lanes[-1].bisection is not None:
+        """The lane newcomers join: the ordinary one (not rerunning) with the most
+        members (``max_batch_size`` bounds them all together), else a new one."""
+        ordinary = [lane for lane in self.lanes if lane.bisection is None]
+        if not ordinary:
             self.lanes.append(Lane())
-        return self.lanes[-1]
+            return self.lanes[-1]
+        return max(ordinary, key=lambda lane: len(self.active(lane)))
 
     def _member(self, raw: bytes, now: int) -> Member | None:
         fmt = codec.sniff_format(raw)
@@ -549,14 +565,22 @@ class StreamLoop:
             return None
 
 
-def _rerun(members: list[Member], bisection: Bisection) -> Lane:
+def _rerun(members: list[Member], bisection: Bisection, failed_at: int) -> Lane:
     """A lane that reruns these members from their first step, each checking the
-    chunks its caller got."""
-    lane = Lane(bisection=bisection)
+    chunks its caller got (a rerun until it passed ``failed_at``, caught up)."""
+    lane = Lane(bisection=bisection, failed_at=failed_at)
     for member in members:
         member.seq, member.rerun = 0, hashlib.blake2b() if member.sent else None
         lane.batch.add(member.request.id, member.request.payload)
     return lane
+
+
+def split_budget(members: int) -> int:
+    """How many times a bisection of a generator over this many members may split:
+    enough to isolate ``CULPRITS`` bad inputs wherever they are (one takes at most
+    ceil(log2 n) splits); a failure whatever the input spends them all: O(log n), not
+    the n - 1 splits that isolate every member (the same below 8 members)."""
+    return min(max(1, members - 1), CULPRITS * math.ceil(math.log2(max(2, members))))
 
 
 def _timed(member: Member, step_ms: float, size: int) -> None:
