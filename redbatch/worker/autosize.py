@@ -31,7 +31,7 @@ EXPLORE_EVERY = 16  # one choice in this many tries a neighbouring size
 RECENT = 9  # passes per size slot whose medians make its figures
 MAX_PASS_MS = 100.0  # the latency budget of one pass (size 1 is always allowed)
 FIXED = "all"  # the bucket label of a fixed-shape model
-EXTEND_GAIN = 0.20  # items/s gained by the last doubling that lets the cut grow past it
+EXTEND_GAIN = 0.10  # items/s gained by the last doubling that lets the cut grow past it
 
 
 def slot(size: int) -> int:

@@ -26,7 +26,9 @@ from redbatch.worker.model import BatchFn, Model
 log = logging.getLogger("redbatch.worker")
 AUTO_INLINE_MS = 5.0  # on a CPU worker, passes shorter than this run on the event loop
 RECENT_PASSES = 8
-CPU_BOUND = 0.5  # a pass on the CPU this share of its wall time is timed by its CPU time
+CPU_BOUND = 0.2  # a pass on the CPU this share of its wall time is timed by its CPU time
+# (low: a CPU pass on a machine whose cores other processes share may get a third of a
+# core; a pass timed by the wall among passes timed by the CPU would skew the curve)
 TRACEBACK_EVERY_S = 60.0  # a model's traceback: once a minute per distinct error
 
 
