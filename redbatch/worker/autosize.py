@@ -7,9 +7,13 @@ has one, ``"all"``), the worker keeps the time and item count of its last ``RECE
 passes by size, the size rounded up to a power of two (a pass of 3 items counts for
 size 4, with its 3 items), and reads their medians: a pass that another process slowed
 down (it took the core) moves nothing.  The size it cuts a bucket's passes at is the
-one whose passes gave the most items/s, ``items / pass time``, among those whose pass
-took at most ``MAX_PASS_MS`` (size 1 is always allowed); never above
-``max_batch_size``, a cap.
+largest one whose passes gave the most items/s, ``items / pass time``, or within
+``TIE_SHARE`` of it (a flat curve's sizes differ by less than their noise: the larger
+runs fuller passes), among those measured ``SLOT_PASSES`` times whose pass took at
+most ``MAX_PASS_MS`` (size 1 is always allowed); never above ``max_batch_size``, a
+cap.  Sizes above the largest measured are not ruled out while that one is the best:
+the cut grows up to the budget, and the passes that a cut that large lets run
+measure it.
 
 * Before ``WARMUP_PASSES`` passes of a bucket were measured, its passes are cut at
   ``max_batch_size``, as without ``auto_batch``.
@@ -31,7 +35,8 @@ EXPLORE_EVERY = 16  # one choice in this many tries a neighbouring size
 RECENT = 9  # passes per size slot whose medians make its figures
 MAX_PASS_MS = 100.0  # the latency budget of one pass (size 1 is always allowed)
 FIXED = "all"  # the bucket label of a fixed-shape model
-EXTEND_GAIN = 0.10  # items/s gained by the last doubling that lets the cut grow past it
+TIE_SHARE = 0.05  # items/s within this share of the best: a tie, the larger size wins
+SLOT_PASSES = 3  # passes of a size before its figures count (``Curve.measured``)
 
 
 def slot(size: int) -> int:
@@ -67,25 +72,29 @@ class Curve:
         """Per slot, the median items per pass."""
         return {k: median(n for n, _ms in passes) for k, passes in self.recent.items()}
 
+    @property
+    def measured(self) -> list[int]:
+        """The slots with ``SLOT_PASSES`` passes at least (all, while none has): a size
+        that ran once or twice (a pass that allocated for a new shape, a rare claim)
+        neither wins nor stops the cut from growing past it."""
+        enough = [k for k, passes in self.recent.items() if len(passes) >= SLOT_PASSES]
+        return enough or list(self.recent)
+
     def best(self, cap: int, budget_ms: float) -> int:
-        """The slot of the most items/s among those within the budget and the cap
-        (the quickest slot when none is within the budget)."""
-        ms = self.ms
-        keys = [k for k in ms if k <= slot(cap)] or [min(ms)]
+        """The largest slot of the most items/s, ties within ``TIE_SHARE`` included,
+        among the measured ones within the budget and the cap (the quickest when none
+        is within the budget); past the largest measured when that one is the best."""
+        measured, ms = self.measured, self.ms
+        keys = [k for k in measured if k <= slot(cap)] or [min(measured)]
         fits = [k for k in keys if ms[k] <= budget_ms] or [min(keys, key=ms.__getitem__)]
-        top = max(fits, key=self.rate)
-        return self._extended(top, cap, budget_ms) if self._rising(top) else top
+        rates = {k: self.rate(k) for k in fits}
+        floor = (1 - TIE_SHARE) * max(rates.values())
+        top = max(k for k, rate in rates.items() if rate >= floor)
+        return self._extended(top, cap, budget_ms) if top == max(measured) else top
 
     def rate(self, key: int) -> float:
         """Items per ms of the passes of slot ``key`` (the median of theirs)."""
         return median(n / max(ms, 1e-6) for n, ms in self.recent[key])
-
-    def _rising(self, top: int) -> bool:
-        """Whether ``top`` is the largest slot measured and items/s still rose into it."""
-        if top != max(self.recent):
-            return False
-        below = [k for k in self.recent if k < top]
-        return not below or self.rate(top) >= (1 + EXTEND_GAIN) * self.rate(max(below))
 
     def _extended(self, top: int, cap: int, budget_ms: float) -> int:
         """The largest power of two up to the cap's slot whose pass, at ``top``'s time

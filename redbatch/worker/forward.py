@@ -26,7 +26,7 @@ from redbatch.worker.model import BatchFn, Model
 log = logging.getLogger("redbatch.worker")
 AUTO_INLINE_MS = 5.0  # on a CPU worker, passes shorter than this run on the event loop
 RECENT_PASSES = 8
-CPU_BOUND = 0.2  # a pass on the CPU this share of its wall time is timed by its CPU time
+CPU_BOUND = 0.2  # a pass on the CPU this share of its thread's wall time: CPU-timed
 # (low: a CPU pass on a machine whose cores other processes share may get a third of a
 # core; a pass timed by the wall among passes timed by the CPU would skew the curve)
 TRACEBACK_EVERY_S = 60.0  # a model's traceback: once a minute per distinct error
@@ -80,6 +80,7 @@ class Forwarder:
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
         self._cpu_s = 0.0  # CPU time of the threads that ran sync passes, since taken
         self._pass_cpu_s: float | None = None  # the last sync pass's own CPU time
+        self._pass_wall_s = 0.0  # and its wall time in that thread (no hand-off)
         # ``auto_batch`` times a CPU pass by its thread's CPU time where that thread
         # does all of the compute (one intra-op thread): a pass descheduled by other
         # processes, or waiting for the executor, then moves nothing
@@ -253,10 +254,11 @@ class Forwarder:
     def _measured_ms(self, pass_ms: float) -> float:
         """What ``auto_batch`` learns a pass took: its thread's CPU time where that
         thread does all of the compute and the pass was mostly on the CPU (at least
-        ``CPU_BOUND`` of its wall time: a pass that slept or waited on I/O is timed
-        by the wall), else its wall time."""
+        ``CPU_BOUND`` of the wall time the call took in that thread, the hand-off to
+        and from it aside: a pass that slept or waited on I/O is timed by the wall),
+        else its wall time."""
         cpu_s, self._pass_cpu_s = self._pass_cpu_s, None
-        if not self._cpu_clock or cpu_s is None or 1000 * cpu_s < CPU_BOUND * pass_ms:
+        if not self._cpu_clock or cpu_s is None or cpu_s < CPU_BOUND * self._pass_wall_s:
             return pass_ms
         return cpu_s * 1000
 
@@ -292,11 +294,12 @@ class Forwarder:
         """A sync pass, adding the CPU time of the thread that runs it to ``_cpu_s``
         (with one torch thread, all of a CPU pass's compute; a pass descheduled by
         other processes costs wall time, not CPU time)."""
-        started = time.thread_time()
+        started, wall = time.thread_time(), time.perf_counter()
         try:
             return self._fn(arg)
         finally:
             self._pass_cpu_s = time.thread_time() - started
+            self._pass_wall_s = time.perf_counter() - wall
             self._cpu_s += self._pass_cpu_s
 
     def _check_outputs(self, outputs: Any, n: int) -> list[Any]:
