@@ -52,7 +52,7 @@ from redbatch.pipelines.definition import Pipeline, pipelines
 
 T = TypeVar("T")
 POLICY_KEYS = ("max_batch_size", "batch_wait_timeout_s", "max_batch_cost", "auto_batch",
-               "hold_buckets")
+               "hold_buckets", "pad_to_longest")
 LIMIT_KEYS = ("max_queue_len", "default_timeout_s", "priority_caps",  # -> models' own
               "priority_levels", "default_priority", "version", "sub_queues")
 TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
@@ -127,7 +127,7 @@ def _check_policy(policy: dict[str, Any], where: str) -> None:
     wait = policy.get("batch_wait_timeout_s", 0.0)
     if type(wait) not in (int, float):
         raise ConfigError(f"{where}.batch_wait_timeout_s: must be float, got {wait!r}")
-    for flag in ("auto_batch", "hold_buckets"):
+    for flag in ("auto_batch", "hold_buckets", "pad_to_longest"):
         if type(policy.get(flag, False)) is not bool:
             raise ConfigError(f"{where}.{flag}: must be true or false, got {policy[flag]!r}")
     try:

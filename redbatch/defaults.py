@@ -89,6 +89,7 @@ QUIET_S: Final[float | None] = None  # gap that closes a window early; None: a q
 MAX_BATCH_COST: Final[float | None] = None  # most total cost in one pass; None: no cost
 AUTO_BATCH: Final = False  # pass sizes by measurement (max_batch_size a cap); off: the cap
 HOLD_BUCKETS: Final = True  # with auto_batch: an under-filled length bucket may wait a batch
+PAD_TO_LONGEST: Final = False  # a variable-length pass padded to its longest item, not its bucket
 OVERSIZE: Final = "alone"  # an item costlier than max_batch_cost: alone, or refuse (422)
 PRIORITY_LEVELS: Final = 1  # a model's priority levels (1..L; 1: one queue, no priorities)
 DEFAULT_PRIORITY: Final = 1  # the level of a request that gives none (or 0)

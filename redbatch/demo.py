@@ -9,8 +9,9 @@
 * ``textcls``: the W3 benchmark model, a one-layer transformer text classifier (seed 0)
   over 1 to 512 token ids; body ``{"input_ids": [ids]}`` (other fields, such as an
   ``attention_mask``, are ignored: the mask is implied by the length), reply
-  ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its bucket;
-  a pass padded to 256 or more runs its rows one at a time, each at its own length.
+  ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its
+  longest item (``pad_to_longest``); a pass longer than 256 tokens runs its rows one at
+  a time, each at its own length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
 * ``generate``: the streaming demo (``redbatch.generate``), a seeded character-level
   GRU; body ``{"prompt": "hello", "max_tokens": 16}``, one chunk per character (SSE
@@ -27,6 +28,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -84,6 +86,7 @@ def models() -> list[Model | Pipeline]:
     echo = Model("echo", fn=echo_fn, policy=policy, spec=TensorSpec("float32", (None,)),
                  input_name="x", output_name="y", inline=True)
     textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN),
-                          policy, input_name="input_ids", output_name="logits")
+                          replace(policy, pad_to_longest=True), input_name="input_ids",
+                          output_name="logits")
     return [mlp, echo, echo_tokens(policy), textcls, adder, pair, generate_model(),
             tokenizer_model(), Pipeline("classify_text", ["tok", "textcls"])]

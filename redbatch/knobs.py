@@ -55,6 +55,8 @@ KNOBS: dict[str, Knob] = {
     "auto_batch": Knob(bool),
     # with auto_batch, a variable-length model may hold an under-filled bucket over
     "hold_buckets": Knob(bool),
+    # a variable-length model's passes padded to their longest item, not their bucket
+    "pad_to_longest": Knob(bool),
     "max_queue_len": Knob(int, 1, nullable=True, part="model"),
     # the model's sub-queues (``protocol.sub_queue_tag``): producers spread over them
     "sub_queues": Knob(int, 1, protocol.MAX_SUB_QUEUES, part="model"),

@@ -11,10 +11,11 @@ thread) with the sizes learned (``auto_batch``), each arm warmed up first: real
 tokens per CPU-second of the passes' threads (contended machines move wall time far
 more than CPU time), with and without holding.
 
-``--textcls --ab [ROUNDS]``: one runner, warmed up once, ``hold_buckets`` switched
-live between blocks of ``BLOCK`` claims in ABBA order (off, on, on, off, ...) for
-ROUNDS rounds (default 6): both arms share the learned sizes, the process and the
-machine's load over the run; per arm, real tokens per CPU-second and mean rows/pass.
+``--textcls --ab [ROUNDS] [--knob NAME]``: one runner, warmed up once, the boolean
+knob ``NAME`` (default ``hold_buckets``; ``pad_to_longest`` too) switched live between
+blocks of ``BLOCK`` claims in ABBA order (off, on, on, off, ...) for ROUNDS rounds
+(default 6): both arms share the learned sizes, the process and the machine's load
+over the run; per arm, real tokens per CPU-second, mean rows/pass and padding.
 """
 
 from __future__ import annotations
@@ -90,10 +91,11 @@ def prepared(runner: BatchRunner, holding: bool) -> BatchRunner:
     return runner
 
 
-def hold(runner: BatchRunner, on: bool) -> None:
-    """``hold_buckets`` on or off, as a live change does (the next claim applies it)."""
+def hold(runner: BatchRunner, on: bool, knob: str = "hold_buckets") -> None:
+    """``knob`` (a boolean policy knob, ``hold_buckets`` by default) on or off, as a
+    live change does (the next claim applies it)."""
     model = runner.model
-    model.policy = dataclasses.replace(model.policy, hold_buckets=on)
+    model.policy = dataclasses.replace(model.policy, **{knob: on})
 
 
 async def claims(conn: aioredis.Redis, runner: BatchRunner, rng: random.Random, n: int,
@@ -161,31 +163,39 @@ BLOCK = 25  # claims per block of the interleaved A/B
 AB_ORDER = (False, True, True, False)  # one round: holding off, on, on, off
 
 
-async def textcls_ab(url: str, rounds: int, warmup: int = 100) -> None:
+async def textcls_ab(url: str, rounds: int, knob: str = "hold_buckets", warmup: int = 100
+                     ) -> None:
     model, fn = textcls_model()
     conn = aioredis.Redis.from_url(url)
     await conn.flushall()
     tokens_by = {False: 0, True: 0}
     cpu_ms_by = {False: 0.0, True: 0.0}
+    padding_by = {False: [0, 0], True: [0, 0]}
     passes: dict[bool, list[int]] = {False: [], True: []}
     with ThreadPoolExecutor(1) as executor:
         runner = prepared(BatchRunner(conn, model, fn, "w1", executor, 0.01), True)
+        forwarder = runner._forwarder
         rng = random.Random(SEED)
         await claims(conn, runner, rng, warmup)
+        forwarder.take_padding()
         for _ in range(rounds):
             for on in AB_ORDER:
-                hold(runner, on)
+                hold(runner, on, knob)
                 tokens, cpu_ms = await claims(conn, runner, rng, BLOCK, passes[on])
                 tokens_by[on] += tokens
                 cpu_ms_by[on] += cpu_ms
-        sizes = runner._forwarder.sizer.sizes()
+                padded, real = forwarder.take_padding()
+                padding_by[on][0] += padded
+                padding_by[on][1] += real
+        sizes = forwarder.sizer.sizes()
     await conn.aclose()
     for on in (False, True):
         tokens, cpu_ms, rows = tokens_by[on], cpu_ms_by[on], passes[on]
-        print(f"textcls {'with' if on else 'without'} holding (interleaved, {rounds} rounds "
-              f"of {BLOCK}-claim blocks): {tokens / (cpu_ms / 1000):,.0f} real tokens per "
+        padded, real = padding_by[on]
+        print(f"textcls, {knob} {'on' if on else 'off'} (interleaved, {rounds} rounds of "
+              f"{BLOCK}-claim blocks): {tokens / (cpu_ms / 1000):,.0f} real tokens per "
               f"CPU-second of the passes; {len(rows)} passes, mean rows/pass "
-              f"{sum(rows) / len(rows):.2f}")
+              f"{sum(rows) / len(rows):.2f}, padding {padded / max(real, 1):.2f}x")
     print(f"sizes learned {sizes}")
 
 
@@ -214,10 +224,14 @@ async def main(url: str) -> None:
 
 def _entry(argv: list[str]) -> tuple[Any, list[str]]:
     """The function to run on a Redis URL, and the arguments left (the URL, if any)."""
+    knob = "hold_buckets"
+    if "--knob" in argv:
+        knob = argv[argv.index("--knob") + 1]
+        argv = [a for a in argv if a != knob]
     args = [a for a in argv if not a.startswith("--")]
     if "--ab" in argv:
         rounds = int(args.pop(0)) if args and args[0].isdigit() else 6
-        return (lambda url: textcls_ab(url, rounds)), args
+        return (lambda url: textcls_ab(url, rounds, knob)), args
     return (textcls_main if "--textcls" in argv else main), args
 
 

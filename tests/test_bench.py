@@ -140,15 +140,21 @@ def test_w3_buckets_hold_each_body_in_the_smallest_power_of_two() -> None:
 
 def test_w3_bare_sweep_takes_each_buckets_best_batch(monkeypatch: pytest.MonkeyPatch
                                                      ) -> None:
-    def fake_rate(model: Any, rows: list[list[int]], length: int, batch: int,
+    lengths: list[int | None] = []
+
+    def fake_rate(model: Any, rows: list[list[int]], length: int | None, batch: int,
                   duration_s: float) -> float:
+        lengths.append(length)
+        # padded to each pass's longest (None): rated as its bucket, for this test
+        length = length or next(b for b, bodies in w3.buckets().items() if bodies == rows)
         best = 1 if length >= 256 else 8  # long buckets best alone, short ones at 8
         return 1000.0 * length / (1 + abs(batch - best))
 
     monkeypatch.setattr(w3, "_rate", fake_rate)
     monkeypatch.setattr(w3, "_exact", lambda model, duration_s: 5.0)
     bare = w3.bare_sweep(0.01)
-    for name in ("plain", "served"):
+    assert lengths.count(None) == len(lengths) // 3  # one strategy of three to the longest
+    for name in ("plain", "served", "served_longest"):
         assert {k: v["best_batch"] for k, v in bare[name]["buckets"].items()} == {
             "8": 8, "16": 8, "32": 8, "64": 8, "128": 8, "256": 1, "512": 1}
     seconds = sum(sum(map(len, rows)) / (1000.0 * length)
@@ -183,6 +189,7 @@ def test_w3_report_gives_tokens_per_second_and_the_targets(
                                                    "tokens_per_s": {32: 90000.0}}},
                                  "best_tokens_per_s": 60000.0},
                        "served": {"buckets": {}, "best_tokens_per_s": 50000.0},
+                       "served_longest": {"buckets": {}, "best_tokens_per_s": 60000.0},
                        "batch1_exact_tokens_per_s": 40000.0}}
     run.report(res)
     out = capsys.readouterr().out
@@ -193,6 +200,7 @@ def test_w3_report_gives_tokens_per_second_and_the_targets(
     assert "x0.80 the naive server running the forward textcls serves" in out
     assert ("45000 real tokens per forward CPU-second, 90% of the served forward's best "
             "strategy (target 90%: met); 40000 per forward wall-second (80%") in out
+    assert "padded the way they are (each pass to its longest): 75% (the same padding" in out
 
 
 def test_batching_counts_real_tokens_per_forward_second() -> None:

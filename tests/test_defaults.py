@@ -47,7 +47,7 @@ POLICY = {"max_batch_size": "MAX_BATCH_SIZE", "batch_wait_timeout_s": "BATCH_WAI
           "stride_s": "STRIDE_S", "allow_small_batch": "ALLOW_SMALL_BATCH",
           "adaptive": "ADAPTIVE", "quiet_s": "QUIET_S", "max_batch_cost": "MAX_BATCH_COST",
           "max_concurrent_batches": "MAX_CONCURRENT_BATCHES", "auto_batch": "AUTO_BATCH",
-          "hold_buckets": "HOLD_BUCKETS"}
+          "hold_buckets": "HOLD_BUCKETS", "pad_to_longest": "PAD_TO_LONGEST"}
 MODEL = {"input_name": "INPUT_NAME", "output_name": "OUTPUT_NAME", "oversize": "OVERSIZE",
          "priority_levels": "PRIORITY_LEVELS", "default_priority": "DEFAULT_PRIORITY",
          "priority_share": "PRIORITY_SHARE"}

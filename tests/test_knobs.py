@@ -56,6 +56,7 @@ def test_checks_name_the_knob_and_value() -> None:
                                ("max_batch_size", True, "an integer"),
                                ("adaptive", 1, "true or false"),
                                ("hold_buckets", "no", "true or false"),
+                               ("pad_to_longest", 1, "true or false"),
                                ("quiet_s", 0, "0..60 s"),
                                ("max_queue_len", 0, ">= 1"),
                                ("priority_caps", [5, 0], ">= 1, got 0"),

@@ -449,3 +449,19 @@ def test_the_demo_pair_model() -> None:
     assert pair.signature is not None and pair.fn is not None
     out = pair.fn({"x": np.ones((2, 4), np.float32), "scale": np.array([1, 2], np.float32)})
     np.testing.assert_allclose(out["norm"], [2.0, 4.0])
+
+
+def test_pad_to_longest_pads_every_named_input_to_the_pass_longest() -> None:
+    """Lengths 5, 7 and 6 share bucket 8: one pass padded to 7, each input with its own
+    pad value; the per-token output comes back trimmed to each request's length."""
+    PASSES.clear()
+    model = Model("tokens7", fn=masked, policy=BatchPolicy(pad_to_longest=True), stack=True,
+                  inputs={"ids": IDS, "mask": MASK},
+                  outputs={"kept": TensorSpec("int64", (None,)), "count": None})
+    items = [{"ids": list(range(1, n + 1)), "mask": [1] * n} for n in (5, 7, 6)]
+    got = forward(model, items)
+    assert [len(g["kept"]) for g in got] == [5, 7, 6]
+    (only,) = PASSES
+    assert only["ids"].shape == only["mask"].shape == (3, 7)
+    assert only["lengths"].tolist() == [5, 6, 7]  # sorted by length
+    assert only["ids"][0, 5:].tolist() == [-1, -1] and only["mask"][0, 5:].tolist() == [0, 0]

@@ -19,7 +19,7 @@ import pytest
 
 from redbatch import TensorSpec, knobs
 from redbatch.demo import TOKENS, echo_tokens, models
-from redbatch.errors import ConfigError, InvalidPayload
+from redbatch.errors import ConfigError, InvalidKnob, InvalidPayload
 from redbatch.producer import Client
 from redbatch.spec import ModelInfo
 from redbatch.worker.forward import Forwarder
@@ -270,3 +270,46 @@ def test_buckets_are_only_for_a_variable_length_model() -> None:
         fixed.apply_knobs({"buckets": [8]})
     with pytest.raises(ConfigError, match="increase strictly"):
         Model("lens", fn=list, spec=TOKENS).apply_knobs(knobs.effective({}, {"buckets": [8, 8]}))
+
+
+# --- padded to the longest item -------------------------------------------------------
+@pytest.mark.parametrize("pooled", [False, True])
+async def test_pad_to_longest_pads_each_pass_to_its_longest_sorted_by_length(
+        pooled: bool) -> None:
+    """Bucket 16's five items, in passes of 2: sorted by length (9, 10, 12, 15, 16),
+    each pass padded to its own longest (10, 15, 16), not to 16; every output is the
+    item's own, in claim order."""
+    pytest.importorskip("torch")
+    module = Doubled(pooled)
+    spec = TensorSpec("int64", (None,), max_len=16, pad_value=-9)
+    model = torch_model("dbl", lambda: module, spec,
+                        BatchPolicy(max_batch_size=2, pad_to_longest=True),
+                        output_spec=None if pooled else TensorSpec("int64", (None,)))
+    inputs = [np.arange(1, n + 1, dtype=np.int64) for n in (12, 3, 16, 9, 15, 10)]
+    outputs, fwd = await forward(model, inputs)
+    want = [int(x.sum()) if pooled else (x * 2).tolist() for x in inputs]
+    assert [np.asarray(o).tolist() for o in outputs] == want
+    assert module.shapes == [(1, 3), (2, 10), (2, 15), (1, 16)]
+    assert fwd.take_passes() == [1, 2, 2, 1]
+    assert fwd.take_padding() == (3 + 20 + 30 + 16, sum(len(x) for x in inputs))
+
+
+async def test_pad_to_longest_is_a_live_knob_and_off_keeps_bucket_shapes() -> None:
+    seen: list[tuple[int, ...]] = []
+
+    def shapes(batch: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        padded, lengths = batch
+        seen.append(padded.shape)
+        return lengths
+
+    model = Model("shapes", fn=shapes, spec=TOKENS, stack=True)
+    assert model.meta()["defaults"]["pad_to_longest"] is False  # type: ignore[index]
+    inputs = [np.ones(n, np.int64) for n in (70, 100)]
+    with ThreadPoolExecutor(1) as executor:
+        fwd = Forwarder(model, model.bind("cpu"), executor)
+        assert await fwd.run_batches(inputs) == [70, 100]
+        model.apply_knobs({"pad_to_longest": True})  # as the next heartbeat applies it
+        assert await fwd.run_batches(inputs) == [70, 100]
+    assert seen == [(2, 128), (2, 100)]
+    with pytest.raises(InvalidKnob, match="pad_to_longest must be true or false"):
+        knobs.check("pad_to_longest", "yes")

@@ -90,15 +90,18 @@ def encode_math(layer: Any, x: Any, pad: Any) -> Any:
     return layer.norm2(x + layer.linear2(F.relu(layer.linear1(x))))
 
 
-ALONE_FROM = 512  # rows of the 512 bucket run alone at their own lengths
-MATH_FROM = 128  # passes padded to 128 or more skip the fused fast path
+ALONE_FROM = 257  # rows of a pass padded past 256 (the 512 bucket) run alone
+MATH_FROM = 65  # passes padded past 64 (the 128 bucket and up) skip the fused fast path
 
 
 def build_served() -> Any:
     """The classifier as the demo model ``textcls`` serves it, measured per length
-    bucket on this CPU (bench: W3's per-bucket sweep): passes padded to 128 or more run
-    the attention through ``scaled_dot_product_attention``, which beats PyTorch's fused
-    fast path there (1.5 to 2x at 256 and 512 tokens) while the fast path wins on short
-    passes; and the rows of a pass padded to 512 run one at a time at their own lengths
-    (257 to 512 tokens: padding them all to 512 wastes more than batching gains)."""
+    bucket on this CPU (bench: W3's per-bucket sweep): passes padded past 64 tokens (the
+    128 bucket and up) run the attention through ``scaled_dot_product_attention``,
+    which beats PyTorch's fused fast path there (1.5 to 2x at 256 and 512 tokens) while
+    the fast path wins on short passes; and the rows of a pass padded past 256 (the 512
+    bucket) run one at a time at their own lengths (257 to 512 tokens: padding them all
+    to one length wastes more than batching gains).  The thresholds sit between
+    buckets, so that a pass padded to its longest item (``pad_to_longest``) takes the
+    same path as its bucket would."""
     return build_textcls(ALONE_FROM, MATH_FROM)

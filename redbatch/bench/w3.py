@@ -3,7 +3,8 @@ tokens, through redbatch and the naive server with 2 processes (and Ray Serve un
 ``--ray``), in tokens/s = req/s x mean length; and the bare model's best strategy,
 measured in-process in the same run: for each length bucket, the batch size (1 to 32)
 whose passes, padded to the bucket, give the most real tokens per CPU-second (three
-interleaved rounds, the median of each size's)."""
+interleaved rounds, the median of each size's); and the same with each pass padded to
+its longest body (``pad_to_longest``, as ``textcls`` is served)."""
 
 from __future__ import annotations
 
@@ -103,12 +104,13 @@ def buckets() -> dict[int, list[list[int]]]:
     return dict(sorted(out.items()))
 
 
-def _rate(model: Any, rows: list[list[int]], length: int, batch: int, duration_s: float
-          ) -> float:
+def _rate(model: Any, rows: list[list[int]], length: int | None, batch: int,
+          duration_s: float) -> float:
     """Real tokens per CPU-second of this thread (torch runs on it: one intra-op
     thread, as the worker times its passes) of passes of ``batch`` rows (cycling
-    through ``rows``), padded to ``length`` as the worker pads them, forward and back to
-    numpy included; for ``duration_s`` of wall time, after one untimed pass."""
+    through ``rows``, in the bodies' order), padded to ``length`` as the worker pads
+    them (None: to each pass's longest row), forward and back to numpy included; for
+    ``duration_s`` of wall time, after one untimed pass."""
     import numpy as np
     import torch
 
@@ -116,7 +118,8 @@ def _rate(model: Any, rows: list[list[int]], length: int, batch: int, duration_s
               for start in range(len(rows))]
 
     def one(i: int) -> int:
-        padded, lens = pad_batch(passes[i % len(passes)], length, 0)
+        rows_i = passes[i % len(passes)]
+        padded, lens = pad_batch(rows_i, length or max(map(len, rows_i)), 0)
         model(torch.from_numpy(padded), torch.from_numpy(lens)).numpy()
         return int(lens.sum())
 
@@ -128,7 +131,7 @@ def _rate(model: Any, rows: list[list[int]], length: int, batch: int, duration_s
     return done / max(time.thread_time() - cpu, 1e-9)
 
 
-def _rates(model: Any, rows: list[list[int]], length: int, duration_s: float
+def _rates(model: Any, rows: list[list[int]], length: int | None, duration_s: float
            ) -> dict[int, float]:
     """Each batch size's rate (``_rate``): ``SWEEP_ROUNDS`` rounds of ``duration_s`` in
     all, the sizes in a rotated order each round, the median of each size's rounds (a
@@ -142,24 +145,27 @@ def _rates(model: Any, rows: list[list[int]], length: int, duration_s: float
 
 def bare_sweep(duration_s: float) -> dict[str, Any]:
     """The best strategy of the anchors' forward (``plain``) and of the forward that
-    ``textcls`` serves (``served``: long passes row by row), and batch 1 at each body's
-    own length (no padding)."""
+    ``textcls`` serves (``served``: long passes row by row), both padded to the
+    buckets; the served forward's with each pass padded to its longest body
+    (``served_longest``); and batch 1 at each body's own length (no padding)."""
     import torch
 
     torch.set_num_threads(1)
-    plain = textcls.build_textcls()
+    plain, served = textcls.build_textcls(), textcls.build_served()
     return {"plain": best_strategy(plain, duration_s),
-            "served": best_strategy(textcls.build_served(), duration_s),
+            "served": best_strategy(served, duration_s),
+            "served_longest": best_strategy(served, duration_s, longest=True),
             "batch1_exact_tokens_per_s": _exact(plain, duration_s * 3)}
 
 
-def best_strategy(model: Any, duration_s: float) -> dict[str, Any]:
+def best_strategy(model: Any, duration_s: float, longest: bool = False) -> dict[str, Any]:
     """Per bucket: tokens/s at each batch size and the best; overall, the tokens/s over
-    the 64 bodies with each bucket at its best batch size."""
+    the 64 bodies with each bucket at its best batch size.  ``longest``: each pass
+    padded to its longest body instead of the bucket's length."""
     out: dict[str, Any] = {"buckets": {}}
     seconds = 0.0
     for length, rows in buckets().items():
-        rates = _rates(model, rows, length, duration_s)
+        rates = _rates(model, rows, None if longest else length, duration_s)
         best = max(rates, key=lambda b: rates[b])
         out["buckets"][str(length)] = {"bodies": len(rows), "tokens_per_s": rates,
                                        "best_batch": best}
@@ -216,7 +222,10 @@ def report(res: dict[str, Any]) -> None:
 
 
 def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:
-    for name, label in (("plain", "the anchors' forward"), ("served", "as served")):
+    for name, label in (("plain", "the anchors' forward"), ("served", "as served"),
+                        ("served_longest", "as served, each pass padded to its longest")):
+        if name not in bare:
+            continue
         best = bare[name]
         print(f"  bare model ({label}): best strategy {best['best_tokens_per_s']:.0f} tokens/s;"
               " best batch per bucket " + ", ".join(
@@ -233,6 +242,11 @@ def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:
           f"wall-second ({wall / best:.0%}: passes share the cores with the gateway, Redis "
           f"and wrk); mean batch {batching['mean_batch']:.1f}, padding "
           f"{batching.get('pad_ratio', 0.0):.2f}x")
+    if "served_longest" in bare:
+        same = bare["served_longest"]["best_tokens_per_s"]
+        print(f"  redbatch's passes against the best strategy padded the way they are (each "
+              f"pass to its longest): {cpu / same:.0%} (the same padding on both sides; "
+              "no target)")
 
 
 BUCKET_FLOOR = 0.95  # target: each bucket's chosen size within this of max(batch 1, 32)

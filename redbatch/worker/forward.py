@@ -110,16 +110,22 @@ class Forwarder:
         requests can make a claimed batch larger), or with ``auto_batch`` of the size
         learned for the bucket (``autosize``), and, with a cost budget, at most that
         cost (``cost``); a variable-length model's inputs grouped by length bucket
-        first (``ragged``), each group in passes of its own."""
+        first (``ragged``), each group in passes of its own (with ``pad_to_longest``,
+        its items in order of length, each pass padded to its longest)."""
         limit = cost.budget(self.model.policy, self.model.batch_size_fn)
         if self._spec is None:
             return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
-        for length, indices in ragged.bucket_groups(inputs, self._bucketing(),
-                                                    self._length).items():
+        for length, indices in ragged.bucket_groups(inputs, self._bucketing(), self._length,
+                                                    self._to_longest).items():
             await run_into(results, inputs, indices,
                            functools.partial(self._run_passes, length=length, limit=limit))
         return results
+
+    @property
+    def _to_longest(self) -> bool:
+        """Whether passes are padded to their longest item (``pad_to_longest``)."""
+        return self._pads and self.model.policy.pad_to_longest
 
     def bucket(self, value: Any) -> int | None:
         """The length bucket ``value`` runs in (None: a fixed-shape model)."""
@@ -154,14 +160,19 @@ class Forwarder:
         return self.sizer.size(length, policy.max_batch_size)
 
     async def _run_pass(self, chunk: list[Any], length: int | None) -> list[Any]:
+        """One pass of ``chunk`` (items of the bucket ``length``), padded to the bucket
+        or, with ``pad_to_longest``, to the chunk's longest item."""
         self._passes.append(len(chunk))
+        padded = length
         if self._pads and length is not None:
-            self._padding[0] += length * len(chunk)
-            self._padding[1] += sum(map(self._length, chunk))
+            real = list(map(self._length, chunk))
+            padded = max(real) if self._to_longest else length
+            self._padding[0] += padded * len(chunk)
+            self._padding[1] += sum(real)
         if not self.model.policy.auto_batch:
-            return await self.run(chunk, length)
+            return await self.run(chunk, padded)
         self._timed = None
-        outputs = await self.run(chunk, length)
+        outputs = await self.run(chunk, padded)
         if self._timed is not None and self._timed[0] == len(chunk):  # not bisected
             self.sizer.observe(length, len(chunk), self._timed[1])
         return outputs

@@ -246,6 +246,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES,
           auto_batch: bool = defaults.AUTO_BATCH,
           hold_buckets: bool = defaults.HOLD_BUCKETS,
+          pad_to_longest: bool = defaults.PAD_TO_LONGEST,
           priority_levels: int = defaults.PRIORITY_LEVELS,
           default_priority: int = defaults.DEFAULT_PRIORITY,
           priority_share: float = defaults.PRIORITY_SHARE,
@@ -260,7 +261,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     ``max_batch_cost``, ``batch_size_fn`` and ``oversize``: batches by cost (``Model``);
     ``max_concurrent_batches``: batches in flight per worker; ``auto_batch``: the pass
     size per length bucket by measurement; ``hold_buckets``: with it, an under-filled
-    bucket may wait a batch (all ``BatchPolicy``); ``inputs`` and
+    bucket may wait a batch; ``pad_to_longest``: a variable-length pass padded to its
+    longest item (all ``BatchPolicy``); ``inputs`` and
     ``outputs``: named inputs and outputs instead of one ``spec``; ``priority_levels``,
     ``default_priority``, ``priority_share``, ``priority_caps``: priority levels;
     ``continuous``: a streaming model's batch lets requests join and leave at every
@@ -270,7 +272,8 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
     policy = BatchPolicy(max_batch_size, wait_s, stride_s, allow_small_batch,
                          max_batch_cost=max_batch_cost,
                          max_concurrent_batches=max_concurrent_batches,
-                         auto_batch=auto_batch, hold_buckets=hold_buckets)
+                         auto_batch=auto_batch, hold_buckets=hold_buckets,
+                         pad_to_longest=pad_to_longest)
 
     def wrap(fn: BatchFn) -> Model:
         return Model(name=name or str(getattr(fn, "__name__", "model")), fn=fn, policy=policy,

@@ -13,7 +13,7 @@ from redbatch.knobs import check_range
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
           "adaptive", "quiet_s", "max_batch_cost", "max_concurrent_batches", "auto_batch",
-          "hold_buckets"}
+          "hold_buckets", "pad_to_longest"}
 MAX_CONCURRENT_BATCHES_LIMIT = 64
 
 
@@ -56,6 +56,12 @@ class BatchPolicy:
     * ``hold_buckets`` (with ``auto_batch``, a variable-length model): a busy worker
       may hold an under-filled length bucket's items over to its next batch
       (``worker/hold.py``).  Off: every claimed item runs in its own batch.
+    * ``pad_to_longest`` (a variable-length model): each pass is padded to the length
+      of its longest item instead of its bucket's boundary, and a bucket's items are
+      sorted by length before they are cut into passes, so that each pass pads as
+      little as it can.  The buckets still decide which items may share a pass (and
+      key ``auto_batch``'s curves).  Off: every pass of a bucket has the bucket's
+      length, the shape a compiled or graph-captured model needs.
     """
 
     max_batch_size: int = defaults.MAX_BATCH_SIZE
@@ -68,6 +74,7 @@ class BatchPolicy:
     max_concurrent_batches: int = defaults.MAX_CONCURRENT_BATCHES
     auto_batch: bool = defaults.AUTO_BATCH
     hold_buckets: bool = defaults.HOLD_BUCKETS
+    pad_to_longest: bool = defaults.PAD_TO_LONGEST
 
     def __post_init__(self) -> None:
         for name, value in self.to_json().items():
@@ -122,4 +129,5 @@ class BatchPolicy:
             "max_batch_cost": self.max_batch_cost,
             "auto_batch": self.auto_batch,
             "hold_buckets": self.hold_buckets,
+            "pad_to_longest": self.pad_to_longest,
         }

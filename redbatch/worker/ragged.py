@@ -5,8 +5,9 @@ A variable-length spec (``TensorSpec(max_len=...)``) has ``None`` as its first
 dimension.  Items are grouped by the smallest bucket boundary at least their length;
 each group runs in passes of at most ``max_batch_size``, never split because shapes
 differ.  A model the worker stacks for (``stack=True``, ``torch_model``) gets
-``(padded, lengths)``: the items padded with ``pad_value`` to the bucket's length, and
-their true lengths (int64)."""
+``(padded, lengths)``: the items padded with ``pad_value`` to the bucket's length (with
+the policy's ``pad_to_longest``: to the pass's longest item, the bucket's items sorted
+by length first), and their true lengths (int64)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,20 @@ from redbatch.spec import TensorSpec
 
 
 def bucket_groups(inputs: list[Any], spec: TensorSpec,
-                  length: Callable[[Any], int] = len) -> dict[int, list[int]]:
+                  length: Callable[[Any], int] = len, by_length: bool = False
+                  ) -> dict[int, list[int]]:
     """Bucket length -> the indices of the inputs in it, shortest bucket first
-    (``length``: an input's length; a map of named inputs has its shared one)."""
+    (``length``: an input's length; a map of named inputs has its shared one).  With
+    ``by_length``, each bucket's indices in order of their inputs' lengths (ties in
+    claim order), so that passes cut from a bucket each pad to as short a longest item
+    as they can."""
     groups: dict[int, list[int]] = {}
-    for i, value in enumerate(inputs):
-        groups.setdefault(spec.bucket_of(length(value)), []).append(i)
+    lengths = [length(value) for value in inputs]
+    for i, n in enumerate(lengths):
+        groups.setdefault(spec.bucket_of(n), []).append(i)
+    if by_length:
+        for indices in groups.values():
+            indices.sort(key=lengths.__getitem__)
     return dict(sorted(groups.items()))
 
 
