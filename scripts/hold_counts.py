@@ -99,9 +99,11 @@ def hold(runner: BatchRunner, on: bool, knob: str = "hold_buckets") -> None:
 
 
 async def claims(conn: aioredis.Redis, runner: BatchRunner, rng: random.Random, n: int,
-                 passes: list[int] | None = None) -> tuple[int, float]:
+                 passes: list[int] | None = None, padding: list[int] | None = None
+                 ) -> tuple[int, float]:
     """``n`` claims of ``CLAIM`` W3 bodies; the real tokens computed and the passes'
-    CPU ms (each pass's rows appended to ``passes``)."""
+    CPU ms (each pass's rows appended to ``passes``, the padded and real lengths added
+    to ``padding``)."""
     pool, tokens, cpu_ms = lengths(), 0, 0.0
     name = runner.model.name
     for _ in range(n):
@@ -118,6 +120,9 @@ async def claims(conn: aioredis.Redis, runner: BatchRunner, rng: random.Random, 
         cpu_ms += computed.fwd_cpu_ms
         if passes is not None:
             passes.extend(computed.passes)
+        if padding is not None:
+            padding[0] += computed.padding[0]
+            padding[1] += computed.padding[1]
         await runner._publish_batch(batch, computed)
         await conn.delete(protocol.reply_key(name, "c"))
     return tokens, cpu_ms
@@ -174,20 +179,16 @@ async def textcls_ab(url: str, rounds: int, knob: str = "hold_buckets", warmup: 
     passes: dict[bool, list[int]] = {False: [], True: []}
     with ThreadPoolExecutor(1) as executor:
         runner = prepared(BatchRunner(conn, model, fn, "w1", executor, 0.01), True)
-        forwarder = runner._forwarder
         rng = random.Random(SEED)
         await claims(conn, runner, rng, warmup)
-        forwarder.take_padding()
         for _ in range(rounds):
             for on in AB_ORDER:
                 hold(runner, on, knob)
-                tokens, cpu_ms = await claims(conn, runner, rng, BLOCK, passes[on])
+                tokens, cpu_ms = await claims(conn, runner, rng, BLOCK, passes[on],
+                                              padding_by[on])
                 tokens_by[on] += tokens
                 cpu_ms_by[on] += cpu_ms
-                padded, real = forwarder.take_padding()
-                padding_by[on][0] += padded
-                padding_by[on][1] += real
-        sizes = forwarder.sizer.sizes()
+        sizes = runner._forwarder.sizer.sizes()
     await conn.aclose()
     for on in (False, True):
         tokens, cpu_ms, rows = tokens_by[on], cpu_ms_by[on], passes[on]
