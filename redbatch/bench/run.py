@@ -14,6 +14,7 @@ W3 (the text classifier ``textcls``, 64 bodies of 8 to 458 tokens) is ``bench/w3
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -75,6 +76,16 @@ class Target:
     pids: list[int]
     redis_url: str | None = None  # redbatch: the workers' counters live there
     model: str = ""
+    # live knobs of ``model`` set before each of this target's runs (an interleaved
+    # A/B of one stack: None drops an override), at ``knobs_url``
+    knobs: dict[str, Any] | None = None
+    knobs_url: str | None = None
+
+
+def _prepare(target: Target) -> None:
+    """Set the target's live knobs before its run (``Target.knobs``)."""
+    if target.knobs is not None and target.knobs_url is not None:
+        w3.configure(target.knobs_url, target.knobs, target.model)
 
 
 def interleaved(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -83,6 +94,7 @@ def interleaved(targets: list[Target], args: argparse.Namespace) -> dict[str, di
     take the targets in turn, so that a machine that speeds up or slows down during the
     run (a shared VM does) moves every target's figures alike."""
     for target in targets:
+        _prepare(target)
         wrk(target.url, target.lua, 64, args.warmup_s)
     before = _counters(targets)
     c64 = _rounds(targets, args, 64)
@@ -116,6 +128,7 @@ def _rounds(targets: list[Target], args: argparse.Namespace, connections: int
 def measured(target: Target, connections: int, duration_s: float) -> dict[str, Any]:
     """One wrk run, with the CPU its servers used and, for a target served through
     Redis, what Redis spent (``redis_cost``: one INFO before, one after)."""
+    _prepare(target)
     cost_before = redis_cost.snapshot(target.redis_url) if target.redis_url else {}
     cpu_before = cpu_seconds(target.pids)
     result = wrk(target.url, target.lua, connections, duration_s)
@@ -324,20 +337,36 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
         producer.wait_live_workers(redis_url, "textcls", args.w3_replicas)
         w3.check_replies([f"{ours}/v1/models/textcls/predict", f"{naive}/w3",
                           f"{naive}/w3served"])
+        if args.w3_knob:
+            w3.configure(redis_url, dict(args.w3_knob))
         if args.auto_batch:
             w3.learn_sizes(redis_url, f"{ours}/v1/models/textcls/predict")
-        cases = interleaved([
-            Target("redbatch_w3", f"{ours}/v1/models/textcls/predict", "w3.lua",
-                   procs.pids("redis", "worker", *extra, "gateway"), redis_url, "textcls"),
-            Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2")),
-            Target("naive2_w3_served", f"{naive}/w3served", "w3.lua", procs.pids("naive2"))],
-            args)
+        cases = interleaved(w3_targets(procs, args, redis_url, ours, naive, extra), args)
         cases["redbatch_w3"]["auto_sizes"] = worker_sizes(redis_url, "textcls")
     finally:
         for name in ("naive2", *extra):
             procs.stop_one(name)
     res.update({name: w3.tokens(case) for name, case in cases.items()})
+    if args.w3_ab:
+        res["w3_ab"] = list(args.w3_ab)
     res["bare_w3"] = w3.bare_sweep(0.2 if args.quick else 0.5)
+
+
+def w3_targets(procs: Procs, args: argparse.Namespace, redis_url: str, ours: str, naive: str,
+               extra: list[str]) -> list[Target]:
+    """W3's targets; with ``--w3-ab KNOB=JSON``, ``redbatch_w3_ab`` too: the same stack
+    with that knob set before each of its runs, and dropped again before each of
+    ``redbatch_w3``'s (an interleaved A/B of one knob)."""
+    url, pids = f"{ours}/v1/models/textcls/predict", procs.pids("redis", "worker", *extra,
+                                                               "gateway")
+    targets = [Target("redbatch_w3", url, "w3.lua", pids, redis_url, "textcls")]
+    if args.w3_ab:
+        name, value = args.w3_ab
+        targets = [dataclasses.replace(targets[0], knobs={name: None}, knobs_url=redis_url),
+                   Target("redbatch_w3_ab", url, "w3.lua", pids, None, "textcls",
+                          {name: value}, redis_url)]
+    return [*targets, Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2")),
+            Target("naive2_w3_served", f"{naive}/w3served", "w3.lua", procs.pids("naive2"))]
 
 
 def run_ray(procs: Procs, args: argparse.Namespace, res: dict[str, Any]) -> None:
@@ -364,6 +393,17 @@ wait against forward time, a concurrency sweep plotted to a PNG, and a JSON file
 comparing runs (in --out)."""
 
 
+def _knob_arg(text: str) -> tuple[str, Any]:
+    """``KNOB=JSON`` (``--w3-knob``) as a knob name and its value."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: give KNOB=JSON, e.g. pad_to_longest=false")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is not JSON ({exc})") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--stream" in argv:  # the streaming benchmark, with flags of its own
@@ -373,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     return _bench(argv)
 
 
-def _bench(argv: list[str]) -> int:
+def main_parser() -> argparse.ArgumentParser:
+    """``redbatch bench``'s flags (``--stream`` has flags of its own)."""
     parser = argparse.ArgumentParser(prog="redbatch bench", description=BENCH_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")
@@ -390,6 +431,13 @@ def _bench(argv: list[str]) -> int:
     parser.add_argument("--auto-batch", action="store_true",
                         help="W3 with the live knob auto_batch on (pass sizes per length "
                              "bucket by measurement), after a warm-up that lets it learn")
+    parser.add_argument("--w3-knob", type=_knob_arg, action="append", default=[],
+                        metavar="KNOB=JSON", help="W3 with this live knob of textcls set "
+                        "first (repeatable), e.g. --w3-knob pad_to_longest=false")
+    parser.add_argument("--w3-ab", type=_knob_arg, metavar="KNOB=JSON",
+                        help="W3 also as redbatch_w3_ab: the same stack with this live "
+                        "knob set, taking turns with redbatch_w3 (the model's own value) in "
+                        "every round")
     parser.add_argument("--priority", action="store_true",
                         help="only the priority overload scenario (about a minute: "
                              "bench/priority.py)")
@@ -412,6 +460,11 @@ def _bench(argv: list[str]) -> int:
     parser.add_argument("--ray", metavar="PYTHON",
                         help="also run Ray Serve, with this Python (it needs ray[serve] and "
                              "torch==2.13.0: see docs/benchmarks.md)")
+    return parser
+
+
+def _bench(argv: list[str]) -> int:
+    parser = main_parser()
     args = parser.parse_args(argv)
     args.duration_s = args.duration_s or (3.0 if args.quick else 4.0)
     args.rounds = args.rounds or (1 if args.quick else 3)

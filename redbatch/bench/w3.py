@@ -66,26 +66,33 @@ def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[list[float]]:
 WARMUP_S = 6.0  # W3 load before the rounds, with auto_batch on: the sizes are learned
 
 
-def learn_sizes(redis_url: str, url: str) -> None:
-    """Turn the live knob ``auto_batch`` on for ``textcls`` and send W3 at 64
-    connections for ``WARMUP_S``, so that the workers have chosen their pass sizes
-    before the measured rounds (they keep learning during them)."""
+def configure(redis_url: str, values: dict[str, Any], model: str = "textcls") -> None:
+    """Set live knobs of ``model`` (``redbatch config``; None drops an override) and
+    wait until the workers have read them with their heartbeat (1 s)."""
     import asyncio
 
     import redis.asyncio as aioredis
 
     from redbatch import knobs
-    from redbatch.bench.servers import wrk
 
-    async def turn_on() -> None:
+    async def store() -> None:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            await knobs.configure(client, "textcls", {"auto_batch": True})
+            await knobs.configure(client, model, values)
         finally:
             await client.aclose()
 
-    asyncio.run(turn_on())
-    time.sleep(2.5)  # workers read the knobs with their heartbeat (1 s)
+    asyncio.run(store())
+    time.sleep(2.5)
+
+
+def learn_sizes(redis_url: str, url: str) -> None:
+    """Turn the live knob ``auto_batch`` on for ``textcls`` and send W3 at 64
+    connections for ``WARMUP_S``, so that the workers have chosen their pass sizes
+    before the measured rounds (they keep learning during them)."""
+    from redbatch.bench.servers import wrk
+
+    configure(redis_url, {"auto_batch": True})
     wrk(url, "w3.lua", 64, WARMUP_S)
 
 
@@ -200,7 +207,7 @@ def report(res: dict[str, Any]) -> None:
     print(f"\nW3 (text, 64 bodies of 8-458 tokens, mean {mean_len():.2f})"
           "   tokens/s@64  p50@64  p99@64  p50@1  p99@1 redis/req errors  (ms; redis/req:"
           " µs of Redis CPU)")
-    for key in ("redbatch_w3", "naive2_w3", "naive2_w3_served", "ray_w3"):
+    for key in ("redbatch_w3", "redbatch_w3_ab", "naive2_w3", "naive2_w3_served", "ray_w3"):
         if key in res:
             c64, c1 = res[key]["c64"], res[key]["c1"]
             print(f"  {key:<52} {c64['tokens_per_s']:>9.0f} {c64['lat_p50_us'] / 1000:>7.2f}"
@@ -217,8 +224,21 @@ def report(res: dict[str, Any]) -> None:
         same = ours / res["naive2_w3_served"]["c64"]["tokens_per_s"]
         print(f"  w3: x{same:.2f} the naive server running the forward textcls serves "
               "(batching alone; no target)")
+    _report_ab(res)
     _report_bare(res["bare_w3"], res["redbatch_w3"]["batching"])
     _report_sizes(res["bare_w3"]["served"], res["redbatch_w3"].get("auto_sizes", []))
+
+
+def _report_ab(res: dict[str, Any]) -> None:
+    """``--w3-ab``: the knob's arm against the model's own, round by round."""
+    if "redbatch_w3_ab" not in res:
+        return
+    knob, value = res["w3_ab"]
+    a, b = res["redbatch_w3"]["c64"], res["redbatch_w3_ab"]["c64"]
+    higher = sum(y > x for x, y in zip(a["rps_rounds"], b["rps_rounds"], strict=True))
+    print(f"  w3 A/B: {knob}={value} x{b['tokens_per_s'] / a['tokens_per_s']:.3f} the "
+          f"tokens/s of the model's own (higher in {higher} of {len(a['rps_rounds'])} "
+          "rounds); the batching figures below cover both arms' passes")
 
 
 def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:
