@@ -200,7 +200,7 @@ def test_w3_report_gives_tokens_per_second_and_the_targets(
     assert "x0.80 the naive server running the forward textcls serves" in out
     assert ("45000 real tokens per forward CPU-second, 90% of the served forward's best "
             "strategy (target 90%: met); 40000 per forward wall-second (80%") in out
-    assert "padded the way they are (each pass to its longest): 75% (the same padding" in out
+    assert "with each pass padded to its longest body: 75% (like for like" in out
 
 
 def test_batching_counts_real_tokens_per_forward_second() -> None:
@@ -279,6 +279,25 @@ def test_w3_report_says_when_a_bucket_falls_below_the_floor(
     out = capsys.readouterr().out
     assert "8:16; worst bucket 80% of the better of batch 1 and 32" in out
     assert "(target 95%: NOT met)" in out
+
+
+@pytest.mark.parametrize(("longest", "worst"), [(False, "80%"), (True, "50%")])
+def test_w3_sizes_are_checked_against_the_sweep_padded_as_the_passes_are(
+        capsys: pytest.CaptureFixture[str], longest: bool, worst: str) -> None:
+    rates = {1: 10.0, 2: 20.0, 4: 40.0, 8: 60.0, 16: 80.0, 32: 100.0}
+    ours = w3.tokens(_case(1000, 1000))
+    ours.update(auto_sizes=[{"8": 16}], pad_to_longest=longest)
+    ours["batching"].update(real_per_forward_s=1.0, real_per_forward_cpu_s=1.0)
+    res = {"redbatch_w3": ours, "bare_w3": {
+        "plain": {"buckets": {}, "best_tokens_per_s": 1.0},
+        "served": {"buckets": {"8": {"tokens_per_s": rates, "best_batch": 32}},
+                   "best_tokens_per_s": 1.0},
+        "served_longest": {"buckets": {"8": {"tokens_per_s": {**rates, 16: 50.0},
+                                             "best_batch": 32}},
+                           "best_tokens_per_s": 1.0},
+        "batch1_exact_tokens_per_s": 1.0}}
+    w3.report(res)
+    assert f"8:16; worst bucket {worst} of the better" in capsys.readouterr().out
 
 
 def test_replica_wait_report_shows_each_setting_and_the_ratios(

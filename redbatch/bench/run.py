@@ -341,8 +341,10 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
             w3.configure(redis_url, dict(args.w3_knob))
         if args.auto_batch:
             w3.learn_sizes(redis_url, f"{ours}/v1/models/textcls/predict")
+        knobs_now = w3.configure(redis_url, None)  # redbatch_w3's arm (an A/B's too)
         cases = interleaved(w3_targets(procs, args, redis_url, ours, naive, extra), args)
         cases["redbatch_w3"]["auto_sizes"] = worker_sizes(redis_url, "textcls")
+        cases["redbatch_w3"]["pad_to_longest"] = knobs_now["pad_to_longest"]
     finally:
         for name in ("naive2", *extra):
             procs.stop_one(name)

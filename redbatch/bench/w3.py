@@ -66,24 +66,32 @@ def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[list[float]]:
 WARMUP_S = 6.0  # W3 load before the rounds, with auto_batch on: the sizes are learned
 
 
-def configure(redis_url: str, values: dict[str, Any], model: str = "textcls") -> None:
+def configure(redis_url: str, values: dict[str, Any] | None, model: str = "textcls"
+              ) -> dict[str, Any]:
     """Set live knobs of ``model`` (``redbatch config``; None drops an override) and
-    wait until the workers have read them with their heartbeat (1 s)."""
+    wait until the workers have read them with their heartbeat (1 s); the knobs in
+    effect (``values`` None: only read them, no wait)."""
     import asyncio
 
     import redis.asyncio as aioredis
 
     from redbatch import knobs
 
-    async def store() -> None:
+    async def store() -> dict[str, Any]:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            await knobs.configure(client, model, values)
+            if values is None:
+                shown = await knobs.show(client, model)
+            else:
+                shown = await knobs.configure(client, model, values)
         finally:
             await client.aclose()
+        return dict(shown["effective"])
 
-    asyncio.run(store())
-    time.sleep(2.5)
+    effective = asyncio.run(store())
+    if values is not None:
+        time.sleep(2.5)
+    return effective
 
 
 def learn_sizes(redis_url: str, url: str) -> None:
@@ -226,7 +234,9 @@ def report(res: dict[str, Any]) -> None:
               "(batching alone; no target)")
     _report_ab(res)
     _report_bare(res["bare_w3"], res["redbatch_w3"]["batching"])
-    _report_sizes(res["bare_w3"]["served"], res["redbatch_w3"].get("auto_sizes", []))
+    padded = "served_longest" if res["redbatch_w3"].get("pad_to_longest") else "served"
+    _report_sizes(res["bare_w3"].get(padded, res["bare_w3"]["served"]),
+                  res["redbatch_w3"].get("auto_sizes", []))
 
 
 def _report_ab(res: dict[str, Any]) -> None:
@@ -264,9 +274,9 @@ def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:
           f"{batching.get('pad_ratio', 0.0):.2f}x")
     if "served_longest" in bare:
         same = bare["served_longest"]["best_tokens_per_s"]
-        print(f"  redbatch's passes against the best strategy padded the way they are (each "
-              f"pass to its longest): {cpu / same:.0%} (the same padding on both sides; "
-              "no target)")
+        print(f"  redbatch's passes against the best strategy with each pass padded to its "
+              f"longest body: {cpu / same:.0%} (like for like with pad_to_longest on; no "
+              "target)")
 
 
 BUCKET_FLOOR = 0.95  # target: each bucket's chosen size within this of max(batch 1, 32)
@@ -292,7 +302,8 @@ def _report_sizes(served: dict[str, Any], sizes: list[dict[str, int]]) -> None:
         print("  worker's pass sizes: none chosen (auto_batch off, or too few passes)")
         return
     worst = min(ratios.values())
-    print("  worker's pass size per bucket: " + ", ".join(
+    print("  worker's pass size per bucket (against the sweep padded as the passes are): "
+          + ", ".join(
         f"{b}:{n}" for i, chosen in enumerate(sizes) for b, n in chosen.items()
         if i == 0) + f"; worst bucket {worst:.0%} of the better of batch 1 and 32 in the "
         f"bare sweep (target {BUCKET_FLOOR:.0%}: {'met' if worst >= BUCKET_FLOOR else 'NOT met'})")
