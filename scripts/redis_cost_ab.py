@@ -10,6 +10,9 @@ command, and the main thread's CPU per request.  After the rounds, a ``SLOWLOG``
 every command for ``monitor_s`` seconds per side splits ``evalsha`` by script (named
 from the tree's ``lua.py``).
 
+``--w3``: W3 instead (the demo ``textcls``, its 64 bodies of 8 to 458 token ids in
+turn, entries of about 1 KB).
+
 On a shared machine, the call counts and commandstats usec are the figures to trust
 (usec is wall time inside a command: a busy machine inflates both sides alike).
 Usage: ``python scripts/redis_cost_ab.py --rev REV [--rounds N] [--seconds S]``
@@ -41,6 +44,7 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = {"x": [i / 64 for i in range(64)]}
+BODIES: list[dict[str, Any]] = [BODY]  # sent in turn (``--w3``: W3's 64 bodies)
 
 
 def free_port() -> int:
@@ -109,7 +113,7 @@ async def wait_ready(side: Side, timeout_s: float = 120) -> None:
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with session.post(side.endpoint, json=BODY) as resp:
+                async with session.post(side.endpoint, json=BODIES[0]) as resp:
                     if resp.status == 200:
                         await asyncio.sleep(2)  # the first heartbeats and summaries
                         return
@@ -123,16 +127,17 @@ async def load(endpoint: str, connections: int, seconds: float) -> tuple[int, in
     stop = time.monotonic() + seconds
     conn = aiohttp.TCPConnector(limit=connections)
     async with aiohttp.ClientSession(connector=conn) as session:
-        async def caller() -> None:
+        async def caller(i: int) -> None:
             nonlocal ok, bad
             while time.monotonic() < stop:
-                async with session.post(endpoint, json=BODY) as resp:
+                i += 1
+                async with session.post(endpoint, json=BODIES[i % len(BODIES)]) as resp:
                     await resp.read()
                     if resp.status == 200:
                         ok += 1
                     else:
                         bad += 1
-        await asyncio.gather(*(caller() for _ in range(connections)))
+        await asyncio.gather(*(caller(i) for i in range(connections)))
     return ok, bad
 
 
@@ -229,9 +234,16 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--gateways", type=int, default=2)
     parser.add_argument("--model", default="mlp")
+    parser.add_argument("--w3", action="store_true",
+                        help="W3: the model textcls and its 64 bodies, in turn")
     parser.add_argument("--monitor-s", type=float, default=2.0,
                         help="seconds of SLOWLOG per side after the rounds (0: none)")
     args = parser.parse_args()
+    if args.w3:
+        from redbatch.bench import textcls
+
+        BODIES[:] = textcls.bodies()
+        args.model = "textcls"
     base = Path(tempfile.mkdtemp(prefix="redis-base-"))
     subprocess.run(["git", "worktree", "add", "-q", "--detach", str(base), args.rev],
                    cwd=ROOT, check=True)

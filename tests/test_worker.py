@@ -19,6 +19,7 @@ from redbatch.spec import TensorSpec
 from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
+from redbatch.worker.runner import acks_by_entries
 from redbatch.worker.torch_helpers import torch_model
 from tests.conftest import FAST_WORKER, wait_live
 
@@ -147,6 +148,32 @@ async def test_a_small_batch_is_acked_by_its_entries(
     assert [(n, check if check == "=" else bool(sha1.fullmatch(check)))
             for n, check in ack_checks] == [(9, True), (1, "="), (1, True)], ack_checks
     assert lpos == 1
+
+
+async def test_a_batch_of_large_entries_is_acked_by_them_however_many(
+        start_worker: Callable[..., Worker], redis_url: str,
+        ack_checks: list[tuple[int, str]]) -> None:
+    """Past ``ACK_BY_ENTRIES_MAX`` entries, a batch whose entries hold at least
+    ``ACK_BY_ENTRIES_MIN_MEAN_BYTES`` each on average is still acked by them (LPOS in
+    place beats hashing a copy of large entries): 12 of them queued before the worker
+    starts, so that its first claim takes them all."""
+    size = protocol.ACK_BY_ENTRIES_MIN_MEAN_BYTES
+    async with Client(redis_url, require_workers=False) as client:
+        queued = [await client.submit("lengths", "a" * size) for _ in range(12)]
+        start_worker([lengths])
+        assert [await future for future in queued] == [size] * 12
+    assert ack_checks == [(12, "=")]
+
+
+def test_which_batches_are_acked_by_their_entries() -> None:
+    mean, most = protocol.ACK_BY_ENTRIES_MIN_MEAN_BYTES, protocol.ACK_BY_ENTRIES_MAX
+    assert acks_by_entries([b"x"] * most)  # a few, however small
+    assert not acks_by_entries([b"x" * (mean - 1)] * (most + 1))  # many small: by SHA-1
+    assert acks_by_entries([b"x" * mean] * (most + 1))
+    assert acks_by_entries([b"x" * (mean * (most + 1) - most)] + [b"x"] * most)  # the mean
+    over = protocol.ACK_BY_ENTRIES_MAX_BYTES // mean + 1
+    assert not acks_by_entries([b"x" * mean] * over)  # over the byte cap
+    assert not acks_by_entries([])
 
 
 async def test_claimed_items_sit_in_flight_until_acked(start_worker: Callable[..., Worker],

@@ -139,8 +139,9 @@ class Claimer:
         self._lone = 0
         self._drained = False  # the queue was empty at the last look: block at once
         self._moves = True  # the user may run LMOVE (checked at the first claim)
-        # the user may run LPOS (checked once per worker, at its first claim): a small
-        # batch is acked by its entries (``protocol.ACK_BY_ENTRIES``), not its SHA-1
+        # the user may run LPOS (checked once per worker, at its first claim): a batch
+        # of few or large entries is acked by them (``protocol.ACK_BY_ENTRIES``), not
+        # their SHA-1
         self.acks_by_entries = False
         self._left = 0  # the queue's length that the last blocking pop saw
         # the measured time of a pass of n items (None: not measured yet), set by the

@@ -55,8 +55,9 @@ ROWS_SMOOTHING = 0.5  # weight of the last claim in the rows-per-entry estimate
 @dataclass(slots=True)
 class Claimed:
     """A claimed batch, decoded: ``claimed`` entries moved to the in-flight list, which
-    the ack checks by their SHA-1 (``digest``) or, a small batch, by the entries
-    themselves (``raws``, kept only then; ``digest`` is then made only if needed)."""
+    the ack checks by their SHA-1 (``digest``) or, a batch of few or large entries, by
+    the entries themselves (``raws``, kept only then; ``digest`` is then made only if
+    needed)."""
 
     claimed: int
     decoded: Decoded
@@ -74,7 +75,8 @@ class Claimed:
     @property
     def ack_check(self) -> list[bytes | str]:
         """PUBLISH's ARGV[3..]: what the ack checks the in-flight head against (the
-        entries themselves for a few, which Redis compares in place; else their SHA-1)."""
+        entries themselves for a few or large ones, which Redis compares in place; else
+        their SHA-1)."""
         if self.raws:
             return [protocol.ACK_BY_ENTRIES, *self.raws]
         return [self.digest]
@@ -626,9 +628,12 @@ def entries_digest(raws: list[bytes]) -> str:
 
 def acks_by_entries(raws: list[bytes]) -> bool:
     """Whether a batch of ``raws`` is acked by its entries (a worker whose user may run
-    LPOS): at most ``ACK_BY_ENTRIES_MAX`` of them, ``ACK_BY_ENTRIES_MAX_BYTES`` in all."""
-    return (0 < len(raws) <= protocol.ACK_BY_ENTRIES_MAX
-            and sum(map(len, raws)) <= protocol.ACK_BY_ENTRIES_MAX_BYTES)
+    LPOS): at most ``ACK_BY_ENTRIES_MAX`` of them, or any number of at least
+    ``ACK_BY_ENTRIES_MIN_MEAN_BYTES`` each on average; ``ACK_BY_ENTRIES_MAX_BYTES`` in
+    all."""
+    n, size = len(raws), sum(map(len, raws))
+    return n > 0 and size <= protocol.ACK_BY_ENTRIES_MAX_BYTES and (
+        n <= protocol.ACK_BY_ENTRIES_MAX or size >= n * protocol.ACK_BY_ENTRIES_MIN_MEAN_BYTES)
 
 
 def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeout_s: float,
