@@ -653,3 +653,39 @@ async def test_a_workers_beat_leaves_another_ones_draining_count(
     assert read_model(raw_redis, "lww").dead_letters == 1  # above S too
     assert sub_queues_of(raw_redis.get(protocol.meta_key("lww"))) == 1  # the meta: S
     assert 0 < raw_redis.pttl(protocol.sub_queues_draining_key("lww")) <= 60_000
+
+
+async def test_past_the_ranked_most_a_beat_reads_no_ids_and_homes_are_hashed(
+        raw_redis: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More live workers than ``RANKED_WORKERS_MAX`` (2 here, 4 live): the beat that
+    counted them says so, and the next one sends no ZRANGEBYSCORE for the live ids (the
+    homes fall back to crc32); once the count falls back, ids are read again."""
+    monkeypatch.setattr(protocol, "RANKED_WORKERS_MAX", 2)
+    model = batch(name="many", max_batch_size=4, sub_queues=2)(lambda xs: xs)
+    until = protocol.now_ms() + 60_000
+    raw_redis.zadd(protocol.workers_key("many"), {b"a": until, b"b": until, b"c": until})
+    client = aioredis.Redis.from_url(redis_url)
+    fields = {"many": (b"{}", b"{}")}
+    try:
+        first = await heartbeat.beat(client, [model], "w1", fields, 10)
+        assert first.live_counts == {"many": 4} and first.unranked() == {"many"}
+        assert sorted(first.live["many"]) == [b"a", b"b", b"c", b"w1"]  # read: 4 was news
+        raw_redis.config_resetstat()
+        second = await heartbeat.beat(client, [model], "w1", fields, 10, None,
+                                      first.unranked())
+        reads = raw_redis.info("commandstats")["cmdstat_zrangebyscore"]["calls"]
+        assert second.live == {"many": []} and reads == 1  # the expired-lease scan alone
+        raw_redis.zrem(protocol.workers_key("many"), "a", "b")
+        third = await heartbeat.beat(client, [model], "w1", fields, 10, None,
+                                     second.unranked())
+        assert third.unranked() == frozenset()
+        fourth = await heartbeat.beat(client, [model], "w1", fields, 10, None,
+                                      third.unranked())
+        assert sorted(fourth.live["many"]) == [b"c", b"w1"]
+    finally:
+        await client.aclose()
+    taker = claimer(client, "w1", 2)
+    taker.rank(fourth.live["many"])
+    assert taker.home == 1
+    taker.rank(second.live["many"])  # none read: hashed again
+    assert taker.home == claimer(client, "w1", 2).home

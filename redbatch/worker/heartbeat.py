@@ -51,6 +51,13 @@ class Beat:
     versions: dict[str, bytes | None]  # a versioned model's row of its routing table
     live: dict[str, list[bytes]] = field(default_factory=dict)  # a sharded model's live ids
     held_aware: dict[str, bool] = field(default_factory=dict)
+    live_counts: dict[str, int] = field(default_factory=dict)  # live leases, this one's too
+
+    def unranked(self) -> frozenset[str]:
+        """The models with more live workers than ``RANKED_WORKERS_MAX``: the next beat
+        reads none of their ids (their workers take hashed homes)."""
+        return frozenset(name for name, count in self.live_counts.items()
+                         if count > protocol.RANKED_WORKERS_MAX)
 
 
 @dataclass(frozen=True)
@@ -65,22 +72,24 @@ class Draining:
 
 async def beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
                fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float,
-               draining: Draining | None = None) -> Beat:
+               draining: Draining | None = None, unranked: frozenset[str] = frozenset()
+               ) -> Beat:
     """Renew this worker's lease, its published fields (per model: ``published``) and
     its models' metadata (and ``draining``'s counts), and read each model's knob
     overrides, in one round trip (sent once more, after loading them, when Redis lost
-    its scripts: the beat's other commands are idempotent)."""
+    its scripts: the beat's other commands are idempotent).  ``unranked``: sharded
+    models whose live ids it does not read (``Beat.unranked`` of the last beat)."""
     try:
-        return await _beat(redis, models, worker_id, fields, lease_ttl_s, draining)
+        return await _beat(redis, models, worker_id, fields, lease_ttl_s, draining, unranked)
     except NoScriptError:
         for script in BEAT_SCRIPTS:
             await redis.script_load(script)
-        return await _beat(redis, models, worker_id, fields, lease_ttl_s, draining)
+        return await _beat(redis, models, worker_id, fields, lease_ttl_s, draining, unranked)
 
 
 async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
                 fields: dict[str, tuple[bytes, bytes]], lease_ttl_s: float,
-                draining: Draining | None) -> Beat:
+                draining: Draining | None, unranked: frozenset[str]) -> Beat:
     now = protocol.now_ms()
     lease_until = now + round(lease_ttl_s * 1000)
     scans: list[int] = []  # where each model's scan of expired leases answers
@@ -92,7 +101,7 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
             scans.append(len(pipe) - 2)
         rows = _version_rows(pipe, models,
                              round(lease_ttl_s * 1000) * protocol.BASE_SETTLE_LEASES)
-        live = _live_ids(pipe, models, now)
+        live = _live_ids(pipe, [m for m in models if m.name not in unranked], now)
         aware = _count_aware(pipe, models, now)
         _publish_draining(pipe, draining)
         pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
@@ -102,8 +111,10 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
                  for m, i in zip(models, scans, strict=True)},
                 {m.name: results[i + 1] for m, i in zip(models, scans, strict=True)},
                 {name: results[i] for name, i in rows.items()},
-                {name: list(results[i]) for name, i in live.items()},
-                {name: results[i] == results[i + 1] for name, i in aware.items()})
+                {**{m.name: [] for m in models if m.sub_queues > 1 and m.name in unranked},
+                 **{name: list(results[i]) for name, i in live.items()}},
+                {name: results[i] == results[i + 1] for name, i in aware.items()},
+                {name: int(results[i]) for name, i in aware.items()})
 
 
 def _ids(raw: list[bytes]) -> list[str]:
@@ -124,8 +135,9 @@ def _publish_draining(pipe: Any, draining: Draining | None) -> None:
 def _live_ids(pipe: Any, models: list[Model], now: int) -> dict[str, int]:
     """Read the ids of each sharded model's live workers (this one's lease renewed
     already: it is among them; raw, as foreign workers may name themselves), whose
-    ranks choose their home sub-queues; where each answers.  Every id each beat: fine
-    for tens of workers of a model (a pool of N reads N ids N times a beat interval)."""
+    ranks choose their home sub-queues; where each answers.  Every id each beat, so a
+    pool of N reads N ids N times a beat interval: only while N is at most
+    ``RANKED_WORKERS_MAX`` (the caller leaves out the models with more)."""
     live: dict[str, int] = {}
     for model in models:
         if model.sub_queues > 1:

@@ -83,6 +83,7 @@ class Worker:
         self._drain = Drain(models, self.worker_id)
         self.drained = False  # stopped after draining its versions (redbatch.versions)
         self._stop = asyncio.Event()
+        self._unranked: frozenset[str] = frozenset()  # too many live workers to rank
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop  # set by the heartbeat too, once its versions are drained
@@ -140,7 +141,9 @@ class Worker:
         fields = {r.model.name: heartbeat.published({**self._info, **r.published()}, r.stats)
                   for r in self.runners}
         beat = await heartbeat.beat(redis, [r.model for r in self.runners], self.worker_id,
-                                    fields, self.config.lease_ttl_s, self._draining())
+                                    fields, self.config.lease_ttl_s, self._draining(),
+                                    self._unranked)
+        self._unranked = beat.unranked()
         for name, raw in beat.overrides.items():
             self._live[name].update(raw)
         for runner in self.runners:

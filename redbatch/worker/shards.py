@@ -90,7 +90,8 @@ class ShardClaimer:
     def rank(self, live_ids: Sequence[bytes] | None) -> None:
         """The ids of the model's live workers, raw as a heartbeat read them (None: not
         read, the model has one sub-queue): home is this worker's rank among them,
-        sorted bytewise; the hashed home while unread or without this worker."""
+        sorted bytewise; the hashed home while unread or without this worker (an empty
+        list: more live workers than ``RANKED_WORKERS_MAX``, none read)."""
         if live_ids is None:
             return
         ranked, mine = sorted(live_ids), self._worker_id.encode()
