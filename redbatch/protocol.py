@@ -56,7 +56,7 @@ MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS
 MAX_PRIORITY_LEVELS: Final = 16  # a model's priority levels are 1..L, L at most this
 # a sharded model's workers take their homes by rank among its live workers while
 # the last heartbeat counted at most this many (each beat then reads their ids); more
-# live workers take crc32 homes, and no beat reads the ids (docs/protocol.md §6)
+# live workers take crc32 homes, and no beat reads the ids (docs/protocol.md §7.2)
 RANKED_WORKERS_MAX: Final = 256
 MAX_SUB_QUEUES: Final = 64  # a model's sub-queues (``sub_queue_tag``) are 0..S-1, S at most this
 CRASHING_TTL_S: Final = 3600  # the entry a worker runs alone outlives the worker this long
