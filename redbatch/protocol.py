@@ -39,8 +39,9 @@ CLOCK_SKEW_MS: Final = 60_000  # a producer's clock may run this far ahead of a 
 MAX_ATTEMPT: Final = 1000  # an entry's ``attempt`` is 0..MAX_ATTEMPT; so is max_attempts
 MARKER_GRACE_MS: Final = 5000  # a request marker outlives its deadline by this much
 MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
-# the PUBLISH ack of a batch of at most ACK_BY_ENTRIES_MAX entries, or of any number
-# whose mean size is at least ACK_BY_ENTRIES_MIN_MEAN_BYTES, together at most
+# the PUBLISH ack of a batch of at most ACK_BY_ENTRIES_MAX entries, or of at most
+# ACK_BY_ENTRIES_MAX_LARGE whose mean size is at least ACK_BY_ENTRIES_MIN_MEAN_BYTES,
+# together at most
 # ACK_BY_ENTRIES_MAX_BYTES, checks the in-flight head against the entries themselves
 # (ARGV[3] is this marker, not a SHA-1): Redis compares them in place (one LPOS each),
 # where a digest would read the head into Lua and hash it.  Any other batch goes by
@@ -50,6 +51,7 @@ MAX_ENTRY_BYTES: Final = 16 * 1024 * 1024
 ACK_BY_ENTRIES: Final = "="
 ACK_BY_ENTRIES_MAX: Final = 8
 ACK_BY_ENTRIES_MIN_MEAN_BYTES: Final = 768
+ACK_BY_ENTRIES_MAX_LARGE: Final = 128  # entries i is found by scanning i: n(n+1)/2 in all
 ACK_BY_ENTRIES_MAX_BYTES: Final = 256 * 1024
 MAX_ROWS: Final = 4096  # rows in one multi-row request (F_ROWS)
 MAX_MARKER_TTL_MS: Final = int(MAX_TIMEOUT_S * 1000) + MARKER_GRACE_MS

@@ -320,16 +320,16 @@ def test_replica_wait_report_shows_each_setting_and_the_ratios(
 
 def test_w3_ab_sets_each_arm_knob_before_its_run_and_reports_the_ratio(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--w3-ab pad_to_longest=false``: redbatch_w3 drops the override before each of
-    its runs, redbatch_w3_ab sets it before each of its own; the report gives the arm's
-    tokens/s against the model's own, round by round."""
+    """``--w3-ab pad_to_longest=false``: redbatch_w3 sets the knob back to its value
+    before the rounds before each of its runs, redbatch_w3_ab sets it before each of its
+    own; the report gives the arm's tokens/s against the other's, round by round."""
     args = run.main_parser().parse_args(["--w3-ab", "pad_to_longest=false"])
     assert args.w3_ab == ("pad_to_longest", False)
     with pytest.raises(SystemExit):
         run.main_parser().parse_args(["--w3-ab", "pad_to_longest"])
     procs = argparse.Namespace(pids=lambda *names: [1])
     targets = run.w3_targets(procs, args, "redis://r", "http://ours",  # type: ignore[arg-type]
-                             "http://naive", [])
+                             "http://naive", [], {"pad_to_longest": True})
     assert [t.name for t in targets] == ["redbatch_w3", "redbatch_w3_ab", "naive2_w3",
                                          "naive2_w3_served"]
     configured: list[dict[str, Any]] = []
@@ -340,7 +340,7 @@ def test_w3_ab_sets_each_arm_knob_before_its_run_and_reports_the_ratio(
     monkeypatch.setattr(run.redis_cost, "spent", lambda a, b: {})
     for target in targets[:2] * 2:
         run.measured(target, 64, 1.0)
-    assert configured == [{"pad_to_longest": None}, {"pad_to_longest": False}] * 2
+    assert configured == [{"pad_to_longest": True}, {"pad_to_longest": False}] * 2
 
     ours, ab = _case(1000, 1000), _case(1100, 1000)
     ours["c64"]["rps_rounds"], ab["c64"]["rps_rounds"] = [900, 1100], [1000, 1000]
@@ -352,5 +352,5 @@ def test_w3_ab_sets_each_arm_knob_before_its_run_and_reports_the_ratio(
     w3.report(res)
     out = capsys.readouterr().out
     assert "redbatch_w3_ab" in out
-    assert ("w3 A/B: pad_to_longest=False x1.100 the tokens/s of the model's own (higher in "
+    assert ("w3 A/B: pad_to_longest=False x1.100 the tokens/s of redbatch_w3 (higher in "
             "1 of 2 rounds)") in out

@@ -65,6 +65,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     ("[[models]]\ntarget='a:b'\nmax_batch_cost=0", r"models\[0\]: max_batch_cost"),
     ("[[models]]\ntarget='a:b'\nauto_batch='yes'", r"models\[0\]\.auto_batch: must be true"),
     ("[[models]]\ntarget='a:b'\nhold_buckets=1", r"models\[0\]\.hold_buckets: must be true"),
+    ("[[models]]\ntarget='a:b'\npad_to_longest=1",
+     r"models\[0\]\.pad_to_longest: must be true"),
     ("[[models]]\ntarget='a:b'\nmax_batch_size=16.5", r"models\[0\]\.max_batch_size: must"),
     ("[[models]]\ntarget='a:b'\nmax_batch_size=true", r"models\[0\]\.max_batch_size: must"),
     ("[[models]]\ndevice='cpu'", r"models\[0\]\.target: must be MODULE:OBJECT"),

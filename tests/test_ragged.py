@@ -313,3 +313,20 @@ async def test_pad_to_longest_is_a_live_knob_and_off_keeps_bucket_shapes() -> No
     assert seen == [(2, 128), (2, 100)]
     with pytest.raises(InvalidKnob, match="pad_to_longest must be true or false"):
         knobs.check("pad_to_longest", "yes")
+
+
+async def test_auto_batch_learns_a_shorter_pass_as_its_bucket_would_take(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``pad_to_longest``, a pass padded to 10 in bucket 16 that took 5 ms is
+    learned as 8 ms (scaled to the bucket's length): the bucket's curve compares sizes,
+    not which items each pass got."""
+    model = Model("lens", fn=lambda batch: batch[1], spec=TOKENS, stack=True,
+                  policy=BatchPolicy(max_batch_size=8, auto_batch=True, pad_to_longest=True))
+    monkeypatch.setattr(Forwarder, "_measured_ms", lambda self, pass_ms: 5.0)
+    with ThreadPoolExecutor(1) as executor:
+        fwd = Forwarder(model, model.bind("cpu"), executor)
+        await fwd.run_batches([np.ones(n, np.int64) for n in (9, 10)])
+        model.policy = replace(model.policy, pad_to_longest=False)
+        await fwd.run_batches([np.ones(n, np.int64) for n in (9, 10)])
+    curve = fwd.sizer.curve(16)
+    assert curve is not None and sorted(ms for _n, ms in curve.recent[2]) == [5.0, 8.0]

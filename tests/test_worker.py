@@ -173,6 +173,9 @@ def test_which_batches_are_acked_by_their_entries() -> None:
     assert acks_by_entries([b"x" * (mean * (most + 1) - most)] + [b"x"] * most)  # the mean
     over = protocol.ACK_BY_ENTRIES_MAX_BYTES // mean + 1
     assert not acks_by_entries([b"x" * mean] * over)  # over the byte cap
+    most_large = protocol.ACK_BY_ENTRIES_MAX_LARGE
+    assert acks_by_entries([b"x" * mean] * most_large)
+    assert not acks_by_entries([b"x" * mean] * (most_large + 1))  # n(n+1)/2 scans: by SHA-1
     assert not acks_by_entries([])
 
 

@@ -342,7 +342,8 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
         if args.auto_batch:
             w3.learn_sizes(redis_url, f"{ours}/v1/models/textcls/predict")
         knobs_now = w3.configure(redis_url, None)  # redbatch_w3's arm (an A/B's too)
-        cases = interleaved(w3_targets(procs, args, redis_url, ours, naive, extra), args)
+        cases = interleaved(w3_targets(procs, args, redis_url, ours, naive, extra, knobs_now),
+                            args)
         cases["redbatch_w3"]["auto_sizes"] = worker_sizes(redis_url, "textcls")
         cases["redbatch_w3"]["pad_to_longest"] = knobs_now["pad_to_longest"]
     finally:
@@ -355,16 +356,18 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
 
 
 def w3_targets(procs: Procs, args: argparse.Namespace, redis_url: str, ours: str, naive: str,
-               extra: list[str]) -> list[Target]:
+               extra: list[str], knobs_now: dict[str, Any]) -> list[Target]:
     """W3's targets; with ``--w3-ab KNOB=JSON``, ``redbatch_w3_ab`` too: the same stack
-    with that knob set before each of its runs, and dropped again before each of
+    with that knob set before each of its runs, and set back to its value before the
+    rounds (``knobs_now``: the model's own, or ``--w3-knob``'s) before each of
     ``redbatch_w3``'s (an interleaved A/B of one knob)."""
     url, pids = f"{ours}/v1/models/textcls/predict", procs.pids("redis", "worker", *extra,
                                                                "gateway")
     targets = [Target("redbatch_w3", url, "w3.lua", pids, redis_url, "textcls")]
     if args.w3_ab:
         name, value = args.w3_ab
-        targets = [dataclasses.replace(targets[0], knobs={name: None}, knobs_url=redis_url),
+        targets = [dataclasses.replace(targets[0], knobs={name: knobs_now.get(name)},
+                                       knobs_url=redis_url),
                    Target("redbatch_w3_ab", url, "w3.lua", pids, None, "textcls",
                           {name: value}, redis_url)]
     return [*targets, Target("naive2_w3", f"{naive}/w3", "w3.lua", procs.pids("naive2")),
@@ -438,8 +441,8 @@ def main_parser() -> argparse.ArgumentParser:
                         "first (repeatable), e.g. --w3-knob pad_to_longest=false")
     parser.add_argument("--w3-ab", type=_knob_arg, metavar="KNOB=JSON",
                         help="W3 also as redbatch_w3_ab: the same stack with this live "
-                        "knob set, taking turns with redbatch_w3 (the model's own value) in "
-                        "every round")
+                        "knob set, taking turns with redbatch_w3 (its value before the "
+                        "rounds) in every round")
     parser.add_argument("--priority", action="store_true",
                         help="only the priority overload scenario (about a minute: "
                              "bench/priority.py)")

@@ -101,7 +101,7 @@ def build_served() -> Any:
     which beats PyTorch's fused fast path there (1.5 to 2x at 256 and 512 tokens) while
     the fast path wins on short passes; and the rows of a pass padded past 256 (the 512
     bucket) run one at a time at their own lengths (257 to 512 tokens: padding them all
-    to one length wastes more than batching gains).  The thresholds sit between
-    buckets, so that a pass padded to its longest item (``pad_to_longest``) takes the
-    same path as its bucket would."""
+    to one length wastes more than batching gains).  The thresholds sit between the
+    default (power-of-two) buckets, so that a pass padded to its longest item
+    (``pad_to_longest``) takes the same path as its bucket would."""
     return build_textcls(ALONE_FROM, MATH_FROM)

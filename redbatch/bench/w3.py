@@ -4,7 +4,8 @@ tokens, through redbatch and the naive server with 2 processes (and Ray Serve un
 measured in-process in the same run: for each length bucket, the batch size (1 to 32)
 whose passes, padded to the bucket, give the most real tokens per CPU-second (three
 interleaved rounds, the median of each size's); and the same with each pass padded to
-its longest body (``pad_to_longest``, as ``textcls`` is served)."""
+its longest body (as ``textcls`` pads with ``pad_to_longest``; the sweep's passes take
+the bucket's bodies in their order, where a worker sorts a claim's by length)."""
 
 from __future__ import annotations
 
@@ -247,8 +248,8 @@ def _report_ab(res: dict[str, Any]) -> None:
     a, b = res["redbatch_w3"]["c64"], res["redbatch_w3_ab"]["c64"]
     higher = sum(y > x for x, y in zip(a["rps_rounds"], b["rps_rounds"], strict=True))
     print(f"  w3 A/B: {knob}={value} x{b['tokens_per_s'] / a['tokens_per_s']:.3f} the "
-          f"tokens/s of the model's own (higher in {higher} of {len(a['rps_rounds'])} "
-          "rounds); the batching figures below cover both arms' passes")
+          f"tokens/s of redbatch_w3 (higher in {higher} of {len(a['rps_rounds'])} rounds); "
+          "the batching figures below cover both arms' passes")
 
 
 def _report_bare(bare: dict[str, Any], batching: dict[str, float]) -> None:

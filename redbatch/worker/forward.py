@@ -174,8 +174,19 @@ class Forwarder:
         self._timed = None
         outputs = await self.run(chunk, padded)
         if self._timed is not None and self._timed[0] == len(chunk):  # not bisected
-            self.sizer.observe(length, len(chunk), self._timed[1])
+            self.sizer.observe(length, len(chunk), self._bucket_ms(self._timed[1], length,
+                                                                   padded))
         return outputs
+
+    @staticmethod
+    def _bucket_ms(ms: float, length: int | None, padded: int | None) -> float:
+        """A pass's time as ``auto_batch`` learns it: scaled to its bucket's length for a
+        pass padded shorter (``pad_to_longest``), so that a bucket's curve compares
+        sizes, not which items each pass happened to get (a bucket sorted by length
+        leaves its longest items to its last, smallest pass)."""
+        if not length or not padded or padded >= length:
+            return ms
+        return ms * length / padded
 
     async def _run_by_cost(self, inputs: list[Any], length: int | None, limit: float,
                            size: int) -> list[Any]:

@@ -628,12 +628,14 @@ def entries_digest(raws: list[bytes]) -> str:
 
 def acks_by_entries(raws: list[bytes]) -> bool:
     """Whether a batch of ``raws`` is acked by its entries (a worker whose user may run
-    LPOS): at most ``ACK_BY_ENTRIES_MAX`` of them, or any number of at least
-    ``ACK_BY_ENTRIES_MIN_MEAN_BYTES`` each on average; ``ACK_BY_ENTRIES_MAX_BYTES`` in
-    all."""
+    LPOS): at most ``ACK_BY_ENTRIES_MAX`` of them, or at most
+    ``ACK_BY_ENTRIES_MAX_LARGE`` of at least ``ACK_BY_ENTRIES_MIN_MEAN_BYTES`` each on
+    average; ``ACK_BY_ENTRIES_MAX_BYTES`` in all."""
     n, size = len(raws), sum(map(len, raws))
+    large = n <= protocol.ACK_BY_ENTRIES_MAX_LARGE and \
+        size >= n * protocol.ACK_BY_ENTRIES_MIN_MEAN_BYTES
     return n > 0 and size <= protocol.ACK_BY_ENTRIES_MAX_BYTES and (
-        n <= protocol.ACK_BY_ENTRIES_MAX or size >= n * protocol.ACK_BY_ENTRIES_MIN_MEAN_BYTES)
+        n <= protocol.ACK_BY_ENTRIES_MAX or large)
 
 
 def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeout_s: float,
