@@ -208,3 +208,14 @@ async def deadline_bound(deadline_ms: int | None, what: str) -> AsyncIterator[No
         if protocol.now_ms() < deadline_ms:
             raise
         raise DeadlineExceeded(f"deadline passed while {what}") from exc
+
+
+def check_cancelled() -> None:
+    """Raise ``CancelledError`` where this task was cancelled but something swallowed
+    the cancel: on Python 3.11, ``asyncio.wait_for`` (redis-py sends every command
+    through it) returns normally when the cancel lands just as the wrapped write
+    completes.  A loop that runs until an event calls this at each turn, so that a
+    cancelled worker still ends."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from redbatch import DeadlineExceeded, InvalidPayload, ModelError, RedisSettings
 from redbatch.lean import LeanLink
 from redbatch.producer import Client
 from redbatch.spec import TensorSpec
+from redbatch.worker import process
 from redbatch.worker.model import Model, batch
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
@@ -263,6 +265,25 @@ async def test_inline_models_run_on_the_event_loop(start_worker: Callable[..., W
         assert await client.predict("in-thread", 2) == 2
     assert on_loop == {threading.current_thread().name}
     assert any(name.startswith("redbatch-forward") for name in threads - on_loop)
+
+
+async def test_a_loop_whose_step_swallowed_its_cancel_still_ends() -> None:
+    """A step that swallows the cancel (as Python 3.11's ``asyncio.wait_for`` can, inside
+    redis-py, when the cancel lands just as a write completes) returns normally; the
+    loop sees the pending cancel at its next turn and ends instead of going on."""
+    calls = 0
+
+    async def step() -> None:
+        nonlocal calls
+        calls += 1
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+
+    loop = asyncio.create_task(process._keep_going("step", step, asyncio.Event()))
+    await asyncio.sleep(0.05)
+    loop.cancel()
+    done, _pending = await asyncio.wait([loop], timeout=5)
+    assert done and loop.cancelled() and calls == 1
 
 
 async def test_a_cancelled_worker_leaves_no_task_or_connection_behind(

@@ -17,7 +17,7 @@ from redbatch import defaults, protocol
 from redbatch.errors import ConfigError
 from redbatch.pipelines.definition import Pipeline, parse_registry, registry_mapping
 from redbatch.pipelines.mover import Mover
-from redbatch.redis_conn import REDIS_ERRORS
+from redbatch.redis_conn import REDIS_ERRORS, check_cancelled
 from redbatch.registry import LiveCache
 from redbatch.worker.model import Model
 
@@ -50,6 +50,7 @@ class PipelineDuty:
         mover_stop = asyncio.Event()
         try:
             while not stop.is_set():
+                check_cancelled()  # (a cancel that redis-py swallowed)
                 try:
                     await self.tick(mover_stop)
                 except REDIS_ERRORS as exc:

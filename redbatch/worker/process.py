@@ -22,7 +22,7 @@ from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.pipelines.definition import Pipeline
 from redbatch.pipelines.duty import PipelineDuty, check_declared
-from redbatch.redis_conn import REDIS_ERRORS, async_client, is_cluster
+from redbatch.redis_conn import REDIS_ERRORS, async_client, check_cancelled, is_cluster
 from redbatch.worker import heartbeat
 from redbatch.worker.drain import Drain
 from redbatch.worker.live import LiveKnobs
@@ -46,6 +46,7 @@ async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
     off (capped) on errors and never die of them."""
     backoff_s = BACKOFF_START_S
     while not stop.is_set():
+        check_cancelled()  # (a cancel that redis-py swallowed ends the loop too)
         try:
             await step()
             if once:

@@ -18,7 +18,7 @@ from redbatch import defaults, lua, protocol
 from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
-from redbatch.redis_conn import is_cluster
+from redbatch.redis_conn import check_cancelled, is_cluster
 from redbatch.worker import hold
 from redbatch.worker.claim import Claimer
 from redbatch.worker.claim_levels import LevelClaimer
@@ -224,6 +224,7 @@ class BatchRunner:
         publishing: asyncio.Task[None] | None = None
         try:
             while claiming is not None or not stop.is_set() or self._held is not None:
+                check_cancelled()
                 if publishing is not None and publishing.done():
                     await _settle(publishing)  # its error, if any, now: not at the next batch
                     publishing = None
@@ -254,6 +255,7 @@ class BatchRunner:
         tasks: list[asyncio.Task[None]] = []
         try:
             while not stop.is_set():
+                check_cancelled()
                 await slots.acquire()
                 tasks = _check_done(tasks)
                 batch = None if stop.is_set() else await self._take()
