@@ -36,7 +36,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 
 class LeanLink:
@@ -333,7 +340,11 @@ async def _write(conn: AbstractConnection, packed: list[bytes]) -> None:
     take at once waits (for the socket timeout at most)."""
     writer: Any = getattr(conn, "_writer", None)  # redis-py's stream, where it has one
     if writer is None or writer.is_closing():
-        await conn.send_packed_command(packed, check_health=False)
+        try:
+            await conn.send_packed_command(packed, check_health=False)
+        except AttributeError as exc:  # its stream gone before the write ran (a cluster
+            # client that reset its nodes disconnects the connections it lent out too)
+            raise RedisConnectionError(f"the connection closed while writing: {exc}") from exc
         return
     writer.writelines(packed)
     if writer.transport.get_write_buffer_size():

@@ -155,11 +155,29 @@ def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable
 
 @asynccontextmanager
 async def translated(settings: RedisSettings) -> AsyncIterator[None]:
-    """Turn redis connection, timeout and refusal errors into ``RedisUnavailable``."""
+    """Turn redis connection, timeout and refusal errors into ``RedisUnavailable``; so
+    too an ``AttributeError`` raised inside redis-py (``stream_gone``)."""
     try:
         yield
     except REDIS_ERRORS as exc:
         raise unavailable(settings, exc) from exc
+    except AttributeError as exc:
+        if not stream_gone(exc):
+            raise
+        raise unavailable(settings, redis.ConnectionError(
+            f"the connection closed during a command: {exc}")) from exc
+
+
+def stream_gone(exc: AttributeError) -> bool:
+    """Whether ``exc`` was raised in redis-py's own code: a connection whose stream
+    another task tore down (a cluster client resetting its nodes disconnects the
+    connections it lent out) between redis-py's connect and its write, which runs in
+    a task of its own a loop iteration later, meets ``None`` there."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(
+        "redis.")
 
 
 def is_stale(exc: BaseException) -> bool:

@@ -105,3 +105,53 @@ async def test_closing_the_client_closes_the_held_connection(redis_url: str,
     await client.aclose()
     await asyncio.sleep(0.05)
     assert "lean-test" not in repr(raw_redis.client_list())
+
+
+async def test_a_stream_gone_before_the_write_is_a_connection_error(
+        client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py writes in a task of its own, a loop iteration later: a connection
+    disconnected meanwhile (a cluster client resetting its nodes does that to the
+    connections it lent out) has no stream left, and the AttributeError it raises is
+    a ConnectionError here (a typed 503 at the gateway, not a 500)."""
+    link = LeanLink(client)
+    await link.execute("PING")
+    conn = link._conn
+    assert conn is not None
+
+    real = conn._writer
+    assert real is not None
+
+    class Closing:  # the stream being torn down
+        def is_closing(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            real.close()
+
+    async def gone(command: object, check_health: bool = True) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")  # (redis-py)
+
+    monkeypatch.setattr(conn, "_writer", Closing())  # being torn down as the write starts
+    monkeypatch.setattr(conn, "send_packed_command", gone)
+    with pytest.raises(redis.ConnectionError, match="closed while writing"):
+        await link.execute("PING")
+    monkeypatch.undo()
+    assert await link.execute("RPUSH", "q", "a") == 1
+
+
+async def test_translated_types_an_attribute_error_of_redis_py_alone() -> None:
+    """Raised inside redis-py (a stream torn down mid-command): ``RedisUnavailable``, a
+    503 at the gateway; raised anywhere else (a bug of ours): left as it is."""
+    from redis.asyncio.connection import Connection
+
+    from redbatch.errors import RedisUnavailable
+    from redbatch.redis_conn import translated
+
+    conn = Connection(host="127.0.0.1", port=1)
+    settings = RedisSettings("redis://127.0.0.1:1")
+    with pytest.raises(RedisUnavailable, match="closed during a command"):
+        async with translated(settings):
+            await conn._send_packed_command([b"PING"])  # no stream: None.writelines
+    with pytest.raises(AttributeError):
+        async with translated(settings):
+            None.no_such_attribute  # type: ignore[attr-defined]  # noqa: B018
