@@ -129,21 +129,23 @@ async def test_flushes_of_one_queue_write_in_submit_order_across_ticks(
     registered(raw_redis, MODEL, 1)
     async with Client(redis_url, require_workers=False, pack_rows=1) as client:
         await client.live_workers(MODEL)
-        gate, seen = asyncio.Event(), []
+        gate, seen, read = asyncio.Event(), [], []
         cap = client._admission.cap
 
         async def slow_first(model: str, deadline_ms: int, own: int | None) -> int:
             seen.append(model)
             if len(seen) == 1:
                 await gate.wait()
-            return await cap(model, deadline_ms, own)
+            answer = await cap(model, deadline_ms, own)
+            read.append(model)
+            return answer
 
         client._admission.cap = slow_first  # type: ignore[method-assign]
         first = await client.submit(MODEL, 1, timeout_s=30)
         await asyncio.sleep(0.05)  # its flush waits on the read
         second = await client.submit(MODEL, 2, timeout_s=30)
-        for _ in range(100):  # the second flush past its read
-            if len(seen) == 2:
+        for _ in range(300):  # the second flush past its read (its reply in: the held
+            if len(read) == 1:  # connection free again for the first flush's write)
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)  # (time enough for its write, were it not held back)
