@@ -6,8 +6,10 @@ from batch 32 over batch 1, its long ones lose.  So, per bucket (a fixed-shape m
 has one, ``"all"``), the worker keeps the time and item count of its last ``RECENT``
 passes by size, the size rounded up to a power of two (a pass of 3 items counts for
 size 4, with its 3 items), and reads their medians: a pass that another process slowed
-down (it took the core) moves nothing.  The size it cuts a bucket's passes at is the
-largest one whose passes gave the most items/s, ``items / pass time``, or within
+down (it took the core) moves nothing.  25 passes, not fewer: with pass times spread
+by 20 % (a shared CPU), medians of 9 picked a size below 95 % of the bucket's best
+about twice as often (``scripts/autosize_sim.py``).  The size it cuts a bucket's
+passes at is the largest one whose passes gave the most items/s, ``items / pass time``, or within
 ``TIE_SHARE`` of it (a flat curve's sizes differ by less than their noise: the larger
 runs fuller passes), among those measured ``SLOT_PASSES`` times whose pass took at
 most ``MAX_PASS_MS`` (size 1 is always allowed); never above ``max_batch_size``, a
@@ -32,7 +34,7 @@ from statistics import median
 
 WARMUP_PASSES = 4  # passes of a bucket measured before its size is chosen by them
 EXPLORE_EVERY = 16  # one choice in this many tries a neighbouring size
-RECENT = 9  # passes per size slot whose medians make its figures
+RECENT = 25  # passes per size slot whose medians make its figures (scripts/autosize_sim.py)
 MAX_PASS_MS = 100.0  # the latency budget of one pass (size 1 is always allowed)
 FIXED = "all"  # the bucket label of a fixed-shape model
 TIE_SHARE = 0.05  # items/s within this share of the best: a tie, the larger size wins
