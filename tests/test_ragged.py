@@ -317,9 +317,10 @@ async def test_pad_to_longest_is_a_live_knob_and_off_keeps_bucket_shapes() -> No
 
 async def test_auto_batch_learns_a_shorter_pass_as_its_bucket_would_take(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``pad_to_longest``, a pass padded to 10 in bucket 16 that took 5 ms is
-    learned as 8 ms (scaled to the bucket's length): the bucket's curve compares sizes,
-    not which items each pass got."""
+    """With ``pad_to_longest``, a pass of items of 9 and 10 tokens (padded to 10) in
+    bucket 16 that took 5 ms is learned as 5 x 16 / 9.5 ms (scaled to the bucket's
+    length by the items' mean real length, its padding charged): the bucket's curve
+    compares sizes, not which items each pass got; padded to the bucket, 5 ms."""
     model = Model("lens", fn=lambda batch: batch[1], spec=TOKENS, stack=True,
                   policy=BatchPolicy(max_batch_size=8, auto_batch=True, pad_to_longest=True))
     monkeypatch.setattr(Forwarder, "_measured_ms", lambda self, pass_ms: 5.0)
@@ -329,4 +330,20 @@ async def test_auto_batch_learns_a_shorter_pass_as_its_bucket_would_take(
         model.policy = replace(model.policy, pad_to_longest=False)
         await fwd.run_batches([np.ones(n, np.int64) for n in (9, 10)])
     curve = fwd.sizer.curve(16)
-    assert curve is not None and sorted(ms for _n, ms in curve.recent[2]) == [5.0, 8.0]
+    assert curve is not None and sorted(ms for _n, ms in curve.recent[2]) == [
+        5.0, pytest.approx(5 * 16 / 9.5)]
+
+
+def test_auto_batch_charges_a_pass_its_padding_when_padded_to_the_longest() -> None:
+    """Bucket 256, pass time proportional to padded tokens: one item of 140 tokens
+    (140 ms, no padding) against 8 items of 185 tokens on average padded to 250
+    (2000 ms).  Per real token, the single item is 1.32x as fast: the learned figures
+    say so (scaled by the mean real length; by the padded length both were 256 ms an
+    item, a tie that the larger size would win)."""
+    one = Forwarder._bucket_ms(140.0, 256, 140, 140.0)
+    eight = Forwarder._bucket_ms(2000.0, 256, 250, 185.0)
+    assert one == pytest.approx(256.0)
+    assert eight / 8 == pytest.approx(2000 * 256 / 185 / 8)
+    assert (eight / 8) / one == pytest.approx(250 / 185)
+    assert Forwarder._bucket_ms(2000.0, 256, 256, 185.0) == 2000.0  # padded to the bucket
+    assert Forwarder._bucket_ms(2000.0, None, None, None) == 2000.0  # a fixed shape

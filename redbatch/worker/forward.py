@@ -163,30 +163,35 @@ class Forwarder:
         """One pass of ``chunk`` (items of the bucket ``length``), padded to the bucket
         or, with ``pad_to_longest``, to the chunk's longest item."""
         self._passes.append(len(chunk))
-        padded = length
+        padded, tokens = length, None
         if self._pads and length is not None:
             real = list(map(self._length, chunk))
-            padded = max(real) if self._to_longest else length
+            padded, tokens = (max(real) if self._to_longest else length), sum(real)
             self._padding[0] += padded * len(chunk)
-            self._padding[1] += sum(real)
+            self._padding[1] += tokens
         if not self.model.policy.auto_batch:
             return await self.run(chunk, padded)
         self._timed = None
         outputs = await self.run(chunk, padded)
         if self._timed is not None and self._timed[0] == len(chunk):  # not bisected
-            self.sizer.observe(length, len(chunk), self._bucket_ms(self._timed[1], length,
-                                                                   padded))
+            self.sizer.observe(length, len(chunk), self._bucket_ms(
+                self._timed[1], length, padded, None if tokens is None else tokens / len(chunk)))
         return outputs
 
     @staticmethod
-    def _bucket_ms(ms: float, length: int | None, padded: int | None) -> float:
-        """A pass's time as ``auto_batch`` learns it: scaled to its bucket's length for a
-        pass padded shorter (``pad_to_longest``), so that a bucket's curve compares
-        sizes, not which items each pass happened to get (a bucket sorted by length
-        leaves its longest items to its last, smallest pass)."""
+    def _bucket_ms(ms: float, length: int | None, padded: int | None,
+                   mean_tokens: float | None = None) -> float:
+        """A pass's time as ``auto_batch`` learns it: for a pass padded shorter than its
+        bucket (``pad_to_longest``), the time it would take for items as long as the
+        bucket at the same real tokens per ms, ``ms x length / mean_tokens`` (the
+        items' mean real length; the padded length where it is not given).  So a
+        bucket's curve compares sizes, not which items each pass happened to get (a
+        bucket sorted by length leaves its longest items to its last, smallest pass),
+        and a pass is charged its own padding: smaller passes of a sorted bucket pad
+        less, and their items/s must show it (a size is chosen for real tokens/s)."""
         if not length or not padded or padded >= length:
             return ms
-        return ms * length / padded
+        return ms * length / (mean_tokens or padded)
 
     async def _run_by_cost(self, inputs: list[Any], length: int | None, limit: float,
                            size: int) -> list[Any]:
