@@ -5,15 +5,18 @@ accounted for.
 An in-process worker serves ``gated``; a ``Client`` (or, in the gateway's ledgers, an
 HTTP client of an in-process gateway) sends ``PER_TICK`` requests every
 ``TICK_S`` (open loop), each with a deadline of ``TIMEOUT_S`` and a known answer
-(x + 1).  The primary is killed (SIGKILL) after ``BEFORE_S``; the load goes on until
+(x + 1).  The primary is killed (SIGKILL) after ``BEFORE_S``, once its replica holds
+every write it took (its writes paused for that moment); the load goes on until
 requests have been answered again for ``SERVED_S``.  The ledger must show: no call that
 hangs, no wrong answer, no untyped error, nothing lost (every accepted request ends
 with its answer or a typed error by its deadline), no duplicate reply, and the model
 served again within ``RECOVER_S`` of the kill.
 
 Asynchronous replication may drop an acknowledged enqueue: its caller then gets
-``DeadlineExceeded`` by its deadline.  The ``lagging`` scenario makes that happen for
-sure: the replica is paused and cut off from the primary, and the worker's passes held,
+``DeadlineExceeded`` by its deadline; and a reply whose marker's flip the replica
+missed is sent again after the promotion.  A kill under load hits that gap now and then
+(a loaded machine's replica reads a few writes behind), hence the pause above.  The
+``lagging`` scenario makes it happen for sure: the replica is paused and cut off from the primary, and the worker's passes held,
 for ``LAG_S`` before the kill, so the requests the primary accepts meanwhile never
 reach the replica: they end with ``DeadlineExceeded``.  The replies the replica missed
 (a batch that was computing at the cut) are sent again after the promotion, and the
@@ -62,6 +65,7 @@ TAIL_S = 1.0  # at least the requests sent in this last stretch must all be answ
 SERVED_S = TAIL_S + TIMEOUT_S + GRACE_S
 RECOVER_S = 10.0  # every request sent this long after the kill is answered
 LAG_S = 0.5  # the lagging scenario: the replica cut off this long before the kill
+CATCH_UP_S = 2.0  # otherwise: writes paused (this long at most) until the replica has them
 GATE = threading.Event()  # cleared: the model's passes wait (the lagging scenario)
 GATE.set()
 
@@ -261,12 +265,29 @@ def check_promises(ledger: Ledger, stats: dict[str, Any], lag: bool) -> None:
     assert served_s >= TAIL_S, f"requests failed in the last {TAIL_S} s"
 
 
+def replica_offset(replica: Node) -> int:
+    return int(replica.ask("INFO", "replication")["slave_repl_offset"])
+
+
+def caught_up(primary: Node, replica: Node) -> None:
+    """Writes paused on ``primary`` (for ``CATCH_UP_S`` at most: its clients' writes
+    wait, unanswered), until ``replica`` holds every write it took."""
+    primary.ask("CLIENT", "PAUSE", int(CATCH_UP_S * 1000), "WRITE")
+    offset = int(primary.ask("INFO", "replication")["master_repl_offset"])
+    end_s = time.monotonic() + CATCH_UP_S / 2
+    while replica_offset(replica) < offset:
+        assert time.monotonic() < end_s, "the replica did not catch up with its primary"
+        time.sleep(0.001)
+
+
 @contextmanager
 def cut_off(primary: Node, replica: Node, lag: bool) -> Iterator[None]:
     """With ``lag``, for ``LAG_S`` before the block (the kill): the replica paused and
     its link to the primary cut (the writes the primary takes then never reach it), and
-    the model's passes held (the requests stay queued); both resume after the block."""
+    the model's passes held (the requests stay queued); both resume after the block.
+    Without, the replica has caught up with every write when the block starts."""
     if not lag:
+        caught_up(primary, replica)
         yield
         return
     assert replica.proc is not None
