@@ -16,11 +16,12 @@ Asynchronous replication may drop an acknowledged enqueue: its caller then gets
 ``DeadlineExceeded`` by its deadline; and a reply whose marker's flip the replica
 missed is sent again after the promotion.  A kill under load hits that gap now and then
 (a loaded machine's replica reads a few writes behind), hence the pause above.  The
-``lagging`` scenario makes it happen for sure: the replica is paused and cut off from the primary, and the worker's passes held,
-for ``LAG_S`` before the kill, so the requests the primary accepts meanwhile never
-reach the replica: they end with ``DeadlineExceeded``.  The replies the replica missed
-(a batch that was computing at the cut) are sent again after the promotion, and the
-client's listener drops the second one: there, ``duplicates`` may exceed 0, never a
+``lagging`` scenario makes it happen for sure: the replica is paused and cut off from
+the primary, and the worker's passes held, for ``LAG_S`` before the kill, so the
+requests the primary accepts meanwhile never reach the replica: they end with
+``DeadlineExceeded``.  The replies the replica missed (a batch that was computing at
+the cut) are sent again after the promotion, and the client's listener drops the
+second one: there, ``duplicates`` may exceed 0, never a
 caller's answers.  ``pytest -s`` prints each ledger (with and without ``WAIT``); only
 the promises are asserted, not counts that depend on timing.
 """
