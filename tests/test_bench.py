@@ -83,9 +83,9 @@ def test_interleaved_rounds_take_the_servers_in_turn(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(run, "cpu_seconds", lambda pids: 0.0)
     args = argparse.Namespace(rounds=2, duration_s=1.0, warmup_s=1.0)
     targets = [run.Target("a", "A", "w1.lua", []), run.Target("b", "B", "w1.lua", [])]
-    cases = run.interleaved(targets, args)
+    cases = run.interleaved(targets, args, lambda: calls.append(("sweep", 0)))
     assert calls == [("A", 64), ("B", 64),  # warm-up
-                     ("A", 64), ("B", 64), ("A", 64), ("B", 64),
+                     ("A", 64), ("B", 64), ("sweep", 0), ("A", 64), ("B", 64), ("sweep", 0),
                      ("A", 1), ("B", 1), ("A", 1), ("B", 1)]
     assert cases["a"]["c64"]["rps_rounds"] == [100.0, 100.0]
     assert set(cases["b"]) == {"c64", "c1"}  # no batching counters without Redis
@@ -166,16 +166,26 @@ def test_w3_bare_sweep_takes_each_buckets_best_batch(monkeypatch: pytest.MonkeyP
 def test_w3_sweep_interleaves_the_sizes_and_takes_each_ones_median(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
+    plain: list[Any] = []
 
-    def fake_rate(model: Any, rows: list[list[int]], length: int, batch: int,
+    def fake_rate(model: Any, rows: list[list[int]], length: int | None, batch: int,
                   duration_s: float) -> float:
+        if model is not plain[0] or length != 8:
+            return 100.0 * batch
         calls.append(batch)  # one round slowed batch 4 down (the machine drifted)
         return 1.0 if batch == 4 and calls.count(4) == 2 else 100.0 * batch
 
     monkeypatch.setattr(w3, "_rate", fake_rate)
-    rates = w3._rates(None, [[1]], 8, 0.3)
+    monkeypatch.setattr(w3, "_exact", lambda model, duration_s: 5.0)
+    sweep = w3.BareSweep(0.3)
+    plain.append(sweep.models["plain"])
+    sweep.round()  # (a bench run takes one after each serving round)
+    assert calls == [1, 2, 4, 8, 16, 32]
+    rates = sweep.result()["plain"]["buckets"]["8"]["tokens_per_s"]  # the rounds still due
     assert rates == {b: 100.0 * b for b in w3.BATCH_SIZES}
     assert calls == [1, 2, 4, 8, 16, 32, 2, 4, 8, 16, 32, 1, 4, 8, 16, 32, 1, 2]
+    sweep.round()  # (no round past the last)
+    assert sweep.rounds == w3.SWEEP_ROUNDS and len(calls) == 18
 
 
 def test_w3_report_gives_tokens_per_second_and_the_targets(

@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,16 +89,18 @@ def _prepare(target: Target) -> None:
         w3.configure(target.knobs_url, target.knobs, target.model)
 
 
-def interleaved(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def interleaved(targets: list[Target], args: argparse.Namespace,
+                after_round: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
     """Each target at 64 connections (with its servers' CPU per request and, for
     redbatch, the batching counters), then at 1 connection; ``args.rounds`` rounds that
     take the targets in turn, so that a machine that speeds up or slows down during the
-    run (a shared VM does) moves every target's figures alike."""
+    run (a shared VM does) moves every target's figures alike.  ``after_round`` runs
+    after each 64-connection round (the servers idle): a measurement to interleave."""
     for target in targets:
         _prepare(target)
         wrk(target.url, target.lua, 64, args.warmup_s)
     before = _counters(targets)
-    c64 = _rounds(targets, args, 64)
+    c64 = _rounds(targets, args, 64, after_round)
     after = _counters(targets)  # the 64-connection rounds only
     cases: dict[str, dict[str, Any]] = {t.name: {"c64": c64[t.name]} for t in targets}
     for name, counters in after.items():
@@ -116,12 +119,14 @@ def _counters(targets: list[Target]) -> dict[str, dict[str, float]]:
     return {name: batch_counters(url, model) for name, url, model in counted}
 
 
-def _rounds(targets: list[Target], args: argparse.Namespace, connections: int
-            ) -> dict[str, dict[str, Any]]:
+def _rounds(targets: list[Target], args: argparse.Namespace, connections: int,
+            after_round: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
     runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
     for _ in range(args.rounds):
         for target in targets:
             runs[target.name].append(measured(target, connections, args.duration_s))
+        if after_round is not None:
+            after_round()
     return {name: merge(results) for name, results in runs.items()}
 
 
@@ -326,8 +331,8 @@ def sweep_levels(args: argparse.Namespace) -> list[int]:
 def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_url: str,
            ours: str) -> None:
     """W3 against the naive server with 2 processes (the anchors' forward at ``/w3``,
-    and the forward that ``textcls`` serves at ``/w3served``), then the bare model's
-    sweep."""
+    and the forward that ``textcls`` serves at ``/w3served``), and the bare model's
+    sweep, a round of it after each round of the servers at 64 connections."""
     w3.write_bodies(procs.logdir)
     naive = servers.start_naive(procs, "naive2", workers=2)
     extra = [f"worker-w3-{i}" for i in range(1, args.w3_replicas)]  # beside the run's one
@@ -342,8 +347,9 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
         if args.auto_batch:
             w3.learn_sizes(redis_url, f"{ours}/v1/models/textcls/predict")
         knobs_now = w3.configure(redis_url, None)  # redbatch_w3's arm (an A/B's too)
+        sweep = w3.BareSweep(0.2 if args.quick else 0.5)
         cases = interleaved(w3_targets(procs, args, redis_url, ours, naive, extra, knobs_now),
-                            args)
+                            args, sweep.round)
         cases["redbatch_w3"]["auto_sizes"] = worker_sizes(redis_url, "textcls")
         cases["redbatch_w3"]["pad_to_longest"] = knobs_now["pad_to_longest"]
     finally:
@@ -352,7 +358,7 @@ def run_w3(procs: Procs, args: argparse.Namespace, res: dict[str, Any], redis_ur
     res.update({name: w3.tokens(case) for name, case in cases.items()})
     if args.w3_ab:
         res["w3_ab"] = list(args.w3_ab)
-    res["bare_w3"] = w3.bare_sweep(0.2 if args.quick else 0.5)
+    res["bare_w3"] = sweep.result()  # (its rounds taken between the 64-connection rounds)
 
 
 def w3_targets(procs: Procs, args: argparse.Namespace, redis_url: str, ours: str, naive: str,

@@ -3,9 +3,11 @@ tokens, through redbatch and the naive server with 2 processes (and Ray Serve un
 ``--ray``), in tokens/s = req/s x mean length; and the bare model's best strategy,
 measured in-process in the same run: for each length bucket, the batch size (1 to 32)
 whose passes, padded to the bucket, give the most real tokens per CPU-second (three
-interleaved rounds, the median of each size's); and the same with each pass padded to
-its longest body (as ``textcls`` pads with ``pad_to_longest``; the sweep's passes take
-the bucket's bodies in their order, where a worker sorts a claim's by length)."""
+rounds, one after each round of the servers at 64 connections, so that the sweep and
+the workers' passes see the same drift of the machine; the median of each size's);
+and the same with each pass padded to its longest body (as ``textcls`` pads with
+``pad_to_longest``; the sweep's passes take the bucket's bodies in their order, where
+a worker sorts a claim's by length)."""
 
 from __future__ import annotations
 
@@ -147,47 +149,74 @@ def _rate(model: Any, rows: list[list[int]], length: int | None, batch: int,
     return done / max(time.thread_time() - cpu, 1e-9)
 
 
-def _rates(model: Any, rows: list[list[int]], length: int | None, duration_s: float
-           ) -> dict[int, float]:
-    """Each batch size's rate (``_rate``): ``SWEEP_ROUNDS`` rounds of ``duration_s`` in
-    all, the sizes in a rotated order each round, the median of each size's rounds (a
-    round slowed by the machine's drift moves no size alone)."""
-    seen: dict[int, list[float]] = {b: [] for b in BATCH_SIZES}
-    for r in range(SWEEP_ROUNDS):
-        for b in BATCH_SIZES[r:] + BATCH_SIZES[:r]:
-            seen[b].append(_rate(model, rows, length, b, duration_s / SWEEP_ROUNDS))
-    return {b: median(v) for b, v in seen.items()}
+def _round_rates(model: Any, rows: list[list[int]], length: int | None, duration_s: float,
+                 r: int) -> dict[int, float]:
+    """Round ``r`` of a sweep: each batch size's rate (``_rate``) for ``duration_s``,
+    the sizes in an order rotated by ``r``."""
+    order = BATCH_SIZES[r % len(BATCH_SIZES):] + BATCH_SIZES[:r % len(BATCH_SIZES)]
+    return {b: _rate(model, rows, length, b, duration_s) for b in order}
+
+
+STRATEGIES = (("plain", False), ("served", False), ("served_longest", True))
+
+
+class BareSweep:
+    """The bare model's sweep (``bare_sweep``) in ``SWEEP_ROUNDS`` rounds that a bench
+    run interleaves with its serving rounds (``round`` after each), so that the
+    workers' passes and the best strategy they are held to are measured over the same
+    stretch of a machine that drifts; ``result`` runs the rounds still due."""
+
+    def __init__(self, duration_s: float) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.duration_s = duration_s
+        self.models = {"plain": textcls.build_textcls(), "served": textcls.build_served()}
+        self.seen: dict[tuple[str, int], dict[int, list[float]]] = {}
+        self.rounds = 0
+
+    def round(self) -> None:
+        """One round of every strategy and bucket (skipped once all are done)."""
+        if self.rounds >= SWEEP_ROUNDS:
+            return
+        for name, longest in STRATEGIES:
+            model = self.models["plain" if name == "plain" else "served"]
+            for length, rows in buckets().items():
+                rates = _round_rates(model, rows, None if longest else length,
+                                     self.duration_s / SWEEP_ROUNDS, self.rounds)
+                for b, rate in rates.items():
+                    self.seen.setdefault((name, length), {}).setdefault(b, []).append(rate)
+        self.rounds += 1
+
+    def result(self) -> dict[str, Any]:
+        while self.rounds < SWEEP_ROUNDS:
+            self.round()
+        out: dict[str, Any] = {name: self._best(name) for name, _ in STRATEGIES}
+        out["batch1_exact_tokens_per_s"] = _exact(self.models["plain"], self.duration_s * 3)
+        return out
+
+    def _best(self, name: str) -> dict[str, Any]:
+        """Per bucket: tokens/s at each batch size (its rounds' median) and the best;
+        overall, the tokens/s over the 64 bodies with each bucket at its best size."""
+        out: dict[str, Any] = {"buckets": {}}
+        seconds = 0.0
+        for length, rows in buckets().items():
+            rates = {b: median(v) for b, v in self.seen[(name, length)].items()}
+            best = max(rates, key=lambda b: rates[b])
+            out["buckets"][str(length)] = {"bodies": len(rows), "tokens_per_s": rates,
+                                           "best_batch": best}
+            seconds += sum(map(len, rows)) / rates[best]
+        out["best_tokens_per_s"] = sum(textcls.lengths()) / seconds
+        return out
 
 
 def bare_sweep(duration_s: float) -> dict[str, Any]:
     """The best strategy of the anchors' forward (``plain``) and of the forward that
     ``textcls`` serves (``served``: long passes row by row), both padded to the
     buckets; the served forward's with each pass padded to its longest body
-    (``served_longest``); and batch 1 at each body's own length (no padding)."""
-    import torch
-
-    torch.set_num_threads(1)
-    plain, served = textcls.build_textcls(), textcls.build_served()
-    return {"plain": best_strategy(plain, duration_s),
-            "served": best_strategy(served, duration_s),
-            "served_longest": best_strategy(served, duration_s, longest=True),
-            "batch1_exact_tokens_per_s": _exact(plain, duration_s * 3)}
-
-
-def best_strategy(model: Any, duration_s: float, longest: bool = False) -> dict[str, Any]:
-    """Per bucket: tokens/s at each batch size and the best; overall, the tokens/s over
-    the 64 bodies with each bucket at its best batch size.  ``longest``: each pass
-    padded to its longest body instead of the bucket's length."""
-    out: dict[str, Any] = {"buckets": {}}
-    seconds = 0.0
-    for length, rows in buckets().items():
-        rates = _rates(model, rows, None if longest else length, duration_s)
-        best = max(rates, key=lambda b: rates[b])
-        out["buckets"][str(length)] = {"bodies": len(rows), "tokens_per_s": rates,
-                                       "best_batch": best}
-        seconds += sum(map(len, rows)) / rates[best]
-    out["best_tokens_per_s"] = sum(textcls.lengths()) / seconds
-    return out
+    (``served_longest``); and batch 1 at each body's own length (no padding): every
+    round at once (``BareSweep`` takes them between serving rounds)."""
+    return BareSweep(duration_s).result()
 
 
 def _exact(model: Any, duration_s: float) -> float:
