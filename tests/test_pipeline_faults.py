@@ -5,6 +5,7 @@ an ordinary model's submit or the worker's clean exit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -166,6 +167,30 @@ async def test_a_mover_survives_a_bug_and_a_dead_one_is_started_again(
     assert not duty._tasks["inc"].done() and "started again" in caplog.text
     stop.set()
     await asyncio.gather(*duty._tasks.values())
+
+
+async def test_a_mover_whose_step_swallowed_its_cancel_still_ends(
+        client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that swallows the cancel (as Python 3.11's ``asyncio.wait_for`` can,
+    inside redis-py) returns normally: the hand-off sees the pending cancel at its next
+    turn and ends, instead of going on for ever (a stopped duty would wait on it)."""
+    steps = 0
+
+    async def swallowing_step(self: Mover) -> int:
+        nonlocal steps
+        steps += 1
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+        return 1
+
+    monkeypatch.setattr(Mover, "step", swallowing_step)
+    live = LiveCache(client)
+    task = asyncio.create_task(Mover(client, "inc", live, None, 0.1).run(asyncio.Event()))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    done, _pending = await asyncio.wait([task], timeout=5)
+    await live.aclose()
+    assert done and task.cancelled() and steps == 1
 
 
 async def test_a_failing_duty_never_skips_the_workers_clean_exit(

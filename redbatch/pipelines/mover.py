@@ -18,7 +18,7 @@ from redbatch.lean import LeanLink
 from redbatch.pipelines import handoff
 from redbatch.pipelines.context import Context
 from redbatch.protocol import Reply
-from redbatch.redis_conn import REDIS_ERRORS
+from redbatch.redis_conn import REDIS_ERRORS, check_cancelled
 from redbatch.registry import LiveCache
 
 log = logging.getLogger("redbatch.pipelines")
@@ -50,6 +50,7 @@ class Mover:
         is logged and retried after a (capped) back-off, never the end of the hand-off."""
         backoff_s = 0.05
         while True:
+            check_cancelled()  # (a cancel that redis-py swallowed ends the hand-off too)
             try:
                 if not await self.step() and not stop.is_set():
                     await self._wait()

@@ -49,6 +49,7 @@ from redbatch.errors import (
 )
 from redbatch.lean import LeanLink
 from redbatch.protocol import Request, Timings
+from redbatch.redis_conn import check_cancelled
 from redbatch.stream_wire import StreamChunk
 from redbatch.worker.claim import warn_cancel_refused
 from redbatch.worker.decode import addressable, parse_entry
@@ -123,6 +124,7 @@ class StreamRunner(BatchRunner):
         self.claimer.stop = stop
         try:
             while not stop.is_set():
+                check_cancelled()  # (a cancel that redis-py swallowed)
                 if self.model.policy is not self._claimer_policy:
                     self._use_policy()  # a live knob change reaches the first claims too
                 raws = await self.queue_claimer.claim(self.model.policy.max_batch_size)
