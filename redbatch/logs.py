@@ -10,7 +10,9 @@ neither format lets them forge a field or a line: a value in ``key=`` position t
 holds a space, ``=``, a quote, a backslash or a control character is written as a
 JSON string (``model="x\\" level=\\"CRITICAL"``), any other value holding a control
 character too; JSON fields are lifted from the message's template, never from what
-its values say.
+its values say.  A value read from Redis that is not UTF-8 (a foreign worker's id, kept
+with ``surrogateescape``) is written with its bytes escaped (``\\xff``), so that every
+line stays valid UTF-8 for the stream and for JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ KEY_BEFORE = re.compile(r"\b([a-z_]+)=$")
 UNSAFE_VALUE = re.compile(r"[\s=\"'\\\x00-\x1f\x7f-\x9f\u2028\u2029]")
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 LINE_BREAKS = re.compile("[\x85\u2028\u2029]")  # valid in JSON, yet lines to splitlines()
+SURROGATES = re.compile("[\ud800-\udfff]")  # not UTF-8: a byte kept by surrogateescape
 
 
 def _slots(template: str, count: int) -> list[tuple[str | None, str]] | None:
@@ -51,6 +54,17 @@ def _slots(template: str, count: int) -> list[tuple[str | None, str]] | None:
     return slots if len(slots) == count else None
 
 
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+
+
+def utf8(text: str) -> str:
+    """``text`` with its lone surrogates escaped: an undecodable byte as ``\\xNN``
+    (``surrogateescape``'s), any other surrogate as ``\\uXXXX``."""
+    return SURROGATES.sub(_escaped, text)
+
+
 def _quoted(value: str, keyed: bool) -> str:
     unsafe = UNSAFE_VALUE if keyed else CONTROL
     return json.dumps(value) if unsafe.search(value) else value
@@ -60,14 +74,15 @@ def _render(record: logging.LogRecord) -> tuple[str, dict[str, str]]:
     """The message with unsafe values quoted, and its ``key=`` values (as text)."""
     template, args = record.msg, record.args
     if not isinstance(template, str) or not isinstance(args, tuple) or not args:
-        return _quoted(record.getMessage(), keyed=False), {}
+        return _quoted(utf8(record.getMessage()), keyed=False), {}
     slots = _slots(template, len(args))
     if slots is None:
-        return _quoted(record.getMessage(), keyed=False), {}
+        return _quoted(utf8(record.getMessage()), keyed=False), {}
     try:
-        texts = [conversion % (arg,) for (_, conversion), arg in zip(slots, args, strict=True)]
+        texts = [utf8(conversion % (arg,))
+                 for (_, conversion), arg in zip(slots, args, strict=True)]
     except (TypeError, ValueError):  # logging reports the bad call as usual
-        return _quoted(record.getMessage(), keyed=False), {}
+        return _quoted(utf8(record.getMessage()), keyed=False), {}
     pairs = {key: text for (key, _), text in zip(slots, texts, strict=True) if key}
     safe = iter([_quoted(text, key is not None) for (key, _), text in
                  zip(slots, texts, strict=True)])
@@ -80,7 +95,10 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         safe = copy.copy(record)
         safe.message = _render(record)[0]
-        return super().formatMessage(safe)
+        return utf8(super().formatMessage(safe))
+
+    def formatException(self, ei: Any) -> str:
+        return utf8(super().formatException(ei))
 
 
 class JsonFormatter(logging.Formatter):
@@ -89,12 +107,13 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         message, pairs = _render(record)
         out: dict[str, object] = {"ts": round(record.created, 6), "level": record.levelname,
-                                  "logger": record.name, "pid": record.process, "msg": message}
+                                  "logger": record.name, "pid": record.process,
+                                  "msg": utf8(message)}
         for key, value in pairs.items():
             if key not in RESERVED:
                 out[key] = value if key in TEXT_KEYS else _number(value)
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = utf8(self.formatException(record.exc_info))
         line = orjson.dumps(out).decode()
         return LINE_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", line)
 

@@ -115,9 +115,11 @@ async def test_the_reaper_is_not_stopped_by_one_entry(
 
 
 async def test_a_worker_id_that_is_not_utf8_is_reaped_like_any_other(
-        raw_redis: redis.Redis, redis_url: str, start_worker: Callable[..., Worker]) -> None:
+        raw_redis: redis.Redis, redis_url: str, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
     """A foreign worker named itself with bytes that are not UTF-8, and died holding a
-    request: the live workers' heartbeats go on, and its request is requeued and served."""
+    request: the live workers' heartbeats go on, and its request is requeued and served;
+    the reap's log line names it with its bytes escaped (valid UTF-8 for any handler)."""
     ghost = b"\xff\xfe-ghost"
     good = protocol.reply_key("echo", "innocent")
     raw_redis.rpush(b"rb:{echo}:inflight:" + ghost, entry(7, good)[1])
@@ -127,6 +129,8 @@ async def test_a_worker_id_that_is_not_utf8_is_reaped_like_any_other(
     await still_serves(redis_url)
     assert not raw_redis.exists(b"rb:{echo}:inflight:" + ghost)
     assert raw_redis.zscore(protocol.workers_key("echo"), ghost) is None
+    assert r"reaped worker \xff\xfe-ghost: requeued 1" in caplog.text
+    caplog.text.encode()
 
 
 # --- the reaper answers what a live worker would ----------------------------------------

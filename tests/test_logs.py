@@ -80,3 +80,23 @@ def test_values_outside_pairs_keep_their_spaces_but_not_their_newlines() -> None
     plain = logging.LogRecord("x", logging.INFO, __file__, 1, "model=mlp n=%d 100%% done",
                               (3,), None)
     assert TextFormatter(FORMAT).format(plain).endswith("model=mlp n=3 100% done")
+
+
+def _ghost_record() -> logging.LogRecord:
+    ghost = b"\xff\xfe-ghost".decode(errors="surrogateescape")  # a foreign id, as read
+    return logging.LogRecord("redbatch.worker", logging.WARNING, __file__, 1,
+                             "model=%s reaped worker %s: requeued %d, worker=%s",
+                             ("echo", ghost, 1, ghost), None)
+
+
+def test_a_value_that_is_not_utf8_is_escaped_in_text() -> None:
+    text = TextFormatter(FORMAT).format(_ghost_record())
+    text.encode()  # valid UTF-8: a strict stream writes it
+    assert r"reaped worker \xff\xfe-ghost: requeued 1" in text
+    assert text.endswith(r'worker="\\xff\\xfe-ghost"')  # a keyed backslash is quoted
+
+
+def test_a_value_that_is_not_utf8_is_escaped_in_json() -> None:
+    line = json.loads(JsonFormatter().format(_ghost_record()))
+    assert r"reaped worker \xff\xfe-ghost: requeued 1" in line["msg"]
+    assert line["worker"] == r"\xff\xfe-ghost" and line["model"] == "echo"

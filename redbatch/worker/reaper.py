@@ -46,6 +46,7 @@ import redis.asyncio as aioredis
 from redbatch import codec, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.levels import ONE, Levels
+from redbatch.logs import utf8
 from redbatch.protocol import Request, Timings
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.replies import (
@@ -272,7 +273,8 @@ class Reaper:
             self.stats.retried(0 if force else len(plan.requeue))
         if read:
             log.warning("model=%s %s worker %s: requeued %d, dead-lettered %d%s",
-                        self.model, "returned the batch of" if force else "reaped", worker_id,
+                        self.model, "returned the batch of" if force else "reaped",
+                        utf8(worker_id),  # (a foreign id that is not UTF-8: its bytes escaped)
                         len(plan.requeue), len(plan.dead),
                         f" (it crashed running request {crashing} alone)" if crashing else "")
 
