@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT, test_env
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 
 @pytest.mark.timeout(240)

@@ -23,7 +23,7 @@ from tests.conftest import FAST_WORKER, wait_live
 from tests.engines import ClusterEngine, Node
 from tests.models_for_tests import adder
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.engines, pytest.mark.serial, pytest.mark.timeout(90)]
 MODEL = "m"
 QUEUE = protocol.queue_key(MODEL)
 INFLIGHT = protocol.inflight_key(MODEL, "w1")

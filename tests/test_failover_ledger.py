@@ -53,7 +53,7 @@ from redbatch.worker.process import Worker
 from tests.conftest import FAST_WORKER, wait_live
 from tests.engines import ClusterEngine, Node, SentinelEngine
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(40)]
+pytestmark = [pytest.mark.engines, pytest.mark.serial, pytest.mark.timeout(40)]
 MODEL = "gated"
 TIMEOUT_S = 2.0  # each request's deadline
 GRACE_S = 0.5  # a request with neither answer nor error by deadline + this is lost

@@ -24,7 +24,7 @@ from redbatch.worker.process import Worker
 from tests.conftest import RedisServer
 from tests.test_gateway import _wait_registered, gateway
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 CONFIG = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=1.0)
 
 

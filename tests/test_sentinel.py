@@ -18,7 +18,7 @@ from tests.conftest import wait_live
 from tests.engines import SentinelEngine
 from tests.models_for_tests import adder
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.engines, pytest.mark.serial, pytest.mark.timeout(90)]
 RECOVER_S = 20.0  # a failover (down after 1 s) must be over well within this
 # what a caller may meet while the sentinels fail over: typed, retryable errors (the
 # worker's lease may lapse on the promoted replica until its next heartbeat there)
