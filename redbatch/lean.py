@@ -284,16 +284,42 @@ class ClusterLink(LeanLink):
         return super()._checked(replies, checked)
 
 
-async def unblock(client: Any, node: str | None, client_id: int) -> None:
+GUARD_PEXPIRE_MS = 1000  # the guard's PEXPIRE (of a key that does not exist: a no-op)
+
+
+async def unblock(client: Any, node: str | None, client_id: int, guard_key: str) -> None:
     """``CLIENT UNBLOCK client_id`` on ``node`` (a cluster's node by name; None: the
-    client's one server), through ``client``: another connection than the blocked one."""
+    client's one server), through ``client``: another connection than the blocked one.
+    A ``PEXPIRE`` of ``guard_key`` (``protocol.unblock_guard_key``) goes first, in the
+    same write on the same connection: while ``CLIENT PAUSE WRITE`` holds the pop unrun,
+    it holds the unblock as well (see there)."""
+    commands = (("PEXPIRE", guard_key, GUARD_PEXPIRE_MS), ("CLIENT", "UNBLOCK", client_id))
     if node is None:
-        await client.client_unblock(client_id)
+        async with client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            await pipe.execute(raise_on_error=False)
         return
     await client.initialize()  # (a no-op once the slot map is read)
     target = client.get_node(node_name=node)
     if target is not None:  # (a node the slot map no longer names: its pop times out)
-        await client.client_unblock(client_id, target_nodes=target)
+        await _on_node(target, commands)
+
+
+async def _on_node(node: Any, commands: tuple[tuple[Any, ...], ...]) -> None:
+    """``commands`` in one write on a connection of cluster node ``node``."""
+    conn = node.acquire_connection()
+    try:
+        if not conn.is_connected:
+            await conn.connect()
+        await _write(conn, conn.pack_commands(commands))
+        for _ in commands:
+            await _reply(conn)
+    except BaseException:
+        await conn.disconnect(nowait=True)
+        raise
+    finally:
+        node.release(conn)
 
 
 REDIRECTS = (MovedError, AskError, TryAgainError)

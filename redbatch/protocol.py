@@ -329,6 +329,16 @@ def reaping_key(model: str, worker_id: str) -> str:
     return f"{PREFIX}:{{{model}}}:reaping:{worker_id}"
 
 
+def unblock_guard_key(tag: str) -> str:
+    """A key that is never written: a ``PEXPIRE`` of it goes in the same write before
+    each ``CLIENT UNBLOCK`` of a worker's blocking pop (sub-queue ``tag``'s).  That
+    ``PEXPIRE`` is a write, so ``CLIENT PAUSE WRITE`` (an operator's, ``FAILOVER``'s,
+    a manual ``CLUSTER FAILOVER``'s) holds it, and the unblock behind it, until the
+    pause ends: an unblock of a pop that the pause holds unrun makes Redis before 8.2
+    (7.0.15 among them) abort."""
+    return f"{PREFIX}:{{{tag}}}:unblock-guard"
+
+
 def cancelled_key(model: str) -> str:
     """Sorted set: request id -> deadline (epoch ms) of queued requests whose caller
     went away (an HTTP client that disconnected); workers skip them without

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis
@@ -20,6 +20,7 @@ from redbatch.worker.claim import (
     peek_enqueue_ms,
 )
 from redbatch.worker.policy import BatchPolicy
+from tests.conftest import RedisServer
 
 MODEL = "m"
 
@@ -253,6 +254,32 @@ async def test_a_pop_that_gives_up_keeps_what_its_moves_found(
         await pipe.execute()
     assert await blocked == [late]
     assert await aredis.lrange(protocol.inflight_key(MODEL, "w1"), 0, -1) == [late]
+
+
+async def test_a_window_ending_while_writes_are_paused_leaves_redis_up(
+        redis_server_factory: Callable[[], RedisServer]) -> None:
+    """``CLIENT PAUSE WRITE`` (an operator's, ``FAILOVER``'s, a manual ``CLUSTER
+    FAILOVER``'s) holds a window's ``BLMOVE`` unrun; the window's end unblocks it by
+    error, never by timeout (which makes Redis before 8.2 abort): the pop gives up,
+    its moves run once the pause is over, and Redis is still up (a private server:
+    a crash would take no other test's with it)."""
+    server = redis_server_factory()
+    aredis = aioredis.Redis.from_url(server.url, socket_timeout=10)
+    pool = aioredis.BlockingConnectionPool.from_url(server.url, max_connections=1,
+                                                    socket_timeout=10)
+    own = aioredis.Redis.from_pool(pool)
+    try:
+        c = Claimer(aredis, MODEL, "w1", BatchPolicy(max_batch_size=4), 1.0, own)
+        await c._prepare()
+        await aredis.execute_command("CLIENT", "PAUSE", 800, "WRITE")
+        started = time.monotonic()
+        assert await c._block_some(5.0, 1, protocol.now_ms() + 200) == []
+        assert time.monotonic() - started < 3.0  # woken, then the pause's end: not 5 s
+        assert await aredis.ping()
+        assert server.proc is not None and server.proc.poll() is None
+    finally:
+        await own.aclose()
+        await aredis.aclose()
 
 
 async def test_adaptive_window_stops_holding_lone_requests(aredis: aioredis.Redis) -> None:

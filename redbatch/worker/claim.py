@@ -125,6 +125,7 @@ class Claimer:
         self.queue = protocol.queue_key(self.tag)
         self.inflight = protocol.inflight_key(self.tag, worker_id)
         self.cancelled = protocol.cancelled_key(self.tag)
+        self.unblock_guard = protocol.unblock_guard_key(self.tag)
         self.cancels = False  # the cancelled set existed at the last claim: look into it
         self.skipped = 0  # cancelled requests acked without computing
         # claims and blocking pops: one connection (``link``: shared by the claimers of
@@ -286,7 +287,7 @@ class Claimer:
 
     async def _send_unblock(self, client_id: int) -> None:
         with contextlib.suppress(Exception):  # at worst the BLMOVE times out by itself
-            await unblock(self._redis, self._node, client_id)
+            await unblock(self._redis, self._node, client_id, self.unblock_guard)
 
     async def _pace(self) -> None:
         wait_s = self._last_claim + self._policy.stride_s - time.monotonic()
