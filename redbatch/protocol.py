@@ -334,8 +334,8 @@ def unblock_guard_key(tag: str) -> str:
     each ``CLIENT UNBLOCK`` of a worker's blocking pop (sub-queue ``tag``'s).  That
     ``PEXPIRE`` is a write, so ``CLIENT PAUSE WRITE`` (an operator's, ``FAILOVER``'s,
     a manual ``CLUSTER FAILOVER``'s) holds it, and the unblock behind it, until the
-    pause ends: an unblock of a pop that the pause holds unrun makes Redis before 8.2
-    (7.0.15 among them) abort."""
+    pause ends: an unblock of a pop that the pause holds unrun makes Redis abort (7.0.15
+    does; fixed upstream in 2025, redis/redis#14164)."""
     return f"{PREFIX}:{{{tag}}}:unblock-guard"
 
 
