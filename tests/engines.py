@@ -73,15 +73,23 @@ class Node:
 
     def wait_up(self) -> None:
         """Wait until it answers; a process that exited at once (another process took
-        its free port meanwhile) is started again on another port."""
+        its free port, or its cluster bus port, meanwhile) is started again on others."""
         for _attempt in range(3):
             try:
                 poll(f"node {self.address} answering", self._ping)
                 return
             except PortTaken:
                 self.port = free_port()
+                self._new_bus_port()
                 self.launch()
         poll(f"node {self.address} answering", self._ping)
+
+    def _new_bus_port(self) -> None:
+        """A cluster node's bus port, chosen again too: that one may be the port taken
+        (an ephemeral port of any connection made meanwhile)."""
+        if "--cluster-port" in self.args:
+            at = self.args.index("--cluster-port") + 1
+            self.args[at] = str(free_port())
 
     def _ping(self) -> Any:
         if self.proc is not None and self.proc.poll() is not None:
