@@ -7,7 +7,9 @@ HTTP client of an in-process gateway) sends ``PER_TICK`` requests every
 ``TICK_S`` (open loop), each with a deadline of ``TIMEOUT_S`` and a known answer
 (x + 1).  The primary is killed (SIGKILL) after ``BEFORE_S``, once its replica holds
 every write it took (its writes paused for that moment); the load goes on until
-requests have been answered again for ``SERVED_S``.  The ledger must show: no call that
+requests have been answered again for ``SERVED_S``.  (The planned scenario instead
+sends ``CLUSTER FAILOVER`` to the replica, and no request may fail at all.)  The
+ledger must show: no call that
 hangs, no wrong answer, no untyped error, nothing lost (every accepted request ends
 with its answer or a typed error by its deadline), no duplicate reply, and the model
 served again within ``RECOVER_S`` of the kill.
@@ -51,7 +53,7 @@ from redbatch.errors import RedbatchError
 from redbatch.producer.client import Client
 from redbatch.worker.process import Worker
 from tests.conftest import FAST_WORKER, wait_live
-from tests.engines import ClusterEngine, Node, SentinelEngine
+from tests.engines import START_TIMEOUT_S, ClusterEngine, Node, SentinelEngine, poll
 
 pytestmark = [pytest.mark.engines, pytest.mark.serial, pytest.mark.timeout(40)]
 MODEL = "gated"
@@ -327,6 +329,22 @@ def cluster_kill(engine: ClusterEngine, lag: bool) -> Kill:
     return kill
 
 
+def cluster_planned(engine: ClusterEngine) -> Kill:
+    """``CLUSTER FAILOVER`` on the replica of the queue's primary (a rolling upgrade's
+    step): the primary pauses its clients' writes until the replica has them all, then
+    hands the slot over and turns replica."""
+    key = protocol.queue_key(MODEL)
+
+    def fail_over(ledger: Ledger) -> None:
+        replica = replica_of(engine, key)
+        ledger.killed_s = time.monotonic()
+        assert replica.ask("CLUSTER", "FAILOVER") == b"OK"
+        poll("the replica took the slot over", lambda: engine.owner(key) is replica,
+             START_TIMEOUT_S)
+        engine.wait_ok()
+    return fail_over
+
+
 def sentinel_kill(engine: SentinelEngine, lag: bool) -> Kill:
     def kill(ledger: Ledger) -> None:
         assert engine.replica is not None
@@ -358,11 +376,12 @@ async def sentinel_client(redis_sentinel: SentinelEngine,
     return await serving(redis_sentinel.url, start_worker)
 
 
-async def ledger_through(client: Client, kill: Kill, title: str, lag: bool) -> None:
+async def ledger_through(client: Client, kill: Kill, title: str, lag: bool) -> Ledger:
     async with client:
         ledger, promoted_s = await run_ledger(functools.partial(call, client), kill)
         stats = client.stats()
     report_and_check(ledger, promoted_s, stats, title, lag)
+    return ledger
 
 
 def report_and_check(ledger: Ledger, promoted_s: float, stats: dict[str, Any], title: str,
@@ -388,6 +407,16 @@ async def test_cluster_failover_ledger(redis_cluster: ClusterEngine, wait: Repli
                                        lag: bool, cluster_client: ClientOf) -> None:
     await ledger_through(cluster_client(wait), cluster_kill(redis_cluster, lag),
                          f"cluster failover, WAIT {wait}, lagging replica {lag}", lag)
+
+
+async def test_cluster_planned_failover_ledger(redis_cluster: ClusterEngine,
+                                               cluster_client: ClientOf) -> None:
+    """A planned failover keeps every promise of a kill's (no request lost, hung,
+    wrong or answered twice), and more: no write is lost, so no request fails at all
+    (the clients follow the slot's MOVED to the new primary)."""
+    ledger = await ledger_through(cluster_client(None), cluster_planned(redis_cluster),
+                                  "cluster planned failover (CLUSTER FAILOVER)", False)
+    assert not ledger.errors and not ledger.refused, ledger.report("planned", {})
 
 
 @SCENARIOS
