@@ -187,6 +187,27 @@ async def test_a_window_ends_on_time_on_the_owning_node(
         await own.aclose()
 
 
+async def test_a_window_ending_while_its_node_pauses_writes_leaves_the_node_up(
+        redis_cluster: ClusterEngine, settings: RedisSettings, client: aioredis.Redis) -> None:
+    """On a cluster too, the window's unblock goes behind a no-op write on the owner's
+    connection: ``CLIENT PAUSE WRITE`` there (as a manual failover's) holds it until
+    the pop has run, and the node stays up (an unblock of a pop the pause holds makes
+    Redis 7.0.15 abort)."""
+    own = async_client(settings, max_connections=4)
+    try:
+        taker = Claimer(client, MODEL, "w1", BatchPolicy(max_batch_size=4), 2.5, own)
+        await taker._prepare()
+        owner = redis_cluster.owner(QUEUE)
+        before = unblocks(owner)
+        owner.ask("CLIENT", "PAUSE", 800, "WRITE")
+        started = time.monotonic()
+        assert await taker._block_some(5.0, 1, protocol.now_ms() + 200) == []
+        assert time.monotonic() - started < 3.0  # woken once the pause was over
+        assert owner.ask("PING") and unblocks(owner) == before + 1
+    finally:
+        await own.aclose()
+
+
 async def test_a_moved_slot_is_followed(redis_cluster: ClusterEngine,
                                         client: aioredis.Redis) -> None:
     await client.rpush(QUEUE, entry(1), entry(2))
