@@ -95,7 +95,7 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         safe = copy.copy(record)
         safe.message = _render(record)[0]
-        return utf8(super().formatMessage(safe))
+        return super().formatMessage(safe)
 
     def formatException(self, ei: Any) -> str:
         return utf8(super().formatException(ei))
@@ -107,8 +107,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         message, pairs = _render(record)
         out: dict[str, object] = {"ts": round(record.created, 6), "level": record.levelname,
-                                  "logger": record.name, "pid": record.process,
-                                  "msg": utf8(message)}
+                                  "logger": record.name, "pid": record.process, "msg": message}
         for key, value in pairs.items():
             if key not in RESERVED:
                 out[key] = value if key in TEXT_KEYS else _number(value)

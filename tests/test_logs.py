@@ -100,3 +100,16 @@ def test_a_value_that_is_not_utf8_is_escaped_in_json() -> None:
     line = json.loads(JsonFormatter().format(_ghost_record()))
     assert r"reaped worker \xff\xfe-ghost: requeued 1" in line["msg"]
     assert line["worker"] == r"\xff\xfe-ghost" and line["model"] == "echo"
+
+
+def test_an_exception_that_is_not_utf8_is_escaped() -> None:
+    ghost = b"\xff-key".decode(errors="surrogateescape")
+    try:
+        raise RuntimeError(f"WRONGTYPE {ghost}")
+    except RuntimeError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (),
+                                   exc_info=__import__("sys").exc_info())
+    assert r"WRONGTYPE \xff-key" in json.loads(JsonFormatter().format(record))["exc"]
+    text = TextFormatter(FORMAT).format(record)
+    text.encode()
+    assert r"WRONGTYPE \xff-key" in text
