@@ -3,8 +3,11 @@
 1. Every manifest of a built-in kind validates, strictly (no unknown fields), against
    the Kubernetes JSON schemas that the PyPI package ``kubernetes-validate`` ships.
 2. KEDA's ScaledObject is a CRD those schemas do not know: its structure is checked
-   here (apiVersion, the Redis Lists trigger, its list being a model's queue key as
-   ``redbatch.protocol`` spells it, the worker Deployment as its target).
+   here (apiVersion, the worker Deployment as its target, and each trigger: a Redis
+   Lists trigger's list is a model's queue key as ``redbatch.protocol`` spells it; a
+   Prometheus trigger's query takes the largest over the gateways of a fleet-wide
+   gauge that they export, for a served model).  tests/test_prometheus.py evaluates
+   the Prometheus triggers' queries against a real Prometheus.
 3. The containers run real ``redbatch`` commands (the CLI's parser), read real
    ``REDBATCH_*`` variables (config fields), listen where their ports and probes say,
    and probe real routes; the workers request a GPU.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ import yaml
 
 from redbatch import protocol
 from redbatch.config import RedisSettings
-from redbatch.metrics import WORKERS_NEEDED_NAME
+from redbatch.metrics import GATEWAY_METRICS, SCALING_METRICS, WORKERS_NEEDED_NAME
 from redbatch.worker.loader import load_models
 from tests.test_compose import config_classes, listening_ports, parse_command
 
@@ -36,6 +40,12 @@ K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the examples are meant for
 KEDA_API = "keda.sh/v1alpha1"
 KEDA_TRIGGERS = {"redis": "address", "redis-cluster": "addresses"}  # -> where Redis is
+PROMETHEUS_TRIGGER = "prometheus"  # KEDA's Prometheus scaler
+# The gauges every gateway exports with the same fleet-wide value (read from Redis at
+# scrape time): a trigger takes the largest over the gateways, as a sum would count it
+# once per gateway.
+FLEET_GAUGES = frozenset({"redbatch_queue_depth", *SCALING_METRICS}) & set(GATEWAY_METRICS)
+FLEET_QUERY = re.compile(r'max\s*\(\s*(redbatch_[a-z_]+)\s*\{\s*model\s*=\s*"([^"]+)"\s*\}\s*\)')
 ROUTES = {"gateway": {"/healthz", "/readyz", "/metrics"}, "worker": {"/metrics"}}
 PLACEHOLDERS = {"REDIS_URL": "redis://redis:6379/0"}  # for variables read from Secrets
 Problems = list[str]
@@ -129,17 +139,50 @@ def scaledobject_problems(doc: dict[str, Any], worker: dict[str, Any]) -> Proble
         problems.append(f"not a {KEDA_API} ScaledObject")
     if doc["spec"]["scaleTargetRef"].get("name") != worker["metadata"]["name"]:
         problems.append("scaleTargetRef does not name the worker Deployment")
-    queues = {protocol.queue_key(m) for m in served_models(worker)}
+    models = served_models(worker)
     for trigger in doc["spec"]["triggers"]:
         meta = trigger.get("metadata", {})
-        if trigger.get("type") not in KEDA_TRIGGERS or KEDA_TRIGGERS[trigger["type"]] not in meta:
-            problems.append(f"trigger {trigger.get('type')!r}: no Redis Lists trigger")
-        if meta.get("listName") not in queues:
-            problems.append(f"listName {meta.get('listName')!r} is no served model's queue")
-        if not str(meta.get("listLength", "")).isdigit() or int(meta["listLength"]) < 1:
-            problems.append(f"listLength {meta.get('listLength')!r} is not a count")
-        if "://" in str(meta.get("address", "")):
-            problems.append("address must be host:port, not a URL")
+        if trigger.get("type") == PROMETHEUS_TRIGGER:
+            problems += prometheus_trigger_problems(meta, models)
+        else:
+            problems += redis_trigger_problems(trigger.get("type"), meta, models)
+    return problems
+
+
+def redis_trigger_problems(kind: str | None, meta: dict[str, Any], models: set[str]
+                           ) -> Problems:
+    """A Redis Lists trigger: a served model's queue, a count, Redis as host:port."""
+    problems = []
+    if kind not in KEDA_TRIGGERS or KEDA_TRIGGERS[kind] not in meta:
+        problems.append(f"trigger {kind!r}: no Redis Lists trigger")
+    if meta.get("listName") not in {protocol.queue_key(m) for m in models}:
+        problems.append(f"listName {meta.get('listName')!r} is no served model's queue")
+    if not str(meta.get("listLength", "")).isdigit() or int(meta["listLength"]) < 1:
+        problems.append(f"listLength {meta.get('listLength')!r} is not a count")
+    if "://" in str(meta.get("address", "")):
+        problems.append("address must be host:port, not a URL")
+    return problems
+
+
+def prometheus_trigger_problems(meta: dict[str, Any], models: set[str]) -> Problems:
+    """A Prometheus trigger: the largest over the gateways of a fleet-wide gauge of a
+    served model, a Prometheus URL and a positive threshold."""
+    problems = []
+    query = FLEET_QUERY.fullmatch(str(meta.get("query", "")).strip())
+    if query is None:
+        problems.append(f"query {meta.get('query')!r} is not max(<gauge>{{model=\"...\"}})")
+    else:
+        if query.group(1) not in FLEET_GAUGES:
+            problems.append(f"query: {query.group(1)} is no fleet-wide gauge of the gateway")
+        if query.group(2) not in models:
+            problems.append(f"query: model {query.group(2)!r} is no served model")
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(meta.get("serverAddress", ""))):
+        problems.append(f"serverAddress {meta.get('serverAddress')!r} is not an http(s) URL")
+    try:
+        if float(meta.get("threshold", "")) <= 0:
+            problems.append(f"threshold {meta['threshold']!r} is not positive")
+    except (TypeError, ValueError):
+        problems.append(f"threshold {meta.get('threshold')!r} is not a number")
     return problems
 
 
@@ -178,7 +221,7 @@ def adapter_problems(doc: dict[str, Any]) -> Problems:
 def test_every_manifest_is_known_and_builtin_kinds_validate() -> None:
     kinds = sorted(doc["kind"] for _name, doc in documents())
     assert kinds == ["ConfigMap", "Deployment", "Deployment", "HorizontalPodAutoscaler",
-                     "ScaledObject", "ScaledObject", "Service"]
+                     "ScaledObject", "ScaledObject", "ScaledObject", "Service"]
     for name, doc in documents():
         if doc["apiVersion"] != KEDA_API:
             assert schema_problems(doc) == [], name
@@ -239,7 +282,8 @@ def test_workers_request_one_gpu_and_drain_on_stop() -> None:
 def test_scaledobjects_scale_the_workers_on_a_model_queue() -> None:
     worker = deployment("worker")
     objects = of_kind("ScaledObject")
-    assert {t["type"] for o in objects for t in o["spec"]["triggers"]} == set(KEDA_TRIGGERS)
+    assert {t["type"] for o in objects for t in o["spec"]["triggers"]} == \
+        {*KEDA_TRIGGERS, PROMETHEUS_TRIGGER}
     for doc in objects:
         assert scaledobject_problems(doc, worker) == []
     assert objects[0]["spec"]["triggers"][0]["metadata"]["listName"] == "rb:{mlp}:queue"
@@ -253,6 +297,36 @@ def test_scaledobject_check_finds_mistakes() -> None:
     meta = doc["spec"]["triggers"][0]["metadata"]
     meta.update(listName="rb:mlp:queue", listLength="lots", address="redis://redis:6379")
     assert len(scaledobject_problems(doc, worker)) == 5
+
+
+def prometheus_scaledobject() -> dict[str, Any]:
+    [doc] = [o for o in of_kind("ScaledObject")
+             if any(t["type"] == PROMETHEUS_TRIGGER for t in o["spec"]["triggers"])]
+    return doc
+
+
+def test_the_prometheus_trigger_scales_on_the_whole_queue() -> None:
+    """For a model of several sub-queues: its queue depth over every sub-queue, as the
+    gateways export it, the largest over them."""
+    doc = prometheus_scaledobject()
+    assert scaledobject_problems(doc, deployment("worker")) == []
+    [trigger] = doc["spec"]["triggers"]
+    assert trigger["metadata"]["query"] == 'max(redbatch_queue_depth{model="mlp"})'
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("query", 'sum(redbatch_queue_depth{model="mlp"})'),  # once per gateway
+    ("query", 'max(redbatch_queue_lenght{model="mlp"})'),
+    ("query", 'max(redbatch_requests_total{model="mlp"})'),  # per gateway, not fleet-wide
+    ("query", 'max(redbatch_queue_depth{model="mpl"})'),
+    ("serverAddress", "prometheus:9090"),
+    ("threshold", "lots"),
+    ("threshold", "0"),
+])
+def test_prometheus_trigger_check_finds_mistakes(field: str, value: str) -> None:
+    doc = copy.deepcopy(prometheus_scaledobject())
+    doc["spec"]["triggers"][0]["metadata"][field] = value
+    assert len(scaledobject_problems(doc, deployment("worker"))) == 1
 
 
 def test_hpa_and_adapter_rule_use_the_exported_metric() -> None:
