@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     )
     from redbatch.producer import Client, SyncClient
     from redbatch.protocol import PROTOCOL_VERSION, Reply, Request
-    from redbatch.spec import TensorSpec
+    from redbatch.spec import TensorSpec, unpad
     from redbatch.worker import BatchPolicy, Model, Pool, Worker, batch
     from redbatch.worker.stream_batch import STOP, StreamBatch
     from redbatch.worker.torch_helpers import torch_model
@@ -51,7 +51,7 @@ _HOMES: dict[str, str] = {
     **dict.fromkeys(_ERRORS, "redbatch.errors"),
     **dict.fromkeys(("Client", "SyncClient"), "redbatch.producer"),
     **dict.fromkeys(("PROTOCOL_VERSION", "Reply", "Request"), "redbatch.protocol"),
-    "TensorSpec": "redbatch.spec",
+    **dict.fromkeys(("TensorSpec", "unpad"), "redbatch.spec"),
     **dict.fromkeys(("BatchPolicy", "Model", "Pool", "Worker", "batch"), "redbatch.worker"),
     "torch_model": "redbatch.worker.torch_helpers",
     **dict.fromkeys(("STOP", "StreamBatch"), "redbatch.worker.stream_batch"),
@@ -104,4 +104,5 @@ __all__ = [
     "WorkerCrashed",
     "batch",
     "torch_model",
+    "unpad",
 ]

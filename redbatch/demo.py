@@ -7,11 +7,11 @@
   ``{"x": [ids]}``, reply ``{"y": ids}``.  The worker batches them by length bucket,
   hands ``(padded, lengths)`` to the model and trims each output back to its length.
 * ``textcls``: the W3 benchmark model, a one-layer transformer text classifier (seed 0)
-  over 1 to 512 token ids; body ``{"input_ids": [ids]}`` (other fields, such as an
-  ``attention_mask``, are ignored: the mask is implied by the length), reply
-  ``{"logits": [4 floats]}``.  Batched by length bucket, each pass padded to its
-  longest item (``pad_to_longest``); a pass longer than 256 tokens runs its rows one at
-  a time, each at its own length.
+  over 1 to 512 token ids; body ``{"input_ids": [ids]}``, with ``"attention_mask"``
+  beside it when the caller padded the ids itself (the gateway cuts them to the
+  positions the mask marks: ``TensorSpec(mask=...)``), reply ``{"logits": [4 floats]}``.
+  Batched by length bucket, each pass padded to its longest item (``pad_to_longest``);
+  a pass longer than 256 tokens runs its rows one at a time, each at its own length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
 * ``generate``: the streaming demo (``redbatch.generate``), a seeded character-level
   GRU; body ``{"prompt": "hello", "max_tokens": 16}``, one chunk per character (SSE
@@ -85,7 +85,8 @@ def models() -> list[Model | Pipeline]:
                       input_name="x", output_name="y")
     echo = Model("echo", fn=echo_fn, policy=policy, spec=TensorSpec("float32", (None,)),
                  input_name="x", output_name="y", inline=True)
-    textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN),
+    textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN,
+                                                              mask="attention_mask"),
                           replace(policy, pad_to_longest=True), input_name="input_ids",
                           output_name="logits")
     return [mlp, echo, echo_tokens(policy), textcls, adder, pair, generate_model(),

@@ -32,19 +32,33 @@ class TensorSpec:
     With ``max_len``, the first dimension (``None``) is a variable length (token ids):
     inputs longer than ``max_len`` are refused, and the worker batches them by length
     bucket (``buckets``: sorted boundaries, default powers of two up to ``max_len``),
-    padded with ``pad_value`` (see docs/models.md, "Variable lengths")."""
+    padded with ``pad_value`` (see docs/models.md, "Variable lengths").  ``mask``: the
+    name of a request field (``"attention_mask"``) that a caller who padded the input
+    itself may send beside it, 1 at each real position and 0 at each padded one; the
+    gateway cuts the input to its real positions (``check_masked``) before enqueueing,
+    so the model sees the request as if it had come unpadded."""
 
     dtype: str = "float32"
     shape: tuple[int | None, ...] = ()
     max_len: int | None = None
     pad_value: float = 0
     buckets: tuple[int, ...] | None = None
+    mask: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"TensorSpec dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.max_len is not None or self.buckets is not None:
             self._check_variable()
+        if self.mask is not None:
+            self._check_mask_name()
+
+    def _check_mask_name(self) -> None:
+        if self.max_len is None:
+            raise ConfigError("a TensorSpec mask goes with a variable length (max_len)")
+        if not isinstance(self.mask, str) or not FIELD_NAME_RE.fullmatch(self.mask):
+            raise ConfigError(f"TensorSpec mask {self.mask!r} must match "
+                              f"{FIELD_NAME_RE.pattern}")
 
     def _check_variable(self) -> None:
         if self.max_len is None or self.max_len < 1:
@@ -83,14 +97,26 @@ class TensorSpec:
 
     def check(self, value: Any, name: str = "input") -> np.ndarray[Any, Any]:
         """Convert ``value`` (nested lists or an array) to this spec, or raise."""
-        try:
-            arr = value if type(value) is np.ndarray else np.asarray(value)
-        except (ValueError, TypeError) as exc:
-            raise InvalidPayload(f"input is not a rectangular array: {exc}") from exc
+        arr = _array(value, "input")
         self._check_kind(arr)
         self._check_shape(arr.shape)
         if self.max_len is not None:
             self.check_length(arr.shape[0], name)
+        return self._cast(arr)
+
+    def check_masked(self, value: Any, mask: Any, name: str = "input") -> np.ndarray[Any, Any]:
+        """``check`` of an input the caller padded itself: cut first to the positions
+        its ``mask`` marks (``real_span``), so that only the real length counts
+        against ``max_len``."""
+        arr = _array(value, "input")
+        self._check_kind(arr)
+        self._check_shape(arr.shape)
+        start, stop = real_span(mask, arr.shape[0], self.mask or "mask")
+        arr = arr[start:stop]
+        self.check_length(arr.shape[0], name)
+        return self._cast(arr)
+
+    def _cast(self, arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         if arr.dtype == self._np_dtype:
             cast = arr
         else:
@@ -146,16 +172,62 @@ class TensorSpec:
         if self.max_len is not None:
             data.update(max_len=self.max_len, pad_value=self.pad_value,
                         buckets=list(self.boundaries))
+        if self.mask is not None:
+            data["mask"] = self.mask
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TensorSpec:
         shape = tuple(None if d == -1 else int(d) for d in data["shape"])
         max_len, buckets = data.get("max_len"), data.get("buckets")
+        mask = data.get("mask")
         return cls(dtype=str(data["dtype"]), shape=shape,
                    max_len=None if max_len is None else int(max_len),
                    pad_value=data.get("pad_value", 0),
-                   buckets=None if buckets is None else tuple(int(b) for b in buckets))
+                   buckets=None if buckets is None else tuple(int(b) for b in buckets),
+                   mask=None if mask is None else str(mask))
+
+
+def _array(value: Any, what: str) -> np.ndarray[Any, Any]:
+    try:
+        return value if type(value) is np.ndarray else np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        raise InvalidPayload(f"{what} is not a rectangular array: {exc}") from exc
+
+
+def real_span(mask: Any, length: int, name: str = "mask") -> tuple[int, int]:
+    """``(start, stop)``: the real positions of an input of ``length`` that its caller
+    padded itself, as its ``mask`` marks them (1 real, 0 padding; as a tokenizer's
+    ``attention_mask``).  The mask must be ``length`` long, of 0s and 1s, and mark one
+    run of real positions, padded on the left, the right or both: a mask with a hole
+    (1 0 1) or no 1 at all is refused (``InvalidPayload``, naming the field)."""
+    arr = _array(mask, name)
+    if arr.ndim != 1 or arr.shape[0] != length:
+        raise InvalidPayload(f"{name} has shape {tuple(arr.shape)}; it must be one 0 or 1 "
+                             f"per position of the input ({length},)")
+    if arr.size and (arr.dtype.kind not in "biu" or not np.isin(arr, (0, 1)).all()):
+        raise InvalidPayload(f"{name} must hold only the integers 0 (padding) and 1 (a "
+                             "real position)")
+    real = np.flatnonzero(arr)
+    if not real.size:
+        raise InvalidPayload(f"{name} marks no real position (it holds no 1)")
+    start, stop = int(real[0]), int(real[-1]) + 1
+    if stop - start != real.size:
+        raise InvalidPayload(f"{name} has padding between real positions: it must be one "
+                             "run of 1s, with padding (0s) only before or after it")
+    return start, stop
+
+
+def unpad(value: Any, mask: Any) -> np.ndarray[Any, Any]:
+    """An input its caller padded, cut to the positions ``mask`` marks (1 real, 0
+    padding), as the gateway does for a spec with ``mask``: send the result to a
+    variable-length model with ``Client.predict``.  ``InvalidPayload`` for a mask that
+    is not one run of 1s as long as the input."""
+    arr = _array(value, "input")
+    if arr.ndim < 1:
+        raise InvalidPayload("input must have a length (its first dimension) to unpad")
+    start, stop = real_span(mask, arr.shape[0])
+    return arr[start:stop]
 
 
 FIELD_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}")

@@ -83,18 +83,37 @@ async def test_http_predict_through_real_processes(stack: tuple[str, Proc, Proc]
 async def test_textcls_serves_bodies_of_different_lengths(stack: tuple[str, Proc, Proc],
                                                          redis_url: str) -> None:
     """W3's classifier through a real worker and gateway: bodies of 8, 11 and 458 tokens
-    sent together (the worker pads them by bucket) get the anchors' batch-1 logits; the
-    body's attention_mask is not the model's input field, so it is ignored."""
+    sent together (the worker pads them by bucket) get the anchors' batch-1 logits, and
+    so do the same bodies padded by the caller (to 512, on the right or on the left) with
+    an attention_mask that says so: the gateway cuts them to their real tokens."""
     base, _worker, _gateway = stack
     await wait_live(redis_url, "textcls")
     bodies = textcls.bodies()
+    padded = [{"input_ids": bodies[20]["input_ids"] + [0] * (512 - len(bodies[20]["input_ids"])),
+               "attention_mask": [1] * len(bodies[20]["input_ids"])
+               + [0] * (512 - len(bodies[20]["input_ids"]))},
+              {"input_ids": [0] * 3 + bodies[0]["input_ids"],
+               "attention_mask": [0] * 3 + [1] * len(bodies[0]["input_ids"])}]
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         replies = await asyncio.gather(*(
-            http.post("/v1/models/textcls/predict", json=bodies[i]) for i in (20, 0, 21)))
-    for i, resp in zip((20, 0, 21), replies, strict=True):
+            http.post("/v1/models/textcls/predict", json=b)
+            for b in [bodies[20], bodies[0], bodies[21], *padded]))
+        rows = [bodies[0]["input_ids"], bodies[20]["input_ids"]]  # v2: a batch padded
+        width = max(map(len, rows))
+        v2 = await http.post("/v2/models/textcls/infer", json={"inputs": [
+            {"name": "input_ids", "datatype": "INT64", "shape": [2, width],
+             "data": [t for r in rows for t in r + [0] * (width - len(r))]},
+            {"name": "attention_mask", "datatype": "INT64", "shape": [2, width],
+             "data": [m for r in rows for m in [1] * len(r) + [0] * (width - len(r))]}]})
+    for i, resp in zip((20, 0, 21, 20, 0), replies, strict=True):
         assert resp.status_code == 200, resp.text
         assert list(resp.json()) == ["logits"]
         np.testing.assert_allclose(resp.json()["logits"], REFERENCE[i], atol=1e-4)
+    assert v2.status_code == 200, v2.text
+    (out,) = v2.json()["outputs"]
+    assert out["shape"] == [2, 4]
+    np.testing.assert_allclose(np.reshape(out["data"], (2, 4)), [REFERENCE[0], REFERENCE[20]],
+                               atol=1e-4)
 
 
 async def test_batches_fill_under_load(stack: tuple[str, Proc, Proc]) -> None:

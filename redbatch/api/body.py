@@ -78,12 +78,15 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
 def model_input(data: dict[str, Any], info: ModelInfo) -> Any:
     """The model's input field, checked against its tensor spec when it has one (a
-    map of every named input, for a model with named inputs)."""
+    map of every named input, for a model with named inputs); with the spec's mask
+    field beside it, cut to the positions the mask marks."""
     if info.input_name not in data:
         raise InvalidPayload(f"body has no {info.input_name!r} field (model {info.name!r} "
                              f"reads its input from {info.input_name!r})")
     value = data[info.input_name]
     if info.spec:
+        if info.spec.mask is not None and info.spec.mask in data:  # padded by the caller
+            return info.spec.check_masked(value, data[info.spec.mask], info.input_name)
         return info.spec.check(value, info.input_name)
     if info.signature:  # named inputs: {"inputs": {"a": ..., "b": ...}}
         return info.signature.check(value)

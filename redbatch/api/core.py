@@ -360,8 +360,8 @@ class PredictEndpoint:
 def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any]:
     """The fields of a GET's query string that a POST body would hold: the model's
     input (JSON numbers; a repeated key or a comma list makes a list), or each named
-    input under its own name, and ``timeout_ms``.  Other keys are ignored, as a
-    body's other fields are."""
+    input under its own name, its spec's mask field, and ``timeout_ms``.  Other keys
+    are ignored, as a body's other fields are."""
     if raw_body:
         raise BadRequest("a GET predict takes its input from the query string, not a body")
     try:
@@ -379,6 +379,9 @@ def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any
                                  for name in info.signature.inputs if name in fields}
     elif info.input_name in fields:
         data[info.input_name] = _query_value(info.input_name, fields[info.input_name])
+    mask = info.spec.mask if info.spec is not None else None
+    if mask is not None and mask in fields:
+        data[mask] = _query_value(mask, fields[mask])
     if body.TIMEOUT_FIELD in fields:
         data[body.TIMEOUT_FIELD] = _single(body.TIMEOUT_FIELD, fields[body.TIMEOUT_FIELD])
     return data

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from redbatch import __version__, protocol, versions
-from redbatch.api import body, v2_named, v2_tensors
+from redbatch.api import body, v2_masked, v2_named, v2_tensors
 from redbatch.api.directory import ModelInfo
 from redbatch.api.errors import retry_headers, status_of
 from redbatch.api.v2_generate import GenerateApi, path_name
@@ -140,8 +140,11 @@ def _config_tensors(info: ModelInfo) -> dict[str, list[dict[str, Any]]]:
     """The config's ``input`` and ``output`` lists."""
     if info.signature is None:
         data_type = f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID"
+        mask = v2_masked.mask_name(info)  # an optional second input (v2_masked)
         return {"input": [{"name": info.input_name, "data_type": data_type,
-                           "dims": _row_dims(info)}],
+                           "dims": _row_dims(info)}] + ([] if mask is None else [
+                               {"name": mask, "data_type": "TYPE_INT64", "dims": [-1],
+                                "optional": True}]),
                 "output": [{"name": info.output_name, "data_type": data_type, "dims": [-1]}]}
     return {kind[:-1]: [{"name": name, "dims": dims, "data_type": "TYPE_INVALID"
                          if datatype == ANY_DATATYPE else f"TYPE_{datatype}"}
@@ -177,6 +180,7 @@ class InferCall:
     timeout_s: float
     binary_output: bool
     priority: int | None = None  # parameters.priority (as Triton's; 0: the default)
+    runs: list[v2_masked.Run] | None = None  # with a mask input: the rows, cut
 
 
 def split_body(raw: bytes, headers: body.Headers) -> tuple[bytes, bytes]:
@@ -200,20 +204,29 @@ def _request_id(data: dict[str, Any]) -> str | None:
     return rid
 
 
-def _only_input(data: dict[str, Any], info: ModelInfo) -> dict[str, Any]:
+def _only_input(data: dict[str, Any], info: ModelInfo
+                ) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
+    """The call's one input, its mask input (for a spec with ``mask``) or None, and
+    whether the mask came first (the binary section holds them in the call's order)."""
+    mask = v2_masked.mask_name(info)
+    takes = f"one input {info.input_name!r}" + (f" (and its mask {mask!r})" if mask else "")
     inputs = data.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest(f"'inputs' must be a non-empty list; model {info.name!r} takes "
-                         f"one input {info.input_name!r}")
+                         f"{takes}")
     names = [i.get("name") if isinstance(i, dict) else None for i in inputs]
-    unknown = [n for n in names if n != info.input_name]
+    unknown = [n for n in names if n != info.input_name and (mask is None or n != mask)]
     if unknown:
-        raise BadRequest(f"unknown input {unknown[0]!r}: model {info.name!r} takes one "
-                         f"input {info.input_name!r}")
-    if len(inputs) > 1:
-        raise BadRequest(f"input {info.input_name!r} is given {len(inputs)} times")
-    tensor: dict[str, Any] = inputs[0]
-    return tensor
+        raise BadRequest(f"unknown input {unknown[0]!r}: model {info.name!r} takes {takes}")
+    for name in set(names):
+        if names.count(name) > 1:
+            raise BadRequest(f"input {name!r} is given {names.count(name)} times")
+    if info.input_name not in names:
+        raise BadRequest(f"missing input {info.input_name!r}: model {info.name!r} takes "
+                         f"{takes}")
+    tensor: dict[str, Any] = inputs[names.index(info.input_name)]
+    masked = inputs[names.index(mask)] if mask in names else None
+    return tensor, masked, names[0] == mask
 
 
 def _dtype(datatype: Any, info: ModelInfo) -> str:
@@ -224,8 +237,11 @@ def _dtype(datatype: Any, info: ModelInfo) -> str:
     return dtype
 
 
-def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo) -> np.ndarray[Any, Any]:
-    """Every row must have the shape of the model's TensorSpec (free dims are free)."""
+def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo, lengths: bool = True
+               ) -> np.ndarray[Any, Any]:
+    """Every row must have the shape of the model's TensorSpec (free dims are free);
+    ``lengths``: a variable length is checked here (not for a masked input: its rows'
+    real lengths are, once cut)."""
     if info.spec is None:
         return arr
     want = (None, *info.spec.shape)
@@ -234,19 +250,34 @@ def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo) -> np.ndarray[Any, An
     if not fits:
         raise BadRequest(f"input {info.input_name!r} has shape {list(arr.shape)}; model "
                          f"{info.name!r} takes {[-1, *_row_dims(info)]}")
-    if info.spec.variable:  # a variable length: at most the spec's max_len
+    if info.spec.variable and lengths:  # a variable length: at most the spec's max_len
         info.spec.check_length(arr.shape[1], info.input_name)
     return arr
 
 
-def input_tensor(data: dict[str, Any], info: ModelInfo, binary: bytes) -> np.ndarray[Any, Any]:
+def input_tensor(data: dict[str, Any], info: ModelInfo, binary: bytes
+                 ) -> tuple[np.ndarray[Any, Any], list[v2_masked.Run] | None]:
     """The request's one input as an array of shape ``[batch, *row]``, its values
-    checked once (kinds, ranges, NaN/inf) against the datatype."""
-    tensor = _only_input(data, info)
+    checked once (kinds, ranges, NaN/inf) against the datatype; with a mask input,
+    also its rows cut to their real positions (``v2_masked.runs``)."""
+    tensor, mask, mask_first = _only_input(data, info)
     dtype = _dtype(tensor.get("datatype"), info)
     shape = shape_of(tensor.get("shape"))
-    arr = tensor_data(tensor, binary, dtype, shape)
-    return _fit_model(TensorSpec(dtype, (None,) * len(shape)).check(arr), info)
+    if mask is None:
+        arr = tensor_data(tensor, binary, dtype, shape)
+        return _fit_model(TensorSpec(dtype, (None,) * len(shape)).check(arr), info), None
+    own, other = _split_binary(binary, mask if mask_first else tensor)
+    data_bytes, mask_bytes = (other, own) if mask_first else (own, other)
+    arr = _fit_model(TensorSpec(dtype, (None,) * len(shape)).check(
+        tensor_data(tensor, data_bytes, dtype, shape)), info, lengths=False)
+    flags = v2_masked.read_mask(mask, mask_bytes, tuple(arr.shape[:2]))
+    return arr, v2_masked.runs(arr, flags, info)
+
+
+def _split_binary(binary: bytes, first: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The binary section cut after the bytes its first input claims."""
+    size = v2_masked.claimed_bytes(first)
+    return binary[:size], binary[size:]
 
 
 def _binary_output(data: dict[str, Any], params: dict[str, Any], info: ModelInfo) -> bool:
@@ -286,7 +317,8 @@ def parse_infer(raw: bytes, headers: body.Headers, info: ModelInfo, default_s: f
     header, binary = split_body(raw, headers)
     data = body.parse_json(header)
     params = mapping(data.get("parameters"), "'parameters'")
-    return InferCall(request_id=_request_id(data), tensor=input_tensor(data, info, binary),
+    tensor, runs = input_tensor(data, info, binary)
+    return InferCall(request_id=_request_id(data), tensor=tensor, runs=runs,
                      timeout_s=timeout_s(headers, params, default_s, max_s),
                      binary_output=_binary_output(data, params, info),
                      priority=body.checked_priority(params.get("priority"),
@@ -374,7 +406,14 @@ def _listed(obj: Any) -> Any:
 
 def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Response:
     replies = settle(len(call.tensor), parts)
-    arr = stack_outputs(parts)
+    try:
+        arr = stack_outputs(parts)
+    except ModelError as exc:
+        if call.runs is None or len(call.runs) == 1:
+            raise
+        raise BadRequest("the rows, cut to their masks, have different lengths, and so do "
+                         "their per-token outputs: one v2 output tensor cannot hold them; "
+                         "send rows of one real length per call") from exc
     output: dict[str, Any] = {"name": info.output_name,
                               "datatype": V2_DATATYPES[arr.dtype.name],
                               "shape": list(arr.shape)}
@@ -479,7 +518,11 @@ class V2Api:
         call = parse_infer(raw, headers, info, core.model_default_s(info),
                            core.config.max_timeout_s)
         deadline_ms = core.deadline_ms(info, arrived_ms, call.timeout_s)
-        sent = await core.submit_tensor(info, call.tensor, deadline_ms, call.priority)
+        if call.runs is None:
+            sent = await core.submit_tensor(info, call.tensor, deadline_ms, call.priority)
+        else:
+            starts, parts = v2_masked.slices(call.runs, core.client.pack_rows)
+            sent = await core.submit_parts(info, starts, parts, deadline_ms, call.priority)
         results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
         return infer_response(info, call, parts_of(len(call.tensor), [s for s, _ in sent],
                                                    list(results)))
