@@ -201,6 +201,8 @@ def real_span(mask: Any, length: int, name: str = "mask") -> tuple[int, int]:
     ``attention_mask``).  The mask must be ``length`` long, of 0s and 1s, and mark one
     run of real positions, padded on the left, the right or both: a mask with a hole
     (1 0 1) or no 1 at all is refused (``InvalidPayload``, naming the field)."""
+    if type(mask) is list and (span := _list_span(mask, length)) is not None:
+        return span
     arr = _array(mask, name)
     if arr.ndim != 1 or arr.shape[0] != length:
         raise InvalidPayload(f"{name} has shape {tuple(arr.shape)}; it must be one 0 or 1 "
@@ -216,6 +218,23 @@ def real_span(mask: Any, length: int, name: str = "mask") -> tuple[int, int]:
         raise InvalidPayload(f"{name} has padding between real positions: it must be one "
                              "run of 1s, with padding (0s) only before or after it")
     return start, stop
+
+
+def _list_span(mask: list[Any], length: int) -> tuple[int, int] | None:
+    """``real_span`` of a JSON list of ints, without an array (a gateway's usual case:
+    a few µs where numpy takes about 15 for 100 positions); None where anything is
+    off, for the array path to name it."""
+    if len(mask) != length or not all(type(v) is int for v in mask):
+        return None
+    ones = mask.count(1)
+    if ones == length:
+        return 0, length
+    if not ones or ones + mask.count(0) != length:
+        return None
+    start = mask.index(1)
+    if mask[start:start + ones].count(1) != ones:
+        return None
+    return start, start + ones
 
 
 def unpad(value: Any, mask: Any) -> np.ndarray[Any, Any]:
