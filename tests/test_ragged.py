@@ -137,6 +137,27 @@ async def test_eight_mixed_lengths_are_padded_not_bisected(
     assert stats.pass_items == 8 and stats.real == 3 * 3 + 3 * 5 + 2 * 7
 
 
+def row_sums(batch: np.ndarray[Any, Any]) -> list[float]:
+    return [float(v) for v in batch.sum(axis=1)]
+
+
+async def test_stacked_inputs_with_a_free_dimension_and_no_max_len_pass_by_shape(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """No max_len, so nothing to pad to: a claimed batch's inputs run in one pass per
+    shape (3 here), where a failed stack used to bisect the batch."""
+    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2)
+    model = Model("shapes", fn=row_sums, policy=policy, spec=TensorSpec("float32", (None,)),
+                  stack=True, inline=True)
+    worker = start_worker([model])
+    await wait_live(redis_url, "shapes")
+    inputs = [np.arange(n, dtype=np.float32) + i for i, n in enumerate((3, 5, 3, 7, 5, 3, 7, 5))]
+    async with Client(redis_url) as client:
+        outputs = await client.predict_many("shapes", inputs, timeout_s=20)
+    assert outputs == [float(x.sum()) for x in inputs]
+    stats = await settled(worker, 8)
+    assert stats.passes == 3 and stats.pass_items == 8
+
+
 async def test_same_length_arrays_pack_and_mixed_ones_do_not(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.05)

@@ -75,6 +75,9 @@ class Forwarder:
         self._bucketed_by: tuple[int, ...] = ()  # ...which held these buckets
         self._length: Callable[[Any], int] = self._sig.length if self._sig else len
         self._pads = self._spec is not None and model.stack  # the worker pads its passes
+        # stacked with a free dimension but no max_len: passes grouped by exact shape
+        # (items of different shapes cannot stack, and are not padded)
+        self._by_shape = model.stack and self._spec is None and ragged.free_dims(model)
         self._trims = self._pads and (bool(self._sig.per_token) if self._sig
                                       else ragged.trims(model.output_spec))
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
@@ -111,11 +114,18 @@ class Forwarder:
         learned for the bucket (``autosize``), and, with a cost budget, at most that
         cost (``cost``); a variable-length model's inputs grouped by length bucket
         first (``ragged``), each group in passes of its own (with ``pad_to_longest``,
-        its items in order of length, each pass padded to its longest)."""
+        its items in order of length, each pass padded to its longest); a stacked
+        model with a free dimension but no ``max_len`` has its inputs grouped by shape
+        (``ragged.shape_groups``), since only inputs of one shape stack."""
         limit = cost.budget(self.model.policy, self.model.batch_size_fn)
-        if self._spec is None:
+        if self._spec is None and not self._by_shape:
             return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
+        if self._spec is None:  # free dimensions, no max_len: one group per shape
+            for indices in ragged.shape_groups(inputs).values():
+                await run_into(results, inputs, indices,
+                               functools.partial(self._run_passes, length=None, limit=limit))
+            return results
         for length, indices in ragged.bucket_groups(inputs, self._bucketing(), self._length,
                                                     self._to_longest).items():
             await run_into(results, inputs, indices,

@@ -37,6 +37,25 @@ def bucket_groups(inputs: list[Any], spec: TensorSpec,
     return dict(sorted(groups.items()))
 
 
+def free_dims(model: Any) -> bool:
+    """Whether a model's input spec (or any named input's) has a free dimension
+    (``None``) without ``max_len``: its inputs may differ in shape and not be padded."""
+    specs = list(model.signature.inputs.values()) if model.signature else [model.spec]
+    return any(spec is not None and None in spec.shape and not spec.variable
+               for spec in specs)
+
+
+def shape_groups(inputs: list[Any]) -> dict[Any, list[int]]:
+    """Shape -> the indices of the inputs of that shape, in claim order (a map of
+    named inputs: the tuple of its inputs' shapes), so that each group stacks."""
+    groups: dict[Any, list[int]] = {}
+    for i, value in enumerate(inputs):
+        key = tuple(np.shape(v) for v in value.values()) if isinstance(value, dict) \
+            else np.shape(value)
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
 def pad_batch(items: list[Any], length: int, pad_value: float
               ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """``items`` (arrays whose first dimension is at most ``length``) as one array
