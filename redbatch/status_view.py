@@ -21,6 +21,9 @@ COLUMNS = ("model", "queue", "workers (devices)", "items/s", "max batch / window
            "entries/batch mean / p50 / p99", "queue wait p50 / p99", "forward p50 / p99",
            "dead letters", "workers needed")
 AUTO_COLUMN = "auto size per bucket"  # shown when a model has auto_batch on
+LIVE_COLUMN = "other live changes"  # shown when a model has overrides not shown above
+SHOWN_KNOBS = frozenset({"max_batch_size", "batch_wait_timeout_s", "auto_batch",
+                         "priority_caps"})  # the knobs the other columns show
 
 
 def _ms(value: float | None) -> str:
@@ -76,15 +79,25 @@ def _auto(s: status.ModelStatus) -> str:
     return " ".join(f"{b}:{n}" for b, n in s.auto_sizes.items()) or "-"
 
 
+def _live(s: status.ModelStatus) -> str:
+    """The live changes the other columns do not show (``redbatch config``):
+    ``max_batch_cost=4096 buckets=[8, 16, 512]``, else ``-``."""
+    shown = (f"{name}={json.dumps(value)}" for name, value in sorted(s.overrides.items())
+             if name not in SHOWN_KNOBS)
+    return " ".join(shown) or "-"
+
+
 def table(statuses: dict[str, status.ModelStatus]) -> Table:
     out = Table(title="redbatch status", caption="distributions since each worker started; "
                 "* changed live (redbatch config)")
     auto = (AUTO_COLUMN,) if any(s.auto_sizes for s in statuses.values()) else ()
-    for column in COLUMNS[:5] + auto + COLUMNS[5:]:
+    live = (LIVE_COLUMN,) if any(set(s.overrides) - SHOWN_KNOBS
+                                 for s in statuses.values()) else ()
+    for column in COLUMNS[:5] + auto + live + COLUMNS[5:]:
         out.add_column(column, justify="left" if column == "model" else "right")
     for s in statuses.values():
         out.add_row(s.model, _queue(s), _devices(s), _num(s.items_per_s),
-                    _batching(s), *(_auto(s) for _ in auto),
+                    _batching(s), *(_auto(s) for _ in auto), *(_live(s) for _ in live),
                     f"{s.mean_batch:.1f} / {_num(s.batch_size_p50)} / {_num(s.batch_size_p99)}",
                     f"{s.mean_entries:.1f} / {_num(s.entries_p50)} / {_num(s.entries_p99)}",
                     f"{_ms(s.queue_wait_ms_p50)} / {_ms(s.queue_wait_ms_p99)}",

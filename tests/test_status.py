@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 import pytest
 import redis
+from rich.console import Console
 
-from redbatch import Client, protocol
-from redbatch.status import HISTS, quantile, sample
+from redbatch import Client, protocol, status_view
+from redbatch.status import HISTS, ModelStatus, quantile, sample
 from redbatch.worker.model import batch
 from redbatch.worker.process import Worker
 from tests.conftest import free_port, redbatch_cmd, test_env
@@ -86,3 +87,21 @@ def test_cli_without_redis_fails_with_a_message() -> None:
                           capture_output=True,
                           text=True, env=test_env(), timeout=30)
     assert done.returncode == 2 and "cannot read redis" in done.stderr
+
+
+def test_the_table_shows_every_live_change() -> None:
+    """Knobs changed live that no other column shows (cost budget, buckets, queue cap)
+    get a column of their own; the starred columns show the others."""
+    changed = ModelStatus("m", 0, 0, knobs={"max_batch_size": 16, "batch_wait_timeout_s": 0.01},
+                          overrides={"max_batch_size": 16, "max_batch_cost": 4096,
+                                     "buckets": [8, 64, 512], "max_queue_len": 100})
+    plain = ModelStatus("p", 0, 0)
+    console = Console(width=400, record=True)
+    console.print(status_view.table({"m": changed, "p": plain}))
+    text = console.export_text()
+    assert status_view.LIVE_COLUMN in text and "16* / 10.0 ms" in text
+    assert "buckets=[8, 64, 512] max_batch_cost=4096 max_queue_len=100" in text
+    assert "max_batch_size=" not in text
+    console = Console(width=400, record=True)
+    console.print(status_view.table({"p": plain}))
+    assert status_view.LIVE_COLUMN not in console.export_text()
