@@ -440,6 +440,9 @@ end
 # override says, so that no request goes to a sub-queue no worker serves.
 # The model's own queue cap: its meta's ``limits.max_queue_len`` in effect (an integer,
 # in any order among the fields of the first ``"limits"`` object), else 0 (none).
+# Stored live changes of ``priority_caps`` (a list of one cap per level) and
+# ``max_queue_len`` take the place of the meta's values at once, as ``sub_queues``'s
+# does: the workers republish their meta with them only at their next heartbeat.
 # Returns {live, items/s summed (a string: Lua numbers reply as integers), rows 1|0,
 # known 1|0, priority JSON or "", sub-queues, the versions table's fields and values,
 # the queue cap or 0}.
@@ -453,17 +456,27 @@ for i = 1, #caps do
 end
 local raw = redis.call('GET', KEYS[3])
 local known = #caps > 0 or raw ~= false
+local stored = raw and redis.call('HMGET', KEYS[4], 'sub_queues', 'priority_caps',
+                                  'max_queue_len') or {{}}
 local levels = ''
 if raw and string.find(raw, '"priority"', 1, true) then
   local ok, meta = pcall(cjson.decode, raw)
   if ok and type(meta) == 'table' and type(meta['priority']) == 'table' then
-    levels = cjson.encode(meta['priority'])
+    local section = meta['priority']
+    if stored[2] then  -- caps changed live: in effect here before workers republish
+      local fine, live = pcall(cjson.decode, stored[2])
+      if fine and type(live) == 'table' and #live == tonumber(section['levels']) then
+        section['caps'] = live
+      end
+    end
+    levels = cjson.encode(section)
   end
 end
 local subs = raw and string.match(raw, '"sub_queues":(%d+)')
-if subs then subs = redis.call('HMGET', KEYS[4], 'sub_queues')[1] or subs end
+if subs then subs = stored[1] or subs end
 local lim = raw and string.match(raw, '"limits":%s*(%b{{}})')
 local cap = lim and string.match(lim, '"max_queue_len":%s*(%d+)%s*[,}}]')
+if stored[3] and string.match(stored[3], '^%d+$') then cap = stored[3] end
 return {{#caps, tostring(total), rows and 1 or 0, known and 1 or 0, levels, subs or 1,
         redis.call('HGETALL', KEYS[5]), cap or 0}}
 """

@@ -186,7 +186,8 @@ async def test_v2_refuses_a_bad_mask_with_400(
         await wait_live(redis_url, "mtoks")
         content, headers = masked_call([[1, 2, 3], [4, 5, 6]], [[1, 1, 1], [1, 0, 1]])
         hole = await http.post("/v2/models/msum/infer", content=content, headers=headers)
-        assert hole.status_code == 400 and "row 1: input 'attention_mask' has padding" in v2_error(hole)
+        assert hole.status_code == 400
+        assert "row 1: input 'attention_mask' has padding" in v2_error(hole)
         body = {"inputs": [
             {"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [1, 2, 3]},
             {"name": "attention_mask", "datatype": "INT64", "shape": [1, 2], "data": [1, 1]}]}

@@ -147,3 +147,25 @@ async def test_the_gateway_forgets_an_unknown_model_quickly(
     raw_redis.delete(protocol.meta_key("m"))
     await asyncio.sleep(defaults.MISS_REFRESH_S + 0.05)
     assert (await directory.get("m")).name == "m"  # a hit is kept for refresh_s
+
+
+async def test_live_caps_take_effect_from_the_stored_change(raw_redis: redis.Redis,
+                                                           client: aioredis.Redis) -> None:
+    """A stored change of ``priority_caps`` or ``max_queue_len`` is in the summary at
+    once, before any worker republishes its meta (a second sooner than before); a
+    stored value that does not fit the levels leaves the meta's caps."""
+    register(raw_redis, "m", "w1", 100.0)
+    meta = {"name": "m", "priority": {"levels": 2, "default": 1, "caps": [40, 40]},
+            "limits": {"max_queue_len": 500}}
+    raw_redis.set(protocol.meta_key("m"), orjson.dumps(meta))
+    summary = await LiveCache(client).get("m")
+    assert summary.levels.caps == (40, 40) and summary.max_queue_len == 500
+    raw_redis.hset(protocol.config_key("m"), mapping={"priority_caps": "[5, 40]",
+                                                      "max_queue_len": "64"})
+    summary = await LiveCache(client).get("m")
+    assert summary.levels.caps == (5, 40) and summary.levels.count == 2
+    assert summary.max_queue_len == 64
+    raw_redis.hset(protocol.config_key("m"), mapping={"priority_caps": "[5]",
+                                                      "max_queue_len": "lots"})
+    summary = await LiveCache(client).get("m")
+    assert summary.levels.caps == (40, 40) and summary.max_queue_len == 500
