@@ -26,7 +26,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import ClusterError, RedisClusterException
 from redis.sentinel import Sentinel as SyncSentinel
 
 from redbatch import defaults, protocol
@@ -37,9 +37,13 @@ T = TypeVar("T")
 
 # ResponseError too: OOM, READONLY (a replica after failover), MISCONF... are Redis
 # refusing work, which callers must see as a typed, retryable error.  A cluster client
-# raises RedisClusterException when no node it knows answers (or a slot has no owner).
+# raises RedisClusterException when no node it knows answers (or a slot has no owner),
+# and ClusterError ("TTL exhausted", a RedisError that is neither of the others) when
+# a command was redirected 16 times: a script whose keys are split between the two
+# nodes of a slot being moved gets TRYAGAIN at each try (tests/test_cluster.py,
+# test_a_half_moved_slot_keeps_every_promise).
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError,
-                RedisClusterException)
+                RedisClusterException, ClusterError)
 
 
 def _no_retry() -> AsyncRetry:

@@ -163,14 +163,28 @@ class ClusterEngine:
     def migrate(self, key: str, target: Node) -> None:
         """Move ``key``'s slot (and its keys) to ``target``, a primary, as
         ``redis-cli --cluster reshard`` does; clients then get MOVED."""
+        self.finish_move(self.begin_move(key, target, []))
+
+    def begin_move(self, key: str, target: Node, first: list[str]) -> SlotMove:
+        """Start moving ``key``'s slot to ``target`` and leave it half-moved: the
+        target ``IMPORTING``, the source ``MIGRATING``, and of the slot's keys only
+        those of ``first`` that exist migrated (clients get ``ASK`` for them, and
+        ``TRYAGAIN`` for a multi-key command or script whose keys are split)."""
         source, slot = self.owner(key), int(self.nodes[0].ask("CLUSTER", "KEYSLOT", key))
-        target_id, source_id = self.node_id(target), self.node_id(source)
-        target.ask("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-        source.ask("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
-        while keys := source.ask("CLUSTER", "GETKEYSINSLOT", slot, 100):
-            source.ask("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
-        for node in (target, source, *self.primaries()):
-            node.ask("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        move = SlotMove(slot, source, target, self.node_id(source), self.node_id(target))
+        target.ask("CLUSTER", "SETSLOT", slot, "IMPORTING", move.source_id)
+        source.ask("CLUSTER", "SETSLOT", slot, "MIGRATING", move.target_id)
+        if first:
+            move.migrate(first)
+        return move
+
+    def finish_move(self, move: SlotMove) -> None:
+        """Migrate the rest of the slot's keys and give the slot to the target on
+        every primary; clients then get ``MOVED``."""
+        while keys := move.source.ask("CLUSTER", "GETKEYSINSLOT", move.slot, 100):
+            move.migrate(keys)
+        for node in (move.target, move.source, *self.primaries()):
+            node.ask("CLUSTER", "SETSLOT", move.slot, "NODE", move.target_id)
         self.wait_ok()
 
     def primaries(self) -> list[Node]:
@@ -189,6 +203,22 @@ class ClusterEngine:
     def stop(self) -> None:
         for node in self.nodes:
             node.remove()
+
+
+@dataclass
+class SlotMove:
+    """A slot on its way from ``source`` to ``target`` (``ClusterEngine.begin_move``)."""
+
+    slot: int
+    source: Node
+    target: Node
+    source_id: str
+    target_id: str
+
+    def migrate(self, keys: list[Any]) -> None:
+        """``MIGRATE`` those of ``keys`` that the source still holds (it skips the
+        others: ``NOKEY``)."""
+        self.source.ask("MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys)
 
 
 def _sentinel_id(index: int) -> str:

@@ -5,8 +5,11 @@ and a failover: typed errors meanwhile, then the same client works again."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,7 +22,8 @@ from redbatch.producer.client import Client
 from redbatch.redis_conn import async_client, translated
 from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
-from tests.conftest import FAST_WORKER, wait_live
+from redbatch.worker.process import Worker
+from tests.conftest import FAST_WORKER, until, wait_live
 from tests.engines import ClusterEngine, Node
 from tests.models_for_tests import adder
 
@@ -369,3 +373,126 @@ async def test_a_draining_count_is_published_and_read_on_the_models_node(
     await heartbeat.beat(client, [warm], "w1", {"warm": (b"{}", b"{}")}, 10,
                          heartbeat.Draining({"warm": 2}, 10_000))  # scripts loaded anew
     assert await queue_depths(client, "warm", *await read_meta(client, "warm")) == [1]
+
+
+
+HOLD_S = 3.0  # how long a slot stays half-moved under load
+
+
+def redirects(node: Node) -> dict[str, int]:
+    """How many ``ASK`` and ``TRYAGAIN`` error replies ``node`` has sent."""
+    stats = node.ask("INFO", "errorstats")
+    return {kind: int(stats.get(f"errorstat_{kind}", {}).get("count", 0))
+            for kind in ("ASK", "TRYAGAIN")}
+
+
+@asynccontextmanager
+async def half_move_callers(via: str, settings: RedisSettings) -> AsyncIterator[
+        tuple[Callable[..., Awaitable[None]], Callable[[], Awaitable[dict[str, Any]]],
+              Callable[[int], Awaitable[Any]]]]:
+    """The ledger's caller through a ``Client`` or the HTTP gateway: one request's
+    call, the replies' stats (``duplicates``), and a plain predict."""
+    from tests.test_failover_ledger import call, gateway_http, http_call
+
+    if via == "client":
+        async with Client(settings=settings) as producer:
+            async def stats() -> dict[str, Any]:
+                return producer.stats()
+            yield (functools.partial(call, producer), stats,
+                   lambda x: producer.predict("gated", x, timeout_s=5))
+        return
+    async with gateway_http(settings.url) as http:
+        async def http_stats() -> dict[str, Any]:
+            return dict((await http.get("/v1/stats")).json())
+
+        async def predict(x: int) -> Any:
+            resp = await http.post("/v1/models/gated/predict", json={"inputs": x})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["outputs"]
+        yield functools.partial(http_call, http), http_stats, predict
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("first", "via"), [("queue", "client"), ("inflight", "client"),
+                                            ("inflight", "gateway")],
+                         ids=["queue-first", "inflight-first", "gateway"])
+async def test_a_half_moved_slot_keeps_every_promise(
+        redis_cluster: ClusterEngine, start_worker: Callable[..., Worker], first: str,
+        via: str) -> None:
+    """Steady load (``test_failover_ledger``'s: a client's, or the HTTP gateway's
+    callers') while the model's slot is half-moved for ``HOLD_S``: the target
+    ``IMPORTING``, the source ``MIGRATING``, and only the queue (or only the worker's
+    in-flight list) migrated, both holding entries at that moment (the model's passes
+    held until they do).  Redis answers ``ASK`` for a command whose keys the source
+    lacks and ``TRYAGAIN`` for a script whose keys are split or partly missing (as a
+    new request's marker, or the reply list, is): the enqueues are refused then, and
+    the batch being computed cannot be acknowledged.  Every accepted request is still
+    answered once, or fails with a typed error (a 503 or 504 with its code) by its
+    deadline; none hangs; no entry is left behind; and once the move completes (the
+    rest migrated, ``SETSLOT NODE`` everywhere) the model is served from the target."""
+    from tests.test_failover_ledger import (
+        GATE,
+        Ledger,
+        check_promises,
+        gated,
+        generate,
+        served_again,
+    )
+
+    settings = RedisSettings(redis_cluster.url, socket_timeout_s=3.0, connect_timeout_s=0.5)
+    worker = start_worker([gated], url=settings.url, config=FAST_WORKER)
+    await wait_live(settings.url, "gated")
+    queue, inflight = protocol.queue_key("gated"), protocol.inflight_key("gated",
+                                                                         worker.worker_id)
+    source = redis_cluster.owner(queue)
+    target = next(n for n in redis_cluster.primaries() if n is not source)
+    ledger, stop = Ledger(), asyncio.Event()
+    async with half_move_callers(via, settings) as (caller, stats_of, predict):
+        load = asyncio.create_task(generate(caller, ledger, stop))
+        try:
+            await asyncio.sleep(1.5)
+            assert ledger.ok > 0, ledger.report("nothing served before the move", {})
+            GATE.clear()  # the batch in the forward waits: its in-flight list stays
+            try:
+                await until(lambda: source.ask("LLEN", queue) > 0 and
+                            source.ask("LLEN", inflight) > 0, "a queue and an in-flight list")
+                before = [redirects(source), redirects(target)]
+                ledger.killed_s = time.monotonic()  # (the ledger's "kill": the move began)
+                move = await asyncio.to_thread(redis_cluster.begin_move, queue, target,
+                                               [queue if first == "queue" else inflight])
+            finally:
+                GATE.set()
+            await asyncio.sleep(HOLD_S / 2)
+            probe, probe_s = Ledger(), time.monotonic()  # one request, mid-move
+            await caller(probe, 1_000_000)
+            probe_s = time.monotonic() - probe_s
+            await asyncio.sleep(HOLD_S / 2)
+            held = [int(n.ask("CLUSTER", "COUNTKEYSINSLOT", move.slot)) for n in (source, target)]
+            met = [redirects(source), redirects(target)]
+            await asyncio.to_thread(redis_cluster.finish_move, move)
+            moved_s = time.monotonic()
+            await served_again(ledger)
+        finally:
+            stop.set()
+            await load
+        stats = await stats_of()
+        since_s, _ = ledger.served_again_s()
+        mid = [ok for sent_s, ok in ledger.fates if ledger.killed_s < sent_s < moved_s - 0.5]
+        print(f"\n{ledger.report(f'half-moved slot ({first} first, {via})', stats)}\n"
+              f"  keys on the source, the target while half-moved: {held}\n"
+              f"  ASK, TRYAGAIN sent meanwhile by the source: {before[0]} -> {met[0]}, "
+              f"by the target: {before[1]} -> {met[1]}\n  move completed "
+              f"{moved_s - ledger.killed_s:.1f} s after it began; every request sent from "
+              f"{since_s - ledger.killed_s:.1f} s on answered\n  a request sent mid-move: "
+              f"{dict(probe.refused + probe.errors) or probe.ok} in {probe_s:.2f} s; of those sent "
+              f"while half-moved, {sum(mid)} of {len(mid)} answered")
+        check_promises(ledger, stats, lag=False)
+        for kind in ("ASK", "TRYAGAIN"):
+            met_now = sum(m[kind] - b[kind] for m, b in zip(met, before, strict=True))
+            assert met_now > 0, f"no {kind} met"
+        assert probe.ok + sum(probe.refused.values()) + sum(probe.errors.values()) == 1
+        assert not probe.untyped and probe_s < 1.0, "a request mid-move waited"
+        assert redis_cluster.owner(queue) is target
+        assert await asyncio.gather(*(predict(x) for x in range(20))) == list(range(1, 21))
+    await until(lambda: not target.ask("EXISTS", queue, inflight, protocol.dead_letter_key(
+        "gated")), "the queue and the in-flight list emptied, nothing dead-lettered", 10)
