@@ -226,13 +226,33 @@ class ClusterLink(LeanLink):
             await self._client.initialize()  # (a no-op once the slot map is read)
         node = None if key is None else self._client.get_node_from_key(key)
         pipe: Any = self._client.pipeline(transaction=False)
+        transaction = _is_transaction(commands)
         async with pipe:
             for command in commands:
                 if node is not None and _first_key(command) is None:
                     pipe.execute_command(*command, target_nodes=node)
                 else:
                     pipe.execute_command(*command)
-            return list(await pipe.execute(raise_on_error=checked))
+            # a transaction's commands must not be sent again one by one (the client's
+            # way with redirections): outside their MULTI, they would run unguarded
+            replies = list(await pipe.execute(raise_on_error=checked and not transaction,
+                                              allow_redirections=not transaction))
+        if transaction:
+            await self._refuse_redirected(replies)
+            return super()._checked(replies, checked)
+        return replies
+
+    async def _refuse_redirected(self, replies: list[Any]) -> None:
+        """A transaction of which a command was redirected (``MOVED``, ``ASK``,
+        ``TRYAGAIN``): its ``EXEC`` was refused (``EXECABORT``), so none of it ran.  It
+        is not sent again piecemeal: the slot map is read anew and the call fails with
+        a retryable ``TryAgainError``, to be sent again whole."""
+        if not any(isinstance(reply, REDIRECTS) for reply in replies):
+            return
+        self._mapped = False
+        await self._client.nodes_manager.initialize()
+        raise TryAgainError("the slot moved while a transaction was sent: none of it ran; "
+                            "send it again")
 
     async def release(self) -> None:
         """Give the held connections back to their nodes' pools."""
@@ -277,7 +297,10 @@ class ClusterLink(LeanLink):
                         checked: bool) -> list[Any]:
         """Send the redirected commands again through the client, in order (a ``WAIT``
         after them, answered on the old node, then vouches for nothing: an enqueue
-        redirected mid-failover counts as replicated by what the old node saw)."""
+        redirected mid-failover counts as replicated by what the old node saw); a
+        transaction is not (``_refuse_redirected``)."""
+        if _is_transaction(commands):
+            await self._refuse_redirected(replies)
         for index, reply in enumerate(replies):
             if isinstance(reply, REDIRECTS):
                 replies[index] = await self._client.execute_command(*commands[index])
@@ -323,6 +346,11 @@ async def _on_node(node: Any, commands: tuple[tuple[Any, ...], ...]) -> None:
 
 
 REDIRECTS = (MovedError, AskError, TryAgainError)
+
+
+def _is_transaction(commands: tuple[tuple[Any, ...], ...]) -> bool:
+    """Whether a call holds a ``MULTI`` (its commands run only together)."""
+    return any(str(command[0]).upper() == "MULTI" for command in commands if command)
 KEYLESS = frozenset({"CLIENT", "SCRIPT", "PING", "CONFIG", "INFO", "WAIT"})
 KEYS_AFTER_COUNT = frozenset({"EVALSHA", "EVAL", "BLMPOP", "LMPOP"})  # cmd x numkeys key...
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TryAgainError
 
 from redbatch import codec, protocol
 from redbatch.config import RedisSettings, ReplicaWait
@@ -76,6 +77,32 @@ async def test_a_cluster_link_holds_a_connection_to_the_owner(
     assert await link.execute("SET", key, "c") is True  # MOVED: through the client
     assert await link.pipeline(("SET", key, "d"), ("GET", key)) == [b"OK", b"d"]
     assert target.ask("GET", key) == b"d"
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "through-client"])
+async def test_a_redirected_transaction_runs_none_of_its_commands(
+        redis_cluster: ClusterEngine, client: aioredis.Redis, held: bool) -> None:
+    """A MULTI whose slot moved gets MOVED for its commands and EXECABORT: none ran.
+    Sending the redirected commands again one by one (what the cluster client does
+    with redirections) would run them outside the transaction; the call fails with a
+    retryable error instead, and sent again, runs whole on the new owner."""
+    key = protocol.meta_key(MODEL) + ":tx"
+    link = LeanLink(client)
+    await link.execute("DEL", key)  # the first call goes through the client
+    if held:
+        await link.execute("DEL", key)  # the link now holds a connection to the owner
+    source = redis_cluster.owner(key)
+    target = next(n for n in redis_cluster.primaries() if n is not source)
+    redis_cluster.migrate(key, target)
+    call = (("MULTI",), ("RPUSH", key, "x"), ("RPUSH", key, "y"), ("EXEC",))
+    if not held:  # a call through the client with its slot map out of date
+        link._mapped = False  # type: ignore[attr-defined]
+    with pytest.raises(TryAgainError, match="none of it ran"):
+        await link.pipeline(*call)
+    assert target.ask("LLEN", key) == 0
+    replies = await link.pipeline(*call)
+    assert replies[-1] == [1, 2] and target.ask("LRANGE", key, 0, -1) == [b"x", b"y"]
+    await link.execute("DEL", key)
 
 
 def wait_calls(node: Node) -> int:

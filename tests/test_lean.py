@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -149,9 +150,13 @@ async def test_translated_types_an_attribute_error_of_redis_py_alone() -> None:
 
     conn = Connection(host="127.0.0.1", port=1)
     settings = RedisSettings("redis://127.0.0.1:1")
+    # a stream torn down under the write (redis-py 8.2 checks for None itself): its
+    # writer lacks what the write needs, and the AttributeError comes from redis-py
+    conn._writer = SimpleNamespace(transport=SimpleNamespace(is_closing=lambda: False))
     with pytest.raises(RedisUnavailable, match="closed during a command"):
         async with translated(settings):
-            await conn._send_packed_command([b"PING"])  # no stream: None.writelines
+            await conn._send_packed_command([b"PING"])
+    conn._writer = None  # (never connected: nothing to close)
     with pytest.raises(AttributeError):
         async with translated(settings):
             None.no_such_attribute  # type: ignore[attr-defined]  # noqa: B018
