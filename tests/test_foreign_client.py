@@ -15,6 +15,7 @@ import base64
 import json
 import os
 import pickle
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -838,3 +839,85 @@ async def test_a_multi_row_request_of_named_inputs_fails_a_bad_row_alone(
     _raw, reply = await next_reply(rc, reply_to)
     assert_error(reply, short["id"], "invalid_payload")
     assert "'x'" in reply["error"]["message"]
+
+
+# --- priority levels and variable lengths (docs/protocol.md §9.1, §8) ----------------
+
+LEVELS = "fc-levels"  # two levels, default 2, no share kept for level 2: strict order
+BELL = "rb:{fc-levels}:bell"
+
+# A push to one level's queue that rings the bell, as §9.1 asks ("in the same script
+# or MULTI as the push"): KEYS[1]=the level's queue  KEYS[2]=the bell
+# ARGV[1]=queue ttl ms  ARGV[2..]=entries
+PUSH_AND_RING = """
+redis.call('RPUSH', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('RPUSH', KEYS[2], 1) end
+redis.call('PEXPIRE', KEYS[2], 3600000)
+"""
+
+
+def levels_model(calls: list[Any], release: Any) -> Any:
+    def fn(inputs: list[Any]) -> list[Any]:
+        calls.extend(inputs)
+        if inputs == ["first"]:
+            release.wait(WAIT_S)  # holds the worker while the other levels fill
+        return list(inputs)
+
+    return batch(name=LEVELS, max_batch_size=1, batch_wait_timeout_s=0.0, priority_levels=2,
+                 default_priority=2, priority_share=0.0)(fn)
+
+
+async def test_a_foreign_producer_enqueues_by_level_and_rings_the_bell(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    """Level 1's queue is ``rb:{<model>}:queue:p1``, the default level's the plain
+    queue; the meta's ``priority`` section says so, and the more urgent level is
+    claimed first (the model keeps no share for level 2 here)."""
+    calls: list[Any] = []
+    release = threading.Event()
+    start_worker([levels_model(calls, release)])
+    await wait_for_key(rc, "rb:{" + LEVELS + "}:meta")
+    meta = json.loads(await rc.get("rb:{" + LEVELS + "}:meta"))
+    assert meta["priority"] == {"levels": 2, "default": 2, "caps": None}
+    reply_to = new_reply_to(LEVELS)
+    first = envelope(LEVELS, reply_to, "first")
+    assert (await enqueue(rc, LEVELS, mp(first)))[0] == 1  # the default level: plain
+    deadline = time.monotonic() + WAIT_S
+    while calls != ["first"]:
+        assert time.monotonic() < deadline, calls
+        await asyncio.sleep(0.02)
+    later = [envelope(LEVELS, reply_to, n) for n in (10, 11)]
+    urgent = [{**envelope(LEVELS, reply_to, n), "priority": 1} for n in (20, 21)]
+    await enqueue(rc, LEVELS, *(mp(r) for r in later))
+    await rc.eval(PUSH_AND_RING, 2, queue_key(LEVELS) + ":p1", BELL, QUEUE_TTL_MS,
+                  *(pack(r) for r in urgent))
+    release.set()
+    replies = await replies_by_id(rc, reply_to, 5)
+    assert all(reply["ok"] for reply in replies.values())
+    assert calls == ["first", 20, 21, 10, 11]
+
+
+async def test_a_variable_length_meta_lists_its_buckets_and_mask(
+        rc: aioredis.Redis, start_worker: Callable[..., Any]) -> None:
+    """§8: a variable-length spec publishes ``max_len``, ``pad_value``, ``buckets``
+    and, when callers may send one, the ``mask`` field's name; the queue takes the
+    input unpadded, any length from 1 to ``max_len``."""
+    name = "fc-tokens"
+
+    def fn(batch: Any) -> list[int]:
+        _padded, lengths = batch
+        return [int(n) for n in lengths]
+
+    model = batch(name=name, max_batch_size=8, batch_wait_timeout_s=0.01, stack=True,
+                  spec=TensorSpec("int64", (None,), max_len=16, mask="attention_mask"))(fn)
+    start_worker([model])
+    await wait_for_key(rc, "rb:{" + name + "}:meta")
+    meta = json.loads(await rc.get("rb:{" + name + "}:meta"))
+    assert meta["spec"] == {"dtype": "int64", "shape": [-1], "max_len": 16, "pad_value": 0,
+                            "buckets": [1, 2, 4, 8, 16], "mask": "attention_mask"}
+    reply_to = new_reply_to(name)
+    requests = [envelope(name, reply_to, list(range(n))) for n in (3, 9, 16, 17)]
+    await enqueue(rc, name, *(mp(r) for r in requests))
+    replies = await replies_by_id(rc, reply_to, 4)
+    assert [replies[r["id"]].get("payload") for r in requests[:3]] == [3, 9, 16]
+    assert_error(replies[requests[3]["id"]], requests[3]["id"], "invalid_payload")
