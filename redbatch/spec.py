@@ -271,8 +271,11 @@ def field_message(name: str, exc: Exception) -> str:
     return f"{field}: {message}"
 
 
-def _checked_field(spec: TensorSpec, value: Any, name: str) -> np.ndarray[Any, Any]:
-    """``spec.check`` of one named input, its error naming the input."""
+def _checked_field(spec: TensorSpec | None, value: Any, name: str) -> Any:
+    """``spec.check`` of one named input, its error naming the input; an input without
+    a spec (``None``) takes any value, as given."""
+    if spec is None:
+        return value
     try:
         return spec.check(value, f"input {name!r}")
     except InvalidPayload as exc:
@@ -287,23 +290,25 @@ class Signature:
     request share one length: it is the request's length bucket (by the boundaries of
     the first of them).  An output spec with ``None`` as its first dimension is
     per-token (trimmed back to each request's length); other output specs, and
-    ``None``, say nothing the worker checks."""
+    ``None``, say nothing the worker checks.  An input whose spec is ``None`` takes any
+    value (a JSON field, such as an image's metadata), unchecked and never stacked:
+    with ``stack=True`` the function gets the list of them."""
 
-    inputs: dict[str, TensorSpec]
+    inputs: dict[str, TensorSpec | None]
     outputs: dict[str, TensorSpec | None]
 
     def __post_init__(self) -> None:
         _field_names(list(self.inputs), "input")
         _field_names(list(self.outputs), "output")
-        wrong = [n for n, s in self.inputs.items() if not isinstance(s, TensorSpec)]
+        wrong = [n for n, s in self.inputs.items() if not isinstance(s, TensorSpec | None)]
         if wrong:
-            raise ConfigError(f"input {wrong[0]!r} needs a TensorSpec")
+            raise ConfigError(f"input {wrong[0]!r}: a TensorSpec, or None for any value")
         wrong = [n for n, s in self.outputs.items() if not isinstance(s, TensorSpec | None)]
         if wrong:
             raise ConfigError(f"output {wrong[0]!r}: a TensorSpec or None")
 
     @classmethod
-    def of(cls, inputs: dict[str, TensorSpec],
+    def of(cls, inputs: dict[str, TensorSpec | None],
            outputs: dict[str, TensorSpec | None] | Sequence[str]) -> Signature:
         """From ``@batch``'s arguments: ``outputs`` as names, or names -> specs."""
         if isinstance(outputs, str):
@@ -314,12 +319,18 @@ class Signature:
     @functools.cached_property
     def variable(self) -> tuple[str, ...]:
         """The names of the variable-length inputs, in declaration order."""
-        return tuple(name for name, spec in self.inputs.items() if spec.variable)
+        return tuple(name for name, spec in self.inputs.items()
+                     if spec is not None and spec.variable)
 
     @property
     def length_spec(self) -> TensorSpec | None:
         """The spec whose buckets group requests (the first variable input's)."""
         return self.inputs[self.variable[0]] if self.variable else None
+
+    @functools.cached_property
+    def loose(self) -> tuple[str, ...]:
+        """The inputs without a spec (any value), in declaration order."""
+        return tuple(name for name, spec in self.inputs.items() if spec is None)
 
     @functools.cached_property
     def per_token(self) -> tuple[str, ...]:
@@ -380,13 +391,15 @@ class Signature:
                                      "share one length")
 
     def to_json(self) -> dict[str, Any]:
-        return {"inputs": {name: spec.to_json() for name, spec in self.inputs.items()},
+        return {"inputs": {name: spec.to_json() if spec else None
+                           for name, spec in self.inputs.items()},
                 "outputs": {name: spec.to_json() if spec else None
                             for name, spec in self.outputs.items()}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Signature:
-        return cls({name: TensorSpec.from_json(spec) for name, spec in data["inputs"].items()},
+        return cls({name: TensorSpec.from_json(spec) if spec else None
+                    for name, spec in data["inputs"].items()},
                    {name: TensorSpec.from_json(spec) if spec else None
                     for name, spec in data["outputs"].items()})
 

@@ -83,7 +83,20 @@ def build_masker() -> Any:
 
 TORCH = torch_model("ttokens", build_masker, policy=WINDOW, inputs={"ids": IDS, "mask": MASK},
                     outputs={"kept": TensorSpec("int64", (None,)), "length": None})
-MODELS = [PAIR, TOKENS, rows_model, forgetful, TORCH]
+
+
+@batch(name="captioned", max_batch_size=8, batch_wait_timeout_s=0.01, stack=True,
+       inputs={"image": TensorSpec("float32", (2, 2)), "meta": None}, outputs=("score", "tag"))
+def captioned(batch: dict[str, Any]) -> dict[str, Any]:
+    """A picture and its metadata (any JSON value: a list of them, unstacked)."""
+    meta = batch["meta"]
+    assert isinstance(meta, list) and len(meta) == len(batch["image"])
+    scales = [m["scale"] if isinstance(m, dict) else float(np.sum(m)) for m in meta]
+    return {"score": batch["image"].sum(axis=(1, 2)) * np.asarray(scales, np.float32),
+            "tag": [m.get("tag", "").upper() if isinstance(m, dict) else "" for m in meta]}
+
+
+MODELS = [PAIR, TOKENS, rows_model, forgetful, TORCH, captioned]
 
 
 @pytest.fixture
@@ -113,7 +126,7 @@ def x_row(i: int) -> np.ndarray:
     ({"inputs": {}, "outputs": ["y"]}, "at least one input"),
     ({"inputs": {"a b": TensorSpec()}, "outputs": ["y"]}, "'a b'"),
     ({"inputs": {"a": TensorSpec()}, "outputs": "y"}, "not a string"),
-    ({"inputs": {"a": "float32"}, "outputs": ["y"]}, "needs a TensorSpec"),
+    ({"inputs": {"a": "float32"}, "outputs": ["y"]}, "a TensorSpec, or None"),
     ({"inputs": {"a": TensorSpec()}, "outputs": ["y"],
       "output_spec": TensorSpec()}, "mutually exclusive"),
 ])
@@ -465,3 +478,37 @@ def test_pad_to_longest_pads_every_named_input_to_the_pass_longest() -> None:
     assert only["ids"].shape == only["mask"].shape == (3, 7)
     assert only["lengths"].tolist() == [5, 6, 7]  # sorted by length
     assert only["ids"][0, 5:].tolist() == [-1, -1] and only["mask"][0, 5:].tolist() == [0, 0]
+
+
+# --- an input of any value (its spec None) ----------------------------------------------
+async def test_an_input_without_a_spec_takes_any_value(http: httpx.AsyncClient,
+                                                       served: str) -> None:
+    """An image and its metadata: the metadata (a JSON map) is neither checked nor
+    stacked; the function gets the list of them, in the batch's order."""
+    async with Client(served) as client:
+        outs = await asyncio.gather(*(client.predict("captioned", {
+            "image": np.full((2, 2), i, np.float32), "meta": {"scale": 2, "tag": f"t{i}"}})
+            for i in range(3)))
+    assert [o["tag"] for o in outs] == ["T0", "T1", "T2"]
+    assert [float(o["score"]) for o in outs] == [0.0, 8.0, 16.0]
+    resp = await http.post("/v1/models/captioned/predict", json={"inputs": {
+        "image": [[1, 2], [3, 4]], "meta": {"scale": 3, "tag": "dog"}}})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"outputs": {"score": 30.0, "tag": "DOG"}}
+    tagged = await http.post("/v1/models/captioned/predict", json={"inputs": {
+        "image": [[1, 2], [3, 4]], "meta": {"__tensor__": "AAAA"}}})
+    assert tagged.status_code == 422 and "spells a tensor" in tagged.json()["error"]["message"]
+    bad = await http.post("/v1/models/captioned/predict",
+                          json={"inputs": {"image": [1, 2], "meta": {}}})
+    assert bad.status_code == 422 and "input 'image' shape" in bad.json()["error"]["message"]
+    info = ModelInfo.from_meta(json.loads(json.dumps(captioned.meta())))
+    assert info.signature is not None and info.signature.inputs["meta"] is None
+    meta = (await http.get("/v2/models/captioned")).json()
+    assert {"name": "meta", "datatype": "ANY", "shape": [-1, -1]} in meta["inputs"]
+    v2 = await http.post("/v2/models/captioned/infer", json={"inputs": [
+        {"name": "image", "datatype": "FP32", "shape": [1, 2, 2], "data": [1, 1, 1, 1]},
+        {"name": "meta", "datatype": "INT64", "shape": [1, 2], "data": [2, 3]}],
+        "outputs": [{"name": "score"}]})  # (a string output has no v2 datatype)
+    assert v2.status_code == 200, v2.text
+    outputs = {o["name"]: o for o in v2.json()["outputs"]}
+    assert outputs["score"]["data"] == [20.0]

@@ -89,7 +89,10 @@ def model_input(data: dict[str, Any], info: ModelInfo) -> Any:
             return info.spec.check_masked(value, data[info.spec.mask], info.input_name)
         return info.spec.check(value, info.input_name)
     if info.signature:  # named inputs: {"inputs": {"a": ..., "b": ...}}
-        return info.signature.check(value)
+        checked = info.signature.check(value)
+        for name in info.signature.loose:  # any value: as a spec-less model's input
+            _refuse_tensor_tags(checked[name])
+        return checked
     _refuse_tensor_tags(value)
     return value
 

@@ -22,7 +22,7 @@ from redbatch.api.v2_tensors import V2_DATATYPES, mapping
 from redbatch.errors import BadRequest, InvalidPayload, ModelError
 from redbatch.producer import packing
 from redbatch.protocol import Reply
-from redbatch.spec import Signature, field_message
+from redbatch.spec import Signature, TensorSpec, field_message
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -71,11 +71,13 @@ def _read(tensor: dict[str, Any], signature: Signature, binary: bytes
         size = _binary_size(tensor)
         chunk = binary[:size]
         dtype = v2_tensors.dtype_of(tensor.get("datatype"))
-        if dtype != spec.dtype:
+        if spec is not None and dtype != spec.dtype:
             raise BadRequest(f"input has datatype {V2_DATATYPES[spec.dtype]}, got "
                              f"{tensor.get('datatype')}")
         shape = v2_tensors.shape_of(tensor.get("shape"))
         arr = v2_tensors.tensor_data(tensor, chunk, dtype, shape)
+        if spec is None:  # any value: any numeric tensor, its values checked for kind
+            return TensorSpec(dtype, (None,) * len(shape)).check(arr), size
         return spec.check_rows(arr, f"input {name!r}"), size
     except (BadRequest, InvalidPayload) as exc:
         raise BadRequest(field_message(name, exc)) from exc

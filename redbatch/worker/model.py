@@ -74,7 +74,7 @@ class Model:
     # ``stack=True`` the function gets a dict name -> stacked array (variable-length
     # inputs: ``(dict, lengths)``) and returns a dict output name -> batched outputs;
     # else a list of dicts, returning a list of dicts.
-    inputs: dict[str, TensorSpec] | None = None
+    inputs: dict[str, TensorSpec | None] | None = None
     outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None
     # Priority levels 1..priority_levels (1 most urgent; read at start): a request that
     # gives none takes ``default_priority``; ``priority_caps`` (a live knob) caps each
@@ -235,7 +235,7 @@ def batch(*, name: str | None = None, max_batch_size: int = defaults.MAX_BATCH_S
           batch_wait_timeout_s: float = defaults.BATCH_WAIT_TIMEOUT_S,
           stride_s: float = defaults.STRIDE_S,
           allow_small_batch: bool = defaults.ALLOW_SMALL_BATCH, spec: TensorSpec | None = None,
-          inputs: dict[str, TensorSpec] | None = None,
+          inputs: dict[str, TensorSpec | None] | None = None,
           outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None,
           input_name: str = defaults.INPUT_NAME, output_name: str = defaults.OUTPUT_NAME,
           stack: bool = False, timeout_s: float | None = None,

@@ -21,15 +21,19 @@ from redbatch.worker import ragged
 
 
 def stacked(items: list[dict[str, Any]], signature: Signature, length: int | None) -> Any:
-    """The stacked batch: a dict name -> array, with ``length`` (a padded pass)
-    ``(dict, lengths)``."""
+    """The stacked batch: a dict name -> array (a list, for an input without a spec),
+    with ``length`` (a padded pass) ``(dict, lengths)``."""
     if length is None:
-        return {name: np.stack([item[name] for item in items]) for name in signature.inputs}
+        return {name: [item[name] for item in items] if spec is None
+                else np.stack([item[name] for item in items])
+                for name, spec in signature.inputs.items()}
     batch: dict[str, Any] = {}
     lengths: Any = None
     for name, spec in signature.inputs.items():
         column = [item[name] for item in items]
-        if spec.variable:
+        if spec is None:  # any value: the list of them
+            batch[name] = column
+        elif spec.variable:
             batch[name], lengths = ragged.pad_batch(column, length, spec.pad_value)
         else:
             batch[name] = np.stack(column)

@@ -95,6 +95,7 @@ def torch_named_fn(module: Callable[..., Any], device: str, outputs: Sequence[st
     def run(arg: Any) -> Any:
         batch, lengths = arg if isinstance(arg, tuple) else (arg, None)
         kwargs = {name: to_device(torch.from_numpy(value), device)
+                  if isinstance(value, np.ndarray) else value  # an input without a spec
                   for name, value in batch.items()}
         if lengths is not None:
             kwargs["lengths"] = to_device(torch.from_numpy(lengths), device)
@@ -110,12 +111,12 @@ def torch_named_fn(module: Callable[..., Any], device: str, outputs: Sequence[st
     return run
 
 
-def _wrapper(spec: TensorSpec | None, inputs: dict[str, TensorSpec] | None,
+def _wrapper(spec: TensorSpec | None, inputs: dict[str, TensorSpec | None] | None,
              outputs: dict[str, TensorSpec | None] | Sequence[str] | None
              ) -> Callable[[Any, str], BatchFn]:
     """How the module is called: one tensor, ``(padded, lengths)``, or keywords."""
     if inputs is not None:
-        if "lengths" in inputs and any(s.variable for s in inputs.values()):
+        if "lengths" in inputs and any(s is not None and s.variable for s in inputs.values()):
             raise ConfigError("a torch model with variable-length inputs gets lengths= "
                               "beside them: no input may be named 'lengths'")
         return functools.partial(torch_named_fn, outputs=list(outputs or ()))
@@ -129,7 +130,7 @@ def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec | None = N
                 output_name: str = defaults.OUTPUT_NAME,
                 output_spec: TensorSpec | None = None, batch_size_fn: CostFn | None = None,
                 oversize: str = defaults.OVERSIZE,
-                inputs: dict[str, TensorSpec] | None = None,
+                inputs: dict[str, TensorSpec | None] | None = None,
                 outputs: dict[str, TensorSpec | None] | Sequence[str] | None = None) -> Model:
     """A ``Model`` whose ``build()`` returns a torch module, built inside the worker
     process, moved to its device and put in eval mode.  With a variable-length
