@@ -113,6 +113,15 @@ class LeanLink:
         """The name of the node that calls on ``key`` go to (None: one server)."""
         return None
 
+    async def ready(self) -> None:
+        """Take and connect the held connection now, unless a call is on it: the next
+        call's write then goes out in the caller's task without waiting (a no-op once
+        connected).  A caller that lets another write once its own has gone out
+        (``producer.enqueuer.Turn``) awaits this first, so that a connect does not
+        let the other pass it."""
+        if not self._busy:
+            await self._connection()
+
     async def release(self) -> None:
         """Give the held connection back to the pool (the next call takes one again)."""
         conn, self._conn = self._conn, None
@@ -166,6 +175,10 @@ class ClusterLink(LeanLink):
         self._node: Any = None  # the ClusterNode that ``_conn`` belongs to
         self._held: dict[str, tuple[Any, AbstractConnection]] = {}  # name -> node, conn
         self._mapped = False  # a call through the client succeeded since the last break
+
+    async def ready(self) -> None:
+        """Nothing: the node a call goes to is known only from its keys, and on a
+        cluster a write may be passed anyway (``LeanLink.ready``)."""
 
     async def execute(self, *args: Any) -> Any:
         if args[:2] == ("SCRIPT", "LOAD"):

@@ -156,3 +156,31 @@ async def test_flushes_of_one_queue_write_in_submit_order_across_ticks(
             await asyncio.sleep(0.01)
         assert queued(raw_redis, MODEL) == [1, 2]
     await asyncio.gather(first, second, return_exceptions=True)  # failed by the close
+
+
+async def test_a_first_flush_that_must_connect_still_writes_first(
+        raw_redis: redis.Redis, redis_url: str) -> None:
+    """The held connection is taken (and connected) at the first enqueue: a flush that
+    waits for that must not let the next flush's write, through the pool, pass it."""
+    registered(raw_redis, MODEL, 1)
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        await client.live_workers(MODEL)
+        link: Any = client._enqueuer._link
+        connection, calls = link._connection, []
+
+        async def slow_once() -> Any:
+            calls.append(1)
+            if len(calls) == 1:  # the held connection's checkout: as a slow connect
+                await asyncio.sleep(0.2)
+            return await connection()
+
+        link._connection = slow_once
+        first = asyncio.ensure_future(client.predict(MODEL, 1, timeout_s=30))
+        await asyncio.sleep(0.02)  # the first tick's flush is waiting on its connect
+        second = asyncio.ensure_future(client.predict(MODEL, 2, timeout_s=30))
+        for _ in range(100):
+            if len(queued(raw_redis, MODEL)) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert calls and queued(raw_redis, MODEL) == [1, 2]
+    await asyncio.gather(first, second, return_exceptions=True)  # failed by the close

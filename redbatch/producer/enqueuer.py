@@ -77,7 +77,8 @@ class Turn:
     flush before it has started its write (``prev``), then lets the next one write
     (``done``).  A flush never waits for the reply of the one before: replies may take
     a ``WAIT``'s timeout, and flushes of a queue must not queue up behind them.  On the
-    one held connection (``LeanLink``) the writes reach Redis in that order; a write
+    one held connection (``LeanLink``, connected first: ``LeanLink.ready``) the writes
+    reach Redis in that order; a write
     that goes through the pool (the held one busy) or a cluster client may be passed
     by the next.  No future is made unless a flush has to wait (``later``)."""
 
@@ -312,6 +313,7 @@ class Enqueuer:
         prev = turn.prev
         if prev is not None and not prev.done:  # (at once in the steady state)
             await prev.later()
+        await self._link.ready()  # a first call's connect: before the next may write
         turn.wrote()  # the call goes out now: never wait for its reply (a WAIT's)
         return await self._retried(target, calls, requests)
 
