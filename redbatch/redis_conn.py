@@ -89,10 +89,22 @@ class SentinelRedis(aioredis.Redis):
     """A client of a Sentinel service's primary that closes its sentinel links too."""
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
-        await super().aclose(close_connection_pool)
-        manager: Any = getattr(self.connection_pool, "sentinel_manager", None)
-        if manager is not None:
-            await manager.aclose()
+        try:
+            await super().aclose(close_connection_pool)
+        finally:  # the sentinels' own clients, even if the primary's pool failed to close
+            manager: Any = getattr(self.connection_pool, "sentinel_manager", None)
+            if manager is not None:
+                await manager.aclose()
+
+
+async def close_all(*clients: Any) -> None:
+    """``aclose`` every client, each even if one before it failed to close (its
+    connections and, behind Sentinel, its sentinels' would be left open); the first
+    failure is raised once all are closed."""
+    results = await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
 
 
 def is_cluster(client: object) -> bool:

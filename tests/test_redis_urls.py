@@ -110,3 +110,25 @@ async def test_no_node_answering_is_redis_unavailable(template: str) -> None:
                 await client.llen("rb:{m}:queue")
     finally:
         await client.aclose()
+
+
+async def test_close_all_closes_every_client_when_one_fails() -> None:
+    """A worker's clients are closed together: one that fails to close (its pool, or a
+    Sentinel primary's) leaves none of the others open, and its error still shows."""
+    from redbatch.redis_conn import close_all
+
+    closed: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str, fails: bool = False) -> None:
+            self.name, self.fails = name, fails
+
+        async def aclose(self) -> None:
+            closed.append(self.name)
+            if self.fails:
+                raise ConnectionError(f"{self.name} would not close")
+
+    with pytest.raises(ConnectionError, match="a would not close"):
+        await close_all(Fake("a", fails=True), Fake("b"), Fake("c"))
+    assert sorted(closed) == ["a", "b", "c"]
+    await close_all()  # nothing to close

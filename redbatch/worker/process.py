@@ -22,7 +22,13 @@ from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
 from redbatch.pipelines.definition import Pipeline
 from redbatch.pipelines.duty import PipelineDuty, check_declared
-from redbatch.redis_conn import REDIS_ERRORS, async_client, check_cancelled, is_cluster
+from redbatch.redis_conn import (
+    REDIS_ERRORS,
+    async_client,
+    check_cancelled,
+    close_all,
+    is_cluster,
+)
 from redbatch.worker import heartbeat
 from redbatch.worker.drain import Drain
 from redbatch.worker.live import LiveKnobs
@@ -106,8 +112,7 @@ class Worker:
             clean = await self._serve(redis, stop)
         finally:
             executor.shutdown(wait=clean, cancel_futures=True)
-            for client in (redis, *blocking):
-                await client.aclose()
+            await close_all(redis, *blocking)
 
     def _runner(self, redis: aioredis.Redis, model: Model, blocking: aioredis.Redis | None,
                 executor: ThreadPoolExecutor) -> BatchRunner:
