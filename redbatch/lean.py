@@ -119,8 +119,14 @@ class LeanLink:
         connected).  A caller that lets another write once its own has gone out
         (``producer.enqueuer.Turn``) awaits this first, so that a connect does not
         let the other pass it."""
-        if not self._busy:
+        conn = self._conn
+        if self._busy or (conn is not None and conn.is_connected):
+            return
+        self._busy = True  # (so that no other call takes a second connection meanwhile)
+        try:
             await self._connection()
+        finally:
+            self._busy = False
 
     async def release(self) -> None:
         """Give the held connection back to the pool (the next call takes one again)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
@@ -160,3 +161,16 @@ async def test_translated_types_an_attribute_error_of_redis_py_alone() -> None:
     with pytest.raises(AttributeError):
         async with translated(settings):
             None.no_such_attribute  # type: ignore[attr-defined]  # noqa: B018
+
+
+async def test_concurrent_readies_take_one_connection(client: aioredis.Redis) -> None:
+    """``ready`` connects the held connection before a caller lets another write; many
+    at once (first flushes of several queues) take one, and give back none twice."""
+    link = LeanLink(client)
+    pool: Any = client.connection_pool
+    await asyncio.gather(*(link.ready() for _ in range(5)))
+    assert len(pool._in_use_connections) == 1
+    assert await link.execute("PING") == b"PONG"  # on the held connection
+    await link.ready()  # connected: nothing to do
+    await link.release()
+    assert len(pool._in_use_connections) == 0

@@ -158,6 +158,31 @@ async def test_stacked_inputs_with_a_free_dimension_and_no_max_len_pass_by_shape
     assert stats.passes == 3 and stats.pass_items == 8
 
 
+def lengths_of(batch: dict[str, Any]) -> dict[str, list[Any]]:
+    return {"n": [len(row) for row in batch["x"]], "kind": [type(m).__name__
+                                                         for m in batch["meta"]]}
+
+
+async def test_shape_groups_look_only_at_inputs_with_a_spec(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Named inputs: the passes are grouped by the shapes of the inputs with a spec; one
+    of any value (a ragged list, a string) neither splits them nor breaks the batch."""
+    policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.2)
+    model = Model("loose", fn=lengths_of, policy=policy, stack=True, inline=True,
+                  inputs={"x": TensorSpec("float32", (None,)), "meta": None},
+                  outputs=("n", "kind"))
+    worker = start_worker([model])
+    await wait_live(redis_url, "loose")
+    inputs = [{"x": [1.0, 2.0], "meta": [[1], [1, 2]]}, {"x": [1.0, 2.0, 3.0], "meta": "s"},
+              {"x": [0.0, 1.0], "meta": {"a": 1}}]
+    async with Client(redis_url) as client:
+        outputs = await asyncio.gather(*(client.predict("loose", x, timeout_s=20)
+                                         for x in inputs))
+    assert [(o["n"], o["kind"]) for o in outputs] == [(2, "list"), (3, "str"), (2, "dict")]
+    stats = await settled(worker, 3)
+    assert stats.passes <= 2 * 2  # two shapes (in one or two claims)
+
+
 async def test_same_length_arrays_pack_and_mixed_ones_do_not(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     policy = BatchPolicy(max_batch_size=32, batch_wait_timeout_s=0.05)

@@ -78,6 +78,8 @@ class Forwarder:
         # stacked with a free dimension but no max_len: passes grouped by exact shape
         # (items of different shapes cannot stack, and are not padded)
         self._by_shape = model.stack and self._spec is None and ragged.free_dims(model)
+        self._shaped = tuple(n for n, s in self._sig.inputs.items() if s is not None) \
+            if self._sig else ()  # the named inputs a shape group is keyed on
         self._trims = self._pads and (bool(self._sig.per_token) if self._sig
                                       else ragged.trims(model.output_spec))
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
@@ -122,7 +124,7 @@ class Forwarder:
             return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
         if self._spec is None:  # free dimensions, no max_len: one group per shape
-            for indices in ragged.shape_groups(inputs).values():
+            for indices in ragged.shape_groups(inputs, self._shaped).values():
                 await run_into(results, inputs, indices,
                                functools.partial(self._run_passes, length=None, limit=limit))
             return results

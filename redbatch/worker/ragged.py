@@ -45,13 +45,15 @@ def free_dims(model: Any) -> bool:
                for spec in specs)
 
 
-def shape_groups(inputs: list[Any]) -> dict[Any, list[int]]:
-    """Shape -> the indices of the inputs of that shape, in claim order (a map of
-    named inputs: the tuple of its inputs' shapes), so that each group stacks."""
+def shape_groups(inputs: list[Any], names: tuple[str, ...] = ()) -> dict[Any, list[int]]:
+    """Shape -> the indices of the inputs of that shape, in claim order, so that each
+    group stacks: a checked array's shape, or for a map of named inputs the tuple of
+    the shapes of those in ``names`` (the inputs with a spec: checked arrays; one
+    without a spec takes any value and is never stacked)."""
     groups: dict[Any, list[int]] = {}
     for i, value in enumerate(inputs):
-        key = tuple(np.shape(v) for v in value.values()) if isinstance(value, dict) \
-            else np.shape(value)
+        key = tuple(value[n].shape for n in names) if isinstance(value, dict) \
+            else value.shape
         groups.setdefault(key, []).append(i)
     return groups
 
