@@ -465,9 +465,11 @@ if raw and string.find(raw, '"priority"', 1, true) then
     local section = meta['priority']
     if stored[2] then  -- caps changed live: in effect here before workers republish
       local fine, live = pcall(cjson.decode, stored[2])
-      if fine and type(live) == 'table' and #live == tonumber(section['levels']) then
-        section['caps'] = live
+      fine = fine and type(live) == 'table' and #live == tonumber(section['levels'])
+      for i = 1, fine and #live or 0 do  -- one cap >= 1 per level (else: the meta's)
+        if type(live[i]) ~= 'number' or live[i] < 1 then fine = false end
       end
+      if fine then section['caps'] = live end
     end
     levels = cjson.encode(section)
   end

@@ -79,20 +79,25 @@ def _auto(s: status.ModelStatus) -> str:
     return " ".join(f"{b}:{n}" for b, n in s.auto_sizes.items()) or "-"
 
 
+def _unshown(s: status.ModelStatus) -> dict[str, object]:
+    """The live changes the other columns do not show: those of other knobs, and
+    ``auto_batch`` turned off (the batching column marks it only while it is on)."""
+    return {name: value for name, value in sorted(s.overrides.items())
+            if name not in SHOWN_KNOBS or (name == "auto_batch" and not value)}
+
+
 def _live(s: status.ModelStatus) -> str:
     """The live changes the other columns do not show (``redbatch config``):
     ``max_batch_cost=4096 buckets=[8, 16, 512]``, else ``-``."""
-    shown = (f"{name}={json.dumps(value)}" for name, value in sorted(s.overrides.items())
-             if name not in SHOWN_KNOBS)
-    return " ".join(shown) or "-"
+    return " ".join(f"{name}={json.dumps(value)}" for name, value in _unshown(s).items()) \
+        or "-"
 
 
 def table(statuses: dict[str, status.ModelStatus]) -> Table:
     out = Table(title="redbatch status", caption="distributions since each worker started; "
                 "* changed live (redbatch config)")
     auto = (AUTO_COLUMN,) if any(s.auto_sizes for s in statuses.values()) else ()
-    live = (LIVE_COLUMN,) if any(set(s.overrides) - SHOWN_KNOBS
-                                 for s in statuses.values()) else ()
+    live = (LIVE_COLUMN,) if any(_unshown(s) for s in statuses.values()) else ()
     for column in COLUMNS[:5] + auto + live + COLUMNS[5:]:
         out.add_column(column, justify="left" if column == "model" else "right")
     for s in statuses.values():

@@ -214,3 +214,10 @@ async def test_v2_refuses_a_bad_mask_with_400(
         same = await http.post("/v2/models/mtoks/infer", content=content, headers=headers)
         assert same.status_code == 200, same.text
         assert same.json()["outputs"][0]["data"] == [1, 2, 4, 5]
+
+
+def test_a_mask_goes_beside_a_models_one_input() -> None:
+    with pytest.raises(ConfigError, match="cannot be the input field 'x'"):
+        Model("m", fn=list, spec=replace(TOKENS, mask="x"), input_name="x")
+    with pytest.raises(ConfigError, match="takes its mask as an input of its own"):
+        Model("m", fn=list, inputs={"ids": MASKED}, outputs=["y"])

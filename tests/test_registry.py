@@ -165,7 +165,9 @@ async def test_live_caps_take_effect_from_the_stored_change(raw_redis: redis.Red
     summary = await LiveCache(client).get("m")
     assert summary.levels.caps == (5, 40) and summary.levels.count == 2
     assert summary.max_queue_len == 64
-    raw_redis.hset(protocol.config_key("m"), mapping={"priority_caps": "[5]",
-                                                      "max_queue_len": "lots"})
-    summary = await LiveCache(client).get("m")
-    assert summary.levels.caps == (40, 40) and summary.max_queue_len == 500
+    for caps in ("[5]", '["a", 40]', "[0, 40]", "{}", "not json"):  # edited by hand
+        raw_redis.hset(protocol.config_key("m"), mapping={"priority_caps": caps,
+                                                          "max_queue_len": "lots"})
+        summary = await LiveCache(client).get("m")
+        assert summary.levels.caps == (40, 40) and summary.levels.count == 2, caps
+        assert summary.max_queue_len == 500

@@ -105,3 +105,6 @@ def test_the_table_shows_every_live_change() -> None:
     console = Console(width=400, record=True)
     console.print(status_view.table({"p": plain}))
     assert status_view.LIVE_COLUMN not in console.export_text()
+    off = ModelStatus("o", 0, 0, knobs={"auto_batch": False},
+                      overrides={"auto_batch": False})
+    assert status_view._live(off) == "auto_batch=false"  # the batching column shows no "auto"

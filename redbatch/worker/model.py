@@ -118,6 +118,7 @@ class Model:
         knobs.check_caps(knobs.check("priority_caps", self.priority_caps), self.priority_levels)
         knobs.check("sub_queues", self.sub_queues)
         self.signature = self._signature()
+        self._check_mask()
         if self.streaming is None:
             self.streaming = self.fn is not None and is_stream_fn(self.fn)
         if self.streaming and self.priority_levels > 1:
@@ -151,6 +152,18 @@ class Model:
                               "mutually exclusive: give each input its spec in inputs, "
                               "each output its spec in outputs")
         return Signature.of(self.inputs, self.outputs)
+
+    def _check_mask(self) -> None:
+        """A spec's mask field (callers' padding, cut by the gateway) goes beside the
+        model's one input, under a name of its own."""
+        if self.spec is not None and self.spec.mask == self.input_name:
+            raise ConfigError(f"model {self.name!r}: the spec's mask field cannot be the "
+                              f"input field {self.input_name!r} itself")
+        masked = [n for n, s in (self.inputs or {}).items() if s is not None and s.mask]
+        if masked:
+            raise ConfigError(f"model {self.name!r}: input {masked[0]!r} has a mask; a "
+                              "mask field goes with a model's one input (a model with "
+                              "named inputs takes its mask as an input of its own)")
 
     def knob_values(self) -> dict[str, Any]:
         """The live knobs' values now: the policy's fields and the model's own."""
