@@ -437,17 +437,26 @@ async def gateway_http(url: str) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
-@pytest.mark.parametrize("engine", ["cluster", "sentinel"])
-async def test_gateway_failover_ledger(engine: str, request: pytest.FixtureRequest,
-                                       start_worker: Callable[..., Worker]) -> None:
+async def test_gateway_failover_ledger_cluster(redis_cluster: ClusterEngine,
+                                               start_worker: Callable[..., Worker]) -> None:
     """The same promises for callers of the HTTP gateway: a 200 with the answer or a
     503/504 with its code by the deadline, never a 500 nor a hang, and served again."""
-    if engine == "cluster":
-        cluster: ClusterEngine = request.getfixturevalue("redis_cluster")
-        url, kill = cluster.url, cluster_kill(cluster, False)
-    else:
-        sentinel: SentinelEngine = request.getfixturevalue("redis_sentinel")
-        url, kill = sentinel.url, sentinel_kill(sentinel, False)
+    await gateway_ledger("cluster", redis_cluster.url, cluster_kill(redis_cluster, False),
+                         start_worker)
+
+
+async def test_gateway_failover_ledger_sentinel(redis_sentinel: SentinelEngine,
+                                                start_worker: Callable[..., Worker]) -> None:
+    """As above, behind Sentinel.  (Each engine comes before the worker fixture, so
+    that the worker stops before its engine: stopped against dead sentinels, it left
+    their clients' connections to be collected open, a ResourceWarning in a later
+    test.)"""
+    await gateway_ledger("sentinel", redis_sentinel.url, sentinel_kill(redis_sentinel, False),
+                         start_worker)
+
+
+async def gateway_ledger(engine: str, url: str, kill: Kill,
+                         start_worker: Callable[..., Worker]) -> None:
     await serving(url, start_worker)
     async with gateway_http(url) as http:
         ledger, promoted_s = await run_ledger(functools.partial(http_call, http), kill)
