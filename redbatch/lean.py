@@ -370,6 +370,8 @@ REDIRECTS = (MovedError, AskError, TryAgainError)
 def _is_transaction(commands: tuple[tuple[Any, ...], ...]) -> bool:
     """Whether a call holds a ``MULTI`` (its commands run only together)."""
     return any(str(command[0]).upper() == "MULTI" for command in commands if command)
+
+
 KEYLESS = frozenset({"CLIENT", "SCRIPT", "PING", "CONFIG", "INFO", "WAIT"})
 KEYS_AFTER_COUNT = frozenset({"EVALSHA", "EVAL", "BLMPOP", "LMPOP"})  # cmd x numkeys key...
 

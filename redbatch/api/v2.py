@@ -276,7 +276,7 @@ def input_tensor(data: dict[str, Any], info: ModelInfo, binary: bytes
 
 def _split_binary(binary: bytes, first: dict[str, Any]) -> tuple[bytes, bytes]:
     """The binary section cut after the bytes its first input claims."""
-    size = v2_masked.claimed_bytes(first)
+    size = v2_tensors.binary_size(first)
     return binary[:size], binary[size:]
 
 

@@ -25,13 +25,6 @@ def mask_name(info: ModelInfo) -> str | None:
     return info.spec.mask if info.spec is not None else None
 
 
-def claimed_bytes(tensor: dict[str, Any]) -> int:
-    """The bytes of the binary section this input claims (0: its data is JSON)."""
-    size = v2_tensors.mapping(tensor.get("parameters"), "the input's 'parameters'") \
-        .get("binary_data_size", 0)
-    return size if type(size) is int and size > 0 else 0
-
-
 def read_mask(tensor: dict[str, Any], binary: bytes, rows: tuple[int, ...]
               ) -> np.ndarray[Any, Any]:
     """The mask input as an array of shape ``rows`` (the input's batch and length)."""

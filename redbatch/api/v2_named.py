@@ -54,13 +54,6 @@ def _listed_inputs(data: dict[str, Any], info: ModelInfo) -> list[dict[str, Any]
     return inputs
 
 
-def _binary_size(tensor: dict[str, Any]) -> int:
-    """The bytes of the binary section this input claims (0: its data is JSON)."""
-    size = mapping(tensor.get("parameters"), "the input's 'parameters'") \
-        .get("binary_data_size", 0)
-    return size if type(size) is int and size > 0 else 0
-
-
 def _read(tensor: dict[str, Any], signature: Signature, binary: bytes
           ) -> tuple[np.ndarray[Any, Any], int]:
     """One input as an array ``[batch, *row]``, checked against its spec, and the
@@ -68,7 +61,7 @@ def _read(tensor: dict[str, Any], signature: Signature, binary: bytes
     name = tensor["name"]
     spec = signature.inputs[name]
     try:
-        size = _binary_size(tensor)
+        size = v2_tensors.binary_size(tensor)
         chunk = binary[:size]
         dtype = v2_tensors.dtype_of(tensor.get("datatype"))
         if spec is not None and dtype != spec.dtype:

@@ -76,6 +76,14 @@ def _binary_data(raw: bytes, size: Any, dtype: str, shape: tuple[int, ...]
     return np.frombuffer(raw, dtype=wire).reshape(shape)
 
 
+def binary_size(tensor: dict[str, Any]) -> int:
+    """The bytes of the binary section this input claims (0: its data is JSON); the
+    section holds the inputs that claim bytes in the call's order."""
+    size = mapping(tensor.get("parameters"), "the input's 'parameters'") \
+        .get("binary_data_size", 0)
+    return size if type(size) is int and size > 0 else 0
+
+
 def tensor_data(tensor: dict[str, Any], binary: bytes, dtype: str, shape: tuple[int, ...]
                  ) -> np.ndarray[Any, Any]:
     params = mapping(tensor.get("parameters"), "the input's 'parameters'")
