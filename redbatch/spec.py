@@ -404,6 +404,12 @@ class Signature:
                     for name, spec in data["outputs"].items()})
 
 
+def per_token(output_spec: TensorSpec | None) -> bool:
+    """Whether outputs are per-token (first dimension ``None``): one row per real
+    position of the input, trimmed back to each request's length after a padded pass."""
+    return output_spec is not None and bool(output_spec.shape) and output_spec.shape[0] is None
+
+
 def model_meta(name: str, *, input_name: str, output_name: str, spec: TensorSpec | None,
                policy: dict[str, Any], limits: dict[str, Any],
                defaults: dict[str, Any] | None = None,
@@ -438,6 +444,7 @@ class ModelInfo:
     max_queue_len: int | None = None  # the model's own limits (None: the gateway's)
     default_timeout_s: float | None = None
     signature: Signature | None = None  # named inputs and outputs
+    output_spec: TensorSpec | None = None  # what one output looks like, if published
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> ModelInfo:
@@ -448,4 +455,12 @@ class ModelInfo:
                    output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta,
                    max_queue_len=int(cap) if cap else None,
                    default_timeout_s=float(timeout) if timeout else None,
-                   signature=Signature.from_json(meta) if meta.get("inputs") else None)
+                   signature=Signature.from_json(meta) if meta.get("inputs") else None,
+                   output_spec=TensorSpec.from_json(out) if (out := meta.get("output_spec"))
+                   else None)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the published output spec is per-token: outputs of several lengths,
+        which cannot share one tensor."""
+        return per_token(self.output_spec)

@@ -221,3 +221,36 @@ def test_a_mask_goes_beside_a_models_one_input() -> None:
         Model("m", fn=list, spec=replace(TOKENS, mask="x"), input_name="x")
     with pytest.raises(ConfigError, match="takes its mask as an input of its own"):
         Model("m", fn=list, inputs={"ids": MASKED}, outputs=["y"])
+
+
+def counted_tokens(calls: list[int]) -> Model:
+    """Per-token, as ``echo_tokens``, counting its passes."""
+    def echo(batch: Any) -> Any:
+        calls.append(len(batch[0]))
+        return batch[0]
+    return replace(echo_tokens(POLICY), name="ctoks", fn=echo, spec=MASKED)
+
+
+async def test_v2_refuses_ragged_rows_of_a_per_token_model_before_computing_them(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """The model publishes its per-token output spec, so rows of several real lengths
+    are refused at the gateway: nothing reaches the model.  Its v2 metadata and config
+    list that output."""
+    calls: list[int] = []
+    start_worker([counted_tokens(calls)])
+    async with gateway(redis_url) as http:
+        await wait_live(redis_url, "ctoks")
+        content, headers = masked_call([[1, 2, 0], [4, 5, 6]], [[1, 1, 0], [1, 1, 1]],
+                                       name="x")
+        ragged = await http.post("/v2/models/ctoks/infer", content=content, headers=headers)
+        assert ragged.status_code == 400 and "rows of one real length" in v2_error(ragged)
+        assert calls == []
+        content, headers = masked_call([[1, 2, 0], [4, 5, 0]], [[1, 1, 0], [1, 1, 0]],
+                                       name="x")
+        same = await http.post("/v2/models/ctoks/infer", content=content, headers=headers)
+        assert same.status_code == 200, same.text
+        assert same.json()["outputs"][0]["data"] == [1, 2, 4, 5] and calls
+        meta = (await http.get("/v2/models/ctoks")).json()
+        assert meta["outputs"] == [{"name": "y", "datatype": "INT64", "shape": [-1, -1]}]
+        config = (await http.get("/v2/models/ctoks/config")).json()
+        assert config["output"] == [{"name": "y", "data_type": "TYPE_INT64", "dims": [-1]}]

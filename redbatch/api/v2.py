@@ -115,11 +115,19 @@ def name_version(info: ModelInfo) -> tuple[str, str]:
     return name, version or VERSION
 
 
+def _output(info: ModelInfo) -> tuple[str, list[int]]:
+    """The one output's datatype and row dims: from the output spec the worker
+    publishes, else the input's datatype and unknown dims (a response's ``datatype``
+    and ``shape`` are the real ones)."""
+    out = info.output_spec
+    if out is None:
+        return _datatype(info), []
+    return V2_DATATYPES[out.dtype], [-1 if d is None else d for d in out.shape]
+
+
 def model_metadata(info: ModelInfo, listed: list[str] | None = None) -> dict[str, Any]:
-    """v2 model metadata (``listed``: the model's versions, else the one of ``info``).
-    Workers publish no output spec for a model with one input: the output is listed
-    with the input's datatype and only its batch dimension (a response's
-    ``datatype`` and ``shape`` are the real ones)."""
+    """v2 model metadata (``listed``: the model's versions, else the one of ``info``);
+    the output as ``_output`` describes it."""
     name, version = name_version(info)
     head = {"name": name, "versions": listed or [version], "platform": "redbatch"}
     if info.signature is not None:
@@ -127,12 +135,12 @@ def model_metadata(info: ModelInfo, listed: list[str] | None = None) -> dict[str
                 **{kind: [{"name": name, "datatype": datatype, "shape": [-1, *dims]}
                           for name, datatype, dims in tensors]
                    for kind, tensors in _named(info).items()}}
-    datatype = _datatype(info)
+    datatype, (out_type, out_dims) = _datatype(info), _output(info)
     return {
         **head,
         "inputs": [{"name": info.input_name, "datatype": datatype,
                     "shape": [-1, *_row_dims(info)]}],
-        "outputs": [{"name": info.output_name, "datatype": datatype, "shape": [-1]}],
+        "outputs": [{"name": info.output_name, "datatype": out_type, "shape": [-1, *out_dims]}],
     }
 
 
@@ -145,11 +153,20 @@ def _config_tensors(info: ModelInfo) -> dict[str, list[dict[str, Any]]]:
                            "dims": _row_dims(info)}] + ([] if mask is None else [
                                {"name": mask, "data_type": "TYPE_INT64", "dims": [-1],
                                 "optional": True}]),
-                "output": [{"name": info.output_name, "data_type": data_type, "dims": [-1]}]}
+                "output": [_config_output(info)]}
     return {kind[:-1]: [{"name": name, "dims": dims, "data_type": "TYPE_INVALID"
                          if datatype == ANY_DATATYPE else f"TYPE_{datatype}"}
                         for name, datatype, dims in tensors]  # "inputs" -> "input"
             for kind, tensors in _named(info).items()}
+
+
+def _config_output(info: ModelInfo) -> dict[str, Any]:
+    if info.output_spec is None:  # unknown: the input's type, one free dim
+        return {"name": info.output_name,
+                "data_type": f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID",
+                "dims": [-1]}
+    datatype, dims = _output(info)
+    return {"name": info.output_name, "data_type": f"TYPE_{datatype}", "dims": dims or [1]}
 
 
 def model_config(info: ModelInfo) -> dict[str, Any]:
@@ -411,9 +428,7 @@ def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Respo
     except ModelError as exc:
         if call.runs is None or len(call.runs) == 1:
             raise
-        raise BadRequest("the rows, cut to their masks, have different lengths, and so do "
-                         "their per-token outputs: one v2 output tensor cannot hold them; "
-                         "send rows of one real length per call") from exc
+        raise BadRequest(v2_masked.RAGGED_OUTPUTS) from exc
     output: dict[str, Any] = {"name": info.output_name,
                               "datatype": V2_DATATYPES[arr.dtype.name],
                               "shape": list(arr.shape)}

@@ -18,6 +18,9 @@ from redbatch.producer import packing
 from redbatch.spec import real_span
 
 Run = tuple[int, np.ndarray[Any, Any]]  # the first row of a run, and its rows
+RAGGED_OUTPUTS = ("the rows, cut to their masks, have different lengths, and so do their "
+                  "per-token outputs: one v2 output tensor cannot hold them; send rows of "
+                  "one real length per call")
 
 
 def mask_name(info: ModelInfo) -> str | None:
@@ -42,7 +45,10 @@ def read_mask(tensor: dict[str, Any], binary: bytes, rows: tuple[int, ...]
 
 def runs(arr: np.ndarray[Any, Any], mask: np.ndarray[Any, Any], info: ModelInfo) -> list[Run]:
     """Each row of ``arr`` (``[batch, length, ...]``) cut to its real positions;
-    consecutive rows of one real length stacked into one run."""
+    consecutive rows of one real length stacked into one run.  Rows of several real
+    lengths for a model that publishes per-token outputs are refused here, before any
+    compute (a model that does not publish its output spec is refused once its outputs
+    do not stack: ``v2.infer_response``)."""
     assert info.spec is not None
     out: list[tuple[int, list[np.ndarray[Any, Any]]]] = []
     for row in range(len(arr)):
@@ -56,6 +62,8 @@ def runs(arr: np.ndarray[Any, Any], mask: np.ndarray[Any, Any], info: ModelInfo)
             out[-1][1].append(cut)
         else:
             out.append((row, [cut]))
+    if len(out) > 1 and info.per_token:
+        raise BadRequest(RAGGED_OUTPUTS)
     return [(first, np.stack(rows)) for first, rows in out]
 
 

@@ -160,7 +160,7 @@ class PipelineDuty:
             await pipe.execute()
 
 
-OUTPUT_FIELDS = ("output_name", "outputs")
+OUTPUT_FIELDS = ("output_name", "outputs", "output_spec")
 
 
 def unservable(pipe: Pipeline, models: list[Model]) -> str:
@@ -202,6 +202,7 @@ def pipeline_meta(pipeline: Pipeline, first: dict[str, Any], last: bytes | None
     meta = {**first, "name": pipeline.name, "kind": "pipeline",
             "stages": pipeline.stages}
     meta.pop("outputs", None)
+    meta.pop("output_spec", None)  # the first stage's: the last stage's, if it has one
     with contextlib.suppress(orjson.JSONDecodeError):  # bad: the outputs left out
         last_meta = orjson.loads(last) if last else None
         if isinstance(last_meta, dict):

@@ -223,6 +223,8 @@ class Model:
             meta["limits"]["buckets"] = self.buckets
         if self.streaming:
             meta[protocol.F_STREAMING] = True
+        if self.output_spec is not None:  # v2 metadata; a per-token one (first dim None)
+            meta["output_spec"] = self.output_spec.to_json()  # tells v2 runs to refuse
         return meta
 
 

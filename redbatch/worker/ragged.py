@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from redbatch.spec import TensorSpec
+from redbatch.spec import TensorSpec, per_token
 
 
 def bucket_groups(inputs: list[Any], spec: TensorSpec,
@@ -71,8 +71,8 @@ def pad_batch(items: list[Any], length: int, pad_value: float
 
 
 def trims(output_spec: TensorSpec | None) -> bool:
-    """Whether outputs are per-token (first dimension ``None``): trimmed to each length."""
-    return output_spec is not None and bool(output_spec.shape) and output_spec.shape[0] is None
+    """Whether outputs are per-token (``spec.per_token``): trimmed to each length."""
+    return per_token(output_spec)
 
 
 def trim_rows(rows: list[Any], lengths: np.ndarray[Any, Any], length: int) -> list[Any] | None:
