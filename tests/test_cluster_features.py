@@ -1,13 +1,15 @@
 """Streaming models and model versions on a real Redis Cluster (3 primaries, 3
 replicas), end to end through the Python client and the gateway: the right chunks and
-the right version answering, and every key they write in its model's slot (the
-multi-key scripts of a stream's steps, its cancel, a version's registration, a traffic
-change and a drain never CROSSSLOT).  ``test_streaming`` and ``test_versions`` cover the
+the right version answering, a worker that dies mid-stream reaped by another, and every
+key they write in its model's slot (the multi-key scripts of a stream's steps, its
+cancel, a dead worker's reap, a version's registration, a traffic change and a drain
+never CROSSSLOT).  ``test_streaming`` and ``test_versions`` cover the
 same features on a plain Redis."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,16 +21,18 @@ import pytest
 from redbatch import GatewayConfig, Model, protocol
 from redbatch.api import create_app
 from redbatch.config import RedisSettings
-from redbatch.errors import NoLiveWorkers, UnknownModel
+from redbatch.errors import NoLiveWorkers, RedbatchError, UnknownModel, WorkerCrashed
 from redbatch.generate import generate_model
 from redbatch.producer.client import Client
 from redbatch.producer.sync import SyncClient
+from redbatch.worker import stream as worker_stream
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
+from redbatch.worker.stream_batch import StreamBatch
 from tests import stream_models
 from tests.conftest import FAST_WORKER, until, wait_live
 from tests.engines import ClusterEngine, Node
-from tests.stream_models import counter
+from tests.stream_models import counter, counting
 
 pytestmark = [pytest.mark.engines, pytest.mark.serial, pytest.mark.timeout(90)]
 # "vx", "vx@1" and "vx@2" hash to slots on three different primaries: a version's
@@ -174,6 +178,109 @@ async def test_closing_a_stream_cancels_it_on_the_models_node(
 
 async def _collected(stream: AsyncIterator[Any]) -> list[Any]:
     return [chunk async for chunk in stream]
+
+
+def stalling(stalled: threading.Event, release: threading.Event
+             ) -> Callable[[StreamBatch], Iterator[list[Any]]]:
+    """``counting``, but the step that finds a member tagged ``late`` in its batch
+    waits (``stalled`` set) until ``release``, then returns: the worker is killed while
+    that step runs, the late member claimed and joined but sent nothing."""
+    def stall(batch: StreamBatch) -> Iterator[list[Any]]:
+        steps = counting(batch)
+        while not any(value.get("tag") == "late" for value in batch):
+            items = next(steps, None)
+            if items is None:
+                return
+            yield items
+        stalled.set()
+        release.wait(10)
+
+    return stall
+
+
+async def _ledger(stream: AsyncIterator[Any]) -> tuple[list[tuple[int, Any]], str | None]:
+    """A stream's chunks (number, payload) as they came, and the code it ended with."""
+    chunks: list[tuple[int, Any]] = []
+    try:
+        async for chunk in stream:
+            chunks.append((chunk.seq, chunk.payload))
+    except RedbatchError as exc:
+        return chunks, exc.code
+    return chunks, None
+
+
+async def test_a_worker_killed_mid_stream_is_reaped_in_the_models_slot(
+        redis_cluster: ClusterEngine, settings: RedisSettings,
+        start_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A worker dies (its task cancelled: no reply, no return of its batch, its lease
+    left to expire) with four streams past their second chunk, a fifth claimed and
+    joined but not started, two more queued.  A second worker reaps it: each started
+    stream ends with ``worker_crashed`` after exactly the chunks it had (numbered from
+    0 without a gap, none twice: the client fails a final numbered anything but next);
+    the claimed one goes back to the queue, a suspect run alone, and streams whole, as
+    do the two queued; each by its deadline.  Every key of the recovery (the election,
+    the REAP script over the in-flight list, the queue, the markers and reply list, the
+    suspect's crashing key) is in the model's slot; nothing left in flight or
+    dead-lettered."""
+    monkeypatch.setattr(stream_models, "STEP_S", 0.02)
+    monkeypatch.setattr(worker_stream, "STEP_GRACE_S", 0.2)  # the dead step's close
+    caplog.set_level("WARNING", "redbatch.reaper")
+    stalled, release = threading.Event(), threading.Event()
+    doomed = Worker([Model("counter", fn=stalling(stalled, release),
+                           policy=stream_models.policy(5))], settings, FAST_WORKER)
+    task = asyncio.create_task(doomed.run(asyncio.Event()))  # never stopped: killed
+    owner = owner_of(redis_cluster, "counter")
+    try:
+        await wait_live(settings.url, "counter")
+        async with Client(settings=settings) as client:
+            def open_(tag: str, n: int) -> Any:
+                return client.stream("counter", {"n": n, "tag": tag}, 20, chunks=True)
+
+            started = [open_(f"s{i}-", 10_000) for i in range(4)]
+            await asyncio.gather(*(s.open() for s in started))
+            for stream in started:  # each one under way
+                assert [(await anext(stream)).seq for _ in range(2)] == [0, 1]
+            late = open_("late", 3)
+            await late.open()  # the next step claims it: that step never ends
+            assert await asyncio.to_thread(stalled.wait, 10), "the late one never joined"
+            queued = [open_(f"q{i}-", 3) for i in range(2)]
+            await asyncio.gather(*(q.open() for q in queued))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            inflight = protocol.inflight_key("counter", doomed.worker_id)
+            assert late.request_id.encode() in b"".join(owner.ask("LRANGE", inflight, 0, -1))
+            assert owner.ask("GET", protocol.request_key("counter", late.request_id)) == b"q"
+            survivor = start_worker([counter(size=5)], url=settings.url, config=FAST_WORKER)
+            ended = await asyncio.wait_for(asyncio.gather(
+                *(_ledger(s) for s in (*started, late, *queued))), 15)
+            assert client.stats()["duplicates"] == 0
+    finally:
+        release.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    for i, (chunks, code) in enumerate(ended[:4]):
+        assert code == WorkerCrashed.code  # after the chunks it had: 0, 1, then these
+        assert chunks == [(j, f"s{i}-{j}") for j in range(2, 2 + len(chunks))]
+    assert ended[4:] == [([(j, f"{tag}{j}") for j in range(3)], None)
+                         for tag in ("late", "q0-", "q1-")]
+    alone = [keys for keys in stream_models.STEPS if late.request_id in keys]
+    assert alone and all(keys == [late.request_id] for keys in alone)  # a suspect
+    reaped = [r.getMessage() for r in caplog.records if "reaped worker" in r.getMessage()]
+    assert reaped == [f"model=counter reaped worker {doomed.worker_id}: requeued 1, "
+                      "dead-lettered 0"]
+    crashing = protocol.crashing_key("counter", survivor.worker_id)  # named while it ran
+    await until(lambda: not owner.ask("EXISTS", crashing), "the suspect's pass over", 5)
+    keys = check_slots(redis_cluster, {"counter"})
+    assert all(keys[k] is owner for k in keys if k != protocol.MODELS_KEY)
+    assert inflight not in keys and not [k for k in keys if k.startswith(
+        protocol.inflight_key("counter", "")) and owner.ask("LLEN", k)]
+    assert owner.ask("ZSCORE", protocol.workers_key("counter"), doomed.worker_id) is None
+    assert protocol.dead_letter_key("counter") not in keys
+    assert not [k for k in keys if k.startswith(protocol.reaping_key("counter", ""))
+                or k.startswith(protocol.crashing_key("counter", ""))]
+    for stream in (*started, late, *queued):
+        assert owner.ask("GET", protocol.request_key("counter", stream.request_id)) == b"d"
 
 
 def _sse(text: str) -> list[dict[str, Any]]:
