@@ -33,6 +33,7 @@ from tests import stream_models
 from tests.conftest import FAST_WORKER, until, wait_live
 from tests.engines import ClusterEngine, Node
 from tests.stream_models import counter, counting
+from tests.test_versions import streams_go_to_version_2
 
 pytestmark = [pytest.mark.engines, pytest.mark.serial, pytest.mark.timeout(90)]
 # "vx", "vx@1" and "vx@2" hash to slots on three different primaries: a version's
@@ -344,16 +345,7 @@ async def test_a_streaming_model_in_versions_streams_from_its_versions_slot(
     await wait_live(settings.url, "gen@2")
     ask = {"n": 3, "tag": "t"}
     async with Client(settings=settings) as client:
-        assert await _collected(client.stream("gen", ask, 5.0)) == ["t0", "t1", "t2"]
-        assert await _collected(client.stream("gen", ask, 5.0, version="2")) == \
-            ["t0", "t1", "t2"]
-        assert await _collected(client.stream("gen@2", ask, 5.0)) == ["t0", "t1", "t2"]
-        stream = client.stream("gen", ask, 5.0)
-        await stream.open()
-        assert stream.model == "gen@2"
-        await stream.aclose()
-        with pytest.raises(UnknownModel, match="no version '5'"):
-            await client.stream("gen", ask, 5.0, version="5").open()
+        assert await streams_go_to_version_2(client, ask, 5.0) == ["t0", "t1", "t2"]
     async with gateway(settings) as http:
         resp = await http.post("/v1/models/gen/predict", json=ask)
         assert resp.status_code == 200 and resp.headers["x-redbatch-version"] == "2"

@@ -8,6 +8,7 @@ import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -575,6 +576,23 @@ async def test_an_unversioned_model_counts_as_version_1_beside_a_new_one(
 
 
 # --- streaming models in versions ---------------------------------------------------------
+async def streams_go_to_version_2(client: Client, ask: Any, timeout_s: float) -> list[Any]:
+    """Streaming model ``gen``, served as version 2 only: its stream unpinned, pinned
+    to 2 and by the served name ``gen@2`` are the same, from ``gen@2``; a version it
+    does not have is refused.  The chunks."""
+    unpinned = [c async for c in client.stream("gen", ask, timeout_s)]
+    assert unpinned and unpinned == [c async for c in client.stream("gen", ask, timeout_s,
+                                                                      version="2")]
+    assert [c async for c in client.stream("gen@2", ask, timeout_s)] == unpinned
+    stream = client.stream("gen", ask, timeout_s)
+    await stream.open()
+    assert stream.model == "gen@2"
+    await stream.aclose()
+    with pytest.raises(UnknownModel, match="no version '5'"):
+        await client.stream("gen", ask, timeout_s, version="5").open()
+    return unpinned
+
+
 async def test_a_streaming_model_in_versions(start_worker: Callable[..., Worker],
                                              redis_url: str) -> None:
     from tests.stream_models import counting, policy
@@ -582,16 +600,7 @@ async def test_a_streaming_model_in_versions(start_worker: Callable[..., Worker]
     await _served(redis_url, "gen@2")
     ask = {"n": 2, "tag": "t"}
     async with Client(redis_url) as client:
-        unpinned = [c async for c in client.stream("gen", ask, 3.0)]
-        assert unpinned and unpinned == [c async for c in client.stream("gen", ask, 3.0,
-                                                                          version="2")]
-        assert [c async for c in client.stream("gen@2", ask, 3.0)] == unpinned
-        stream = client.stream("gen", ask, 3.0)
-        await stream.open()
-        assert stream.model == "gen@2"
-        await stream.aclose()
-        with pytest.raises(UnknownModel, match="no version '5'"):
-            await client.stream("gen", ask, 3.0, version="5").open()
+        assert await streams_go_to_version_2(client, ask, 3.0)
     async with gateway(redis_url) as http:
         resp = await http.post("/v1/models/gen/predict", json=ask)
         assert resp.status_code == 200 and resp.headers["x-redbatch-version"] == "2"
