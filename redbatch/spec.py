@@ -165,10 +165,14 @@ class TensorSpec:
             want_text = f"({dims[0]},)" if len(dims) == 1 else "(" + ", ".join(dims) + ")"
             raise InvalidPayload(f"input shape {tuple(shape)} does not match {want_text}")
 
+    @property
+    def dims(self) -> list[int]:
+        """The shape as published: ``-1`` for a free dimension."""
+        return [-1 if d is None else d for d in self.shape]
+
     def to_json(self) -> dict[str, Any]:
         """The published form; a fixed-shape spec's has only ``dtype`` and ``shape``."""
-        data: dict[str, Any] = {"dtype": self.dtype,
-                                "shape": [-1 if d is None else d for d in self.shape]}
+        data: dict[str, Any] = {"dtype": self.dtype, "shape": self.dims}
         if self.max_len is not None:
             data.update(max_len=self.max_len, pad_value=self.pad_value,
                         buckets=list(self.boundaries))
@@ -335,8 +339,7 @@ class Signature:
     @functools.cached_property
     def per_token(self) -> tuple[str, ...]:
         """The outputs trimmed to each request's length (first dimension ``None``)."""
-        return tuple(name for name, spec in self.outputs.items()
-                     if spec is not None and spec.shape[:1] == (None,))
+        return tuple(name for name, spec in self.outputs.items() if per_token(spec))
 
     def length(self, value: dict[str, Any]) -> int:
         """A checked request's shared variable length."""

@@ -90,7 +90,7 @@ def _datatype(info: ModelInfo) -> str:
 
 
 def _row_dims(info: ModelInfo) -> list[int]:
-    return [-1 if d is None else d for d in info.spec.shape] if info.spec else []
+    return info.spec.dims if info.spec else []
 
 
 Described = list[tuple[str, str, list[int]]]  # (name, datatype, row dims) of tensors
@@ -98,7 +98,7 @@ Described = list[tuple[str, str, list[int]]]  # (name, datatype, row dims) of te
 
 def _described(specs: Mapping[str, TensorSpec | None]) -> Described:
     """Named tensors as v2 lists them; one without a spec is ``ANY`` of unknown dims."""
-    return [(name, V2_DATATYPES[spec.dtype], [-1 if d is None else d for d in spec.shape])
+    return [(name, V2_DATATYPES[spec.dtype], spec.dims)
             if spec else (name, ANY_DATATYPE, [-1]) for name, spec in specs.items()]
 
 
@@ -122,7 +122,7 @@ def _output(info: ModelInfo) -> tuple[str, list[int]]:
     out = info.output_spec
     if out is None:
         return _datatype(info), []
-    return V2_DATATYPES[out.dtype], [-1 if d is None else d for d in out.shape]
+    return V2_DATATYPES[out.dtype], out.dims
 
 
 def model_metadata(info: ModelInfo, listed: list[str] | None = None) -> dict[str, Any]:
@@ -153,18 +153,17 @@ def _config_tensors(info: ModelInfo) -> dict[str, list[dict[str, Any]]]:
                            "dims": _row_dims(info)}] + ([] if mask is None else [
                                {"name": mask, "data_type": "TYPE_INT64", "dims": [-1],
                                 "optional": True}]),
-                "output": [_config_output(info)]}
+                "output": [_config_output(info, data_type)]}
     return {kind[:-1]: [{"name": name, "dims": dims, "data_type": "TYPE_INVALID"
                          if datatype == ANY_DATATYPE else f"TYPE_{datatype}"}
                         for name, datatype, dims in tensors]  # "inputs" -> "input"
             for kind, tensors in _named(info).items()}
 
 
-def _config_output(info: ModelInfo) -> dict[str, Any]:
-    if info.output_spec is None:  # unknown: the input's type, one free dim
-        return {"name": info.output_name,
-                "data_type": f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID",
-                "dims": [-1]}
+def _config_output(info: ModelInfo, input_type: str) -> dict[str, Any]:
+    """The config's one output: as declared, else the input's type, one free dim."""
+    if info.output_spec is None:
+        return {"name": info.output_name, "data_type": input_type, "dims": [-1]}
     datatype, dims = _output(info)
     return {"name": info.output_name, "data_type": f"TYPE_{datatype}", "dims": dims or [1]}
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.errors import ModelError, RedbatchError
-from redbatch.spec import TensorSpec
+from redbatch.spec import TensorSpec, per_token
 from redbatch.worker import cost, named, ragged
 from redbatch.worker.autosize import AutoSizer
 from redbatch.worker.model import BatchFn, Model
@@ -81,7 +81,7 @@ class Forwarder:
         self._shaped = tuple(n for n, s in self._sig.inputs.items() if s is not None) \
             if self._sig else ()  # the named inputs a shape group is keyed on
         self._trims = self._pads and (bool(self._sig.per_token) if self._sig
-                                      else ragged.trims(model.output_spec))
+                                      else per_token(model.output_spec))
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
         self._cpu_s = 0.0  # CPU time of the threads that ran sync passes, since taken
         self._pass_cpu_s: float | None = None  # the last sync pass's own CPU time

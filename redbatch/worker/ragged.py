@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from redbatch.spec import TensorSpec, per_token
+from redbatch.spec import TensorSpec
 
 
 def bucket_groups(inputs: list[Any], spec: TensorSpec,
@@ -68,11 +68,6 @@ def pad_batch(items: list[Any], length: int, pad_value: float
     for row, item in enumerate(items):
         padded[row, :len(item)] = item
     return padded, lengths
-
-
-def trims(output_spec: TensorSpec | None) -> bool:
-    """Whether outputs are per-token (``spec.per_token``): trimmed to each length."""
-    return per_token(output_spec)
 
 
 def trim_rows(rows: list[Any], lengths: np.ndarray[Any, Any], length: int) -> list[Any] | None:
