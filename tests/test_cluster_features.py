@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 
-from redbatch import GatewayConfig, Model, protocol
-from redbatch.api import create_app
+from redbatch import Model, protocol
 from redbatch.config import RedisSettings
 from redbatch.errors import NoLiveWorkers, RedbatchError, UnknownModel, WorkerCrashed
 from redbatch.generate import generate_model
@@ -33,6 +30,8 @@ from tests import stream_models
 from tests.conftest import FAST_WORKER, until, wait_live
 from tests.engines import ClusterEngine, Node
 from tests.stream_models import counter, counting
+from tests.test_gateway import gateway
+from tests.test_streaming import _sse
 from tests.test_versions import streams_go_to_version_2
 
 pytestmark = [pytest.mark.engines, pytest.mark.serial, pytest.mark.timeout(90)]
@@ -52,17 +51,6 @@ def _fresh_steps() -> Iterator[None]:
     stream_models.reset()
     yield
     stream_models.reset()
-
-
-@asynccontextmanager
-async def gateway(settings: RedisSettings) -> AsyncIterator[httpx.AsyncClient]:
-    """The gateway app on the cluster, and an HTTP client of it."""
-    app = create_app(GatewayConfig(), settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw",
-                                     timeout=10) as http:
-            yield http
 
 
 # --- what the cluster saw -------------------------------------------------------------
@@ -282,12 +270,6 @@ async def test_a_worker_killed_mid_stream_is_reaped_in_the_models_slot(
                 or k.startswith(protocol.crashing_key("counter", ""))]
     for stream in (*started, late, *queued):
         assert owner.ask("GET", protocol.request_key("counter", stream.request_id)) == b"d"
-
-
-def _sse(text: str) -> list[dict[str, Any]]:
-    events = [e for e in text.split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events), text
-    return [orjson.loads(e[len("data: "):]) for e in events]
 
 
 async def test_http_sse_ndjson_and_v2_generate_on_a_cluster(

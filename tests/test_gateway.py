@@ -39,16 +39,19 @@ def broken(xs: list[int]) -> list[int]:
 
 
 @asynccontextmanager
-async def gateway(url: str, **config: object) -> AsyncIterator[httpx.AsyncClient]:
+async def gateway(url: str | RedisSettings, **config: object
+                  ) -> AsyncIterator[httpx.AsyncClient]:
     async with gateway_app(url, **config) as (_app, client):
         yield client
 
 
 @asynccontextmanager
-async def gateway_app(url: str, **config: object
+async def gateway_app(url: str | RedisSettings, **config: object
                       ) -> AsyncIterator[tuple[Starlette, httpx.AsyncClient]]:
-    """The app (``app.state.gateway``: its ``Gateway``) and an HTTP client of it."""
-    app = create_app(GatewayConfig(**config), RedisSettings(url))  # type: ignore[arg-type]
+    """The app (``app.state.gateway``: its ``Gateway``) and an HTTP client of it; ``url``
+    may be whole settings (a cluster's timeouts)."""
+    settings = url if isinstance(url, RedisSettings) else RedisSettings(url)
+    app = create_app(GatewayConfig(**config), settings)  # type: ignore[arg-type]
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw",
