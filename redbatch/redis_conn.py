@@ -80,6 +80,18 @@ def async_client(settings: RedisSettings,
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
+class SlotMappedCluster(RedisCluster):
+    """redis-py's asyncio cluster client, which reads the slot map before its first
+    command: redis-py's own sends a fresh client's first keyed command to its default
+    node, before it knows the slots, and follows the ``MOVED`` (a round trip more on a
+    gateway's or worker's first call).  Once the map is read, ``initialize`` returns at
+    once; a failed read raises as the first command would have."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.initialize()
+        return await super().execute_command(*args, **kwargs)
+
+
 class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """The service's primary, found through the sentinels at each (re)connect; a caller
     waits for a free connection, as with a plain Redis."""
@@ -142,7 +154,7 @@ def _async_nodes(settings: RedisSettings, nodes: Topology,
                "encoding_errors": ID_ERRORS}
     if nodes.mode == "cluster":
         seeds = [_ASYNC_SEED(host, port) for host, port in nodes.seeds]
-        return cast(aioredis.Redis, RedisCluster(startup_nodes=seeds, **options))
+        return cast(aioredis.Redis, SlotMappedCluster(startup_nodes=seeds, **options))
     sentinel = _ASYNC_SENTINEL(list(nodes.seeds),
                                sentinel_kwargs=_sentinel_options(settings, nodes))
     return cast(aioredis.Redis, sentinel.master_for(

@@ -62,6 +62,32 @@ async def test_a_cluster_url_gives_a_cluster_link(client: aioredis.Redis) -> Non
     assert isinstance(LeanLink(client), ClusterLink)
 
 
+def moved_sent(redis_cluster: ClusterEngine) -> int:
+    """How many ``MOVED`` error replies the live nodes have sent."""
+    return sum(int(n.ask("INFO", "errorstats").get("errorstat_MOVED", {}).get("count", 0))
+               for n in redis_cluster.live())
+
+
+async def test_a_fresh_clients_first_command_goes_to_the_slots_owner(
+        redis_cluster: ClusterEngine, settings: RedisSettings) -> None:
+    """A new client reads the slot map before its first command, so that command goes
+    straight to the primary that owns its key (redis-py's own client sends it to its
+    default node first and follows the ``MOVED``): a key on each primary, each with a
+    client of its own, seeded on one node only."""
+    seeded = RedisSettings("redis+cluster://" + redis_cluster.nodes[0].address,
+                           socket_timeout_s=3.0, connect_timeout_s=0.5)
+    keys = {redis_cluster.owner(f"{{t{i}}}").port: f"{{t{i}}}" for i in range(40)}
+    assert len(keys) == 3  # one key on each primary, two of them not the seed
+    for key in keys.values():
+        client = async_client(seeded)
+        try:
+            before = moved_sent(redis_cluster)
+            assert await client.set(key, "v") is True
+            assert moved_sent(redis_cluster) == before, key
+        finally:
+            await client.aclose()
+
+
 async def test_a_cluster_link_holds_a_connection_to_the_owner(
         redis_cluster: ClusterEngine, client: aioredis.Redis) -> None:
     """Replies on the held connection are raw (b"OK"); through the cluster client they
