@@ -7,9 +7,10 @@
   ``{"x": [ids]}``, reply ``{"y": ids}``.  The worker batches them by length bucket,
   hands ``(padded, lengths)`` to the model and trims each output back to its length.
 * ``textcls``: the W3 benchmark model, a one-layer transformer text classifier (seed 0)
-  over 1 to 512 token ids; body ``{"input_ids": [ids]}``, with ``"attention_mask"``
-  beside it when the caller padded the ids itself (the gateway cuts them to the
-  positions the mask marks: ``TensorSpec(mask=...)``), reply ``{"logits": [4 floats]}``.
+  over 1 to 512 token ids, each in 0..8191 (its vocabulary); body ``{"input_ids":
+  [ids]}``, with ``"attention_mask"`` beside it when the caller padded the ids itself
+  (the gateway cuts them to the positions the mask marks: ``TensorSpec(mask=...)``),
+  reply ``{"logits": [4 floats]}``.
   Batched by length bucket, each pass padded to its longest item (``pad_to_longest``);
   a pass longer than 256 tokens runs its rows one at a time, each at its own length.
 * ``adder``: adds one to each integer; body ``{"inputs": 3}``, reply ``{"outputs": 4}``.
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.bench.mlp import W2_IN, build_mlp
-from redbatch.bench.textcls import MAX_LEN, build_served
+from redbatch.bench.textcls import MAX_LEN, VOCAB, build_served
 from redbatch.generate import generate_model
 from redbatch.pipelines import Pipeline
 from redbatch.pipelines.tokenizer import tokenizer_model
@@ -85,8 +86,9 @@ def models() -> list[Model | Pipeline]:
                       input_name="x", output_name="y")
     echo = Model("echo", fn=echo_fn, policy=policy, spec=TensorSpec("float32", (None,)),
                  input_name="x", output_name="y", inline=True)
-    textcls = torch_model("textcls", build_served, TensorSpec("int64", (None,), max_len=MAX_LEN,
-                                                              mask="attention_mask"),
+    ids = TensorSpec("int64", (None,), max_len=MAX_LEN, mask="attention_mask",
+                     min_value=0, max_value=VOCAB - 1)  # an id outside the vocabulary: 422
+    textcls = torch_model("textcls", build_served, ids,
                           replace(policy, pad_to_longest=True), input_name="input_ids",
                           output_name="logits")
     return [mlp, echo, echo_tokens(policy), textcls, adder, pair, generate_model(),

@@ -36,7 +36,10 @@ class TensorSpec:
     name of a request field (``"attention_mask"``) that a caller who padded the input
     itself may send beside it, 1 at each real position and 0 at each padded one; the
     gateway cuts the input to its real positions (``check_masked``) before enqueueing,
-    so the model sees the request as if it had come unpadded."""
+    so the model sees the request as if it had come unpadded.  ``min_value`` and
+    ``max_value``: the values the model takes (inclusive; token ids below a vocabulary
+    size), so that a value out of range is refused as invalid input, naming the field,
+    before it is enqueued or computed (a padded position is not checked)."""
 
     dtype: str = "float32"
     shape: tuple[int | None, ...] = ()
@@ -44,14 +47,28 @@ class TensorSpec:
     pad_value: float = 0
     buckets: tuple[int, ...] | None = None
     mask: str | None = None
+    min_value: float | None = None
+    max_value: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"TensorSpec dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if self.min_value is not None or self.max_value is not None:
+            self._check_bounds_given()
         if self.max_len is not None or self.buckets is not None:
             self._check_variable()
         if self.mask is not None:
             self._check_mask_name()
+
+    def _check_bounds_given(self) -> None:
+        for name in ("min_value", "max_value"):
+            bound = getattr(self, name)
+            if bound is not None and (isinstance(bound, bool) or not isinstance(
+                    bound, int | float) or not np.isfinite(bound)):
+                raise ConfigError(f"TensorSpec {name} must be a finite number, got {bound!r}")
+        low, high = self.min_value, self.max_value
+        if low is not None and high is not None and low > high:
+            raise ConfigError(f"TensorSpec min_value {low} is above max_value {high}")
 
     def _check_mask_name(self) -> None:
         if self.max_len is None:
@@ -102,7 +119,7 @@ class TensorSpec:
         self._check_shape(arr.shape)
         if self.max_len is not None:
             self.check_length(arr.shape[0], name)
-        return self._cast(arr)
+        return self._cast(arr, name)
 
     def check_masked(self, value: Any, mask: Any, name: str = "input") -> np.ndarray[Any, Any]:
         """``check`` of an input the caller padded itself: cut first to the positions
@@ -114,16 +131,30 @@ class TensorSpec:
         start, stop = real_span(mask, arr.shape[0], self.mask or "mask")
         arr = arr[start:stop]
         self.check_length(arr.shape[0], name)
-        return self._cast(arr)
+        return self._cast(arr, name)
 
-    def _cast(self, arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    def _cast(self, arr: np.ndarray[Any, Any], name: str) -> np.ndarray[Any, Any]:
         if arr.dtype == self._np_dtype:
             cast = arr
         else:
             with np.errstate(over="ignore", invalid="ignore"):
                 cast = arr.astype(self._np_dtype)
         self._check_range(arr, cast)
+        self.check_values(cast, name)
         return cast
+
+    def check_values(self, arr: np.ndarray[Any, Any], name: str = "input") -> None:
+        """Refuse a value below ``min_value`` or above ``max_value``, naming the field
+        and the first such value (nothing to do for a spec without them)."""
+        low, high = self.min_value, self.max_value
+        if (low is None and high is None) or not arr.size:
+            return
+        out = (arr < low if low is not None else False) | (
+            arr > high if high is not None else False)
+        if np.any(out):
+            bad = arr[out].flat[0].item()
+            raise InvalidPayload(f"{name} holds {bad}, outside the values this model takes "
+                                 f"({_bound(low)}..{_bound(high)}: min_value, max_value)")
 
     def check_rows(self, value: np.ndarray[Any, Any], name: str = "input"
                    ) -> np.ndarray[Any, Any]:
@@ -131,6 +162,7 @@ class TensorSpec:
         rows = self._rows_spec.check(value)
         if self.max_len is not None:
             self.check_length(rows.shape[1], name)
+        self.check_values(rows, name)
         return rows
 
     @functools.cached_property
@@ -178,6 +210,8 @@ class TensorSpec:
                         buckets=list(self.boundaries))
         if self.mask is not None:
             data["mask"] = self.mask
+        data.update({k: v for k in ("min_value", "max_value")
+                     if (v := getattr(self, k)) is not None})
         return data
 
     @classmethod
@@ -189,7 +223,12 @@ class TensorSpec:
                    max_len=None if max_len is None else int(max_len),
                    pad_value=data.get("pad_value", 0),
                    buckets=None if buckets is None else tuple(int(b) for b in buckets),
-                   mask=None if mask is None else str(mask))
+                   mask=None if mask is None else str(mask),
+                   min_value=data.get("min_value"), max_value=data.get("max_value"))
+
+
+def _bound(value: float | None) -> str:
+    return "" if value is None else f"{value:g}"
 
 
 def _array(value: Any, what: str) -> np.ndarray[Any, Any]:

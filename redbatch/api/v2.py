@@ -256,8 +256,8 @@ def _dtype(datatype: Any, info: ModelInfo) -> str:
 def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo, lengths: bool = True
                ) -> np.ndarray[Any, Any]:
     """Every row must have the shape of the model's TensorSpec (free dims are free);
-    ``lengths``: a variable length is checked here (not for a masked input: its rows'
-    real lengths are, once cut)."""
+    ``lengths``: a variable length and the values (``min_value``, ``max_value``) are
+    checked here (not for a masked input: its rows' real positions are, once cut)."""
     if info.spec is None:
         return arr
     want = (None, *info.spec.shape)
@@ -266,8 +266,10 @@ def _fit_model(arr: np.ndarray[Any, Any], info: ModelInfo, lengths: bool = True
     if not fits:
         raise BadRequest(f"input {info.input_name!r} has shape {list(arr.shape)}; model "
                          f"{info.name!r} takes {[-1, *_row_dims(info)]}")
-    if info.spec.variable and lengths:  # a variable length: at most the spec's max_len
-        info.spec.check_length(arr.shape[1], info.input_name)
+    if lengths:
+        if info.spec.variable:  # a variable length: at most the spec's max_len
+            info.spec.check_length(arr.shape[1], info.input_name)
+        info.spec.check_values(arr, f"input {info.input_name!r}")
     return arr
 
 

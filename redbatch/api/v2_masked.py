@@ -55,9 +55,10 @@ def runs(arr: np.ndarray[Any, Any], mask: np.ndarray[Any, Any], info: ModelInfo)
         try:
             start, stop = real_span(mask[row], arr.shape[1], f"input {info.spec.mask!r}")
             info.spec.check_length(stop - start, f"input {info.input_name!r}")
+            cut = arr[row, start:stop]
+            info.spec.check_values(cut, f"input {info.input_name!r}")
         except InvalidPayload as exc:
             raise BadRequest(f"row {row}: {exc}") from exc
-        cut = arr[row, start:stop]
         if out and len(out[-1][1][0]) == len(cut):
             out[-1][1].append(cut)
         else:
