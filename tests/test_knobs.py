@@ -108,6 +108,25 @@ async def test_a_running_worker_applies_max_batch_size_within_2_s(
     assert worker.runners[0].model.policy.max_batch_size == 4
 
 
+async def test_a_stride_turned_down_live_ends_the_stride_being_waited_out(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """A 60 s stride, then turned back to 0: the request the stride held is served
+    within the 2 s of the promise (plus its batch), not once the old stride is over."""
+    passes: list[int] = []
+    model = recording("live-stride", passes)
+    start_worker([model], config=BEATING)
+    await wait_live(redis_url, "live-stride")
+    async with Client(redis_url, require_workers=False) as client:
+        assert await client.predict("live-stride", 1, timeout_s=10) == 1
+        await client.configure("live-stride", stride_s=60)
+        await asyncio.sleep(2.0)  # applied: the worker's idle claims now wait 60 s apart
+        waiting = asyncio.ensure_future(client.predict("live-stride", 2, timeout_s=30))
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # the stride holds it
+        await client.configure("live-stride", stride_s=0)
+        assert await asyncio.wait_for(waiting, 4.0) == 2
+
+
 async def test_bad_values_get_422_and_store_nothing(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
     start_worker([recording("strict", [])])

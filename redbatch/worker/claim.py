@@ -38,6 +38,7 @@ PROBE_EVERY = 16  # lone batches: one in this many waits anyway, to re-measure t
 SERVER_TIMER_SLACK_S = 0.11  # a blocked client's timeout may fire up to 1/hz s late
 WINDOW_SAFETY = 1.5  # a window closes this many measured passes before a deadline...
 WINDOW_MARGIN_MS = 50  # ...and this much more (decode, reply, its delivery)
+PACE_STEP_S = 0.25  # a stride's wait re-reads the stride this often (a live change)
 
 
 def _peek_msgpack(raw: bytes, name: str) -> Any:
@@ -149,6 +150,9 @@ class Claimer:
         # runner: a window closes early enough for its most urgent request's pass
         self.pass_ms: Callable[[int], float | None] = _cold
         self.stop: asyncio.Event | None = None  # set: a window waits no more (shutdown)
+        # the model's stride as it is now (set by the runner: a live change reaches a
+        # stride being waited out); None: the policy's
+        self.live_stride: Callable[[], float] | None = None
 
     def set_policy(self, policy: BatchPolicy) -> None:
         """Form the next batches under ``policy`` (a live change, between batches)."""
@@ -290,10 +294,17 @@ class Claimer:
             await unblock(self._redis, self._node, client_id, self.unblock_guard)
 
     async def _pace(self) -> None:
-        wait_s = self._last_claim + self._policy.stride_s - time.monotonic()
-        if wait_s > 0:
-            await asyncio.sleep(wait_s)
+        """Wait out the stride since the last claim, re-reading it every
+        ``PACE_STEP_S``: a live change (``live_stride``), down as well as up, applies
+        to the wait under way; shutdown (``stop``) ends it."""
+        while (wait_s := self._last_claim + self._stride_s() - time.monotonic()) > 0:
+            if self.stop is not None and self.stop.is_set():
+                break
+            await asyncio.sleep(min(wait_s, PACE_STEP_S))
         self._last_claim = time.monotonic()
+
+    def _stride_s(self) -> float:
+        return self._policy.stride_s if self.live_stride is None else self.live_stride()
 
     async def _prepare(self) -> None:
         if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)

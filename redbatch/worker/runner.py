@@ -645,12 +645,16 @@ def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeo
                 link: LeanLink | None = None) -> Claimer:
     """The claimer of ``model``'s sub-queue ``tag`` (its own queue by default), on
     ``link``: over its one queue, or over its priority levels."""
+    claimer: Claimer
     if model.priority_levels > 1:
-        return LevelClaimer(redis, model.name, worker_id, model.policy, block_timeout_s,
-                            blocking, tag, link, levels=model.priorities,
-                            share=model.priority_share)
-    return Claimer(redis, model.name, worker_id, model.policy, block_timeout_s, blocking, tag,
-                   link)
+        claimer = LevelClaimer(redis, model.name, worker_id, model.policy, block_timeout_s,
+                               blocking, tag, link, levels=model.priorities,
+                               share=model.priority_share)
+    else:
+        claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
+                          blocking, tag, link)
+    claimer.live_stride = lambda: model.policy.stride_s  # (``model.policy``: live)
+    return claimer
 
 
 def _levels_text(decoded: Decoded, default: int) -> str:
