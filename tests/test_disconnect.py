@@ -4,6 +4,7 @@ queued request is skipped by the worker, not computed."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,9 +17,10 @@ import redis
 import uvicorn
 
 from redbatch import GatewayConfig, Model, RedisSettings, batch, protocol
-from redbatch.api import create_app
+from redbatch.api import create_app, streaming
 from redbatch.api.gateway import Gateway
 from redbatch.embedded import free_port
+from redbatch.errors import BadRequest
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from tests.conftest import connected, ping_once_ended, wait_live
@@ -200,3 +202,35 @@ async def test_the_gateways_watchers_end_before_its_client_closes(redis_url: str
     await watching.wait()
     await gateway.close()
     assert task.cancelled() and connected(pool) == 0
+
+
+async def test_a_call_that_swallows_its_cancel_and_fails_later_is_not_logged() -> None:
+    """A client hangs up while the gateway waits: the call is cancelled, but swallows
+    the cancel (as ``wait_for`` may on Python 3.11) and fails once the stream is
+    closed, with nobody left to wait for it.  Its error is read, not logged by asyncio
+    as "Task exception was never retrieved" (an ERROR with a traceback)."""
+    release = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await release.wait()
+        raise BadRequest("the stream was closed")
+
+    async def receive() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        with pytest.raises(BadRequest, match="disconnected before the answer"):
+            await streaming.unless_gone(work(), receive)
+        release.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert not unretrieved, unretrieved

@@ -88,9 +88,18 @@ async def unless_gone(work: Awaitable[T], receive: Receive) -> T:
         gone.cancel()
         if not task.done():
             task.cancel()
+            # a call may swallow its cancel (``wait_for`` on Python 3.11) and fail later,
+            # once the stream is closed: nobody waits for it, so its outcome is read
+            # here, not logged as "Task exception was never retrieved"
+            task.add_done_callback(_outcome_read)
     if not task.done():
         raise BadRequest("the client disconnected before the answer")
     return task.result()
+
+
+def _outcome_read(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class StreamAnswer(Response):
