@@ -384,6 +384,29 @@ async def test_v2_infer_on_a_streaming_model_names_the_generate_endpoints(
             assert "generate_stream" in resp.json()["error"], resp.text
 
 
+async def test_a_priority_header_a_streaming_model_lacks_is_refused(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """A streaming model has one priority level: ``X-Redbatch-Priority`` may name it (1,
+    or 0 for the default) on v1 and on v2 generate; anything else is a 400 naming the
+    header (it was ignored: 200)."""
+    start_worker([counter()])
+    await wait_live(redis_url, "counter")
+    calls = [("/v1/models/counter/predict", {"n": 2}),
+             ("/v2/models/counter/generate", {"n": 2}),
+             ("/v2/models/counter/generate_stream", {"n": 2})]
+    async with gateway(redis_url) as http:
+        for path, body in calls:
+            for level in ("abc", "2", "-1", "99999999999999999999"):
+                resp = await http.post(path, json=body,
+                                       headers={"x-redbatch-priority": level})
+                assert resp.status_code == 400, (path, level, resp.text)
+                assert "X-Redbatch-Priority" in resp.text, resp.text
+            for level in ("1", "0"):
+                resp = await http.post(path, json=body,
+                                       headers={"x-redbatch-priority": level})
+                assert resp.status_code == 200, (path, level, resp.text)
+
+
 async def test_bench_naive_server_streams_one_request_at_a_time() -> None:
     server = NaiveServer(step_ms=0)
     task = asyncio.create_task(server.serve())

@@ -237,9 +237,11 @@ class InferCore:
                                                                    streaming.Final],
                      sse: bool, receive: Receive) -> streaming.StreamAnswer:
         """A streaming model's answer (``redbatch.api.streaming``): the body's fields
-        are its input; the deadline bounds the whole stream."""
+        are its input; the deadline bounds the whole stream.  Its one priority level
+        is the only one an ``X-Redbatch-Priority`` header may name (400 otherwise)."""
         deadline_ms = self.deadline_ms(info, arrived_ms, body.timeout_s(
             headers, data, self.model_default_s(info), self.config.max_timeout_s))
+        body.priority_header(headers, info)
         stream = self.client.stream(info.name, streaming.stream_input(data),
                                     deadline_ms=deadline_ms, trace_id=trace_id,
                                     max_queue_len=info.max_queue_len, chunks=True)
