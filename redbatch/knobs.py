@@ -18,6 +18,7 @@ import orjson
 
 from redbatch import levels, protocol, versions
 from redbatch.errors import InvalidKnob, UnknownModel
+from redbatch.pipelines.definition import meta_stages
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -236,7 +237,8 @@ async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict
     data = orjson.loads(meta)
     base = {**model_defaults(data),
             "priority_levels": levels.from_section(data.get("priority")).count,
-            "streaming": data.get(protocol.F_STREAMING) is True}
+            "streaming": data.get(protocol.F_STREAMING) is True,
+            "stages": meta_stages(data)}
     return base, decode_stored(raw)[0]
 
 
@@ -253,6 +255,9 @@ async def configure(redis: aioredis.Redis, model: str, changes: Mapping[str, Any
     stored when a value is bad (``InvalidKnob``).  Returns ``show``'s answer."""
     checked = changes_from(changes)
     base, stored = await _load(redis, model)
+    if base["stages"]:  # no worker reads a pipeline's knobs: its stages have their own
+        raise InvalidKnob(f"{model!r} is a pipeline: its knobs are its stages' "
+                          f"({', '.join(base['stages'])}); change them there")
     overrides = {} if reset else stored
     overrides = {**overrides, **checked}
     overrides = {k: v for k, v in overrides.items() if v is not None}

@@ -17,7 +17,7 @@ from rich.console import Console
 from redbatch import Client, RedisSettings, codec, protocol
 from redbatch.api import create_app
 from redbatch.config import GatewayConfig
-from redbatch.errors import DeadlineExceeded, ModelError
+from redbatch.errors import DeadlineExceeded, InvalidKnob, ModelError
 from redbatch.lean import LeanLink
 from redbatch.levels import ONE
 from redbatch.pipelines import Pipeline, handoff
@@ -134,6 +134,28 @@ async def test_v1_predict_and_the_models_listing(workers: Workers, redis_url: st
         bad_row = await http.post("/v2/models/calc/infer", json={"inputs": [
             {"name": "inputs", "datatype": "INT64", "shape": [2], "data": [1, -1]}]})
         assert bad_row.status_code == 500 and "stage 'inc' failed" in bad_row.text
+
+
+async def test_a_pipelines_knobs_are_its_stages(workers: Workers, redis_url: str,
+                                                raw_redis: redis.Redis) -> None:
+    """No worker reads knobs stored under a pipeline's name: a change there is refused
+    (422, ``InvalidKnob``) naming its stages, and nothing is stored; a stage's own
+    change is taken."""
+    workers.start([inc(), dbl(Counted())], [CALC])
+    await wait_live(redis_url, "calc")
+    app = create_app(GatewayConfig(), RedisSettings(redis_url))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10) as http:
+        resp = await http.patch("/v1/models/calc/config", json={"max_batch_size": 4})
+        assert resp.status_code == 422, resp.text
+        assert "'calc' is a pipeline: its knobs are its stages' (inc, dbl)" in resp.text
+        staged = await http.patch("/v1/models/inc/config", json={"max_batch_size": 4})
+        assert staged.status_code == 200, staged.text
+    async with Client(redis_url) as client:
+        with pytest.raises(InvalidKnob, match="is a pipeline"):
+            await client.configure("calc", reset=True)
+    assert not raw_redis.exists(protocol.config_key("calc"))
+    assert raw_redis.hgetall(protocol.config_key("inc")) == {b"max_batch_size": b"4"}
 
 
 async def test_a_stage_error_names_the_stage(workers: Workers, redis_url: str) -> None:
