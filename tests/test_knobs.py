@@ -169,6 +169,19 @@ async def test_patch_needs_the_api_key_when_one_is_set(
     assert raw_redis.hgetall(protocol.config_key("guarded")) == {b"max_batch_size": b"8"}
 
 
+async def test_a_method_the_admin_routes_lack_gets_405_listing_get_and_patch(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([recording("allowed", [])])
+    await wait_live(redis_url, "allowed")
+    async with gateway(redis_url) as http:
+        for path in ("/v1/models/allowed/config", "/v1/models/allowed/versions"):
+            resp = await http.delete(path)
+            assert resp.status_code == 405, resp.text
+            allowed = {m.strip() for m in resp.headers["allow"].split(",")}
+            assert {"GET", "PATCH"} <= allowed, resp.headers["allow"]
+            assert (await http.get(path)).status_code == 200
+
+
 async def test_models_listing_shows_the_effective_values(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     model = recording("listed", [])
