@@ -475,3 +475,7 @@ async def test_openapi_describes_every_route(http: httpx.AsyncClient) -> None:
     _validate(spec, "V1Models", (await http.get("/v1/models")).json())
     with pytest.raises(jsonschema.ValidationError):
         _validate(spec, "InferRequest", {"inputs": []})
+    # a streaming model's v1 answer: NDJSON, or Server-Sent Events
+    predicted = spec["paths"]["/v1/models/{model}/predict"]["post"]["responses"]["200"]
+    assert set(predicted["content"]) == {"application/json", "application/x-ndjson",
+                                         "text/event-stream"}

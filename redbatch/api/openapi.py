@@ -170,14 +170,29 @@ def _pinned(predict: Schema) -> Schema:
             for method, operation in predict.items()}
 
 
+STREAM_LINES = ("a streaming model's chunks, one JSON object each ({\"seq\", \"<output_name>\"}), "
+                "then a last one ({\"id\", \"last\": true, \"timings\"} or "
+                "{\"error\"})")
+
+
+def _v1_answer() -> Schema:
+    """200: the output, or a streaming model's chunks (NDJSON, or SSE on request)."""
+    answer = _json("the model's output under its output name; " + STREAM_LINES + ": "
+                   "newline-delimited JSON, or Server-Sent Events (`data: <object>`) "
+                   "with `Accept: text/event-stream`", {"type": "object"})
+    lines = {"type": "string", "description": STREAM_LINES}
+    answer["content"].update({"application/x-ndjson": {"schema": lines},
+                              "text/event-stream": {"schema": lines}})
+    return answer
+
+
 def _v1_paths() -> dict[str, Schema]:
     predict = {"post": {
         "summary": "one prediction", "tags": ["v1"],
         "parameters": [_param("model", "model name")],
         "requestBody": {"required": True, "content": {"application/json": {
             "schema": _ref("V1PredictRequest")}}},
-        "responses": {"200": _json("the model's output under its output name",
-                                   {"type": "object"}), **V1_ERRORS}}}
+        "responses": {"200": _v1_answer(), **V1_ERRORS}}}
     predict["get"] = _predict_get()
     return {
         "/v1/models/{model}/predict": predict,
@@ -230,8 +245,10 @@ def _generate_paths(path: str, params: list[Schema]) -> dict[str, Schema]:
                                       _json("text_output", {"type": "object"}), params),
         f"{path}/generate_stream": _generate(
             "a streaming model's chunks as Server-Sent Events",
-            {"description": "one event per chunk", "content": {"text/event-stream": {
-                "schema": {"type": "string"}}}}, params),
+            {"description": "one event per chunk, `data: <JSON object>` "
+             "({\"model_name\", \"model_version\", \"text_output\" or \"output\", \"seq\"}), "
+             "then a last one ({..., \"last\": true, \"timings\"}, or {\"error\", \"code\"})",
+             "content": {"text/event-stream": {"schema": {"type": "string"}}}}, params),
     }
 
 
