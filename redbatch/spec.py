@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,8 +64,7 @@ class TensorSpec:
     def _check_bounds_given(self) -> None:
         for name in ("min_value", "max_value"):
             bound = getattr(self, name)
-            if bound is not None and (isinstance(bound, bool) or not isinstance(
-                    bound, int | float) or not np.isfinite(bound)):
+            if bound is not None and not _finite_number(bound):
                 raise ConfigError(f"TensorSpec {name} must be a finite number, got {bound!r}")
         low, high = self.min_value, self.max_value
         if low is not None and high is not None and low > high:
@@ -149,12 +149,15 @@ class TensorSpec:
         low, high = self.min_value, self.max_value
         if (low is None and high is None) or not arr.size:
             return
+        if arr.dtype.kind == "f":  # compared in float64: a bound past float32 is no overflow
+            low, high = (None if b is None else np.float64(b) for b in (low, high))
         out = (arr < low if low is not None else False) | (
             arr > high if high is not None else False)
         if np.any(out):
             bad = arr[out].flat[0].item()
-            raise InvalidPayload(f"{name} holds {bad}, outside the values this model takes "
-                                 f"({_bound(low)}..{_bound(high)}: min_value, max_value)")
+            raise InvalidPayload(f"{name} holds {_bound(bad)}, outside the values this model takes "
+                                 f"({_bound(self.min_value)}..{_bound(self.max_value)}: min_value, "
+                                 "max_value)")
 
     def check_rows(self, value: np.ndarray[Any, Any], name: str = "input"
                    ) -> np.ndarray[Any, Any]:
@@ -227,8 +230,21 @@ class TensorSpec:
                    min_value=data.get("min_value"), max_value=data.get("max_value"))
 
 
+def _finite_number(value: Any) -> bool:
+    """A number (not a bool) within float64's finite range."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past float64
+        return False
+
+
 def _bound(value: float | None) -> str:
-    return "" if value is None else f"{value:g}"
+    """A bound or value as a message shows it: an int whole, a float short."""
+    if value is None:
+        return ""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def _array(value: Any, what: str) -> np.ndarray[Any, Any]:
