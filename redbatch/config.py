@@ -7,6 +7,7 @@ setting's name.  A Redis password never shows in a ``repr`` or a log line:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -47,8 +48,12 @@ def check_redis_url(url: str) -> None:
     database are what they seem.  A password with a raw ``/``, ``#`` or ``?`` cuts the
     URL short: its tail would pass for a host, port, path or query (and redis-py echoes
     a bad port in its error).  The message never quotes any part of the URL."""
-    parts = urlsplit(url)
-    if parts.scheme not in REDIS_SCHEMES:
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a host in brackets left open ("Invalid IPv6 URL")
+        raise ConfigError(f"the Redis URL does not parse: its host is not a name or an "
+                          f"address; {ENCODE_HINT}") from None
+    if parts.scheme not in REDIS_SCHEMES or not url.startswith(f"{parts.scheme}://"):
         raise ConfigError("the Redis URL must start with redis://, rediss://, unix://, "
                           "redis+cluster:// or redis+sentinel://")
     problem = "it has a '#'" if "#" in url else _url_problem(parts)
@@ -59,20 +64,29 @@ def check_redis_url(url: str) -> None:
 def _url_problem(parts: SplitResult) -> str | None:
     if "@" in parts.path or "@" in parts.query:
         return "it has an '@' after its host"
-    if any(not QUERY_NAME.fullmatch(name) for name, _ in parse_qsl(parts.query, True)):
+    # the names as written, not decoded: a percent-encoded name ("pass%77ord") would
+    # reach redis-py as the option it spells, past every check and mask of its value
+    if any(not QUERY_NAME.fullmatch(pair.partition("=")[0])
+           for pair in parts.query.split("&") if pair):
         return "its query (after '?') is not a list of name=value options"
-    if parts.scheme == "unix":
-        return None if parts.path else "it has no socket path"
     if parts.scheme in DEFAULT_PORTS:
         return _nodes_problem(parts)
+    try:
+        url_options.check_plain(parts.query, parts.scheme)
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme == "unix":
+        return None if parts.path else "it has no socket path"
     return _host_problem(parts)
 
 
 def _host_problem(parts: SplitResult) -> str | None:
     try:
-        parts.port  # noqa: B018  # raises ValueError when the port is not a number
+        port = parts.port  # raises ValueError when the port is not a number
     except ValueError:
-        return "its port is not a number from 0 to 65535"
+        port = 0
+    if port == 0:  # (redis-py would take a port of 0 for its default, 6379)
+        return "its port is not a number from 1 to 65535"
     if not parts.hostname:
         return "it has no host"
     if not DB_PATH.fullmatch(parts.path):
@@ -157,8 +171,11 @@ def tls_unverified(url: str) -> bool:
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    """A finite number above 0 (or 0 itself, with ``allow_zero``): NaN and infinity are
+    refused, as they would pass every comparison's check or none."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}"
+                          f", got {value!r}")
 
 
 def _at_least_one(name: str, value: int) -> None:

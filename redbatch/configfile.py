@@ -72,9 +72,9 @@ class Deployment:
     """The file, checked.  ``redbatch up`` rebuilds the configs with
     ``config.from_env(cls, flags, base=<the file's values>)``: flags > env > file."""
 
-    redis_url: str | None
+    redis_url: str | None = dataclasses.field(repr=False)  # (its password)
     gateway: GatewayConfig
-    gateway_values: dict[str, Any]
+    gateway_values: dict[str, Any] = dataclasses.field(repr=False)  # (an api_key)
     models: list[ModelEntry]
     pipelines: list[Pipeline] = dataclasses.field(default_factory=list)
 
@@ -82,8 +82,8 @@ class Deployment:
 def load(path: str | Path) -> Deployment:
     """Read and check the file; every error names the field it is about."""
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     _only(data, {"redis_url", "gateway", "worker", "models", "pipelines"}, "")
     redis_url = data.get("redis_url")

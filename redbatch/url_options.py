@@ -1,5 +1,7 @@
-"""The options of a ``redis+cluster://`` or ``redis+sentinel://`` URL (after ``?``): TLS
-to the data nodes, and the sentinels' own credentials and TLS.
+"""The options of a Redis URL (after ``?``).  A ``redis+cluster://`` or
+``redis+sentinel://`` URL's: TLS to the data nodes, and the sentinels' own credentials
+and TLS.  A plain URL's (``check_plain``): ``db``, on ``unix://`` ``username`` and
+``password`` too, and on ``rediss://`` the TLS options below.
 
 * ``ssl=true`` turns TLS on; ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
   ``ssl_cert_reqs`` (``none``, ``optional``, ``required``: the default) and
@@ -64,6 +66,34 @@ class NodeOptions:
         if self.sentinel_password is not None:
             out["password"] = self.sentinel_password
         return out
+
+
+def _db(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError("is not a database number")
+    return int(text)
+
+
+# A plain URL's options (redis-py's ``from_url`` takes them over the settings, so a
+# timeout in the query would pass every check and replace the settings' own): a
+# database, a socket's credentials, TLS on ``rediss://``; nothing else.
+PLAIN_OPTIONS: dict[str, dict[str, Callable[[str], Any]]] = {
+    "redis": {"db": _db},
+    "rediss": {"db": _db, **TLS_OPTIONS},
+    "unix": {"db": _db, "username": _text, "password": _text},
+}
+
+
+def check_plain(query: str, scheme: str) -> None:
+    """The options of a ``redis://``, ``rediss://`` or ``unix://`` URL's query;
+    ``ValueError`` naming the bad option (``PLAIN_OPTIONS``)."""
+    given = dict(parse_qsl(query, keep_blank_values=True))
+    known = PLAIN_OPTIONS[scheme]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"option {unknown[0]!r} is not one of {', '.join(sorted(known))}")
+    for name, parse_one in known.items():
+        _checked(given, name, parse_one, None)
 
 
 def parse(query: str, sentinel: bool) -> NodeOptions:

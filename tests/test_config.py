@@ -102,6 +102,7 @@ MANGLED_URLS = [  # what passwords with a raw / # ? do to a URL (and other typos
     "redis://:707/Kp9@db.example/0", "redis://user:707#Kp9@db.example/0",
     "redis://user:707?Kp9@db.example/0", "redis://db.example:6379/zero",
     "redis://db.example:ab/0", "redis://db.example:99999/0", "redis:///0",
+    "redis://:Qx7@[::1", "redis://db.example:0/0",
 ]
 
 
@@ -116,9 +117,44 @@ def test_a_url_that_does_not_parse_fails_without_quoting_it(url: str) -> None:
 @pytest.mark.parametrize("url", [
     "redis://u:p%2Fs%23s%3F@db.example:6379/2", "redis://db.example", "redis://[::1]:6380/1",
     "rediss://:pw@db.example:6380/0?ssl_cert_reqs=required", "unix:///tmp/r.sock?db=1",
+    "unix:///tmp/r.sock?db=2&password=x", "redis://db.example:6379/0?db=0",
 ])
 def test_well_formed_urls_pass(url: str) -> None:
     assert "p%2F" not in repr(RedisSettings(url))
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("redis://db.example/0?socket_timeout=0.5", "option 'socket_timeout' is not one of db"),
+    ("redis://db.example/0?health_check_interval=-1", "option 'health_check_interval'"),
+    ("redis://db.example?foo=bar", "option 'foo' is not one of db"),
+    ("redis://db.example?db=x", "option 'db' is not a database number"),
+    ("redis://db.example?ssl_cert_reqs=none", "option 'ssl_cert_reqs' is not one of db"),
+    ("rediss://db.example?ssl_cert_reqs=lax", "'ssl_cert_reqs' is not none, optional"),
+    ("redis://:Qx7@db.example?password=Kp9", "option 'password' is not one of db"),
+    ("unix:///tmp/r.sock?db=1&pass%77ord=Kp9", "not a list of name=value options"),
+    ("unix:///tmp/r.sock?timeout=3", "option 'timeout' is not one of db, password, user"),
+    ("REDIS://db.example", "must start with"), (" redis://db.example", "must start with"),
+])
+def test_a_plain_urls_options_are_checked_and_never_replace_the_settings(
+        url: str, problem: str) -> None:
+    """redis-py's ``from_url`` takes a URL's options over the settings: a timeout there
+    would pass every check (``check_socket_timeout``) and replace the settings' own.  A
+    plain URL takes ``db``, a socket's credentials and ``rediss://``'s TLS options."""
+    with pytest.raises(ConfigError, match=problem) as info:
+        RedisSettings(url)
+    for secret in ("Qx7", "Kp9"):
+        assert secret not in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["socket_timeout_s", "connect_timeout_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_and_infinity_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=f"{field} must be a finite number"):
+        RedisSettings("redis://db.example", **{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="finite"):
+        WorkerConfig(lease_ttl_s=value)
+    with pytest.raises(ConfigError, match="finite"):
+        GatewayConfig(default_timeout_s=value)
 
 
 def test_ipv6_password_is_masked_with_its_host() -> None:

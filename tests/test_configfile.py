@@ -155,3 +155,18 @@ def test_the_file_sets_priority_levels() -> None:
     assert got.meta()["priority"] == {"levels": 3, "default": 3, "caps": [100, 50, 5]}
     with pytest.raises(ConfigError, match=r"default_priority must be 1\.\.2"):
         configfile.with_overrides([one], {"priority_levels": 2, "default_priority": 3})
+
+
+def test_the_files_secrets_are_not_in_its_repr(tmp_path: Path) -> None:
+    plan = configfile.load(write(tmp_path, "redis_url = 'redis://:s3cretpw@db.example/0'\n"
+                                           "[gateway]\napi_key = 'k3yk3yk3y'\n"
+                                           "[[models]]\ntarget = 'redbatch.demo:models'\n"))
+    assert plan.redis_url == "redis://:s3cretpw@db.example/0"
+    assert "s3cretpw" not in repr(plan) and "k3yk3yk3y" not in repr(plan)
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"redis_url = '\xff\xfe'\n")
+    with pytest.raises(ConfigError, match="binary.toml: .*utf-8"):
+        configfile.load(path)
