@@ -168,5 +168,5 @@ def test_the_files_secrets_are_not_in_its_repr(tmp_path: Path) -> None:
 def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "binary.toml"
     path.write_bytes(b"redis_url = '\xff\xfe'\n")
-    with pytest.raises(ConfigError, match="binary.toml: .*utf-8"):
+    with pytest.raises(ConfigError, match=r"binary\.toml: .*utf-8"):
         configfile.load(path)
