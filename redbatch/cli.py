@@ -199,15 +199,18 @@ def _declare_pipelines(args: argparse.Namespace, redis: RedisSettings) -> None:
         return
     from redbatch import configfile
     from redbatch.pipelines.definition import publish_sync
-    from redbatch.redis_conn import sync_client
+    from redbatch.redis_conn import REDIS_ERRORS, sync_client, unavailable
 
     declared = configfile.load(args.config).pipelines
     if declared:
-        client = sync_client(redis)
         try:
-            publish_sync(client, declared)
-        finally:
-            client.close()
+            client = sync_client(redis)
+            try:
+                publish_sync(client, declared)
+            finally:
+                client.close()
+        except REDIS_ERRORS as exc:
+            raise unavailable(redis, exc) from exc
 
 
 def _up_plan(args: argparse.Namespace) -> tuple[GatewayConfig, list[Entry], str | None]:

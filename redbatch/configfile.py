@@ -40,12 +40,13 @@ belong in the environment, not in the file).
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from redbatch import knobs, protocol
+from redbatch import knobs, levels, protocol
 from redbatch.config import GatewayConfig, WorkerConfig
 from redbatch.errors import ConfigError
 from redbatch.pipelines.definition import Pipeline, pipelines
@@ -141,7 +142,7 @@ def _check_limits(limits: dict[str, Any], where: str) -> None:
     if type(cap) is not int or cap < 1:
         raise ConfigError(f"{where}.max_queue_len: must be an int >= 1, got {cap!r}")
     timeout = limits.get("default_timeout_s", 1.0)
-    if type(timeout) not in (int, float) or not timeout > 0:
+    if type(timeout) not in (int, float) or not 0 < timeout < math.inf:
         raise ConfigError(f"{where}.default_timeout_s: must be a number > 0, got {timeout!r}")
     try:
         knobs.check("priority_caps", limits.get("priority_caps"))
@@ -152,11 +153,20 @@ def _check_limits(limits: dict[str, Any], where: str) -> None:
     if not isinstance(version, str) or not protocol.VERSION_RE.fullmatch(version):
         raise ConfigError(f"{where}.version: must be a string of 1-32 of [A-Za-z0-9_.-], "
                           f"got {version!r}")
+    _check_priority(limits, where)
+
+
+def _check_priority(limits: dict[str, Any], where: str) -> None:
     for key in ("priority_levels", "default_priority"):
         value = limits.get(key, 1)
         if type(value) is not int or not 1 <= value <= protocol.MAX_PRIORITY_LEVELS:
             raise ConfigError(f"{where}.{key}: must be an int "
                               f"1..{protocol.MAX_PRIORITY_LEVELS}, got {value!r}")
+    if "priority_levels" in limits and "default_priority" in limits:  # (else: the model's)
+        try:
+            levels.check_levels(where, limits["priority_levels"], limits["default_priority"])
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.default_priority: {exc}") from exc
 
 
 def build(cls: type[T], values: dict[str, Any], where: str) -> T:

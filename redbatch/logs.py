@@ -125,11 +125,17 @@ def _number(text: str) -> Any:
     return float(text) if "." in text else int(text)
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     level = (level or os.environ.get("REDBATCH_LOG_LEVEL") or defaults.LOG_LEVEL).upper()
     fmt = (fmt or os.environ.get("REDBATCH_LOG_FORMAT") or defaults.LOG_FORMAT).lower()
     if fmt not in {"text", "json"}:
         raise ConfigError(f"REDBATCH_LOG_FORMAT must be text or json, got {fmt!r}")
+    if level not in LEVELS:
+        raise ConfigError(f"the log level (--log-level, REDBATCH_LOG_LEVEL) must be one of "
+                          f"{', '.join(LEVELS)}, got {level!r}")
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -14,7 +14,7 @@ from redbatch import status
 from redbatch.config import RedisSettings
 from redbatch.errors import RedisUnavailable
 from redbatch.pipelines import status as pipeline_status
-from redbatch.redis_conn import sync_client
+from redbatch.redis_conn import REDIS_ERRORS, sync_client
 
 COLUMNS = ("model", "queue", "workers (devices)", "items/s", "max batch / window",
            "items/pass mean / p50 / p99",
@@ -112,8 +112,12 @@ def table(statuses: dict[str, status.ModelStatus]) -> Table:
 
 
 def run(settings: RedisSettings, *, as_json: bool, watch: bool, interval_s: float) -> int:
-    """Print the status (or keep it on screen); 1 when Redis cannot be read."""
-    client = sync_client(settings)
+    """Print the status (or keep it on screen); ``RedisUnavailable`` (exit 2) when
+    Redis cannot be read."""
+    try:
+        client = sync_client(settings)  # (a cluster's client reads its slots now)
+    except REDIS_ERRORS as exc:
+        raise RedisUnavailable(f"cannot read redis at {settings.safe_url}: {exc}") from exc
     try:
         if watch:
             _watch(client, interval_s)
@@ -126,7 +130,7 @@ def run(settings: RedisSettings, *, as_json: bool, watch: bool, interval_s: floa
                 Console().print(table(snap))
                 if pipes:
                     Console().print(pipeline_status.table(pipes))
-    except redis.RedisError as exc:
+    except (redis.RedisError, *REDIS_ERRORS) as exc:
         raise RedisUnavailable(f"cannot read redis at {settings.safe_url}: {exc}") from exc
     finally:
         client.close()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import psutil
@@ -115,6 +116,29 @@ def test_a_mangled_redis_url_fails_in_one_line_without_the_password(command: tup
     assert len(output.strip().splitlines()) == 1, output
     for secret in ("Qx7", "Kp9", "Zw4"):
         assert secret not in output
+
+
+def _fails_in_one_line(*args: str, says: str, secret: str = "", **env: str) -> None:
+    result = subprocess.run(redbatch_cmd(*args), env=test_env(**env), cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert says in output and "Traceback" not in output, output
+    assert not secret or secret not in output
+
+
+def test_an_unreachable_cluster_and_a_bad_log_level_fail_in_one_line(tmp_path: Path) -> None:
+    _fails_in_one_line("status", says="cannot read redis at redis+cluster://:***@",
+                       secret="Qx7Kp9", REDIS_URL="redis+cluster://:Qx7Kp9@127.0.0.1:1")
+    _fails_in_one_line("status", "--log-level", "bogus", says="the log level")
+    _fails_in_one_line("worker", "redbatch.demo:models", "--block-timeout-s", "20",
+                       says="must exceed block_timeout_s (20.0)",
+                       REDIS_URL="redis://127.0.0.1:1")
+    declared = tmp_path / "pipe.toml"
+    declared.write_text("[[models]]\ntarget = 'redbatch.demo:models'\n"
+                        "[[pipelines]]\nname = 'p'\nstages = ['tok', 'textcls']\n")
+    _fails_in_one_line("up", "-c", str(declared), says="redis at redis://127.0.0.1:1 "
+                       "unavailable", REDIS_URL="redis://127.0.0.1:1")
 
 
 def test_unverified_tls_is_warned_about() -> None:

@@ -81,6 +81,9 @@ def test_a_good_file(tmp_path: Path) -> None:
     ("[[models]]\ntarget='a:b'\npriority_caps=5", r"models\[0\]\.priority_caps must"),
     ("[[models]]\ntarget='a:b'\npriority_levels=0", r"models\[0\]\.priority_levels: must"),
     ("[[models]]\ntarget='a:b'\ndefault_priority='1'", r"models\[0\]\.default_priority: "),
+    ("[[models]]\ntarget='a:b'\npriority_levels=2\ndefault_priority=3",
+     r"models\[0\]\.default_priority: .*must be 1\.\.2"),
+    ("[[models]]\ntarget='a:b'\ndefault_timeout_s=inf", r"models\[0\]\.default_timeout_s"),
 ])
 def test_a_bad_file_names_the_field(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

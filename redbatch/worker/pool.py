@@ -15,7 +15,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from redbatch import defaults
-from redbatch.config import RedisSettings, WorkerConfig
+from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import ConfigError
 
 log = logging.getLogger("redbatch.pool")
@@ -125,6 +125,7 @@ class Pool:
                  log_level: str = defaults.LOG_LEVEL,
                  overrides: dict[str, Any] | None = None) -> None:
         check_device(config.device)
+        check_socket_timeout(redis, config.block_timeout_s)  # here, not in every replica
         self.target = target
         self.overrides = overrides or {}  # batching overrides (redbatch up -c FILE)
         self.redis = redis
