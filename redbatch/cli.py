@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from redbatch import __version__, defaults
-from redbatch.config import GatewayConfig, RedisSettings, WorkerConfig, from_env, tls_unverified
+from redbatch.config import (
+    GatewayConfig,
+    RedisSettings,
+    WorkerConfig,
+    from_env,
+    seconds_flag,
+    tls_unverified,
+)
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.extras import missing_extra
 from redbatch.knobs_cli import cmd_config
@@ -86,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis(status)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
-    status.add_argument("--interval-s", type=float, default=defaults.STATUS_INTERVAL_S,
+    status.add_argument("--interval-s", type=seconds_flag, default=defaults.STATUS_INTERVAL_S,
                         help=f"sampling interval for items/s ({defaults.STATUS_INTERVAL_S}; "
                              "workers publish their counters once a heartbeat)")
     _add_redis(register_config(sub))
@@ -287,8 +294,6 @@ def _stop_all(pools: list[Any]) -> None:
 def cmd_status(args: argparse.Namespace, redis: RedisSettings) -> int:
     from redbatch.status_view import run
 
-    if args.interval_s <= 0:
-        raise ConfigError("--interval-s must be positive")
     return run(redis, as_json=args.json, watch=args.watch, interval_s=args.interval_s)
 
 

@@ -7,6 +7,7 @@ setting's name.  A Redis password never shows in a ``repr`` or a log line:
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -176,6 +177,18 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}"
                           f", got {value!r}")
+
+
+def seconds_flag(text: str) -> float:
+    """An argparse ``type`` for a flag in seconds: a finite number > 0 (argparse then
+    names the flag in its one-line error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 def _at_least_one(name: str, value: int) -> None:

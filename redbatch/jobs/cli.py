@@ -30,6 +30,7 @@ from rich.progress import (
 )
 
 from redbatch import defaults
+from redbatch.config import seconds_flag
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.jobs.submit import TERMINAL, job_status, submit_bulk
 from redbatch.jobs.tasks import BulkOptions
@@ -76,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         parser.add_argument("--redis-url", help=f"Redis of the RQ queue (default: "
                             f"${JOBS_URL_ENV}, else $REDIS_URL): a plain Redis")
         parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
-        parser.add_argument("--poll-s", type=float, default=defaults.JOB_POLL_S,
+        parser.add_argument("--poll-s", type=seconds_flag, default=defaults.JOB_POLL_S,
                             help=f"how often --wait/--watch read the job ({defaults.JOB_POLL_S})")
     return jobs
 
