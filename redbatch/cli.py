@@ -39,7 +39,8 @@ def _add_redis(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
 
 
-def _add_gateway(parser: argparse.ArgumentParser) -> None:
+def _add_gateway(parser: argparse.ArgumentParser, block_help: str = "reply listener's "
+                 "blocking pop timeout (1.0)") -> None:
     parser.add_argument("--host", help="bind address (127.0.0.1; $REDBATCH_HOST)")
     parser.add_argument("--port", type=int, help="port (8000; $REDBATCH_PORT)")
     parser.add_argument("--default-timeout-s", type=float, help="deadline when the client "
@@ -47,8 +48,7 @@ def _add_gateway(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-timeout-s", type=float, help="longest deadline allowed (60)")
     parser.add_argument("--max-body-bytes", type=int, help="request body limit (1 MiB)")
     parser.add_argument("--max-queue-len", type=int, help="cap of each model queue (10000)")
-    parser.add_argument("--block-timeout-s", type=float, help="reply listener's blocking pop "
-                        "timeout (1.0)")
+    parser.add_argument("--block-timeout-s", type=float, help=block_help)
 
 
 def _add_worker(parser: argparse.ArgumentParser) -> None:
@@ -72,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--models", help=f"MODULE:OBJECT ({DEMO_TARGET})")
     up.add_argument("-c", "--config", help="a TOML file describing the gateway and the "
                     "models (see docs/configuration.md); flags given too override it")
-    for add in (_add_redis, _add_gateway, _add_worker):
-        add(up)  # --block-timeout-s comes from _add_gateway and serves both
+    _add_redis(up)
+    _add_gateway(up, "blocking pop timeout of the gateway's reply listener and of the "
+                 "workers' claims (1.0)")  # (one flag serves both)
+    _add_worker(up)
     up.add_argument("--gateways", type=int, dest="gateway_processes", metavar="N",
                     help=PROCESSES_HELP)
     gateway = sub.add_parser("gateway", help="run the HTTP gateway alone")
