@@ -13,6 +13,7 @@ import numpy as np
 import orjson
 import pytest
 import redis
+import redis.asyncio
 
 from redbatch import Client, ConfigError, Model, TensorSpec, protocol
 from redbatch.cli import main
@@ -20,6 +21,7 @@ from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.errors import InvalidKnob, UnknownModel
 from redbatch.knobs import check, decode_stored
 from redbatch.knobs_cli import parse_changes
+from redbatch.worker.claim import Claimer
 from redbatch.worker.policy import BatchPolicy
 from redbatch.worker.process import Worker
 from tests.conftest import wait_live
@@ -125,6 +127,22 @@ async def test_a_stride_turned_down_live_ends_the_stride_being_waited_out(
         assert not waiting.done()  # the stride holds it
         await client.configure("live-stride", stride_s=0)
         assert await asyncio.wait_for(waiting, 4.0) == 2
+
+
+async def test_a_stride_being_waited_out_ends_at_shutdown(redis_url: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        claimer = Claimer(client, "paced", "w1", BatchPolicy(stride_s=60),
+                          block_timeout_s=0.3)
+        claimer.stop = asyncio.Event()
+        await claimer._pace()  # the first claim: no stride to wait out
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, claimer.stop.set)
+        started = loop.time()
+        await asyncio.wait_for(claimer._pace(), 5)  # (it waited the whole 60 s)
+        assert loop.time() - started < 1.0
+    finally:
+        await client.aclose()
 
 
 async def test_bad_values_get_422_and_store_nothing(
