@@ -113,28 +113,31 @@ def table(statuses: dict[str, status.ModelStatus]) -> Table:
 
 def run(settings: RedisSettings, *, as_json: bool, watch: bool, interval_s: float) -> int:
     """Print the status (or keep it on screen); ``RedisUnavailable`` (exit 2) when
-    Redis cannot be read."""
+    Redis cannot be read (a cluster's client reads its slot map as it is made)."""
     try:
-        client = sync_client(settings)  # (a cluster's client reads its slots now)
-    except REDIS_ERRORS as exc:
-        raise RedisUnavailable(f"cannot read redis at {settings.safe_url}: {exc}") from exc
-    try:
-        if watch:
-            _watch(client, interval_s)
-        else:
-            snap = status.sample(client, interval_s)
-            pipes = pipeline_status.read(client, snap)
-            print(json.dumps({**status.as_json(snap), "pipelines": pipeline_status.as_json(
-                pipes)}, indent=2) if as_json else "", end="")
-            if not as_json:
-                Console().print(table(snap))
-                if pipes:
-                    Console().print(pipeline_status.table(pipes))
+        client = sync_client(settings)
+        try:
+            _show(client, as_json=as_json, watch=watch, interval_s=interval_s)
+        finally:
+            client.close()
     except (redis.RedisError, *REDIS_ERRORS) as exc:
         raise RedisUnavailable(f"cannot read redis at {settings.safe_url}: {exc}") from exc
-    finally:
-        client.close()
     return 0
+
+
+def _show(client: redis.Redis, *, as_json: bool, watch: bool, interval_s: float) -> None:
+    if watch:
+        _watch(client, interval_s)
+        return
+    snap = status.sample(client, interval_s)
+    pipes = pipeline_status.read(client, snap)
+    if as_json:
+        print(json.dumps({**status.as_json(snap),
+                          "pipelines": pipeline_status.as_json(pipes)}, indent=2), end="")
+        return
+    Console().print(table(snap))
+    if pipes:
+        Console().print(pipeline_status.table(pipes))
 
 
 def _watch(client: redis.Redis, interval_s: float) -> None:
