@@ -274,6 +274,8 @@ class StallLedger:
     unanswered: int = 0  # nothing within the deadline plus STALL_MARGIN_S
     late: int = 0  # answered after the deadline plus the margin
     late_ok: int = 0  # of those, 200s
+    misses: list[str] = field(default_factory=list)  # when each miss was sent, and what
+    stall_at: float = 0.0  # monotonic time of the SIGSTOP
 
 
 async def stall_request(http: httpx.AsyncClient, ledger: StallLedger, value: int) -> None:
@@ -282,14 +284,23 @@ async def stall_request(http: httpx.AsyncClient, ledger: StallLedger, value: int
     try:
         resp = await http.post("/v1/models/chaos/predict", json={"inputs": value},
                                headers={"x-redbatch-timeout-ms": str(STALL_TIMEOUT_MS)})
-    except httpx.HTTPError:
+    except httpx.HTTPError as exc:
         ledger.unanswered += 1
+        ledger.misses.append(_miss(ledger, started, type(exc).__name__))
         return
     code = "ok" if resp.status_code == 200 else resp.json()["error"]["code"]
     ledger.codes[code] += 1
     if time.monotonic() - started > STALL_TIMEOUT_MS / 1000 + STALL_MARGIN_S:
         ledger.late += 1
         ledger.late_ok += code == "ok"
+        ledger.misses.append(_miss(ledger, started, f"late {code}"))
+
+
+def _miss(ledger: StallLedger, started: float, what: str) -> str:
+    """One line on a request that missed: when it was sent, against the SIGSTOP."""
+    sent = started - ledger.stall_at if ledger.stall_at else float("nan")
+    took = time.monotonic() - started
+    return f"sent at stall{sent:+.3f} s, after {took:.3f} s: {what}"
 
 
 async def run_stall(stack: Stack, duration_s: float, stall_s: float, rate: float
@@ -307,7 +318,7 @@ async def run_stall(stack: Stack, duration_s: float, stall_s: float, rate: float
             elapsed = time.monotonic() - started
             if not stopped and elapsed >= duration_s / 3:
                 os.kill(redis_pid, signal.SIGSTOP)
-                stopped = True
+                stopped, ledger.stall_at = True, time.monotonic()
             if stopped and elapsed >= duration_s / 3 + stall_s:
                 os.kill(redis_pid, signal.SIGCONT)
             tasks.append(asyncio.create_task(stall_request(http, ledger, i)))
@@ -324,6 +335,8 @@ def stall_report(ledger: StallLedger, stall_s: float) -> int:
         print(f"  answered {code:<20} {n}")
     print(f"  no answer by deadline+{STALL_MARGIN_S}s   {ledger.unanswered}")
     print(f"  answered after deadline+{STALL_MARGIN_S}s {ledger.late} (200s: {ledger.late_ok})")
+    for miss in ledger.misses:
+        print(f"    - {miss}")
     bad = ledger.unanswered + ledger.late
     print("\nRESULT:", "PASS (every request answered by its deadline)" if bad == 0 else "FAIL")
     return 0 if bad == 0 else 1
