@@ -41,6 +41,9 @@ API_KEY: Final = ""  # the gateway's API key; empty: no auth
 MAX_HEADER_BYTES: Final = 64 * 1024  # request line and headers limit (431 above)
 HEADER_TIMEOUT_S: Final = 10.0  # a connection whose request head takes longer is closed
 BODY_TIMEOUT_S: Final = 30.0  # a connection whose body takes longer is closed
+# (above the idle timeouts of the clients and proxies in front: httpx 5 s, nginx's
+# upstream 60 s, AWS ALB 60 s; else one may send a request as the gateway closes)
+KEEP_ALIVE_S: Final = 75.0  # an idle keep-alive connection is closed after this long
 GATEWAY_MAX_CONNECTIONS: Final = 1024  # open connections per gateway process
 GATEWAY_PROCESSES: Final = 2  # gateway processes sharing the port (scripts/layout)
 PACK_ROWS: Final = 32  # a Client's most rows in one multi-row request (1: never pack)

@@ -82,7 +82,7 @@ def serve(config: GatewayConfig, redis: RedisSettings, stop: threading.Event | N
     app = create_app(config, redis)
     freeze_startup_heap()
     run(app, stop, sock, host=config.host, port=config.port, log_level="warning",
-        access_log=False, http=edge_protocol(config))
+        access_log=False, http=edge_protocol(config), timeout_keep_alive=config.keep_alive_s)
 
 
 def run(app: Any, stop: threading.Event | None = None, sock: socket.socket | None = None,

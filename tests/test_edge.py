@@ -166,10 +166,48 @@ def test_connections_past_the_limit_are_refused(gateway: Gateway) -> None:
 
 
 
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n"
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One whole answer to ``HEALTHZ`` (its body is a small JSON object)."""
+    got = b""
+    while not got.endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_connection_outlives_the_clients_keep_alive(gateway: Gateway) -> None:
+    """A connection idle for 5.5 s (past httpx's 5 s expiry, and uvicorn's own 5 s
+    default) is still open and served: a client reusing it never races its close."""
+    port, _proc = gateway()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(HEALTHZ)
+        assert _answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(5.5)
+        sock.sendall(HEALTHZ)
+        assert _answer(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_connection_is_closed_after_keep_alive_s(gateway: Gateway) -> None:
+    port, _proc = gateway(REDBATCH_KEEP_ALIVE_S="0.5")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(HEALTHZ)
+        assert _answer(sock).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        assert _closed_within(sock, 10) == b"", "the idle connection was kept open"
+        assert 0.3 < time.monotonic() - started < 5
+
+
 def test_edge_limits_are_validated_and_read_from_env() -> None:
     with pytest.raises(ConfigError, match="max_header_bytes"):
         GatewayConfig(max_header_bytes=100)
-    for name in ("header_timeout_s", "body_timeout_s", "max_connections"):
+    for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections"):
         with pytest.raises(ConfigError, match=name):
             GatewayConfig(**{name: 0})
     config = from_env(GatewayConfig, env={"REDBATCH_MAX_HEADER_BYTES": "8192",
