@@ -71,6 +71,36 @@ async def test_a_request_that_cannot_make_its_deadline_is_not_computed(
     assert expired_count(worker) == before + 1
 
 
+async def test_a_request_claimed_during_a_long_pass_is_judged_again_before_its_own(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Short passes make the worker claim the next batch during the current pass; a
+    request claimed so, whose deadline passes while a long pass runs, is answered
+    ``deadline_exceeded`` without being computed once that pass ends."""
+    calls: list[list[Any]] = []
+
+    def fn(xs: list[Any]) -> list[Any]:
+        calls.append(list(xs))
+        time.sleep(1.0 if 1000 in xs else 0.005)
+        return list(xs)
+
+    worker = start_worker([Model(name="prefetch", fn=fn, inline=False, policy=BatchPolicy(
+        max_batch_size=8, batch_wait_timeout_s=0.0))])
+    await wait_live(redis_url, "prefetch")
+    async with Client(redis_url) as client:
+        for i in range(PASS_WARMUP + 2):  # short passes: the next claim goes out early
+            assert await client.predict("prefetch", i, timeout_s=10) == i
+        calls.clear()
+        before = expired_count(worker)
+        slow = await client.submit("prefetch", 1000, timeout_s=10)
+        await asyncio.sleep(0.1)  # the long pass has begun; the next claim waits
+        with pytest.raises(DeadlineExceeded):
+            await client.predict("prefetch", 7, timeout_s=0.3)  # claimed at once
+        assert await slow == 1000
+        assert await client.predict("prefetch", 8, timeout_s=5) == 8
+    assert calls == [[1000], [8]]  # 7 never reached the model
+    assert expired_count(worker) == before + 1
+
+
 async def test_a_cold_worker_drops_nothing(start_worker: Callable[..., Worker],
                                            redis_url: str) -> None:
     _, calls = await served(start_worker, redis_url, "cold", 0.2, max_batch_size=8,

@@ -66,6 +66,6 @@ def _answer_late(decoded: Decoded, late: dict[int, Item], now_ms: int) -> None:
     for item in late.values():
         left_ms = item.request.deadline_ms - now_ms
         decoded.early.append((item.request, item.fmt, DeadlineExceeded(
-            f"deadline {left_ms} ms away when claimed, shorter than the measured pass")))
+            f"deadline {left_ms} ms away before its pass, shorter than the measured pass")))
         log.debug("model=%s request %s answered deadline_exceeded uncomputed: %d ms "
                   "left", item.request.model, item.request.id, left_ms)

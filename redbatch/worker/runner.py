@@ -234,6 +234,7 @@ class BatchRunner:
                 if claiming is not None and self._forwarder.inline:
                     await asyncio.sleep(0)  # the claim goes out before the pass holds us
                 if batch is not None:
+                    self._recheck_deadlines(batch)  # (claimed early: it waited for a pass)
                     computed = await self._compute(batch)
                     await _settle(publishing)  # done by now, or waited for: claim order
                     publishing = asyncio.create_task(self._publish_batch(batch, computed))
@@ -447,6 +448,14 @@ class BatchRunner:
         batch.late = drop_infeasible(batch.decoded, protocol.now_ms(), size,
                                      self.stats.pass_times.estimate_ms)
 
+    def _recheck_deadlines(self, batch: Claimed) -> None:
+        """Just before the pass, answer ``deadline_exceeded`` the requests that can no
+        longer finish in time: a batch claimed during another's pass (or waiting for a
+        free forwarder) was judged when claimed, a pass ago."""
+        batch.late += drop_infeasible(batch.decoded, protocol.now_ms(),
+                                      self.model.policy.max_batch_size,
+                                      self.stats.pass_times.estimate_ms)
+
     def _next_claim_count(self, batch: Claimed) -> int:
         """Entries to claim next so that about ``max_batch_size`` items come: fewer
         while the queue holds multi-row requests.  Rows per entry are smoothed, so
@@ -463,9 +472,7 @@ class BatchRunner:
         deadlines are checked again first (a sync model's batch may have waited for
         the ones claimed before it)."""
         async with self._computing:
-            batch.late += drop_infeasible(batch.decoded, protocol.now_ms(),
-                                          self.model.policy.max_batch_size,
-                                          self.stats.pass_times.estimate_ms)
+            self._recheck_deadlines(batch)
             forwarder = self._forwarders.pop()
             self._clock.start()
             try:
