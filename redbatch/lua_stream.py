@@ -13,14 +13,19 @@ from redbatch import protocol
 _S = protocol.STREAMED_PREFIX
 
 # Shared by both scripts: push(to, data, ttl_s) is false when Redis refused the push (the
-# reply_to holds a value of another type: a hostile or broken caller), and
-# final_error(...) a final error message, encoded as its request was.
+# reply_to holds a value of another type: a hostile or broken caller),
+# final_error(...) a final error message, encoded as its request was, and
+# cancelled(key, id) whether ``id`` is in the cancelled set ``key`` (a value of another
+# type there cancels nothing: it must not fail every stream of the model).
 _HELPERS: Final = f"""
 local function push(to, data, ttl_s)
   local pushed = redis.pcall('RPUSH', to, data)
   if type(pushed) == 'table' then return false end
   redis.call('EXPIRE', to, ttl_s)
   return true
+end
+local function cancelled(key, id)
+  return type(redis.pcall('ZSCORE', key, id)) == 'string'
 end
 local function final_error(id, seq, fmt, code, message)
   local msg = {{v = {protocol.PROTOCOL_VERSION}, id = id, seq = seq, last = true,
@@ -72,7 +77,7 @@ for j = 1, n do
     local fmt = string.sub(ARGV[b], 1, 1) == '{{' and 'json' or 'msgpack'  -- as its entry
     local last = final_error(ARGV[b + 5], m and expect or seq, fmt, 'internal', '{LOST}')
     if not push(to, last, ARGV[1]) then status[j] = 3 end
-  elseif not final and redis.call('ZSCORE', KEYS[3], ARGV[b + 5]) then
+  elseif not final and cancelled(KEYS[3], ARGV[b + 5]) then
     status[j] = 2
   elseif not push(to, ARGV[b + 4], ARGV[1]) then
     status[j] = 3

@@ -141,6 +141,24 @@ async def test_a_claim_of_only_unreadable_entries_is_dead_lettered(
     assert _idle(raw_redis, "counter")
 
 
+async def test_a_cancelled_set_of_another_type_cancels_nothing_and_fails_no_stream(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    """A string where the cancelled set belongs (a hostile or broken writer) is read
+    as "nothing cancelled": the streams run to their end."""
+    raw_redis.set(protocol.cancelled_key("counter"), "x")
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        got = await asyncio.gather(*(_all(client.stream("counter", {"n": 5}, 10))
+                                     for _ in range(3)))
+    assert got == [[str(i) for i in range(5)]] * 3
+    assert raw_redis.llen(protocol.dead_letter_key("counter")) == 0
+
+
+async def _all(stream: Any) -> list[Any]:
+    return [x async for x in stream]
+
+
 async def test_a_request_cancelled_while_queued_is_never_stepped(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
