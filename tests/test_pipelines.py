@@ -429,13 +429,29 @@ async def test_a_reply_list_of_another_type_costs_its_request_alone(
 
 
 def test_the_demo_tokenizer() -> None:
-    from redbatch.errors import InvalidPayload
-    from redbatch.pipelines.tokenizer import UNKNOWN_ID, token_ids, tokenize
+    from redbatch.pipelines.tokenizer import UNKNOWN_ID, token_ids
 
     ids = token_ids("Some words, some WORDS!")
     assert ids.dtype == np.int64 and len(ids) == 4 and ids[0] == ids[2] and ids[1] == ids[3]
     assert token_ids("...").tolist() == [UNKNOWN_ID]
     assert len(token_ids("w " * 2000)) == 512
+
+
+def test_the_demo_tokenizer_reads_a_bounded_prefix_of_a_huge_text() -> None:
+    """It runs on the worker's event loop: only the first ``MAX_TEXT_CHARS``
+    characters are read (a 16 MiB text once held every model of the worker)."""
+    from redbatch.pipelines.tokenizer import MAX_TEXT_CHARS, UNKNOWN_ID, token_ids
+
+    assert token_ids(" " * MAX_TEXT_CHARS + "word " * 10).tolist() == [UNKNOWN_ID]
+    assert len(token_ids("ab " * (MAX_TEXT_CHARS // 3) + "tail")) == 512
+    assert token_ids("x" * 100 + " " * (MAX_TEXT_CHARS - 101) + "yz")[-1] == \
+        token_ids("y")[0]  # a word cut at the bound counts as what was read of it
+
+
+def test_the_demo_tokenizer_refuses_what_is_not_text() -> None:
+    from redbatch.errors import InvalidPayload
+    from redbatch.pipelines.tokenizer import tokenize
+
     with pytest.raises(InvalidPayload, match="must be a string"):
         tokenize(["fine", 3])
 

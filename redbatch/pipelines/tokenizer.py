@@ -4,6 +4,7 @@ each lower-cased word's CRC-32 modulo the classifier's vocabulary."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import zlib
 from typing import Any
@@ -18,12 +19,16 @@ from redbatch.worker.policy import BatchPolicy
 
 WORD_RE = re.compile(r"\w+")
 UNKNOWN_ID = 1  # the id of a text without a word (the classifier needs one token)
+# only a text's first characters are read: the stage runs on the worker's event loop,
+# and a 16 MiB text scanned whole held every model of the worker for most of a second
+MAX_TEXT_CHARS = 64 * MAX_LEN
 
 
 def token_ids(text: str) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """``text``'s token ids: 1 to ``MAX_LEN`` of them (int64)."""
-    words = WORD_RE.findall(text.lower())[:MAX_LEN]
-    ids = [zlib.crc32(w.encode()) % VOCAB for w in words] or [UNKNOWN_ID]
+    """``text``'s token ids: those of its first ``MAX_LEN`` words (within its first
+    ``MAX_TEXT_CHARS`` characters), at least one (int64)."""
+    words = itertools.islice(WORD_RE.finditer(text[:MAX_TEXT_CHARS].lower()), MAX_LEN)
+    ids = [zlib.crc32(w.group().encode()) % VOCAB for w in words] or [UNKNOWN_ID]
     return np.asarray(ids, dtype=np.int64)
 
 
