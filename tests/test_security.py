@@ -165,3 +165,28 @@ async def test_predict_needs_a_json_content_type(start_worker: Callable[..., Wor
             resp = await http.post("/v1/models/plus/predict", content=b'{"inputs": 1}',
                                    headers=headers)
             assert resp.status_code == 200 and resp.json() == {"outputs": 2}, accepted
+
+
+V2_BODY = b'{"inputs": [{"name": "inputs", "datatype": "INT64", "shape": [1], "data": [1]}]}'
+
+
+async def test_v2_infer_refuses_the_types_a_cross_site_form_can_send(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """The same for v2 infer, which also takes its binary extension's type."""
+    start_worker([plus], config=CONFIG)
+    async with gateway(redis_url) as http:
+        for _ in range(100):
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        for refused in ("text/plain", "application/x-www-form-urlencoded",
+                        "multipart/form-data; b=x"):
+            for path in ("/v2/models/plus/infer", "/v2/models/plus/versions/1/infer"):
+                resp = await http.post(path, content=V2_BODY, headers={"content-type": refused})
+                assert resp.status_code == 415, (refused, path, resp.text)
+                assert "application/octet-stream" in resp.json()["error"]  # (v2: a string)
+        for accepted in ("application/json", "application/octet-stream", None):
+            headers = {"content-type": accepted} if accepted else {}
+            resp = await http.post("/v2/models/plus/infer", content=V2_BODY, headers=headers)
+            assert resp.status_code == 200, (accepted, resp.text)
+            assert resp.json()["outputs"][0]["data"] == [2], accepted

@@ -18,18 +18,23 @@ PRIORITY_RE = re.compile(r"-?[0-9]{1,4}")  # an integer; its range is the model'
 REQUEST_ID_HEADER = b"x-request-id"
 TIMEOUT_FIELD = "timeout_ms"
 JSON_MEDIA_TYPES = frozenset({b"application/json"})  # the predict body is JSON (parse_json)
+# v2 infer also takes the binary tensor extension's body (a JSON header, then raw bytes)
+INFER_MEDIA_TYPES = JSON_MEDIA_TYPES | {b"application/octet-stream"}
 Headers = dict[bytes, bytes]  # ASGI header names are lower-case bytes
 
 
-def check_content_type(headers: Headers) -> None:
-    """A predict body is JSON: another Content-Type is refused (415), so that a page on
-    another site cannot post to a gateway from a visitor's browser with a "simple"
-    type (``text/plain``, a form) that needs no CORS preflight.  None at all is fine."""
+def check_content_type(headers: Headers, allowed: frozenset[bytes] = JSON_MEDIA_TYPES
+                       ) -> None:
+    """A predict body is JSON (v2 infer's also binary: ``INFER_MEDIA_TYPES``): another
+    Content-Type is refused (415), so that a page on another site cannot post to a
+    gateway from a visitor's browser with a "simple" type (``text/plain``, a form)
+    that needs no CORS preflight.  None at all is fine."""
     raw = headers.get(b"content-type")
-    if raw is not None and raw not in JSON_MEDIA_TYPES and \
-            raw.split(b";", 1)[0].strip().lower() not in JSON_MEDIA_TYPES:
+    if raw is not None and raw not in allowed and \
+            raw.split(b";", 1)[0].strip().lower() not in allowed:
+        names = " or ".join(sorted(t.decode() for t in allowed))
         raise UnsupportedMediaType(f"Content-Type {raw.decode('latin-1')!r} is not "
-                                   "supported: send the body as application/json")
+                                   f"supported: send the body as {names}")
 
 
 async def read_body(headers: Headers, receive: Receive, limit_bytes: int) -> bytes:

@@ -523,6 +523,7 @@ class V2Api:
         bounds the look-ups too."""
         arrived_ms, core = protocol.now_ms(), self.gateway.core
         headers = dict(request.headers.raw)
+        body.check_content_type(headers, body.INFER_MEDIA_TYPES)  # (no cross-site form)
         name, version = path_name(request)
         info = await core.served(name, headers, arrived_ms, version)
         if info.meta.get(protocol.F_STREAMING):
