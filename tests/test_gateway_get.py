@@ -39,6 +39,27 @@ async def test_get_a_scalar_as_the_tutorial_does(http: httpx.AsyncClient) -> Non
     assert posted.json() == resp.json()
 
 
+async def test_head_answers_as_get_does_without_a_body(http: httpx.AsyncClient) -> None:
+    """HEAD, which the route lists in its ``Allow``, is a GET's answer without the body
+    (it was read as a POST without a body: a 400)."""
+    for path in ("/v1/models/adder/predict?inputs=41",
+                 "/v1/models/adder/versions/1/predict?inputs=41"):
+        resp = await http.head(path)
+        assert resp.status_code == 200, (path, resp.headers)
+        assert resp.headers["content-type"] == "application/json" and resp.headers[
+            "x-request-id"]
+
+
+async def test_metrics_answer_get_and_head_alone(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/metrics")).status_code == 200
+    assert (await http.head("/metrics")).status_code == 200
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        resp = await http.request(method, "/metrics")
+        assert resp.status_code == 405, method
+        assert resp.headers["allow"] == "GET, HEAD"
+        assert resp.json()["error"]["code"] == "http_error"
+
+
 @pytest.mark.parametrize("query", ["x=1,2,3.5", "x=1&x=2&x=3.5", "x=1%2C2%2C3.5&other=z"])
 async def test_get_a_list_from_commas_or_repeated_keys(http: httpx.AsyncClient,
                                                        query: str) -> None:

@@ -174,7 +174,7 @@ class InferCore:
         try:
             trace = body.trace_id(headers)
             query: bytes | None = scope.get("query_string", b"")
-            if scope["method"] != "GET":
+            if scope["method"] not in ("GET", "HEAD"):  # (HEAD: a GET's answer, no body)
                 body.check_content_type(headers)
                 query = None
             return await self.predict(model, headers, receive, trace, query, version, plain)

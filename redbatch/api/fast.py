@@ -20,12 +20,14 @@ from starlette.types import Receive, Scope, Send
 from redbatch import metrics
 from redbatch.api import auth, metrics_view
 from redbatch.api.core import RawResponse
+from redbatch.api.errors import error_response
 
 if TYPE_CHECKING:
     from redbatch.api.gateway import Gateway
 
 PREDICT_PATH = re.compile(r"^/v1/models/([^/]+)(?:/versions/([^/]+))?/predict$")
 PREDICT_METHODS = frozenset({"POST", "GET"})
+METRICS_METHODS = frozenset({"GET", "HEAD"})
 
 
 class GatewayApp(Starlette):
@@ -51,7 +53,13 @@ class GatewayApp(Starlette):
         await gateway.core.serve(match.group(1), scope, receive, send, match.group(2))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Open like the health checks: Prometheus scrapes it without the API key."""
+        """Open like the health checks: Prometheus scrapes it without the API key.  Only
+        GET (and HEAD) read it: another method is 405, as on the other routes."""
+        if scope["method"] not in METRICS_METHODS:
+            refused = error_response(405, "http_error", "Method Not Allowed",
+                                     {"Allow": ", ".join(sorted(METRICS_METHODS))})
+            await refused(scope, receive, send)
+            return
         body = await metrics_view.exposition(self.state.gateway)
         response = RawResponse(200, [(b"content-type", metrics.CONTENT_TYPE.encode())], body)
         await response(scope, receive, send)
