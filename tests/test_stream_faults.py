@@ -20,7 +20,7 @@ from redbatch.errors import ModelError, RedbatchError, RedisUnavailable, WorkerC
 from redbatch.producer import streams
 from redbatch.producer.client import Client
 from redbatch.producer.streams import ChunkQueue
-from redbatch.stream_wire import StreamChunk
+from redbatch.stream_wire import StreamChunk, chunk_from_wire
 from redbatch.worker import stream as worker_stream
 from redbatch.worker.process import Worker
 from redbatch.worker.stats import WorkerStats
@@ -157,6 +157,29 @@ async def test_a_cancelled_set_of_another_type_cancels_nothing_and_fails_no_stre
 
 async def _all(stream: Any) -> list[Any]:
     return [x async for x in stream]
+
+
+async def test_a_second_entry_of_a_running_stream_is_dead_lettered_not_streamed(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same entry pushed twice (a push retried by a foreign producer), claimed
+    together or while its stream runs: one stream, each chunk once, in order."""
+    await _live(start_worker, redis_url, monkeypatch)
+    reply_to = protocol.reply_key("counter", "dup")
+    queue = protocol.queue_key("counter")
+    for rid, gap_s in (("dup1", 0.0), ("dup2", 0.15)):
+        entry = codec.encode(_request(rid, reply_to, {"n": 12}).to_wire(), "json")
+        raw_redis.rpush(queue, entry)
+        await asyncio.sleep(gap_s)
+        raw_redis.rpush(queue, entry)
+    dead = protocol.dead_letter_key("counter")
+    await _until(lambda: raw_redis.llen(dead) == 2 and _idle(raw_redis, "counter"))
+    chunks = [chunk_from_wire(orjson.loads(raw)) for raw in raw_redis.lrange(reply_to, 0, -1)]
+    for rid in ("dup1", "dup2"):
+        mine = [c for c in chunks if c.id == rid]
+        assert [c.seq for c in mine] == list(range(13)), rid
+        assert [c.payload for c in mine[:-1]] == [str(i) for i in range(12)], rid
+        assert mine[-1].last and mine[-1].ok, rid
 
 
 async def test_a_request_cancelled_while_queued_is_never_stepped(

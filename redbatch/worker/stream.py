@@ -531,6 +531,9 @@ class StreamLoop:
         members = [m for m in (self._member(raw, now) for raw in raws) if m is not None]
         cancelled = await self.r.cancelled([m.request.id for m in members])
         for member in members:
+            if member.request.id in self.members:  # a second entry of a running request
+                self._duplicate(member)  # (a retried push): never a second stream
+                continue
             error = _refusal(member.request, now, cancelled)
             if error is not None:
                 self.pending.append(self.r.final(member, error))
@@ -540,6 +543,14 @@ class StreamLoop:
                 continue
             self.members[member.request.id] = member
             self._open_lane().batch.add(member.request.id, member.request.payload)
+
+    def _duplicate(self, member: Member) -> None:
+        """An entry whose request id a member of this batch has: dead-lettered, with no
+        message (its chunks would interleave with the running stream's); the running
+        stream goes on."""
+        log.warning("model=%s request %s: a second entry of this running stream; "
+                    "dead-lettered", self.r.model.name, member.request.id)
+        self.dropped.append(member.raw)
 
     def _open_lane(self) -> Lane:
         """The lane newcomers join: the ordinary one (not rerunning) with the most
