@@ -681,3 +681,17 @@ async def test_a_pin_on_a_served_name_is_refused_before_any_read() -> None:
     client = Client("redis://127.0.0.1:1/0")
     with pytest.raises(BadRequest, match="served name"):
         await client.route("vm@1", "1")
+
+
+async def test_a_versions_error_answers_name_the_version(two: Client, redis_url: str) -> None:
+    """Every answer of a version carries ``x-redbatch-version``, errors too: the model
+    raising (500), a bad timeout (400); an unknown version's 404 names none."""
+    async with gateway(redis_url) as http:
+        path = "/v1/models/vm/versions/2/predict"
+        for payload, status in (({"inputs": "a"}, 500), ({"inputs": 5, "timeout_ms": "x"}, 400),
+                                ({"inputs": 5}, 200)):
+            resp = await http.post(path, json=payload)
+            assert resp.status_code == status, resp.text
+            assert resp.headers.get("x-redbatch-version") == "2", (payload, resp.headers)
+        resp = await http.post("/v1/models/vm/versions/7/predict", json={"inputs": 5})
+        assert resp.status_code == 404 and "x-redbatch-version" not in resp.headers

@@ -180,6 +180,8 @@ class InferCore:
             return await self.predict(model, headers, receive, trace, query, version, plain)
         except RedbatchError as exc:
             response = from_exception(exc)
+            if version and self.directory.cached(protocol.served_name(model, version)):
+                response.headers["x-redbatch-version"] = version  # (a version refused it)
         except Exception:
             log.exception("unexpected error on %s %s (request id %s)", scope["method"],
                           scope["path"], trace)
@@ -227,6 +229,7 @@ class InferCore:
         except RedbatchError as exc:  # 503 or 504 after enqueueing: named as the request
             response = from_exception(exc)
             response.headers["x-request-id"] = trace_id or request_id
+            tag_version(response, info.name)
             return response
         finally:
             watch.cancel()
@@ -415,12 +418,19 @@ def _number(key: str, text: str) -> int | float:
 
 
 # --- answers --------------------------------------------------------------------
+def tag_version(response: Response, name: str) -> None:
+    """``x-redbatch-version`` on an error answered by a version (``name``: served)."""
+    if protocol.VERSION_SEP in name:
+        response.headers["x-redbatch-version"] = name.partition(protocol.VERSION_SEP)[2]
+
+
 def reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response | RawResponse:
     """200 with the model's output, or the reply's typed error as JSON; both carry
     ``X-Request-ID``."""
     if not reply.ok:
         response = from_exception(error_from_code(reply.error_code, reply.error_message))
         response.headers["x-request-id"] = request_id
+        tag_version(response, info.name)
         return response
     content = orjson.dumps({info.output_name: reply.payload}, default=body.jsonable,
                            option=orjson.OPT_SERIALIZE_NUMPY)
