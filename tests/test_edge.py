@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -100,6 +101,7 @@ def test_a_huge_header_gets_431_and_memory_stays_bounded(gateway: Gateway) -> No
     port, proc = gateway()
     answer = _send_huge_header(port, 1 << 20)
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert _error_of(answer) == ("header_too_large", "application/json")
     assert b"65536-byte limit" in answer
     before = _peak_rss_kib(proc.popen.pid)
     answer = _send_huge_header(port, 64 << 20)
@@ -139,6 +141,7 @@ def test_slow_clients_are_closed_while_others_are_served(gateway: Gateway) -> No
     assert None not in answers, [i for i, a in enumerate(answers) if a is None]
     assert all(a is not None and a.startswith(b"HTTP/1.1 408") for a in answers[:20]), \
         answers[:20]
+    assert _error_of(answers[0] or b"") == ("request_timeout", "application/json")
     assert answers[25:] == [b""] * 5  # nothing asked, nothing answered: just closed
 
 
@@ -154,7 +157,8 @@ def test_connections_past_the_limit_are_refused(gateway: Gateway) -> None:
         time.sleep(0.1)
         refused = httpx.get(url, timeout=10)
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-    assert "too many open connections" in refused.text
+    assert refused.json()["error"]["code"] == "too_many_connections"
+    assert "too many open connections" in refused.json()["error"]["message"]
     for sock in held:
         sock.close()
     for _ in range(100):
@@ -167,6 +171,28 @@ def test_connections_past_the_limit_are_refused(gateway: Gateway) -> None:
 
 
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n"
+
+
+def _error_of(answer: bytes) -> tuple[str, str]:
+    """A raw answer's JSON error code and its content type."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    types = [line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+             if line.lower().startswith(b"content-type:")]
+    return json.loads(body)["error"]["code"], types[0]
+
+
+@pytest.mark.timeout(120)
+def test_what_the_parser_refuses_is_a_json_400(gateway: Gateway) -> None:
+    port, _proc = gateway()
+    for bad in (b"POST /healthz HTTP/1.1\r\nHost: gw\r\nContent-Length: 1\r\n"
+                b"Content-Length: 2\r\n\r\nab",
+                b"POST /healthz HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"zz\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(bad)
+            answer = _closed_within(sock, 10)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 400"), answer
+        assert _error_of(answer) == ("bad_request", "application/json")
 
 
 def _answer(sock: socket.socket) -> bytes:

@@ -24,6 +24,7 @@ import functools
 import logging
 from typing import Any, ClassVar
 
+import orjson
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
@@ -35,18 +36,24 @@ HEAD, BODY = "head", "body"  # what a connection is waiting for; None: nothing (
 LINGER_S = 1.0  # after a 431, the rest of the request is read and dropped this long
 
 
-def _plain(status: bytes, message: str, *extra: bytes) -> bytes:
-    text = message.encode()
-    return b"".join([b"HTTP/1.1 ", status, b"\r\ncontent-type: text/plain; charset=utf-8\r\n",
-                     b"content-length: %d\r\nconnection: close\r\n" % len(text), *extra,
-                     b"\r\n", text])
+def _error_body(code: str, message: str) -> bytes:
+    """The gateway's error shape (``redbatch.api.errors``), for the edge's own answers."""
+    return orjson.dumps({"error": {"code": code, "message": message}})
+
+
+def _answer(status: bytes, code: str, message: str) -> bytes:
+    """A whole HTTP answer with a JSON error, closing the connection."""
+    text = _error_body(code, message)
+    return b"".join([b"HTTP/1.1 ", status, b"\r\ncontent-type: application/json\r\n",
+                     b"content-length: %d\r\nconnection: close\r\n\r\n" % len(text),
+                     text])
 
 
 async def _busy(scope: Any, receive: Any, send: Any) -> None:
     """The app of a connection opened past ``max_connections``: 503, then close."""
-    text = b"too many open connections; retry shortly"
+    text = _error_body("too_many_connections", "too many open connections; retry shortly")
     await send({"type": "http.response.start", "status": 503, "headers": [
-        (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close"),
+        (b"content-type", b"application/json"), (b"connection", b"close"),
         (b"retry-after", b"1"), (b"content-length", b"%d" % len(text))]})
     await send({"type": "http.response.body", "body": text})
 
@@ -82,6 +89,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timed: tuple[str | None, int] = (None, 0)
         self._discarding = False
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for what its parser refuses, in the gateway's JSON shape."""
+        self.transport.write(_answer(b"400 Bad Request", "bad_request", msg))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -126,9 +138,9 @@ class EdgeProtocol(HttpToolsProtocol):
         sees the answer rather than a reset connection."""
         cap = self.limits.max_header_bytes
         log.debug("request head from %s over %d bytes: 431", self.client, cap)
-        self.transport.write(_plain(b"431 Request Header Fields Too Large",
-                                    f"request line and headers are over the {cap}-byte "
-                                    "limit"))
+        self.transport.write(_answer(b"431 Request Header Fields Too Large",
+                                     "header_too_large", f"request line and headers are "
+                                     f"over the {cap}-byte limit"))
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._discarding, self._phase = True, None
@@ -174,6 +186,6 @@ class EdgeProtocol(HttpToolsProtocol):
         log.debug("closing the connection from %s: its request %s did not arrive in time",
                   self.client, self._phase)
         if self._phase is HEAD and self._room < self.limits.max_header_bytes:
-            self.transport.write(_plain(b"408 Request Timeout",
-                                        "request headers did not arrive in time"))
+            self.transport.write(_answer(b"408 Request Timeout", "request_timeout",
+                                         "request headers did not arrive in time"))
         self.transport.close()
