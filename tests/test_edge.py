@@ -230,6 +230,69 @@ def test_an_idle_connection_is_closed_after_keep_alive_s(gateway: Gateway) -> No
         assert 0.3 < time.monotonic() - started < 5
 
 
+def _predict(value: int) -> bytes:
+    body = b'{"inputs": %d}' % value
+    return (b"POST /v1/models/slow/predict HTTP/1.1\r\nHost: gw\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
+
+@pytest.fixture
+def slow_gateway(gateway: Gateway, spawn: Callable[..., Proc], redis_url: str
+                 ) -> tuple[int, Proc]:
+    """A gateway (bodies due within 1 s) and a worker whose passes take 1.5 s."""
+    spawn(redbatch_cmd("worker", "tests.models_for_tests:slow", "--redis-url", redis_url),
+          env=test_env(SLOW_FORWARD_S="1.5"), name="slow-worker")
+    port, proc = gateway(REDBATCH_BODY_TIMEOUT_S="1")
+    wait_http(f"http://127.0.0.1:{port}/readyz", 60, proc)
+    return port, proc
+
+
+def _answers(sock: socket.socket, timeout_s: float) -> list[bytes]:
+    got = _closed_within(sock, timeout_s) or b""
+    return [part.split(b"\r\n", 1)[0] for part in got.split(b"HTTP/1.1 ")[1:]]
+
+
+@pytest.mark.timeout(120)
+def test_a_pipelined_body_held_back_is_not_timed_while_held(
+        slow_gateway: tuple[int, Proc]) -> None:
+    """uvicorn reads a pipelined request's body only once the request before it is
+    answered: the body deadline must not run meanwhile (it cut both, unanswered)."""
+    port, proc = slow_gateway
+    second = _predict(2).replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n")
+    head, _, body = second.partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_predict(1))
+        time.sleep(0.1)
+        sock.sendall(head + b"\r\n\r\n")
+        time.sleep(0.1)
+        sock.sendall(body)
+        assert _answers(sock, 20) == [b"200 OK", b"200 OK"]
+    assert "ERROR" not in proc.log(), proc.log()
+
+
+@pytest.mark.timeout(120)
+def test_a_client_gone_with_pipelined_requests_logs_no_error(
+        slow_gateway: tuple[int, Proc]) -> None:
+    port, proc = slow_gateway
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_predict(1) + _predict(2))
+        time.sleep(0.3)
+    time.sleep(3)  # both would have been answered by now
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+    assert "ERROR" not in proc.log() and "Traceback" not in proc.log(), proc.log()
+
+
+@pytest.mark.timeout(120)
+def test_a_431_pipelined_behind_a_request_follows_its_answer(
+        slow_gateway: tuple[int, Proc]) -> None:
+    port, proc = slow_gateway
+    huge = b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Big: " + b"a" * 300_000 + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(_predict(1) + huge)
+        assert _answers(sock, 20) == [b"200 OK", b"431 Request Header Fields Too Large"]
+    assert "ERROR" not in proc.log(), proc.log()
+
+
 def test_edge_limits_are_validated_and_read_from_env() -> None:
     with pytest.raises(ConfigError, match="max_header_bytes"):
         GatewayConfig(max_header_bytes=100)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import orjson
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from redbatch.config import GatewayConfig, from_env
@@ -89,6 +89,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timed: tuple[str | None, int] = (None, 0)
         self._discarding = False
+        self._refusal_due = False  # a 431 waits for the answer in flight (pipelining)
+        self._open: list[RequestResponseCycle] = []  # requests not answered yet
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's 400 for what its parser refuses, in the gateway's JSON shape."""
@@ -104,8 +106,23 @@ class EdgeProtocol(HttpToolsProtocol):
         self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """uvicorn tells only the last request of the connection that its client is
+        gone: with pipelining, the one being answered is an earlier one, which would
+        then write to a closed transport (an ERROR) and never see the disconnect."""
         self._cancel()
+        for cycle in self._open:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # (reading resumes: a request held back goes on)
+        if self._refusal_due:
+            self._refusal_due = False
+            self._send_431()
+            return
+        self._watch()
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
@@ -135,17 +152,28 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _refuse_head(self) -> None:
         """431, then read and drop what the client still sends for a moment, so that it
-        sees the answer rather than a reset connection."""
-        cap = self.limits.max_header_bytes
-        log.debug("request head from %s over %d bytes: 431", self.client, cap)
-        self.transport.write(_answer(b"431 Request Header Fields Too Large",
-                                     "header_too_large", f"request line and headers are "
-                                     f"over the {cap}-byte limit"))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
+        sees the answer rather than a reset connection.  Behind a request still being
+        answered (pipelined), the 431 follows that answer."""
+        log.debug("request head from %s over %d bytes: 431", self.client,
+                  self.limits.max_header_bytes)
         self._discarding, self._phase = True, None
         self._cancel()
+        if self._answering():
+            self._refusal_due = True
+            return
+        self._send_431()
+
+    def _send_431(self) -> None:
+        self.transport.write(_answer(b"431 Request Header Fields Too Large",
+                                     "header_too_large", "request line and headers are "
+                                     f"over the {self.limits.max_header_bytes}-byte limit"))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
         self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _answering(self) -> bool:
+        """Whether a request of this connection is still being answered."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     # parser callbacks: track what the connection waits for
     def on_message_begin(self) -> None:
@@ -156,6 +184,9 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._phase = BODY
         super().on_headers_complete()
+        self._open = [cycle for cycle in self._open if not cycle.response_complete]
+        if self.cycle is not None:
+            self._open.append(self.cycle)
 
     def on_message_complete(self) -> None:
         self._phase, self._room = None, self.limits.max_header_bytes
@@ -168,6 +199,8 @@ class EdgeProtocol(HttpToolsProtocol):
         if key == self._timed or self._discarding:
             return
         self._cancel()
+        if self._phase is BODY and self.flow.read_paused:
+            return  # uvicorn holds a pipelined body back: timed once it reads again
         self._timed = key
         if self._phase is not None:
             limit_s = (self.limits.header_timeout_s if self._phase is HEAD
@@ -185,7 +218,8 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         log.debug("closing the connection from %s: its request %s did not arrive in time",
                   self.client, self._phase)
-        if self._phase is HEAD and self._room < self.limits.max_header_bytes:
+        if self._phase is HEAD and self._room < self.limits.max_header_bytes and \
+                not self._answering():  # (never ahead of an answer still to come)
             self.transport.write(_answer(b"408 Request Timeout", "request_timeout",
                                          "request headers did not arrive in time"))
         self.transport.close()
