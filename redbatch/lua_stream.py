@@ -21,7 +21,9 @@ _HELPERS: Final = f"""
 local function push(to, data, ttl_s)
   local pushed = redis.pcall('RPUSH', to, data)
   if type(pushed) == 'table' then return false end
-  redis.call('EXPIRE', to, ttl_s)
+  if redis.call('EXPIRE', to, ttl_s, 'NX') == 0 then  -- a new list: set (as PUBLISH)
+    redis.call('EXPIRE', to, ttl_s, 'GT')  -- else only ever longer: a reply waiting
+  end                                       -- there keeps its own, longer TTL
   return true
 end
 local function cancelled(key, id)

@@ -21,6 +21,7 @@ from typing import Any, Final, TypeVar, cast
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -67,7 +68,7 @@ def async_client(settings: RedisSettings,
     nodes = settings.topology
     if nodes is not None:
         return _async_nodes(settings, nodes, max_connections)
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = ShieldedBlockingPool.from_url(
         settings.url,
         max_connections=max_connections,
         timeout=settings.socket_timeout_s,
@@ -92,9 +93,58 @@ class SlotMappedCluster(RedisCluster):
         return await super().execute_command(*args, **kwargs)
 
 
-class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+class ShieldedRelease:
+    """A pool whose ``release`` survives its caller's cancel.  redis-py gives a
+    command's connection back in a ``finally`` that waits for the pool's lock when
+    other tasks hold or wait for it; a cancel there (a request's deadline) lost the
+    connection: held by nothing but the pool's weak set of connections in use, it
+    stayed open until the collector found it (a ``ResourceWarning``), and in a
+    blocking pool it took a slot of ``max_connections`` until then.  The release now
+    runs to its end in a task of its own when the lock is busy."""
+
+    async def release(self, connection: AbstractConnection) -> None:
+        parent: Any = super()
+        if self._lock_free():  # (then the release never waits: nothing to cancel)
+            await parent.release(connection)
+            return
+        await asyncio.shield(parent.release(connection))
+
+    def _lock_free(self) -> bool:
+        """Whether the locks the release takes are free with nobody waiting for them
+        (an ``asyncio.Lock`` with waiters makes a newcomer wait too)."""
+        pool: Any = self
+        condition = getattr(pool, "_condition", None)
+        locks = [pool._lock, getattr(condition, "_lock", condition)]
+        return not any(lock is not None and (lock.locked() or getattr(lock, "_waiters", None))
+                       for lock in locks)
+
+
+class ShieldedPool(ShieldedRelease, aioredis.ConnectionPool):
+    """A plain pool (a sentinel's own links) with ``ShieldedRelease``."""
+
+
+class ShieldedBlockingPool(ShieldedRelease, aioredis.BlockingConnectionPool):
+    """A blocking pool (a plain Redis) with ``ShieldedRelease``."""
+
+
+class BlockingSentinelPool(ShieldedRelease, SentinelConnectionPool,
+                           aioredis.BlockingConnectionPool):
     """The service's primary, found through the sentinels at each (re)connect; a caller
     waits for a free connection, as with a plain Redis."""
+
+
+class ShieldedSentinel(Sentinel):
+    """redis-py's ``Sentinel`` whose links to the sentinels use ``ShieldedPool``: the
+    lookups of every reconnect go through them, many at once after a failover."""
+
+    def __init__(self, sentinels: Any, **kwargs: Any) -> None:
+        init: Any = super().__init__  # (untyped in redis-py)
+        init(sentinels, **kwargs)
+        for client in self.sentinels:
+            old = client.connection_pool
+            client.connection_pool = ShieldedPool(connection_class=old.connection_class,
+                                                  max_connections=old.max_connections,
+                                                  **old.connection_kwargs)
 
 
 class SentinelRedis(aioredis.Redis):
@@ -142,7 +192,7 @@ def _sentinel_options(settings: RedisSettings, nodes: Topology) -> dict[str, Any
 
 # (redis-py leaves these untyped)
 _ASYNC_SEED: Any = ClusterNode
-_ASYNC_SENTINEL: Any = Sentinel
+_ASYNC_SENTINEL: Any = ShieldedSentinel
 _SYNC_SEED: Any = SyncClusterNode
 _SYNC_SENTINEL: Any = SyncSentinel
 

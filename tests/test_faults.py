@@ -15,7 +15,15 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from redbatch import Client, DeadlineExceeded, Model, RedisUnavailable, batch, protocol
+from redbatch import (
+    Client,
+    DeadlineExceeded,
+    Model,
+    RedbatchError,
+    RedisUnavailable,
+    batch,
+    protocol,
+)
 from redbatch.checks import check_eviction
 from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.levels import ONE
@@ -179,6 +187,29 @@ async def test_client_fails_by_the_deadline_while_redis_is_stalled(
         with stalled(server) as elapsed, pytest.raises(DeadlineExceeded):
             await client.predict("stalled", 1, timeout_s=1.0)
     assert elapsed[0] < 1.8, elapsed
+
+
+@pytest.mark.timeout(60)
+async def test_closing_a_client_ends_a_push_stuck_on_a_stalled_redis(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    """A push still in flight once the close's drain is over ends with the close (its
+    request fails), never left running past it."""
+    server = redis_server_factory()
+    _register(server, "stalled")
+    client = Client(server.url)
+    await client.start()
+    warm = await client.submit("stalled", 0, timeout_s=30)  # the look-ups are cached
+    enqueuer = client._enqueuer
+    assert enqueuer is not None and not warm.done()
+    with stalled(server):
+        pending = await client.submit("stalled", 1, timeout_s=30)
+        await asyncio.sleep(0.2)  # the push is written: its reply never comes
+        assert enqueuer._tasks
+        await client.close()
+        assert not enqueuer._tasks  # ended, not left running on the closed pool
+        with pytest.raises(RedbatchError):
+            await pending
+    warm.cancel()
 
 
 async def test_first_requests_after_a_redis_restart_succeed(

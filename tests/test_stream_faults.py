@@ -182,6 +182,27 @@ async def test_a_second_entry_of_a_running_stream_is_dead_lettered_not_streamed(
         assert mine[-1].last and mine[-1].ok, rid
 
 
+async def test_a_streams_chunks_never_shorten_a_reply_lists_longer_ttl(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply list that holds a reply with a longer TTL (PUBLISH sets it from that
+    request's deadline) keeps it: a stream's chunks set a TTL only on a new list, or
+    lengthen it, as PUBLISH does."""
+    await _live(start_worker, redis_url, monkeypatch)
+    reply_to = protocol.reply_key("counter", "ttl")
+    raw_redis.rpush(reply_to, b"an earlier reply")
+    raw_redis.expire(reply_to, 3600)
+    entry = codec.encode(_request("ttl1", reply_to, {"n": 3}).to_wire(), "json")
+    raw_redis.rpush(protocol.queue_key("counter"), entry)
+    await _until(lambda: raw_redis.llen(reply_to) == 5 and _idle(raw_redis, "counter"))
+    assert raw_redis.ttl(reply_to) > 3000
+    fresh = protocol.reply_key("counter", "fresh")  # a new list still gets a TTL
+    entry = codec.encode(_request("ttl2", fresh, {"n": 3}).to_wire(), "json")
+    raw_redis.rpush(protocol.queue_key("counter"), entry)
+    await _until(lambda: raw_redis.llen(fresh) == 4 and _idle(raw_redis, "counter"))
+    assert 0 < raw_redis.ttl(fresh) <= 3000
+
+
 async def test_a_request_cancelled_while_queued_is_never_stepped(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,9 +53,11 @@ class Gateway:
         log.info("gateway using redis at %s", self.redis_settings.safe_url)
 
     async def close(self) -> None:
-        await self.core.aclose()  # its tasks use the client's pool
-        await self.client.close()
-        await self._redis.aclose()
+        try:
+            await self.core.aclose()  # its tasks use the client's pool
+            await self.client.close()
+        finally:  # (its own pool closes even if the client's close failed)
+            await self._redis.aclose()
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"models": await self.directory.listing()})

@@ -135,7 +135,16 @@ class Client:
 
     async def close(self) -> None:
         # every task on the pool ends before it closes: one that went on would take a
-        # connection of the closed pool and leave it open
+        # connection of the closed pool and leave it open; the pool closes even if
+        # ending one of them failed (behind Sentinel, its sentinels' links with it)
+        try:
+            await self._end_tasks()
+        finally:
+            redis, self._redis = self._redis, None
+            if redis is not None:
+                await redis.aclose()
+
+    async def _end_tasks(self) -> None:
         await asyncio.gather(*self._cancels, return_exceptions=True)  # (bounded each)
         if self._enqueuer is not None:
             await self._enqueuer.drain()
@@ -146,8 +155,6 @@ class Client:
         if self._redis is not None:  # started: the admission's reads end first
             await self._admission.aclose()
             await self._pipelines.aclose()
-            await self._redis.aclose()
-            self._redis = None
 
     def _keep_till_close(self, task: asyncio.Task[None]) -> None:
         """Hold ``task`` (a stream's cancel, ``Stream.close_soon``) until it ends;

@@ -136,9 +136,17 @@ class Enqueuer:
         self.router = Router()  # a sharded model's sub-queue lengths (``routing``)
 
     async def drain(self, timeout_s: float = defaults.ENQUEUE_DRAIN_S) -> None:
-        """Let the pushes in flight finish (bounded), before the connection closes."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        """Let the pushes in flight finish (bounded), before the connection closes; the
+        ones still running then are cancelled (their requests fail) and ended: one left
+        running would reconnect on the closed pool (behind Sentinel, ask the closed
+        sentinels too) and leave those connections open."""
+        if not self._tasks:
+            return
+        _done, late = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
 
     def push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
              cap: int | None = None, level: int = 0) -> None:
