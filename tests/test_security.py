@@ -15,7 +15,7 @@ from redbatch import Client, RedisSettings, RedisUnavailable, batch
 from redbatch.config import WorkerConfig
 from redbatch.worker.process import Worker
 from tests.conftest import RedisServer, free_port
-from tests.test_gateway import gateway
+from tests.test_gateway import _wait_registered, gateway
 
 CONFIG = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=1.0)
 SECRET = "s3cret-Pa55"
@@ -96,10 +96,7 @@ async def test_gateway_api_key(start_worker: Callable[..., Worker], redis_url: s
     start_worker([plus], config=CONFIG)
     async with gateway(redis_url, api_key="k3y") as http:
         assert (await http.get("/healthz")).status_code == 200
-        for _ in range(100):
-            if (await http.get("/readyz")).status_code == 200:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_registered(http)
         denied = await http.post("/v1/models/plus/predict", json={"inputs": 1})
         assert denied.status_code == 401 and denied.json()["error"]["code"] == "unauthorized"
         wrong = await http.post("/v1/models/plus/predict", json={"inputs": 1},
@@ -146,10 +143,7 @@ async def test_predict_needs_a_json_content_type(start_worker: Callable[..., Wor
     CORS preflight: such bodies are refused, so a keyless gateway is not driven so."""
     start_worker([plus], config=CONFIG)
     async with gateway(redis_url) as http:
-        for _ in range(100):
-            if (await http.get("/readyz")).status_code == 200:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_registered(http)
         for refused in ("text/plain", "text/plain;charset=UTF-8",
                         "application/x-www-form-urlencoded", "multipart/form-data; b=x",
                         "application/jsonx", "application/msgpack"):
@@ -175,10 +169,7 @@ async def test_v2_infer_refuses_the_types_a_cross_site_form_can_send(
     """The same for v2 infer, which also takes its binary extension's type."""
     start_worker([plus], config=CONFIG)
     async with gateway(redis_url) as http:
-        for _ in range(100):
-            if (await http.get("/readyz")).status_code == 200:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_registered(http)
         for refused in ("text/plain", "application/x-www-form-urlencoded",
                         "multipart/form-data; b=x"):
             for path in ("/v2/models/plus/infer", "/v2/models/plus/versions/1/infer"):

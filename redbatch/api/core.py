@@ -180,8 +180,8 @@ class InferCore:
             return await self.predict(model, headers, receive, trace, query, version, plain)
         except RedbatchError as exc:
             response = from_exception(exc)
-            if version and self.directory.cached(protocol.served_name(model, version)):
-                response.headers["x-redbatch-version"] = version  # (a version refused it)
+            if version and self.directory.cached(served := protocol.served_name(model, version)):
+                tag_version(response, served)  # (a version refused it)
         except Exception:
             log.exception("unexpected error on %s %s (request id %s)", scope["method"],
                           scope["path"], trace)

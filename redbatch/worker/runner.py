@@ -228,13 +228,15 @@ class BatchRunner:
                 if publishing is not None and publishing.done():
                     await _settle(publishing)  # its error, if any, now: not at the next batch
                     publishing = None
+                prefetched = claiming is not None  # (claimed during the pass before)
                 batch = await (claiming or self._take())
                 early = self._claims_early()
                 claiming = self._prefetch() if early and not stop.is_set() else None
                 if claiming is not None and self._forwarder.inline:
                     await asyncio.sleep(0)  # the claim goes out before the pass holds us
                 if batch is not None:
-                    self._recheck_deadlines(batch)  # (claimed early: it waited for a pass)
+                    if prefetched:  # judged when claimed, a pass ago
+                        self._recheck_deadlines(batch)
                     computed = await self._compute(batch)
                     await _settle(publishing)  # done by now, or waited for: claim order
                     publishing = asyncio.create_task(self._publish_batch(batch, computed))
