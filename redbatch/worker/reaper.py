@@ -48,6 +48,7 @@ from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.levels import ONE, Levels
 from redbatch.logs import utf8
 from redbatch.protocol import Request, Timings
+from redbatch.splice import requeue_entry
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
@@ -136,12 +137,15 @@ class Reaper:
         fmt = codec.sniff_format(raw)
         request.attempt += 1 if blamed else 0
         request.suspect = request.suspect or suspect
+        why = f"request crashed {request.attempt} workers"
         if request.attempt < self.max_attempts:
-            with contextlib.suppress(InvalidPayload):  # one that cannot be encoded dies
-                plan.requeue.append(codec.encode(request.to_wire(), fmt))
+            entry = requeue_entry(raw, request, fmt)
+            if entry is not None:
+                plan.requeue.append(entry)
                 return
+            why = "its worker died and it cannot be requeued (over the entry limit)"
         plan.dead.append(raw)
-        exc = WorkerCrashed(f"request crashed {request.attempt} workers; dead-lettered")
+        exc = WorkerCrashed(f"{why}; dead-lettered")
         reply = error_reply(request, exc, Timings())
         plan.replies.append(outgoing(self.model, request, reply, fmt, tag))
 

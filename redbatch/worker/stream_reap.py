@@ -12,7 +12,6 @@ can slip in between.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from redbatch import codec, lua_stream, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.protocol import Request
+from redbatch.splice import requeue_entry
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.reaper import NOT_ELECTED, Plan, Reaper
 
@@ -100,19 +100,18 @@ class StreamReaper(Reaper):
             requeued, code, message = b"", entry.error.code, str(entry.error)
         else:
             blamed = failed and named in (None, request.id)
-            requeued = self._requeued(request, blamed, failed, entry.fmt)
+            requeued = self._requeued(entry, blamed, failed)
             code, message = WorkerCrashed.code, CRASHED if failed else STOPPED
         keys += [protocol.request_key(self.model, request.id), request.reply_to]
         ttl = protocol.marker_ttl_ms(request.deadline_ms, protocol.now_ms())
         per_entry += [requeued, raw, request.id, entry.fmt, ttl, message, code]
 
-    def _requeued(self, request: Request, blamed: bool, suspect: bool, fmt: codec.Format
-                  ) -> bytes:
+    def _requeued(self, entry: _Entry, blamed: bool, suspect: bool) -> bytes:
         """The entry to requeue, or b"" when it may not run again."""
+        request = entry.request
+        assert request is not None
         request.attempt += 1 if blamed else 0
         request.suspect = request.suspect or suspect
         if request.attempt >= self.max_attempts:
             return b""
-        with contextlib.suppress(InvalidPayload):
-            return codec.encode(request.to_wire(), fmt)
-        return b""
+        return requeue_entry(entry.raw, request, entry.fmt) or b""
