@@ -38,7 +38,7 @@ def requeue_entry(raw: bytes, request: Request, fmt: Format) -> bytes | None:
         fields[F_SUSPECT] = True
     try:
         entry = splice(raw, fields, fmt)
-    except ValueError:
+    except (ValueError, TypeError):  # (orjson's encode error is a TypeError)
         try:
             entry = codec.encode(request.to_wire(), fmt)
         except InvalidPayload:
