@@ -370,6 +370,7 @@ HANDOFF_TAKE: Final = 64  # hand-off records taken per step
 F_STAGE: Final = "stage"  # error map of a pipeline's reply: the stage that failed
 F_STAGES: Final = "stages"  # a pipeline's final reply: each stage's timings, in order
 F_PART: Final = "p"  # a merge stage's part: one branch's output
+F_PART_TIMINGS: Final = "t"  # ... and that branch stage's timings
 
 
 def outbox_key(stage: str) -> str:

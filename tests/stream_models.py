@@ -63,6 +63,18 @@ async def counting_async(batch: StreamBatch) -> AsyncIterator[list[Any]]:
         yield _items(batch, sent)
 
 
+def checked_counting(batch: StreamBatch) -> Iterator[list[Any]]:
+    """``counting``, but a batch holding a ``refuse`` input raises when called, before
+    its generator exists (a function that checks its batch first)."""
+    if any(value.get("refuse") for value in batch):
+        raise ValueError("refused before its first step")
+    return counting(batch)
+
+
+def checked(size: int = 4) -> Model:
+    return Model("checked", fn=checked_counting, policy=policy(size), streaming=True)
+
+
 def policy(size: int, wait_s: float = 0.05) -> BatchPolicy:
     return BatchPolicy(max_batch_size=size, batch_wait_timeout_s=wait_s)
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from redbatch import Client, RedisSettings, codec, protocol
 from redbatch.api import create_app
 from redbatch.config import GatewayConfig
-from redbatch.errors import DeadlineExceeded, InvalidKnob, ModelError
+from redbatch.errors import DeadlineExceeded, InvalidKnob, InvalidPayload, ModelError
 from redbatch.lean import LeanLink
 from redbatch.levels import ONE
 from redbatch.pipelines import Pipeline, handoff
@@ -559,3 +559,69 @@ async def test_a_stage_reply_waits_in_its_outbox_past_its_deadline(
     assert raw_redis.pttl(outbox) >= deadline_ms - protocol.now_ms()
     await link.release()
     await client.aclose()
+
+
+def fan_models() -> list[Model]:
+    return [inc(), Model("mrg", fn=lambda parts: [p["fa"] + p["fb"] for p in parts],
+                         policy=POLICY, inline=True),
+            Model("fa", fn=fa_fn, policy=POLICY, inline=True),
+            Model("fb", fn=fb_fn, policy=POLICY, inline=True)]
+
+
+async def test_a_fan_out_takes_rows_and_its_reply_times_every_branch(
+        workers: Workers, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-row request (as v2 infer sends) merges row by row into a merge model
+    without a spec; the final reply's stages hold both branches, in order."""
+    from redbatch.producer import listener
+
+    stages: list[list[str]] = []
+    dispatch = listener.ReplyListener.dispatch
+
+    def spy(self: listener.ReplyListener, raw: bytes) -> Any:
+        stages.append([s["stage"] for s in codec.decode(raw).get(protocol.F_STAGES, [])])
+        return dispatch(self, raw)
+
+    monkeypatch.setattr(listener.ReplyListener, "dispatch", spy)
+    workers.start(fan_models(), [FAN])
+    await wait_live(redis_url, "fan")
+    async with Client(redis_url) as client:
+        assert await client.predict("fan", 1, timeout_s=5) == 20 + 102
+        (rows,) = await client.submit_many("fan", [[1, 2]], timeout_s=5, batched=True)
+        assert [int(x) for x in await rows] == [122, 133]
+    assert stages[0] == ["inc", "fa", "fb", "mrg"]
+    app = create_app(GatewayConfig(), RedisSettings(redis_url))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+        body = {"inputs": [{"name": "inputs", "shape": [2], "datatype": "INT64",
+                            "data": [1, 2]}]}
+        resp = await http.post("/v2/models/fan/infer", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["outputs"][0]["data"] == [122, 133]
+
+
+def test_a_streaming_model_is_no_stage() -> None:
+    from redbatch.errors import ConfigError
+    from redbatch.pipelines.duty import check_declared
+    from tests.stream_models import counter
+
+    with pytest.raises(ConfigError, match="'counter' is a streaming model"):
+        check_declared([Pipeline("p", ["inc", "counter"])], [inc(), counter()])
+
+
+async def test_a_streaming_stage_served_elsewhere_fails_its_request_clearly(
+        workers: Workers, redis_url: str) -> None:
+    """Declared where the streaming stage is not served, the pipeline cannot be refused:
+    the stage's first chunk fails each request (``config_error``), with no hang."""
+    from redbatch.errors import ConfigError
+    from tests.stream_models import counter
+
+    workers.start([Model("ident", fn=lambda xs: xs, policy=POLICY, inline=True)],
+                  [Pipeline("pstream", ["ident", "counter"])])
+    workers.start([counter()])
+    await wait_live(redis_url, "pstream")
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url) as client:
+        with pytest.raises(ConfigError, match=r"stage 'counter' failed: .*streaming model"):
+            await client.predict("pstream", {"n": 3}, timeout_s=5)
+        with pytest.raises(InvalidPayload, match="is a pipeline"):
+            await client.stream("pstream", {"n": 3}, 5).open()

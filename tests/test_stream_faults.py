@@ -449,6 +449,24 @@ async def test_an_exception_yielded_for_one_member_fails_that_member_alone(
                for keys in stream_models.STEPS)
 
 
+async def test_a_batch_function_that_raises_when_called_fails_its_culprit_alone(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the worker's loop: the culprit gets ``model_error`` at once (no retries
+    ending in ``worker_crashed``), and its batch-mates stream on."""
+    monkeypatch.setattr(stream_models, "STEP_S", 0.01)
+    start_worker([stream_models.checked()])
+    await wait_live(redis_url, "checked")
+    async with Client(redis_url) as client:
+        bad = client.stream("checked", {"n": 3, "refuse": True}, 10)
+        good = client.stream("checked", {"n": 3, "tag": "g"}, 10)
+        await asyncio.gather(bad.open(), good.open())
+        with pytest.raises(ModelError, match="refused before its first step"):
+            _ = [x async for x in bad]
+        assert [x async for x in good] == ["g0", "g1", "g2"]
+    assert raw_redis.llen(protocol.dead_letter_key("checked")) == 0
+
+
 async def test_a_generator_that_raises_fails_its_culprit_alone_the_others_rerun(
         start_worker: Callable[..., Worker], redis_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -735,6 +753,8 @@ async def test_a_deadline_that_passes_during_a_replay_ends_the_stream_where_it_w
 async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and the running batch takes no newcomer meanwhile: under steady load it
+    would never end, and the suspect would wait in the worker's hands to its deadline."""
     await _live(start_worker, redis_url, monkeypatch)
     reply_to = protocol.reply_key("counter", "t1")
     suspect = _request("suspect1", reply_to, {"n": 3, "tag": "s"})
@@ -743,8 +763,9 @@ async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
         busy = client.stream("counter", {"n": 15}, 10)
         assert await anext(busy) == "0"
         raw_redis.rpush(protocol.queue_key("counter"), codec.encode(suspect.to_wire(), "json"))
+        await _until(lambda: raw_redis.llen(protocol.queue_key("counter")) == 0)
         late = client.stream("counter", {"n": 2, "tag": "l"}, 10)
-        assert [x async for x in late] == ["l0", "l1"]  # a newcomer still joins
+        assert [x async for x in late] == ["l0", "l1"]  # served: after the suspect
         assert len([x async for x in busy]) == 14
         await _until(lambda: raw_redis.llen(reply_to) == 4)
     messages = [codec.decode(raw) for raw in raw_redis.lrange(reply_to, 0, -1)]
@@ -754,6 +775,7 @@ async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
     alone = [i for i, keys in enumerate(steps) if "suspect1" in keys]
     assert all(steps[i] == ["suspect1"] for i in alone)
     assert max(i for i, keys in enumerate(steps) if busy.request_id in keys) < min(alone)
+    assert max(alone) < min(i for i, keys in enumerate(steps) if late.request_id in keys)
     assert not raw_redis.keys(protocol.crashing_key("counter", "*"))  # named while it ran
 
 
@@ -776,3 +798,16 @@ async def test_the_suspect_a_worker_died_running_alone_takes_the_blame_alone(
                 raw_redis.lrange(protocol.queue_key("counter"), 0, -1)]
     assert [(r["id"], r[protocol.F_ATTEMPT], r.get(protocol.F_SUSPECT)) for r in requeued] == \
         [("waiting", 0, True), ("culprit", 2, True)]
+
+
+async def test_a_stream_whose_input_cannot_be_encoded_leaves_no_waiter(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    async with Client(redis_url, max_waiters=3) as client:
+        for _ in range(4):
+            with pytest.raises(RedbatchError, match="cannot encode"):
+                await client.stream("counter", {"n": 1, "x": object()}, 30).open()
+        assert client.waiting == 0
+        assert [x async for x in client.stream("counter", {"n": 2, "tag": "t"}, 5)] == [
+            "t0", "t1"]

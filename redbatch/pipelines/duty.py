@@ -191,8 +191,19 @@ def is_model_meta(raw: bytes) -> bool:
 def check_declared(pipelines: list[Pipeline], models: list[Model]) -> None:
     """``ConfigError`` if ``models`` cannot serve a stage of ``pipelines``."""
     for pipe in pipelines:
-        if problem := unservable(pipe, models):
+        if problem := unservable(pipe, models) or streamed_stage(pipe, models):
             raise ConfigError(f"pipeline {pipe.name!r}: {problem}")
+
+
+def streamed_stage(pipe: Pipeline, models: list[Model]) -> str:
+    """Why a streaming model of ``models`` cannot be a stage of ``pipe`` ("" if none
+    is).  Checked where a pipeline is declared; a pipeline read from the registry is
+    served all the same, and the stage's first chunk fails each request clearly."""
+    for model in models:
+        if model.name in pipe.models and model.streaming:
+            return (f"stage {model.name!r} is a streaming model: a pipeline stage must "
+                    "give one reply, not chunks")
+    return ""
 
 
 def pipeline_meta(pipeline: Pipeline, first: dict[str, Any], last: bytes | None
@@ -203,8 +214,11 @@ def pipeline_meta(pipeline: Pipeline, first: dict[str, Any], last: bytes | None
             "stages": pipeline.stages}
     meta.pop("outputs", None)
     meta.pop("output_spec", None)  # the first stage's: the last stage's, if it has one
+    meta.pop("streaming", None)  # a pipeline gives one reply (a streaming stage is refused)
     with contextlib.suppress(orjson.JSONDecodeError):  # bad: the outputs left out
         last_meta = orjson.loads(last) if last else None
-        if isinstance(last_meta, dict):
+        if isinstance(last_meta, dict):  # all of its output fields, none of the first's
+            for key in OUTPUT_FIELDS:
+                meta.pop(key, None)
             meta.update({k: last_meta[k] for k in OUTPUT_FIELDS if k in last_meta})
     return meta

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, lua, protocol
-from redbatch.errors import DeadlineExceeded, RedbatchError
+from redbatch.errors import ConfigError, DeadlineExceeded, RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.pipelines import handoff
 from redbatch.pipelines.context import Context
@@ -186,16 +186,18 @@ class Mover:
         the last part sends the merge stage's input, a map branch -> output (sent
         again, after a death, it is deduplicated as any hand-off)."""
         ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
+        passed = ctx.passed(self.stage, reply.timings)
+        part = {protocol.F_PART: reply.payload, protocol.F_PART_TIMINGS: passed.stages[-1]}
         got: list[bytes] = await self._link.script(
             lua.HANDOFF_PART, [protocol.parts_key(merge, reply.id)],
-            [ctx.branch, codec.encode({protocol.F_PART: reply.payload}), len(ctx.branches),
-             ttl_ms])
+            [ctx.branch, codec.encode(part), len(ctx.branches), ttl_ms])
         if not got:
             return []  # the other branches are still on their way
-        parts = {got[i].decode(): codec.decode(got[i + 1])[protocol.F_PART]
-                 for i in range(0, len(got), 2)}
-        merged = {branch: parts[branch] for branch in ctx.branches}
-        send = await self._send(merge, reply.id, merged, ctx.passed(self.stage, reply.timings))
+        parts = {got[i].decode(): codec.decode(got[i + 1]) for i in range(0, len(got), 2)}
+        merged = {branch: parts[branch][protocol.F_PART] for branch in ctx.branches}
+        passed.stages[-1:] = [parts[branch][protocol.F_PART_TIMINGS] for branch in ctx.branches
+                              if protocol.F_PART_TIMINGS in parts[branch]]  # every branch's
+        send = await self._send(merge, reply.id, merged, passed)
         return [send, handoff.Command(lua.HANDOFF_FORGET, [protocol.parts_key(merge, reply.id)],
                                       [], merge)]  # sent (same write, after it): dropped
 
@@ -212,7 +214,24 @@ def _log_failure(stage: str, exc: Exception, backoff_s: float) -> None:
 
 def _reply(record: bytes) -> Reply | None:
     try:
-        return protocol.reply_from_wire(codec.decode(record))
+        wire = codec.decode(record)
+        if isinstance(wire, dict) and protocol.F_SEQ in wire:
+            return _streamed(wire)
+        return protocol.reply_from_wire(wire)
     except Exception:  # not a reply: nothing to hand on
         log.exception("undecodable hand-off record dropped")
         return None
+
+
+STREAMED = ("the stage is a streaming model, which answers in chunks: a pipeline stage "
+            "must give one reply")
+
+
+def _streamed(wire: dict[str, Any]) -> Reply:
+    """A streaming model's chunk (a stage served by one: workers refuse to front such
+    a pipeline, but another process may serve the stage): the request fails with
+    ``config_error``.  Only its first record is handed on (the context is gone then)."""
+    if wire.get(protocol.F_SEQ) == 0:  # (its later chunks are dropped unlogged)
+        log.warning("a streaming model's chunk reached a pipeline's hand-off: %s", STREAMED)
+    return Reply(str(wire.get(protocol.F_ID, "")), False, error_code=ConfigError.code,
+                 error_message=STREAMED)

@@ -548,9 +548,8 @@ class Client:
         the pipeline of that name (None: a model's)."""
         model = await self._routed(model, version, deadline_ms)
         listeners = await self._ready(model, count, deadline_ms)
-        pipeline = self._pipelines.known(model) if self._pipelines.settled(model) \
-            else await self._pipeline(model, deadline_ms)
-        return model, listeners, pipeline
+        return model, listeners, await self._pipeline(model, deadline_ms)
+
 
     async def _routed(self, model: str, version: str | None, deadline_ms: int) -> str:
         """``route``, unless the client queues for workers to come
@@ -560,9 +559,11 @@ class Client:
         return await self.route(model, version, deadline_ms)
 
     async def _pipeline(self, name: str, deadline_ms: int) -> Pipeline | None:
-        """The pipeline called ``name``, a name the book has not answered for yet (a
-        name it has is answered at once: ``PipelineBook.settled``): one registry read
-        shared with the others, ending by ``deadline_ms``."""
+        """The pipeline called ``name`` (None: a model's): at once for a name the book
+        has answered for (``PipelineBook.settled``), else one registry read shared with
+        the others, ending by ``deadline_ms``."""
+        if self._pipelines.settled(name):
+            return self._pipelines.known(name)
         async with deadline_bound(deadline_ms, f"looking up pipeline {name!r}"), \
                 translated(self.settings):
             await self._pipelines.learn(name)
@@ -638,15 +639,19 @@ class Client:
     async def _open_stream(self, model: str, inputs: Any, deadline_ms: int,
                           trace_id: str = "", max_queue_len: int | None = None
                           ) -> tuple[str, ChunkQueue]:
-        """Enqueue one streaming request: its id and the queue of its messages."""
+        """Enqueue one streaming request: its id and the queue of its messages.  A
+        pipeline's name is refused (its stages give one reply each, not a stream)."""
         listeners = await self._ready(model, 1, deadline_ms)
+        if await self._pipeline(model, deadline_ms) is not None:
+            raise InvalidPayload(f"{model!r} is a pipeline, not a streaming model: call "
+                                 "predict, not stream")
         request = self._request(model, inputs, deadline_ms, None, listeners.reply_to(model),
                                 trace_id)
-        enqueuer = self._pusher()
+        # encoded before its queue is registered: an input that cannot be encoded
+        # leaves no waiter behind (and a stream's entry travels alone, never packed)
+        entry = codec.encode(request.to_wire(), self.fmt)
         queue = listeners.of(model).expect_stream(request.id, deadline_ms)
-        # encoded now: a stream's entry travels alone, never packed with others
-        enqueuer.push(model, [request], [codec.encode(request.to_wire(), self.fmt)],
-                            max_queue_len)
+        self._pusher().push(model, [request], [entry], max_queue_len)
         return request.id, queue
 
     async def predict_many(self, model: str, inputs: Sequence[Any],

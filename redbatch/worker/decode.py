@@ -163,11 +163,12 @@ def _decode_rows(request: Request, fmt: Format, model: Model, out: Decoded) -> N
     if model.signature is not None:
         _decode_named_rows(request, fmt, model, out)
         return
-    payload = _rows_array(request.payload)
-    if payload is None or payload.ndim == 0 or payload.shape[0] != rows:
+    payload = _rows_of(request.payload, rows, model.spec is None)
+    if payload is None:
         out.early.append((request, fmt, InvalidPayload(
             f"a request of {rows} rows needs a tensor (or a rectangular nested list of "
-            f"numbers) whose first dimension is {rows}")))
+            f"numbers) whose first dimension is {rows}" + (
+                f", or a map name -> {rows} rows" if model.spec is None else ""))))
         return
     pack = Pack(request, fmt, [None] * rows, {})
     out.packs.append(pack)
@@ -193,6 +194,26 @@ def _decode_named_rows(request: Request, fmt: Format, model: Model, out: Decoded
             pack.errors[row] = exc
 
 
+def _rows_of(payload: Any, rows: int, plain: bool) -> Any:
+    """A multi-row payload's ``rows`` rows: an array (``_rows_array``), or for a
+    ``plain`` model (no spec) a map name -> ``rows`` rows as one map per row (a
+    pipeline's merge stage gets its branches' outputs so); None if it is neither."""
+    array = _rows_array(payload)
+    if array is not None and array.ndim and array.shape[0] == rows:
+        return array
+    if not plain or not isinstance(payload, dict) or not payload:
+        return None
+    if any(_length(value) != rows for value in payload.values()):
+        return None
+    return [{name: value[row] for name, value in payload.items()} for row in range(rows)]
+
+
+def _length(value: Any) -> int | None:
+    if isinstance(value, list):
+        return len(value)
+    return len(value) if isinstance(value, np.ndarray) and value.ndim else None
+
+
 def _rows_array(payload: Any) -> np.ndarray[Any, Any] | None:
     """A multi-row payload as an array: a tensor as it is, a nested list of numbers
     converted (as a tensor of a wire dtype would be); anything else ``None``."""
@@ -207,7 +228,7 @@ def _rows_array(payload: Any) -> np.ndarray[Any, Any] | None:
     return arr if arr.dtype.name in codec.DTYPES else None
 
 
-def _checked_rows(payload: np.ndarray[Any, Any], model: Model, pack: Pack
+def _checked_rows(payload: Any, model: Model, pack: Pack
                   ) -> list[tuple[int, Any]]:
     """The rows, checked against the spec in one go; if that fails, row by row (the
     failures go to ``pack.errors``)."""

@@ -193,6 +193,14 @@ class StreamRunner(BatchRunner):
             await pipe.execute()
         self.stats.dead_lettered(len(raws))
 
+    def start(self, batch: Any) -> Any:
+        """The batch function's generator for ``batch``, or the ``ModelError`` that
+        calling it raised (a function that checks its batch before it yields)."""
+        try:
+            return self.fn(batch)
+        except Exception as exc:  # the model's own error: its members fail
+            return _raised(self.model.name, exc)
+
     async def advance(self, gen: Any, timeout_s: float) -> Any:
         """The generator's next list, ``END`` once it returned, or the error it raised
         (``DeadlineExceeded`` past ``timeout_s``)."""
@@ -208,8 +216,7 @@ class StreamRunner(BatchRunner):
             return DeadlineExceeded(f"a step of model {self.model.name!r} ran past the "
                                     "deadline of every request in its batch")
         except Exception as exc:  # the model's own error: its members fail
-            return ModelError(f"model {self.model.name!r} raised {type(exc).__name__}: "
-                              f"{exc}")
+            return _raised(self.model.name, exc)
 
     async def close(self, gen: Any) -> None:
         """Close a generator that may not have finished (runs its ``finally``)."""
@@ -368,9 +375,10 @@ class StreamLoop:
     def room(self) -> int:
         """Places to fill at this step; ``NO_CLAIM`` for a fixed batch, or stopping
         (not even the places of members that end at this step)."""
-        if self.stop.is_set() or not self.r.model.continuous or self.alone:
+        if self.stop.is_set() or not self.r.model.continuous or self.alone or \
+                self.r.deferred:  # a suspect waits: this batch drains, then it runs
             return NO_CLAIM
-        return max(0, self.r.model.policy.max_batch_size - self.running - len(self.r.deferred))
+        return max(0, self.r.model.policy.max_batch_size - self.running)
 
     def expire(self) -> None:
         now = protocol.now_ms()
@@ -400,15 +408,24 @@ class StreamLoop:
     async def step_lane(self, lane: Lane) -> None:
         """One step of a lane's generator (started if need be), turned into messages."""
         if lane.gen is None:
-            lane.gen, lane.steps = self.r.fn(lane.batch), 0
+            started = self.r.start(lane.batch)
             if lane.bisection is None:  # a rerun is no new batch
                 self.r.stats.batches += 1
                 lane.failed_at = 0  # (a lane reused by newcomers is no rerun)
+            if isinstance(started, ModelError):
+                self.stop_lane(lane, started)
+                return
+            lane.gen, lane.steps = started, 0
         items, step_ms = await self.next_items(lane)
         if isinstance(items, list) and len(items) == len(lane.batch):
             self.route(lane, items, step_ms)
             return
-        lane.gen = None  # ended, failed, or broke the contract: its members end
+        lane.gen = None
+        self.stop_lane(lane, items)
+
+    def stop_lane(self, lane: Lane, items: Any) -> None:
+        """A lane that ended, failed, or broke the contract: its members end (a model
+        error splits the lane first, to find the member that caused it)."""
         if not (isinstance(items, ModelError) and self.split(lane, items)):
             self.end(lane, items)
 
@@ -630,3 +647,7 @@ _REFUSALS: Final = {
 
 def _length(items: Any) -> str:
     return f"of {len(items)} items " if isinstance(items, list) else ""
+
+
+def _raised(model: str, exc: Exception) -> ModelError:
+    return ModelError(f"model {model!r} raised {type(exc).__name__}: {exc}")
