@@ -186,9 +186,9 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     embedded = None if given else start_embedded()
     if given:
         log.info("using %s", source)
-    redis = given or RedisSettings.from_env(embedded.url if embedded else None)
-    log.info("redis: %s", redis.safe_url)
-    try:
+    try:  # (a bad REDBATCH_* setting stops the embedded Redis too)
+        redis = given or RedisSettings.from_env(embedded.url if embedded else None)
+        log.info("redis: %s", redis.safe_url)
         if not stop.is_set():
             _declare_pipelines(args, redis)
             _up(entries, gateway_config, redis, _log_level(args), stop)

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit, urlunsplit
 
 from redbatch import defaults, url_options
@@ -179,15 +179,38 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
                           f", got {value!r}")
 
 
+MAX_FLAG_S: Final = 86400.0  # a pause or poll interval given as a flag: at most a day
+
+
 def seconds_flag(text: str) -> float:
-    """An argparse ``type`` for a flag in seconds: a finite number > 0 (argparse then
-    names the flag in its one-line error, exit 2)."""
+    """An argparse ``type`` for a flag in seconds: a number > 0 and at most a day
+    (argparse then names the flag in its one-line error, exit 2)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    if not 0 < value <= MAX_FLAG_S:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 and at most "
+                                         f"{MAX_FLAG_S:g}, got {text!r}")
+    return value
+
+
+def count_flag(text: str) -> int:
+    """An argparse ``type`` for a count: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def positive_flag(text: str) -> int:
+    """An argparse ``type`` for a count of seconds or items: an integer >= 1."""
+    value = count_flag(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
     return value
 
 
@@ -336,6 +359,10 @@ class WorkerConfig:
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0 (off) or 1-65535, got "
                               f"{self.metrics_port}")
+        if self.metrics_port and self.metrics_port + self.replicas - 1 > 65535:
+            raise ConfigError(f"metrics_port {self.metrics_port} leaves no port for replica "
+                              f"{65536 - self.metrics_port} of {self.replicas} (replica i "
+                              "listens on metrics_port + i, at most 65535)")
         if not 1 <= self.max_attempts <= MAX_ATTEMPT:
             raise ConfigError(f"max_attempts must be 1..{MAX_ATTEMPT}")
         for name in ("block_timeout_s", "heartbeat_interval_s", "lease_ttl_s", "grace_s"):

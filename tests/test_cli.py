@@ -208,3 +208,12 @@ def test_listening_is_logged_once_the_port_is_bound(spawn: Callable[..., Proc],
         time.sleep(0.05)
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass  # the port was bound when the line was written
+
+
+@pytest.mark.e2e
+def test_up_with_a_bad_redis_setting_leaves_no_embedded_redis_behind(tmp_path: Path) -> None:
+    result = run_cli("up", "--port", str(free_port()), TMPDIR=str(tmp_path),
+                     REDBATCH_CONNECT_TIMEOUT_S="0")
+    assert result.returncode == 2, result.stderr
+    assert "connect_timeout_s" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # its work folder removed: it was stopped

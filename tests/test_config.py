@@ -166,3 +166,11 @@ def test_unverified_tls_is_spotted() -> None:
     assert tls_unverified("rediss://db:6380/0?ssl_cert_reqs=NONE")
     assert not tls_unverified("rediss://db:6380/0?ssl_cert_reqs=required")
     assert not tls_unverified("redis://db:6379/0")
+
+
+def test_metrics_ports_of_every_replica_must_exist() -> None:
+    from redbatch.config import WorkerConfig
+
+    assert WorkerConfig(metrics_port=65534, replicas=2).metrics_port == 65534
+    with pytest.raises(ConfigError, match="replica 1 of 2"):
+        WorkerConfig(metrics_port=65535, replicas=2)

@@ -3,6 +3,7 @@ needs a plain Redis (``REDBATCH_JOBS_REDIS_URL``), the items go to ``REDIS_URL``
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -10,8 +11,10 @@ import redis
 
 from redbatch.cli import build_parser
 from redbatch.errors import ConfigError
+from redbatch.jobs import BulkOptions
 from redbatch.jobs.cli import main as jobs_main
 from redbatch.jobs.submit import submit_bulk
+from redbatch.jobs.tasks import url_of
 from redbatch.jobs.urls import JOBS_URL_ENV, portable, queues_url, rq_settings, with_password
 
 CLUSTER = "redis+cluster://:s3cr3t@10.0.0.1:7000,10.0.0.2:7000"
@@ -77,3 +80,47 @@ def test_a_submitted_job_holds_no_password(raw_redis: redis.Redis) -> None:
         assert all(b"s3cr3t" not in v for v in raw_redis.hvals(job.key))
     finally:
         job.delete()
+
+
+@pytest.mark.parametrize("url", ["redis://:hunter?2@127.0.0.1:6393/0",
+                                 "redis://:se/cret@127.0.0.1:6393/0",
+                                 "redis+sentinel://:pw@h1:26379"])
+def test_a_queues_url_that_does_not_parse_is_refused_before_it_is_stored(url: str) -> None:
+    """A raw '/' or '?' cuts a password short: stored, it would be in clear text (and a
+    sentinel URL without its service raised an AssertionError)."""
+    with pytest.raises(ConfigError) as caught:
+        queues_url(url, None, {})
+    with pytest.raises(ConfigError):
+        queues_url(None, None, {"REDIS_URL": url, JOBS_URL_ENV: PLAIN})
+    with pytest.raises(ConfigError):
+        portable(url)
+    assert "hunter" not in str(caught.value) and "cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("flags", [["--result-ttl", "0"], ["--job-timeout", "-5"],
+                                   ["--retries", "-3"], ["--poll-s", "1e10"],
+                                   ["--poll-s", "nan"]])
+def test_bad_job_flags_exit_2(flags: list[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["jobs", "submit", "m", "[1]", *flags])
+    assert caught.value.code == 2
+
+
+@pytest.mark.parametrize("options", [{"max_wait_s": math.nan}, {"wait_workers_s": math.nan},
+                                     {"max_wait_s": math.inf}, {"priority": -7},
+                                     {"priority": 17}])
+def test_bulk_options_refuse_waits_without_end_and_levels_out_of_range(
+        options: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        BulkOptions(**options)  # type: ignore[arg-type]
+
+
+def test_url_of_keeps_a_unix_sockets_user_and_brackets_an_ipv6_host() -> None:
+    for url in ("unix:///tmp/r.sock?db=1&username=bulk&password=p%26w", "redis://[::1]:6393/2",
+                "redis://u:p@[::1]:6393/0"):
+        conn = redis.Redis.from_url(url)
+        kwargs = conn.connection_pool.connection_kwargs
+        again = redis.Redis.from_url(url_of(conn)).connection_pool.connection_kwargs
+        for key in ("host", "port", "db", "username", "password", "path"):
+            assert again.get(key) == kwargs.get(key), (url, key)
+        conn.close()

@@ -30,7 +30,7 @@ from rich.progress import (
 )
 
 from redbatch import defaults
-from redbatch.config import seconds_flag
+from redbatch.config import count_flag, positive_flag, seconds_flag
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.jobs.submit import TERMINAL, job_status, submit_bulk
 from redbatch.jobs.tasks import BulkOptions
@@ -95,11 +95,11 @@ def _add_pacing(parser: argparse.ArgumentParser) -> None:
                         "of several (1 most urgent; default: the model's default level)")
     parser.add_argument("--wait-workers-s", type=float, help="fail when the model has no "
                         f"live worker for this long ({defaults.JOB_WAIT_WORKERS_S:g})")
-    parser.add_argument("--retries", type=int, default=defaults.JOB_RETRIES,
+    parser.add_argument("--retries", type=count_flag, default=defaults.JOB_RETRIES,
                         help=f"RQ retries of a failed job ({defaults.JOB_RETRIES})")
-    parser.add_argument("--result-ttl", type=int, default=defaults.JOB_RESULT_TTL_S,
+    parser.add_argument("--result-ttl", type=positive_flag, default=defaults.JOB_RESULT_TTL_S,
                         help=f"seconds RQ keeps the result ({defaults.JOB_RESULT_TTL_S})")
-    parser.add_argument("--job-timeout", type=int, default=defaults.JOB_TIMEOUT_S,
+    parser.add_argument("--job-timeout", type=positive_flag, default=defaults.JOB_TIMEOUT_S,
                         help=f"seconds before RQ kills the job ({defaults.JOB_TIMEOUT_S})")
     parser.add_argument("--bulk-redis-url", help="Redis of redbatch's queues, when not the "
                         f"RQ Redis (default: $REDIS_URL when ${JOBS_URL_ENV} is set)")

@@ -35,6 +35,7 @@ of the RQ job itself (the usual set-up: one Redis for RQ and redbatch); outside 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -87,10 +88,16 @@ class BulkOptions:
             raise ConfigError("chunk_size and max_inflight_chunks must be >= 1")
         if self.low_water is not None and self.low_water < 0:
             raise ConfigError("low_water must be >= 0")
-        if min(self.max_wait_s, self.wait_workers_s, self.max_errors) < 0:
-            raise ConfigError("max_wait_s, wait_workers_s and max_errors must be >= 0")
+        if not all(0 <= value < math.inf for value in (self.max_wait_s,
+                                                         self.wait_workers_s)):
+            raise ConfigError("max_wait_s and wait_workers_s must be finite numbers >= 0")
+        if self.max_errors < 0:
+            raise ConfigError("max_errors must be >= 0")
         if not 0 < self.timeout_s <= protocol.MAX_TIMEOUT_S:
             raise ConfigError(f"timeout_s must be in (0, {protocol.MAX_TIMEOUT_S}]")
+        if self.priority is not None and not 0 <= self.priority <= protocol.MAX_PRIORITY_LEVELS:
+            raise ConfigError(f"priority must be 1..{protocol.MAX_PRIORITY_LEVELS} (0: the "
+                              "model's default level)")
 
     @property
     def low_water_mark(self) -> int:
@@ -135,12 +142,16 @@ def url_of(conn: redis.Redis) -> str:
     user, password = kwargs.get("username") or "", kwargs.get("password")
     db = kwargs.get("db", 0)
     if "path" in kwargs:
-        query = f"&password={quote(password, safe='')}" if password else ""
+        query = "".join(f"&{name}={quote(value, safe='')}"
+                        for name, value in (("username", user), ("password", password))
+                        if value)
         return f"unix://{kwargs['path']}?db={db}{query}"
     auth = (f"{quote(user, safe='')}:{quote(password or '', safe='')}@"
             if user or password else "")
     scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
-    return f"{scheme}://{auth}{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+    host = str(kwargs.get("host", "localhost"))
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return f"{scheme}://{auth}{host}:{kwargs.get('port', 6379)}/{db}"
 
 
 async def _run(url: str | None, model: str, items: Iterator[Any], opts: BulkOptions,

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from redbatch.config import RedisSettings, topology
+from redbatch.config import RedisSettings, check_redis_url, topology
 from redbatch.errors import ConfigError
 
 JOBS_URL_ENV = "REDBATCH_JOBS_REDIS_URL"
@@ -39,6 +39,9 @@ def queues_url(given: str | None, rq_given: str | None,
     names a cluster or a sentinel set-up (which RQ cannot use); else None (RQ's own)."""
     env = os.environ if env is None else env
     redis_url = env.get("REDIS_URL")
+    for url in (given, redis_url):
+        if url:
+            check_redis_url(url)  # (ConfigError, quoting nothing: before it is stored)
     if given or not redis_url:
         return given
     if rq_given:
@@ -56,6 +59,7 @@ def portable(url: str | None) -> str | None:
     the RQ worker."""
     if url is None:
         return None
+    check_redis_url(url)  # a password cut short by a raw '/' or '?' would be stored
     parts = urlsplit(url)
     hosts = parts.netloc.rpartition("@")[2]
     netloc = f"{parts.username}@{hosts}" if parts.username else hosts

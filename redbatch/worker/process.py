@@ -307,7 +307,7 @@ def serve_metrics(port: int) -> None:
     """Prometheus /metrics of this replica; a taken port costs the metrics, not the work."""
     try:
         metrics.serve(port)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # (a port past 65535: OverflowError)
         log.error("metrics: cannot listen on port %d (%s); this replica serves no /metrics",
                   port, exc)
         return
