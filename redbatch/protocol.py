@@ -371,6 +371,10 @@ F_STAGE: Final = "stage"  # error map of a pipeline's reply: the stage that fail
 F_STAGES: Final = "stages"  # a pipeline's final reply: each stage's timings, in order
 F_PART: Final = "p"  # a merge stage's part: one branch's output
 F_PART_TIMINGS: Final = "t"  # ... and that branch stage's timings
+# a multi-row payload given as a map name -> rows (a model without a spec): at most
+# this many names (a merge stage's branches), so that one entry cannot make a worker
+# build millions of maps
+MAX_ROW_MAP_NAMES: Final = 64
 
 
 def outbox_key(stage: str) -> str:

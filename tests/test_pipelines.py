@@ -625,3 +625,20 @@ async def test_a_streaming_stage_served_elsewhere_fails_its_request_clearly(
             await client.predict("pstream", {"n": 3}, timeout_s=5)
         with pytest.raises(InvalidPayload, match="is a pipeline"):
             await client.stream("pstream", {"n": 3}, 5).open()
+
+
+def test_a_fan_out_is_at_most_64_wide_and_so_is_a_map_of_rows() -> None:
+    from redbatch.errors import ConfigError
+    from redbatch.worker.decode import decode_batch
+
+    Pipeline("wide", ["a", [f"b{i}" for i in range(64)], "c"])
+    with pytest.raises(ConfigError, match="2 to 64 stages"):
+        Pipeline("wide", ["a", [f"b{i}" for i in range(65)], "c"])
+    plain = Model("plain", fn=lambda xs: xs, policy=POLICY)
+    now = protocol.now_ms()
+    for names, ok in ((64, True), (65, False)):
+        payload = {f"n{i}": [i, i] for i in range(names)}
+        request = protocol.Request("r1", "plain", now, now + 5000, "rb:reply:{plain}:c",
+                                   payload, rows=2)
+        decoded = decode_batch([codec.encode(request.to_wire())], plain, now)
+        assert (len(decoded.items), len(decoded.early)) == ((2, 0) if ok else (0, 1))

@@ -57,11 +57,11 @@ class Pipeline:
         for i, step in enumerate(self.stages):
             if isinstance(step, str):
                 continue
-            if len(step) < 2 or i == 0 or i == len(self.stages) - 1 or \
-                    not isinstance(self.stages[i + 1], str):
+            if not 2 <= len(step) <= protocol.MAX_ROW_MAP_NAMES or i == 0 or \
+                    i == len(self.stages) - 1 or not isinstance(self.stages[i + 1], str):
                 raise ConfigError(f"pipeline {self.name!r}: a fan-out {list(step)} needs "
-                                  "two stages or more, a stage before it and one merge "
-                                  "stage after it")
+                                  f"2 to {protocol.MAX_ROW_MAP_NAMES} stages, a stage "
+                                  "before it and one merge stage after it")
 
     @property
     def first(self) -> str:

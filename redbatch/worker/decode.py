@@ -201,7 +201,8 @@ def _rows_of(payload: Any, rows: int, plain: bool) -> Any:
     array = _rows_array(payload)
     if array is not None and array.ndim and array.shape[0] == rows:
         return array
-    if not plain or not isinstance(payload, dict) or not payload:
+    if not plain or not isinstance(payload, dict) or \
+            not 0 < len(payload) <= protocol.MAX_ROW_MAP_NAMES:
         return None
     if any(_length(value) != rows for value in payload.values()):
         return None
