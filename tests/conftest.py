@@ -161,8 +161,9 @@ async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Worker]]:
     running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
     def start(models: list[Model], url: str | None = None,
-              config: WorkerConfig = FAST_WORKER) -> Worker:
-        worker = Worker(models, RedisSettings(url or redis_url), config)
+              config: WorkerConfig = FAST_WORKER, pipelines: list[Any] | None = None
+              ) -> Worker:
+        worker = Worker(models, RedisSettings(url or redis_url), config, pipelines=pipelines)
         stop = asyncio.Event()
         running.append((stop, asyncio.create_task(worker.run(stop))))
         return worker

@@ -125,7 +125,11 @@ class Admission:
     async def cap(self, model: str, deadline_ms: int, own: int | None = None) -> int:
         """The queue length at which this request is refused (``own``: the model's
         own cap, as the caller gives it)."""
-        rate, limit = await self.capacity(model), self.limit(own)
+        return self.cap_at(await self.capacity(model), deadline_ms, own)
+
+    def cap_at(self, rate: float, deadline_ms: int, own: int | None = None) -> int:
+        """``cap`` for a model that drains ``rate`` items per second (0: unknown)."""
+        limit = self.limit(own)
         if rate <= 0:
             return limit
         budget_s = max(0.0, (deadline_ms - protocol.now_ms()) / 1000)

@@ -136,13 +136,15 @@ class Client:
     async def close(self) -> None:
         # every task on the pool ends before it closes: one that went on would take a
         # connection of the closed pool and leave it open; the pool closes even if
-        # ending one of them failed (behind Sentinel, its sentinels' links with it)
-        try:
-            await self._end_tasks()
-        finally:
-            redis, self._redis = self._redis, None
-            if redis is not None:
-                await redis.aclose()
+        # ending one of them failed (behind Sentinel, its sentinels' links with it);
+        # a start under way (a request's) ends first, so that close closes what it made
+        async with self._start_lock:
+            try:
+                await self._end_tasks()
+            finally:
+                redis, self._redis = self._redis, None
+                if redis is not None:
+                    await redis.aclose()
 
     async def _end_tasks(self) -> None:
         await asyncio.gather(*self._cancels, return_exceptions=True)  # (bounded each)
@@ -461,6 +463,7 @@ class Client:
         # an id of our own: encoded (or packed) at the flush; a caller's: now, alone, so
         # that its marker dedupes the caller's retries
         entries = [codec.encode(request.to_wire(), self.fmt)] if request_id else None
+        self._check_room(listeners, 1)  # again: other callers may have awaited past it
         future = listeners.expect(tag, request.id, deadline_ms, reply)
         # the enqueue goes out with this tick's flush, bounded by the waiters' own
         # deadline timers; the enqueuer settles refused or failed waiters (``_failed``)
@@ -507,15 +510,18 @@ class Client:
         if request_ids:  # the checks, then the waiters, in one step
             for tag, requests in built.items():
                 listeners.of(tag).check_new([r.id for r in requests])
+        # as in ``submit``: the caller's ids travel alone, encoded now, before any
+        # waiter is made (an input that cannot be encoded leaves none behind)
+        encoded = {tag: [codec.encode(r.to_wire(), self.fmt) for r in requests]
+                   for tag, requests in built.items()} if request_ids else {}
+        self._check_room(listeners, len(inputs))  # again: others may have awaited past it
         futures: list[RequestFuture[Any]] = []
         pushed, enqueuer = [], self._pusher()
         for tag, requests in built.items():
             futures += [listeners.of(tag).expect(r.id, deadline, reply) for r in requests]
-            # as in ``submit``: the caller's ids travel alone, encoded now
-            entries = [codec.encode(r.to_wire(), self.fmt) for r in requests] \
-                if request_ids else None
             pushed.append(self._enqueued(enqueuer.push_watched(
-                tag, requests, entries, max_queue_len, level), requests, deadline, tag))
+                tag, requests, encoded.get(tag), max_queue_len, level), requests, deadline,
+                tag))
         await (pushed[0] if len(pushed) == 1 else asyncio.gather(*pushed))
         return futures if len(groups) == 1 else _in_order(futures, groups)
 
@@ -577,6 +583,7 @@ class Client:
         as a model's request would (``cap``: the caller's own), and its final reply comes
         to this client's reply list of the pipeline (``redbatch.pipelines``)."""
         rid = request_id or protocol.new_request_id()
+        self._check_room(listeners, 1)  # again: other callers may have awaited past it
         future = listeners.expect(pipeline.name, rid, deadline_ms, reply)
         try:
             async with translated(self.settings):
@@ -588,6 +595,9 @@ class Client:
                             cap=await self._admission.cap(pipeline.first, deadline_ms, cap))
         except Exception as exc:
             listeners.fail(rid, exc, pipeline.name)
+        except BaseException:  # a caller cancelled: its waiter goes too
+            listeners.fail(rid, asyncio.CancelledError(), pipeline.name)
+            raise
         return future
 
     async def _enqueued(self, pushed: asyncio.Future[Outcome], requests: list[Request],

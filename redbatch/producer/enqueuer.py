@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ ENQUEUE_CHUNK = 1000  # entries per script call: keeps each call short for Redis
 Outcome = list[tuple[str, Exception]]  # a push's refused or failed requests: id, error
 ALL_IN: Outcome = []  # the outcome of a push whose requests all went in (never mutated)
 OnFailed = Callable[[str, Outcome], None]  # a sub-queue's refused or failed requests
+GroupKey = tuple[int, int | None, int | None]  # a flush's call: level, own cap, cap scale
 
 
 @dataclass(slots=True)
@@ -140,13 +142,17 @@ class Enqueuer:
         ones still running then are cancelled (their requests fail) and ended: one left
         running would reconnect on the closed pool (behind Sentinel, ask the closed
         sentinels too) and leave those connections open."""
-        if not self._tasks:
-            return
-        _done, late = await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.wait(late)
+        if self._pending:  # this tick's pushes, whose flush is scheduled: start them now
+            self._flush()
+        end = time.monotonic() + timeout_s
+        while self._tasks:  # (a flush may start while the ones before it end)
+            _done, late = await asyncio.wait(set(self._tasks),
+                                             timeout=max(0.0, end - time.monotonic()))
+            if late and time.monotonic() >= end:
+                for task in late:
+                    task.cancel()
+                await asyncio.wait(late)
+                return
 
     def push(self, tag: str, requests: list[Request], entries: list[bytes] | None,
              cap: int | None = None, level: int = 0) -> None:
@@ -206,8 +212,11 @@ class Enqueuer:
         try:
             async with translated(self._settings):
                 levels = await self._admission.levels(protocol.model_of_tag(tag))  # cached
-                failed = await (self._send_levels(tag, pushes, levels, turn) if levels.many
-                                else self._send_level(tag, pushes, 0, levels, turn))
+                groups = await self._groups(tag, pushes, levels)
+                failed = await (self._send_groups(tag, pushes, groups, levels, turn)
+                                if len(groups) > 1 else
+                                self._send_level(tag, pushes, next(iter(groups))[0], levels,
+                                                 turn))
         except Exception as exc:
             self._fail_all(tag, pushes, exc)
             return
@@ -244,17 +253,34 @@ class Enqueuer:
                 _add_refused(failed, refused, full)
         return failed
 
-    async def _send_levels(self, tag: str, pushes: list[Push], levels: Levels, turn: Turn
-                           ) -> Failures:
-        """A multi-level model's pushes, each level's into its queue (concurrently)."""
-        groups: dict[int, list[int]] = {}
+    async def _groups(self, tag: str, pushes: list[Push], levels: Levels
+                      ) -> dict[GroupKey, list[int]]:
+        """The flush's pushes by what one script call holds alike: the level (of a
+        multi-level model; 0 otherwise), the caller's own queue cap, and the admission
+        cap that the earliest deadline sets (``Admission.cap``), by powers of two (None:
+        the deadline lowers nothing).  So a request with a short deadline or a low cap
+        of its own makes no other request refused (one whose cap is less than half as
+        high, at most); requests alike share one call, as most do."""
+        rate = await self._admission.capacity(protocol.model_of_tag(tag))  # (cached)
+        groups: dict[GroupKey, list[int]] = {}
         for index, push in enumerate(pushes):
-            level = push.level if 0 < push.level <= levels.count else levels.default
-            groups.setdefault(level, []).append(index)  # (levels may change under a push)
+            level = (push.level if 0 < push.level <= levels.count else levels.default) \
+                if levels.many else 0  # (levels may change under a push)
+            deadline_ms = min((r.deadline_ms for r in push.requests), default=0)
+            cap = self._admission.cap_at(rate, deadline_ms, push.cap)
+            scale = cap.bit_length() if cap < self._admission.limit(push.cap) else None
+            groups.setdefault((level, push.cap, scale), []).append(index)
+        return groups
+
+    async def _send_groups(self, tag: str, pushes: list[Push],
+                           groups: dict[GroupKey, list[int]], levels: Levels, turn: Turn
+                           ) -> Failures:
+        """A flush's groups of pushes (``_groups``), each in a script call of its own
+        (concurrently)."""
         turn.writes = len(groups)
         results = await asyncio.gather(*(
-            self._send_group(tag, [pushes[i] for i in indices], level, levels, turn)
-            for level, indices in groups.items()))
+            self._send_group(tag, [pushes[i] for i in indices], key[0], levels, turn)
+            for key, indices in groups.items()))
         failed: Failures = {}
         for indices, part in zip(groups.values(), results, strict=True):
             failed.update({indices[i]: errors for i, errors in part.items()})
@@ -262,8 +288,8 @@ class Enqueuer:
 
     async def _send_group(self, tag: str, pushes: list[Push], level: int, levels: Levels,
                           turn: Turn) -> Failures:
-        """One level's pushes of a multi-level flush: an error fails those alone (the
-        other levels' requests may be queued already)."""
+        """One group's pushes of a flush of several (``_groups``): an error fails those
+        alone (the other groups' requests may be queued already)."""
         try:
             async with translated(self._settings):
                 return await self._send_level(tag, pushes, level, levels, turn)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from redbatch.errors import DeadlineExceeded
+from redbatch.errors import DeadlineExceeded, RedbatchError
 from redbatch.producer.client import Client
 from redbatch.producer.streams import sync_stream
 
@@ -23,6 +24,8 @@ class SyncClient:
     private event loop in a daemon thread.  Takes ``Client``'s arguments."""
 
     def __init__(self, url: str | None = None, **kwargs: Any) -> None:
+        self._lock = threading.Lock()  # a call scheduled, or close begun: one at a time
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="redbatch-sync-client")
@@ -38,8 +41,16 @@ class SyncClient:
     async def _make(url: str | None, kwargs: dict[str, Any]) -> Client:
         return Client(url, **kwargs)
 
+    def _schedule(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """``coro`` on the client's loop; ``RedbatchError`` once ``close`` has begun."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RedbatchError("the client is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future = self._schedule(coro)
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError as exc:
@@ -58,8 +69,8 @@ class SyncClient:
     def submit(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                reply: bool = False, **kwargs: Any) -> concurrent.futures.Future[Any]:
         """Enqueue and return at once; the future resolves to the output."""
-        return asyncio.run_coroutine_threadsafe(
-            self._client.predict(model, inputs, timeout_s, reply=reply, **kwargs), self._loop)
+        return self._schedule(
+            self._client.predict(model, inputs, timeout_s, reply=reply, **kwargs))
 
     def submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None = None,
                     *, reply: bool = False, **kwargs: Any
@@ -96,13 +107,25 @@ class SyncClient:
         return self._call(self._client.versions(model, **changes), 30.0)
 
     def close(self) -> None:
-        if self._loop.is_running():
-            try:
-                self._call(self._client.close(), 10.0)
-            finally:
-                self._stop_loop()
+        """Close the client (its waiting calls fail), once; calls made from other
+        threads after it began raise ``RedbatchError``, and none is left unsettled."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10.0)
+        except concurrent.futures.TimeoutError:
+            pass  # (what it left running is cancelled below)
+        finally:
+            self._stop_loop()
 
     def _stop_loop(self) -> None:
+        """Cancel what still runs on the loop (its callers' futures then settle), then
+        stop and close it."""
+        if self._loop.is_running():
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self._loop).result(10.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10.0)
         self._loop.close()
@@ -113,6 +136,15 @@ class SyncClient:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel the loop's other tasks and let them end (as ``asyncio.run`` does)."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5.0)
 
 
 def _chained(future: asyncio.Future[T], loop: asyncio.AbstractEventLoop

@@ -1,0 +1,149 @@
+"""The Python client at its edges: waiters never outlive a failed call, the waiter cap
+holds under concurrent callers, a flush's requests are admitted each on its own terms,
+and closing (async or sync) leaves nothing running, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from redbatch import Client, SyncClient, protocol
+from redbatch.errors import InvalidPayload, QueueFull, RedbatchError
+from redbatch.pipelines import Pipeline
+from redbatch.producer.admission import Admission
+from redbatch.worker.model import Model
+from redbatch.worker.process import Worker
+from tests.conftest import wait_live
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_submit_many_with_ids_and_an_input_it_cannot_encode_leaves_no_waiter(
+        redis_url: str) -> None:
+    async with Client(redis_url, require_workers=False, max_waiters=2) as client:
+        with pytest.raises(InvalidPayload, match="cannot encode"):
+            await client.submit_many("m", [1, object()], 10, request_ids=["a", "b"])
+        assert client.waiting == 0
+        futures = await client.submit_many("m", [1, 2], 10, request_ids=["a", "b"])
+        assert client.waiting == 2
+        for future in futures:
+            future.cancel()
+
+
+async def test_the_waiter_cap_holds_for_callers_that_checked_it_side_by_side(
+        redis_url: str) -> None:
+    async with Client(redis_url, require_workers=False, max_waiters=5) as client:
+        for model in ("m1", "m2"):  # (m2: a model the client meets for the first time)
+            results = await asyncio.gather(*(client.submit(model, i, 10) for i in range(50)),
+                                           return_exceptions=True)
+            accepted = [r for r in results if not isinstance(r, BaseException)]
+            assert len(accepted) == 5 and client.waiting == 5
+            assert all(isinstance(r, QueueFull) for r in results if r not in accepted)
+            for future in accepted:
+                future.cancel()
+            await asyncio.sleep(0)
+            assert client.waiting == 0
+
+
+async def test_a_short_deadline_or_a_low_cap_in_the_same_tick_refuses_only_its_own(
+        redis_url: str, raw_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def capacity(self: Admission, model: str) -> float:
+        return 1000.0  # as if workers published that they drain 1000 items/s
+
+    monkeypatch.setattr(Admission, "capacity", capacity)
+    queue = protocol.queue_key("m")
+    async with Client(redis_url, require_workers=False, pack_rows=1) as client:
+        for other, depth in (({"timeout_s": 0.05}, 100), ({"max_queue_len": 3}, 5)):
+            raw_redis.delete(queue)
+            raw_redis.rpush(queue, *[b"x"] * depth)
+            long, short = await asyncio.gather(client.submit("m", 1, 10),
+                                               client.submit("m", 2, **{"timeout_s": 10,
+                                                                        **other}))
+            with pytest.raises(QueueFull):
+                await short
+            assert not long.done()  # queued: no worker answers it
+            assert raw_redis.llen(queue) == depth + 1
+            long.cancel()
+
+
+async def test_close_right_after_submit_sends_the_push_and_leaves_nothing_running(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    client = Client(redis_url, require_workers=False)
+    await client.submit("late", 0, 5)  # (warm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        future = await client.submit("late", 1, 5)
+        await client.close()
+        assert future.done()
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    assert raw_redis.llen(protocol.queue_key("late")) == 2
+
+
+async def test_close_while_a_request_starts_the_client_closes_what_it_started(
+        redis_url: str) -> None:
+    client = Client(redis_url, require_workers=False)
+    call = asyncio.create_task(client.predict("m", 1, 5))
+    await asyncio.sleep(0)
+    await client.close()
+    assert client._redis is None and client._listeners is None
+    with pytest.raises((RedbatchError, asyncio.CancelledError)):
+        await call
+    await client.close()
+
+
+async def test_a_cancelled_pipeline_call_frees_its_waiter(
+        redis_url: str, start_worker: Callable[..., Worker]) -> None:
+    gate = threading.Event()
+
+    def slow(xs: list[Any]) -> list[Any]:
+        gate.wait(5)
+        return xs
+
+    start_worker([Model("slowstage", fn=slow)], pipelines=[Pipeline("slowpipe",
+                                                                    ["slowstage"])])
+    await wait_live(redis_url, "slowpipe")
+    async with Client(redis_url, max_waiters=3) as client:
+        for _ in range(4):
+            call = asyncio.create_task(client.predict("slowpipe", 1, 20))
+            await asyncio.sleep(0.05)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        assert client.waiting == 0
+        gate.set()
+
+
+def test_a_sync_client_closed_under_another_threads_calls_settles_every_one(
+        redis_url: str) -> None:
+    client = SyncClient(redis_url, require_workers=False)
+    futures: list[concurrent.futures.Future[Any]] = []
+    refused: list[BaseException] = []
+
+    def submitting() -> None:
+        for _ in range(100_000):  # until the client is closed
+            try:
+                futures.append(client.submit("m", 1, 2))
+            except RedbatchError as exc:
+                refused.append(exc)
+                return
+
+    thread = threading.Thread(target=submitting)
+    thread.start()
+    while len(futures) < 50:
+        time.sleep(0.001)
+    client.close()
+    thread.join(5)
+    for future in futures:
+        with pytest.raises((RedbatchError, concurrent.futures.CancelledError)):
+            future.result(5)
+    assert refused and "closed" in str(refused[0])
+    with pytest.raises(RedbatchError, match="closed"):
+        client.predict("m", 1, 1)
