@@ -338,6 +338,8 @@ async def describe(redis: aioredis.Redis, model: str, table: Table | None = None
     it is latest or draining, and its live workers."""
     check_base(model)
     table = await load(redis, model) if table is None else table
+    if not table:
+        return await _unversioned(redis, model)
     weights, latest = table.weights(), table.latest
     total = sum(weights.values()) or 1.0
     now = protocol.now_ms()
@@ -351,6 +353,20 @@ async def describe(redis: aioredis.Redis, model: str, table: Table | None = None
                           "share": round(weights.get(v, 0.0) / total, 6),
                           "latest": v == latest, "live_workers": int(n)}
                          for v, n in zip(table.ordered(), live, strict=True)]}
+
+
+async def _unversioned(redis: aioredis.Redis, model: str) -> dict[str, Any]:
+    """A model served without versions: its one row (version "1"), as ``/v1/models``
+    lists it; ``UnknownModel`` for a name that nothing serves (no metadata)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.exists(protocol.meta_key(model))
+        pipe.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf")
+        known, live = await pipe.execute()
+    if not known:
+        raise UnknownModel(f"unknown model {model!r}: no version and no worker serves it")
+    row = unversioned_row(model, int(live), 0)
+    del row["queue_depth"]  # (as the rows of a table of versions)
+    return {"model": model, "latest": UNVERSIONED, "pinned_latest": None, "versions": [row]}
 
 
 def unversioned_row(model: str, live_workers: int, queue_depth: int) -> dict[str, Any]:

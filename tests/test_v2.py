@@ -479,3 +479,37 @@ async def test_openapi_describes_every_route(http: httpx.AsyncClient) -> None:
     predicted = spec["paths"]["/v1/models/{model}/predict"]["post"]["responses"]["200"]
     assert set(predicted["content"]) == {"application/json", "application/x-ndjson",
                                          "text/event-stream"}
+
+
+SUMS = Model("sums", fn=lambda xs: [float(np.sum(x)) for x in xs],
+             spec=TensorSpec("float32", (3,)), output_spec=TensorSpec("float32", ()),
+             input_name="x", output_name="y", policy=WINDOW)
+
+
+async def test_an_output_comes_back_in_its_declared_datatype_and_flags_are_checked(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """The rows' Python floats come back FP32, as the metadata says; an output asking
+    for classification or shared memory, or a binary flag that is not a boolean, is a
+    400 naming it (not ignored)."""
+    from tests.conftest import wait_live
+
+    start_worker([SUMS])
+    await wait_live(redis_url, "sums")
+    body: dict[str, Any] = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3],
+                                        "data": [1, 2, 3, 4, 5, 6]}]}
+    async with gateway(redis_url) as http:
+        meta = (await http.get("/v2/models/sums")).json()
+        assert meta["outputs"][0]["datatype"] == "FP32"
+        resp = await http.post("/v2/models/sums/infer", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["outputs"][0] == {"name": "y", "datatype": "FP32", "shape": [2],
+                                             "data": [6.0, 15.0]}
+        for extra, named in (({"outputs": [{"name": "y", "parameters": {
+                "classification": 1}}]}, "classification"),
+                ({"outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}]},
+                 "shared_memory_region"),
+                ({"parameters": {"binary_data_output": "false"}}, "binary_data_output"),
+                ({"outputs": [{"name": "y", "parameters": {"binary_data": 1}}]},
+                 "binary_data")):
+            resp = await http.post("/v2/models/sums/infer", json={**body, **extra})
+            assert resp.status_code == 400 and named in resp.text, resp.text

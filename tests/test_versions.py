@@ -695,3 +695,35 @@ async def test_a_versions_error_answers_name_the_version(two: Client, redis_url:
             assert resp.headers.get("x-redbatch-version") == "2", (payload, resp.headers)
         resp = await http.post("/v1/models/vm/versions/7/predict", json={"inputs": 5})
         assert resp.status_code == 404 and "x-redbatch-version" not in resp.headers
+
+
+async def test_v2_config_and_stats_of_each_version(two: Client, redis_url: str) -> None:
+    """``versions/{v}/config`` (tritonclient's ``get_model_config(m, "1")``) exists and
+    names the model, not its served name; stats without a version cover every one."""
+    await two.versions(MODEL, latest="2")
+    async with gateway(redis_url) as http:
+        for path in ("/v2/models/vm/config", "/v2/models/vm/versions/1/config"):
+            resp = await http.get(path)
+            assert resp.status_code == 200 and resp.json()["name"] == "vm", resp.text
+        assert (await http.get("/v2/models/vm/versions/7/config")).status_code == 404
+        body = {"inputs": [{"name": "inputs", "datatype": "INT64", "shape": [1],
+                            "data": [1]}]}
+        for _ in range(3):
+            assert (await http.post("/v2/models/vm/versions/1/infer",
+                                    json=body)).status_code == 200
+        stats = (await http.get("/v2/models/vm/stats")).json()["model_stats"]
+        assert [(s["name"], s["version"]) for s in stats] == [("vm", "1"), ("vm", "2")]
+        one = (await http.get("/v2/models/vm/versions/1/stats")).json()["model_stats"]
+        assert [(s["name"], s["version"]) for s in one] == [("vm", "1")]
+
+
+async def test_the_versions_of_a_model_without_versions_and_of_no_model(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([Model("plainm", fn=adder(1), policy=BatchPolicy(batch_wait_timeout_s=0))])
+    await wait_live(redis_url, "plainm")
+    async with gateway(redis_url) as http:
+        doc = (await http.get("/v1/models/plainm/versions")).json()
+        assert doc["latest"] == "1" and [(r["version"], r["name"], r["live_workers"])
+                                         for r in doc["versions"]] == [("1", "plainm", 1)]
+        resp = await http.get("/v1/models/nosuch/versions")
+        assert resp.status_code == 404, resp.text

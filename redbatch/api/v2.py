@@ -34,7 +34,9 @@ from redbatch.api.v2_repo import RepositoryApi
 from redbatch.api.v2_tensors import (
     V2_DATATYPES,
     dtype_of,
+    flag,
     mapping,
+    output_binary,
     shape_of,
     tensor_data,
 )
@@ -173,7 +175,7 @@ def model_config(info: ModelInfo) -> dict[str, Any]:
     policy = info.meta.get("policy") or {}
     wait_s = float(policy.get("batch_wait_timeout_s", 0.0))
     return {
-        "name": info.name, "platform": "redbatch", "backend": "redbatch",
+        "name": name_version(info)[0], "platform": "redbatch", "backend": "redbatch",
         "max_batch_size": int(policy.get("max_batch_size", 0)),
         **_config_tensors(info),
         "dynamic_batching": {"max_queue_delay_microseconds": round(wait_s * 1e6)},
@@ -300,7 +302,7 @@ def _split_binary(binary: bytes, first: dict[str, Any]) -> tuple[bytes, bytes]:
 
 def _binary_output(data: dict[str, Any], params: dict[str, Any], info: ModelInfo) -> bool:
     """Whether the output goes back as binary data (binary data extension)."""
-    binary = bool(params.get("binary_data_output", False))
+    binary = flag(params, "binary_data_output", False)
     outputs = data.get("outputs")
     if outputs is None:
         return binary
@@ -311,9 +313,9 @@ def _binary_output(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
         if name != info.output_name:
             raise BadRequest(f"unknown output {name!r}: model {info.name!r} has one output "
                              f"{info.output_name!r}")
-        binary = bool(mapping(output.get("parameters"), "an output's 'parameters'")
-                      .get("binary_data", binary))
+        binary = output_binary(output, binary)
     return binary
+
 
 
 def timeout_s(headers: body.Headers, params: dict[str, Any], default_s: float,
@@ -398,11 +400,15 @@ def _part_outputs(part: Part) -> np.ndarray[Any, Any]:
     return arr
 
 
-def stack_outputs(parts: list[Part]) -> np.ndarray[Any, Any]:
-    """The requests' outputs, concatenated along the batch dimension."""
+def stack_outputs(parts: list[Part], spec: TensorSpec | None = None) -> np.ndarray[Any, Any]:
+    """The requests' outputs, concatenated along the batch dimension (in the dtype of
+    the model's ``output_spec``, when it declares one: a row's Python float comes back
+    as float64 otherwise)."""
     outputs = [_part_outputs(part) for part in parts]
     try:
         arr = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+        if spec is not None:
+            arr = arr.astype(spec.dtype, copy=False)
     except (ValueError, TypeError) as exc:
         raise ModelError(f"the rows' outputs do not stack into one tensor: {exc}") from exc
     return v2_tensors.as_output(arr, "the model's output")
@@ -425,7 +431,7 @@ def _listed(obj: Any) -> Any:
 def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Response:
     replies = settle(len(call.tensor), parts)
     try:
-        arr = stack_outputs(parts)
+        arr = stack_outputs(parts, info.output_spec)
     except ModelError as exc:
         if call.runs is None or len(call.runs) == 1:
             raise
@@ -502,7 +508,17 @@ class V2Api:
         return JSONResponse(model_config(await self._model(request)))
 
     async def stats(self, request: Request) -> Response:
-        return await self.repository.stats(request, [(await self._model(request)).name])
+        """One version's statistics, or (the path names none) every version's, as
+        Triton's statistics extension answers."""
+        name, version = path_name(request)
+        if version is not None:
+            return await self.repository.stats(request, [(await self._model(request)).name])
+        lookup_ms = protocol.now_ms() + round(1000 * self.gateway.core.config.default_timeout_s)
+        table = await self.gateway.client.table(name, lookup_ms)
+        if not table:
+            return await self.repository.stats(request, [(await self._model(request)).name])
+        return await self.repository.stats(request, [table.served(name, v)
+                                                     for v in table.ordered()])
 
     async def model_ready(self, request: Request) -> Response:
         await self._served(request)
@@ -581,6 +597,7 @@ def v2_routes(gateway: Gateway) -> list[Route]:
         (model, api.metadata, "GET"),
         (version, api.metadata, "GET"),
         (f"{model}/config", api.config, "GET"),
+        (f"{version}/config", api.config, "GET"),
         (f"{model}/ready", api.model_ready, "GET"),
         (f"{version}/ready", api.model_ready, "GET"),
         (f"{model}/stats", api.stats, "GET"),

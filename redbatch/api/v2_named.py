@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from redbatch.api import v2_tensors
 from redbatch.api.directory import ModelInfo
-from redbatch.api.v2_tensors import V2_DATATYPES, mapping
+from redbatch.api.v2_tensors import V2_DATATYPES, flag, output_binary
 from redbatch.errors import BadRequest, InvalidPayload, ModelError
 from redbatch.producer import packing
 from redbatch.protocol import Reply
@@ -117,7 +117,7 @@ def chosen_outputs(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
                    ) -> dict[str, bool]:
     """The outputs to answer with, each binary or not (binary data extension)."""
     known = list(_signature(info).outputs)
-    binary = bool(params.get("binary_data_output", False))
+    binary = flag(params, "binary_data_output", False)
     outputs = data.get("outputs")
     if outputs is None:
         return dict.fromkeys(known, binary)
@@ -129,8 +129,7 @@ def chosen_outputs(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
         if not isinstance(name, str) or name not in known:
             raise BadRequest(f"unknown output {name!r}: model {info.name!r} has the outputs "
                              f"{known}")
-        chosen[name] = bool(mapping(output.get("parameters"), "an output's 'parameters'")
-                            .get("binary_data", binary))
+        chosen[name] = output_binary(output, binary)
     return chosen or dict.fromkeys(known, binary)
 
 

@@ -104,3 +104,25 @@ def dtype_of(datatype: Any) -> str:
         raise BadRequest(f"datatype {datatype!r} is not supported; use one of "
                          f"{', '.join(sorted(DTYPES))}")
     return dtype
+
+
+UNSUPPORTED_OUTPUT = ("classification", "shared_memory_region", "shared_memory_byte_size",
+                      "shared_memory_offset")
+
+
+def flag(params: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean parameter (absent: ``default``); anything else is refused."""
+    value = params.get(name, default)
+    if type(value) is not bool:
+        raise BadRequest(f"parameter {name!r} must be true or false, got {value!r}")
+    return value
+
+
+def output_binary(output: dict[str, Any], default: bool) -> bool:
+    """Whether a requested output goes back as binary data; the extensions this server
+    does not support (classification, shared memory) are refused, naming the output."""
+    params = mapping(output.get("parameters"), "an output's 'parameters'")
+    if unsupported := [key for key in UNSUPPORTED_OUTPUT if key in params]:
+        raise BadRequest(f"output {output.get('name')!r}: parameter {unsupported[0]!r} is "
+                         "not supported (no classification or shared-memory extension)")
+    return flag(params, "binary_data", default)
