@@ -132,7 +132,8 @@ def test_an_unreachable_cluster_and_a_bad_log_level_fail_in_one_line(tmp_path: P
                        secret="Qx7Kp9", REDIS_URL="redis+cluster://:Qx7Kp9@127.0.0.1:1")
     _fails_in_one_line("status", "--log-level", "bogus", says="the log level")
     for flag in (("status", "--interval-s", "inf"), ("jobs", "status", "x", "--poll-s", "0")):
-        _fails_in_one_line(*flag, says="must be a number of seconds > 0 and at most 86400")  # (inf hung, 0 spun)
+        # (inf hung, 0 spun)
+        _fails_in_one_line(*flag, says="must be a number of seconds > 0 and at most 86400")
     _fails_in_one_line("worker", "redbatch.demo:models", "--block-timeout-s", "20",
                        says="must exceed block_timeout_s (20.0)",
                        REDIS_URL="redis://127.0.0.1:1")
