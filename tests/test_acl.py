@@ -160,3 +160,34 @@ async def test_the_documented_user_serves_a_streaming_model(
             chunks = [c async for c in client.stream("counter", {"n": 3, "tag": "s"}, 10)]
         assert chunks == ["s0", "s1", "s2"]
     assert "NOPERM" not in caplog.text and "can't run" not in caplog.text, caplog.text
+
+
+@batch(name="acl_inc", max_batch_size=8, batch_wait_timeout_s=0.01)
+def acl_inc(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+async def test_the_documented_user_reaps_a_dead_worker_and_serves_a_pipeline(
+        acl_server: RedisServer, start_worker: Callable[..., Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The reapers' election reads the dead worker's info (HGET) and a pipeline stage's
+    mover reads its requests' contexts (MGET): both in the documented rules."""
+    from redbatch import codec
+    from redbatch.pipelines import Pipeline
+
+    admin = acl_server.client()
+    now = protocol.now_ms()
+    reply_to = protocol.reply_key("acl_inc", "zombie-caller")
+    request = protocol.Request("left1", "acl_inc", now, now + 20_000, reply_to, 4)
+    admin.rpush(protocol.inflight_key("acl_inc", "zombie"), codec.encode(request.to_wire()))
+    admin.zadd(protocol.workers_key("acl_inc"), {"zombie": now - 1})
+    url = acl_url(acl_server, documented_rules())
+    with caplog.at_level(logging.WARNING):
+        start_worker([acl_inc, double], url=url,
+                     pipelines=[Pipeline("acl_pipe", ["acl_inc", "acl_double"])])
+        await wait_live(acl_server.url, "acl_pipe")
+        got = await asyncio.to_thread(admin.blpop, [reply_to], 15)
+        assert got is not None and protocol.reply_from_wire(codec.decode(got[1])).payload == 5
+        async with Client(url) as client:
+            assert await client.predict("acl_pipe", 3, timeout_s=10) == 8
+    assert "NOPERM" not in caplog.text and "no permissions" not in caplog.text, caplog.text
