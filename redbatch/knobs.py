@@ -10,6 +10,7 @@ override stores only what someone changed; the effective values are the model's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -94,7 +95,11 @@ def check_range(name: str, value: Any) -> None:
 
 
 def check_range_item(name: str, knob: Knob, value: Any) -> None:
-    """``InvalidKnob`` when one value (of a list knob: one of its items) is out of range."""
+    """``InvalidKnob`` when one value (of a list knob: one of its items) is out of range,
+    or not a finite number (NaN passes every comparison; JSON stores NaN and inf as
+    null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidKnob(f"{knob.label or name} must be a finite number, got {value}")
     low_bad = knob.low is not None and (value <= knob.low if knob.low_open else value < knob.low)
     if low_bad or (knob.high is not None and value > knob.high):
         raise InvalidKnob(f"{knob.label or name} must be {_range_text(knob)}, got {value}")

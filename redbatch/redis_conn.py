@@ -306,6 +306,13 @@ async def deadline_bound(deadline_ms: int | None, what: str) -> AsyncIterator[No
         raise DeadlineExceeded(f"deadline passed while {what}") from exc
 
 
+def cancel_requested() -> bool:
+    """Whether this task was asked to cancel (a ``CancelledError`` raised without that
+    is a model's or a library's own, not a stop)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def check_cancelled() -> None:
     """Raise ``CancelledError`` where this task was cancelled but something swallowed
     the cancel: on Python 3.11, ``asyncio.wait_for`` (redis-py sends every command

@@ -263,7 +263,7 @@ async def test_torch_model_gets_padded_and_lengths(pooled: bool) -> None:
     assert [np.asarray(o).tolist() for o in outputs] == want
     # buckets 1, 2, 4 (two items: one pass), 16 (two items: one pass)
     assert sorted(module.shapes) == [(1, 1), (1, 2), (2, 4), (2, 16)]
-    assert fwd.take_passes() == [1, 1, 2, 2]
+    assert fwd.take_passes() == [2, 2, 1, 1]  # buckets in order of their first input
     assert fwd.take_padding() == (1 + 2 + 8 + 32, sum(len(x) for x in inputs))
 
 
@@ -285,7 +285,7 @@ async def test_a_list_model_gets_same_bucket_groups_unpadded() -> None:
     inputs = [np.zeros(n, np.int64) for n in (3, 100, 4, 70, 1)]
     outputs, fwd = await forward(model, inputs)
     assert outputs == [3, 100, 4, 70, 1]
-    assert seen == [[1], [3, 4], [100, 70]]
+    assert seen == [[3, 4], [100, 70], [1]]  # buckets in order of their first input
     assert fwd.take_padding() == (0, 0)  # the worker padded nothing
 
 
@@ -335,8 +335,8 @@ async def test_pad_to_longest_pads_each_pass_to_its_longest_sorted_by_length(
     outputs, fwd = await forward(model, inputs)
     want = [int(x.sum()) if pooled else (x * 2).tolist() for x in inputs]
     assert [np.asarray(o).tolist() for o in outputs] == want
-    assert module.shapes == [(1, 3), (2, 10), (2, 15), (1, 16)]
-    assert fwd.take_passes() == [1, 2, 2, 1]
+    assert module.shapes == [(2, 10), (2, 15), (1, 16), (1, 3)]  # 12 came first
+    assert fwd.take_passes() == [2, 2, 1, 1]
     assert fwd.take_padding() == (3 + 20 + 30 + 16, sum(len(x) for x in inputs))
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from redbatch import defaults, lua, protocol, versions
+from redbatch.redis_conn import ID_ERRORS
 from redbatch.worker.model import Model
 
 log = logging.getLogger("redbatch.worker")
@@ -24,11 +26,15 @@ log = logging.getLogger("redbatch.worker")
 class Drain:
     """Decides, with each heartbeat, whether this worker has drained its versions."""
 
-    def __init__(self, models: list[Model], worker_id: str) -> None:
-        self._models = models
+    def __init__(self, models: Callable[[], list[Model]], worker_id: str) -> None:
+        self._current = models  # the models as served now (live knobs: sub_queues)
         self._worker_id = worker_id
         self._seen_at: float | None = None  # monotonic, when every model was draining
         self._opened = False  # the sub-queues' closed markers deleted (not draining)
+
+    @property
+    def _models(self) -> list[Model]:
+        return self._current()
 
     def draining(self, rows: dict[str, Any]) -> bool:
         """Whether every model is a version marked draining (``rows``: each versioned
@@ -70,7 +76,7 @@ async def close(redis: aioredis.Redis, model: Model, worker_id: str) -> bool:
     queued where no worker will come; whether every one is closed (a closed one stays
     closed: the version is draining, so no producer routes to it)."""
     ids: Any = await redis.zrange(protocol.workers_key(model.name), 0, -1)
-    workers = {worker_id, *(i.decode() for i in ids)}
+    workers = {worker_id, *(i.decode(errors=ID_ERRORS) for i in ids)}
     script = redis.register_script(lua.DRAIN_CLOSE)
     ttl_ms = protocol.CLOSED_TTL_S * 1000
     for tag in protocol.sub_queue_tags(model.name, model.sub_queues):

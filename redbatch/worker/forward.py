@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from redbatch.errors import ModelError, RedbatchError
+from redbatch.redis_conn import cancel_requested
 from redbatch.spec import TensorSpec, per_token
 from redbatch.worker import cost, named, ragged
 from redbatch.worker.autosize import AutoSizer
@@ -247,8 +248,12 @@ class Forwarder:
             return [exc] * len(inputs)
         except Exception as exc:
             return await self._isolate(inputs, exc, length)
+        except asyncio.CancelledError as exc:  # an async model's own (awaiting a
+            if cancel_requested():  # cancelled future): a model error; a stop goes on up
+                raise
+            return await self._isolate(inputs, exc, length)
 
-    async def _isolate(self, inputs: list[Any], exc: Exception, length: int | None
+    async def _isolate(self, inputs: list[Any], exc: BaseException, length: int | None
                        ) -> list[Any]:
         """Bisect a batch that raised (a padded pass's halves keep its length)."""
         if len(inputs) == 1:
@@ -257,7 +262,7 @@ class Forwarder:
         mid = len(inputs) // 2
         return await self.run(inputs[:mid], length) + await self.run(inputs[mid:], length)
 
-    def _model_error(self, exc: Exception) -> ModelError:
+    def _model_error(self, exc: BaseException) -> ModelError:
         return ModelError(f"model {self.model.name!r} raised {type(exc).__name__}: {exc}")
 
     def _arg(self, inputs: list[Any], length: int | None) -> Any:

@@ -11,6 +11,7 @@ from redbatch.errors import ConfigError
 from redbatch.worker.runner import BatchRunner
 
 log = logging.getLogger("redbatch.worker")
+MODEL_CHECKED = ("priority_caps", "buckets", "sub_queues")  # checked against the model
 
 
 class LiveKnobs:
@@ -30,6 +31,12 @@ class LiveKnobs:
         overrides, problems = knobs.decode_stored(raw)
         for problem in problems:
             log.warning("model=%s ignoring the stored knob override %s", model.name, problem)
+        for name in [n for n in MODEL_CHECKED if n in overrides]:
+            try:  # one that no longer fits this model (stored before a redeploy) alone
+                model.check_knob(name, overrides[name])
+            except ConfigError as exc:
+                log.warning("model=%s ignoring the stored knob override %s=%r: %s",
+                            model.name, name, overrides.pop(name), exc)
         try:
             self._apply(knobs.effective(model.knob_defaults, overrides))
         except ConfigError as exc:

@@ -175,13 +175,22 @@ class Model:
         """Put live knob values (checked: ``knobs.effective``) into effect; a policy
         that does not hold together raises ``ConfigError`` and changes nothing."""
         split = knobs.parts(values)
-        knobs.check_caps(split["model"].get("priority_caps"), self.priority_levels)
-        knobs.check_buckets(split["model"].get("buckets"), self.knob_defaults["buckets"])
-        knobs.check_sub_queues(split["model"].get("sub_queues"), bool(self.streaming))
+        for name, value in split["model"].items():
+            self.check_knob(name, value)
         policy = dataclasses.replace(self.policy, **split["policy"])
         self.policy = policy
         for name, value in split["model"].items():
             setattr(self, name, value)
+
+    def check_knob(self, name: str, value: Any) -> None:
+        """``ConfigError`` if the knob ``name`` (one checked against the model itself:
+        ``priority_caps``, ``buckets``, ``sub_queues``) cannot take ``value`` here."""
+        if name == "priority_caps":
+            knobs.check_caps(value, self.priority_levels)
+        elif name == "buckets":
+            knobs.check_buckets(value, self.knob_defaults["buckets"])
+        elif name == "sub_queues":
+            knobs.check_sub_queues(value, bool(self.streaming))
 
     @property
     def is_async(self) -> bool:

@@ -25,6 +25,7 @@ from redbatch.pipelines.duty import PipelineDuty, check_declared
 from redbatch.redis_conn import (
     REDIS_ERRORS,
     async_client,
+    cancel_requested,
     check_cancelled,
     close_all,
     is_cluster,
@@ -64,6 +65,11 @@ async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
                         backoff_s)
         except Exception:
             log.exception("%s: unexpected error; retrying in %.2f s", name, backoff_s)
+        except asyncio.CancelledError:
+            if cancel_requested():  # a stop
+                raise
+            log.exception("%s: ended cancelled, though nothing cancelled it; retrying in "
+                          "%.2f s", name, backoff_s)
         await _sleep_or_stop(stop, backoff_s)
         backoff_s = min(backoff_s * 2, BACKOFF_CAP_S)
 
@@ -87,7 +93,9 @@ class Worker:
         self.runners: list[BatchRunner] = []
         self.on_serving: Callable[[], object] = lambda: None  # called once it serves
         self._info = heartbeat.static_info(self.worker_id, device)
-        self._drain = Drain(models, self.worker_id)
+        # the runners' models once they run (a live sub_queues change), the given before
+        self._drain = Drain(lambda: [r.model for r in self.runners] or self.models,
+                            self.worker_id)
         self.drained = False  # stopped after draining its versions (redbatch.versions)
         self._stop = asyncio.Event()
         self._unranked: frozenset[str] = frozenset()  # too many live workers to rank

@@ -22,8 +22,10 @@ from redbatch.spec import TensorSpec
 def bucket_groups(inputs: list[Any], spec: TensorSpec,
                   length: Callable[[Any], int] = len, by_length: bool = False
                   ) -> dict[int, list[int]]:
-    """Bucket length -> the indices of the inputs in it, shortest bucket first
-    (``length``: an input's length; a map of named inputs has its shared one).  With
+    """Bucket length -> the indices of the inputs in it, the bucket of the first input
+    first, and so on (the inputs come earliest deadline first, so the bucket holding
+    the most urgent request runs first; ``length``: an input's length; a map of named
+    inputs has its shared one).  With
     ``by_length``, each bucket's indices in order of their inputs' lengths (ties in
     claim order), so that passes cut from a bucket each pad to as short a longest item
     as they can."""
@@ -34,7 +36,7 @@ def bucket_groups(inputs: list[Any], spec: TensorSpec,
     if by_length:
         for indices in groups.values():
             indices.sort(key=lengths.__getitem__)
-    return dict(sorted(groups.items()))
+    return groups  # (in order of each bucket's first input)
 
 
 def free_dims(model: Any) -> bool:
@@ -70,9 +72,15 @@ def pad_batch(items: list[Any], length: int, pad_value: float
     return padded, lengths
 
 
+def _sized(row: Any) -> bool:
+    """An array of at least one dimension, or a list or tuple."""
+    return len(getattr(row, "shape", ())) > 0 if hasattr(row, "shape") \
+        else isinstance(row, (list, tuple))
+
+
 def trim_rows(rows: list[Any], lengths: np.ndarray[Any, Any], length: int) -> list[Any] | None:
     """Each output cut to its item's length; None if one is not ``length`` long (the
-    model broke the per-token contract)."""
-    if any(len(getattr(row, "shape", ())) == 0 or len(row) != length for row in rows):
+    model broke the per-token contract).  An output may be an array or a list."""
+    if any(not _sized(row) or len(row) != length for row in rows):
         return None
     return [row[:n] for row, n in zip(rows, lengths.tolist(), strict=True)]

@@ -1,0 +1,136 @@
+"""The worker at its edges: an async model's own CancelledError, knobs that are not
+numbers, stale overrides, per-token outputs as lists, deadlines across length buckets,
+and draining, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from redbatch import Client, protocol
+from redbatch.errors import InvalidKnob, ModelError
+from redbatch.worker.model import Model
+from redbatch.worker.policy import BatchPolicy
+from redbatch.worker.process import Worker
+from tests.conftest import wait_live
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_an_async_models_own_cancelled_error_fails_its_request_alone(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """Awaiting a future cancelled under it is the model's error: the batch loop goes
+    on (it ended silently, and the model's requests waited to their deadlines)."""
+    async def fn(xs: list[int]) -> list[int]:
+        if 13 in xs:
+            future = asyncio.get_running_loop().create_future()
+            future.cancel()
+            await future
+        return xs
+
+    start_worker([Model("ac", fn=fn, policy=BatchPolicy(max_batch_size=4,
+                                                         batch_wait_timeout_s=0.05))])
+    await wait_live(redis_url, "ac")
+    async with Client(redis_url) as client:
+        results = await client.predict_many("ac", [1, 13, 2], timeout_s=10,
+                                            return_exceptions=True)
+        assert results[0] == 1 and results[2] == 2
+        assert isinstance(results[1], ModelError) and "CancelledError" in str(results[1])
+        assert await client.predict("ac", 5, timeout_s=10) == 5
+
+
+async def test_a_knob_that_is_not_a_finite_number_is_refused(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """NaN passes every range check, and JSON would store NaN and inf as null."""
+    start_worker([Model("kn", fn=lambda xs: xs)])
+    await wait_live(redis_url, "kn")
+    async with Client(redis_url) as client:
+        for knob in ({"batch_wait_timeout_s": math.nan}, {"max_batch_cost": math.inf}):
+            with pytest.raises(InvalidKnob, match="finite"):
+                await client.configure("kn", **knob)
+        done = await client.configure("kn", max_batch_cost=4.0)
+        assert done["effective"]["max_batch_cost"] == 4.0
+
+
+def test_a_stale_override_is_ignored_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """A stored ``priority_caps`` for three levels, read by a model of one (redeployed):
+    that override alone is dropped; ``max_batch_size`` still applies."""
+    from redbatch.worker.live import LiveKnobs
+
+    model = Model("stale", fn=lambda xs: xs)
+
+    class Runner:
+        pass
+
+    runner = Runner()
+    runner.model = model  # type: ignore[attr-defined]
+    LiveKnobs(runner).update({b"max_batch_size": b"4",  # type: ignore[arg-type]
+                              b"priority_caps": b"[10, 10, 10]"})
+    assert model.policy.max_batch_size == 4
+    assert "priority_caps=[10, 10, 10]" in caplog.text
+
+
+async def test_per_token_outputs_may_be_lists() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from redbatch import TensorSpec
+    from redbatch.worker.forward import Forwarder
+
+    def doubled(arg: tuple[np.ndarray, np.ndarray]) -> list[list[int]]:
+        padded, _lengths = arg
+        return [[int(v) * 2 for v in row] for row in padded]
+
+    model = Model("pt", fn=doubled, inline=True, stack=True,
+                  spec=TensorSpec("int64", (None,), max_len=8),
+                  output_spec=TensorSpec("int64", (None,)))
+    with ThreadPoolExecutor(1) as pool:
+        out = await Forwarder(model, doubled, pool).run_batches(
+            [np.array([1, 2, 3]), np.array([4, 5])])
+    assert [list(o) for o in out] == [[2, 4, 6], [8, 10]]
+
+
+async def test_the_bucket_of_the_most_urgent_request_runs_first() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from redbatch import TensorSpec
+    from redbatch.worker.forward import Forwarder
+
+    seen: list[list[int]] = []
+
+    def lengths(items: list[Any]) -> list[int]:
+        seen.append([len(x) for x in items])
+        return [len(x) for x in items]
+
+    model = Model("edf", fn=lengths, inline=True, policy=BatchPolicy(max_batch_size=2),
+                  spec=TensorSpec("int64", (None,), max_len=64))
+    inputs = [np.zeros(n, np.int64) for n in (60, 50, 3, 2, 3, 1)]  # earliest first
+    with ThreadPoolExecutor(1) as pool:
+        await Forwarder(model, lengths, pool).run_batches(inputs)
+    assert seen[0] == [60, 50]  # (the shortest bucket ran first, urgent or not)
+
+
+async def test_draining_reads_the_sub_queues_in_effect_and_any_worker_id(
+        redis_url: str, raw_redis: Any) -> None:
+    """A version grown to 3 sub-queues live has each of them closed, and a peer id
+    that is not UTF-8 stops nothing."""
+    import redis.asyncio as aioredis
+
+    from redbatch.worker import drain
+
+    model = Model("dr", fn=lambda xs: xs, version="2")
+    model.sub_queues = 3  # (as a live knob sets it on the runner's model)
+    raw_redis.zadd(protocol.workers_key(model.name), {b"\xff\xfe": protocol.now_ms() + 10_000})
+    client = aioredis.Redis.from_url(redis_url, encoding_errors="surrogateescape")  # (as workers)
+    try:
+        assert await drain.close(client, model, "me") is True
+    finally:
+        await client.aclose()
+    for tag in protocol.sub_queue_tags(model.name, 3):
+        assert raw_redis.exists(protocol.closed_key(tag))
+    states = [model]
+    assert drain.Drain(lambda: states, "me")._models == [model]
