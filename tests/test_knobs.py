@@ -135,11 +135,11 @@ async def test_a_stride_being_waited_out_ends_at_shutdown(redis_url: str) -> Non
         claimer = Claimer(client, "paced", "w1", BatchPolicy(stride_s=60),
                           block_timeout_s=0.3)
         claimer.stop = asyncio.Event()
-        await claimer._pace()  # the first claim: no stride to wait out
+        await claimer.pace()  # the first claim: no stride to wait out
         loop = asyncio.get_running_loop()
         loop.call_later(0.3, claimer.stop.set)
         started = loop.time()
-        await asyncio.wait_for(claimer._pace(), 5)  # (it waited the whole 60 s)
+        await asyncio.wait_for(claimer.pace(), 5)  # (it waited the whole 60 s)
         assert loop.time() - started < 1.0
     finally:
         await client.aclose()

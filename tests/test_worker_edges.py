@@ -5,6 +5,7 @@ and draining, against a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -134,3 +135,50 @@ async def test_draining_reads_the_sub_queues_in_effect_and_any_worker_id(
         assert raw_redis.exists(protocol.closed_key(tag))
     states = [model]
     assert drain.Drain(lambda: states, "me")._models == [model]
+
+
+async def test_a_live_change_reaches_a_batch_window_already_open(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """``allow_small_batch=false`` holds a lone request to its deadline; turning it on
+    (live) sends the batch now, not at the deadline."""
+    import time
+
+    start_worker([Model("win", fn=lambda xs: xs, policy=BatchPolicy(
+        max_batch_size=8, allow_small_batch=False))])
+    await wait_live(redis_url, "win")
+    async with Client(redis_url) as client:
+        started = time.monotonic()
+        future = await client.submit("win", 7, timeout_s=15)
+        await asyncio.sleep(0.5)
+        await client.configure("win", allow_small_batch=True)
+        assert await future == 7
+        assert time.monotonic() - started < 5  # (without: about 15 s less the margins)
+
+
+async def test_a_model_of_two_sub_queues_keeps_its_stride_and_its_window(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """A batch stolen from the other sub-queue waits out the stride and fills through
+    the window as a claim of the home's does: ``allow_small_batch=False`` holds a
+    small batch until its deadline forces it, and passes keep ``stride_s`` apart."""
+    import time
+
+    passes: list[float] = []
+
+    def timed(xs: list[int]) -> list[int]:
+        passes.append(time.monotonic())
+        return xs
+
+    start_worker([Model("held2", fn=lambda xs: xs, sub_queues=2, policy=BatchPolicy(
+        max_batch_size=8, allow_small_batch=False)),
+        Model("strided2", fn=timed, sub_queues=2, inline=True, policy=BatchPolicy(
+            max_batch_size=1, batch_wait_timeout_s=0.0, stride_s=0.3))])
+    await wait_live(redis_url, "held2")
+    await wait_live(redis_url, "strided2")
+    async with Client(redis_url) as client:
+        started = time.monotonic()
+        assert await client.predict_many("held2", [1, 2, 3], timeout_s=2) == [1, 2, 3]
+        assert time.monotonic() - started > 1.0  # held for its deadline, not sent at once
+        assert await client.predict_many("strided2", list(range(6)), timeout_s=10) == \
+            list(range(6))
+    gaps = [b - a for a, b in itertools.pairwise(passes)]
+    assert len(gaps) == 5 and min(gaps) > 0.25, gaps

@@ -153,6 +153,9 @@ class Claimer:
         # the model's stride as it is now (set by the runner: a live change reaches a
         # stride being waited out); None: the policy's
         self.live_stride: Callable[[], float] | None = None
+        # the policy in effect now (a live knob change), read again while a window is
+        # open: None, the one set between batches (``set_policy``)
+        self.live_policy: Callable[[], BatchPolicy] | None = None
 
     def set_policy(self, policy: BatchPolicy) -> None:
         """Form the next batches under ``policy`` (a live change, between batches)."""
@@ -293,7 +296,7 @@ class Claimer:
         with contextlib.suppress(Exception):  # at worst the BLMOVE times out by itself
             await unblock(self._redis, self._node, client_id, self.unblock_guard)
 
-    async def _pace(self) -> None:
+    async def pace(self) -> None:
         """Wait out the stride since the last claim, re-reading it every
         ``PACE_STEP_S``: a live change (``live_stride``), down as well as up, applies
         to the wait under way; shutdown (``stop``) ends it."""
@@ -359,13 +362,15 @@ class Claimer:
         return True
 
     async def claim(self, count: int | None = None, wait_s: float | None = None,
-                    precise: bool = False) -> list[bytes]:
+                    precise: bool = False, paced: bool = False) -> list[bytes]:
         """Return up to ``count`` (default ``max_batch_size``) raw entries, or [] after
         the block timeout (``wait_s``: this claim's wait for a first entry, in place of
         ``block_timeout_s``; a batch window still fills as long as it is open).  With
         ``precise`` (and a connection of its own) that wait ends on time (``CLIENT
-        UNBLOCK``), not up to Redis's ``hz`` timer later."""
-        await self._pace()
+        UNBLOCK``), not up to Redis's ``hz`` timer later.  ``paced``: the stride was
+        waited out already (by the claim of several sub-queues this one is part of)."""
+        if not paced:
+            await self.pace()
         size = count or self._policy.max_batch_size
         if wait_s is None:
             return await self._claiming(self._claim_batch, size)
@@ -392,6 +397,11 @@ class Claimer:
                                       size, wake_at_ms)
             if not items:
                 return []
+        return await self._windowed(items, size)
+
+    async def _windowed(self, items: list[bytes], size: int) -> list[bytes]:
+        """A batch begun with ``items``, topped up through the policy's window (none for
+        a full one, or a lone request in a quiet spell)."""
         if len(items) >= size or not self._worth_waiting(len(items)):
             return items  # full, or a lone request in a quiet spell: not even a top-up
         if self._policy.batch_wait_timeout_s > 0 or not self._policy.allow_small_batch:
@@ -399,6 +409,14 @@ class Claimer:
             await self._fill(items, size, self._window_end_ms(items, size))
             self._gain += GAIN_SMOOTHING * (len(items) - found - self._gain)
         return items
+
+    async def complete(self, items: list[bytes], size: int) -> list[bytes]:
+        """A batch begun by ``claim_now`` (a steal from this sub-queue), topped up
+        through the window as a claim of its own would be (``allow_small_batch=False``
+        holds there too)."""
+        if not items:
+            return items
+        return await self._claiming(functools.partial(self._windowed, items), size)
 
     def _window_end_ms(self, items: list[bytes], size: int) -> int:
         """The policy's window, closed early by the most urgent request's slack.  A
@@ -440,6 +458,17 @@ class Claimer:
         """Keep filling: not full, and the worker is not stopping."""
         return len(items) < size and not (self.stop is not None and self.stop.is_set())
 
+    def _relive(self, items: list[bytes], size: int, window_end_ms: int) -> tuple[int, int]:
+        """The batch's size and window after a live change of the policy while its
+        window was open (a lower ``max_batch_size``, a shorter window, or
+        ``allow_small_batch`` turned on apply to the wait under way)."""
+        policy = self._policy if self.live_policy is None else self.live_policy()
+        if policy is self._policy:
+            return size, window_end_ms
+        self._policy = policy
+        size = min(size, policy.max_batch_size)
+        return size, min(window_end_ms, self._window_end_ms(items, size))
+
     async def _fill(self, items: list[bytes], size: int, window_end_ms: int) -> None:
         if self._precise and self._client_id is not None:
             await self._fill_precise(items, size, window_end_ms)
@@ -450,7 +479,10 @@ class Claimer:
         """Top up until full, or the window ends, or (adaptive) no request came for a
         quiet gap: nobody else is on the way, so the batch goes now."""
         quiet_ms = self._policy.quiet_ms()
-        while self._open(items, size):
+        while True:
+            size, window_end_ms = self._relive(items, size, window_end_ms)
+            if not self._open(items, size):
+                return
             now = protocol.now_ms()
             if window_end_ms - now < 1:
                 return
@@ -469,7 +501,10 @@ class Claimer:
         our own: Redis wakes blocked clients on its own timer (``hz``, 100 ms by default),
         so a server-side timeout is only used while it cannot overshoot the window; the
         last stretch is a client-side sleep followed by one non-blocking claim."""
-        while self._open(items, size):
+        while True:
+            size, window_end_ms = self._relive(items, size, window_end_ms)
+            if not self._open(items, size):
+                return
             remaining_s = (window_end_ms - protocol.now_ms()) / 1000
             if remaining_s < MIN_BLOCK_S:
                 return

@@ -218,8 +218,11 @@ class ShardClaimer:
             claimer.reconnected()
 
     async def _claim_sharded(self, count: int) -> list[bytes]:
+        """One claim over the sub-queues: one stride (the home's clock), whichever it
+        takes from, and a stolen or polled batch topped up through its window."""
         self._claims += 1
         home = self.sub(self.home)
+        await home.pace()
         busy = time.monotonic() < self._busy_until
         if (busy or home.drained or self._claims % STEAL_EVERY == 0) and \
                 (items := await self._steal(count)):
@@ -227,7 +230,8 @@ class ShardClaimer:
         if busy and home.drained:
             return await self._poll(home, count)
         wait_s = BUSY_BLOCK_S if busy else None  # this claim's wait: the claimer keeps its own
-        return self._took(home, await home.claim(count, wait_s)) or await self._steal(count)
+        return self._took(home, await home.claim(count, wait_s, paced=True)) or \
+            await self._steal(count)
 
     async def _poll(self, home: Claimer, count: int) -> list[bytes]:
         """While the model is busy: home without blocking, then a sleep if it was empty
@@ -235,7 +239,7 @@ class ShardClaimer:
         late: no use for a wait of milliseconds).  The sleep doubles with each empty
         round, from ``BUSY_BLOCK_S``; once it would reach ``STEAL_BLOCK_S`` the model
         is idle (light traffic polls a few rounds per request, not for ``BUSY_FOR_S``)."""
-        items = self._took(home, await home.claim_now(count))
+        items = await home.complete(self._took(home, await home.claim_now(count)), count)
         if not items:
             await asyncio.sleep(self._gap_s)
             self._gap_s *= 2
@@ -258,7 +262,7 @@ class ShardClaimer:
         for k in range(len(others)):
             claimer = self.sub(others[(self._turn + k) % len(others)])
             if items := self._took(claimer, await claimer.claim_now(count)):
-                return items
+                return await claimer.complete(items, count)
         if self.high > self.count and time.monotonic() - self._shrunk_at > DRAIN_GRACE_S:
             self.high = self.count  # every sub-queue above the count is empty: drained
             self._retime()
