@@ -214,6 +214,14 @@ def positive_flag(text: str) -> int:
     return value
 
 
+def _stripped_key(key: str) -> str:
+    """An API key without the white space around it (a secret read from a file often
+    ends in a newline, which no client sends); one of white space alone is refused."""
+    if key and not key.strip():
+        raise ConfigError("api_key is only white space (leave it empty for no key)")
+    return key.strip()
+
+
 def _at_least_one(name: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{name} must be >= 1, got {value!r}")
@@ -316,6 +324,7 @@ class GatewayConfig:
     wait_timeout_ms: int = defaults.WAIT_TIMEOUT_MS  # how long that WAIT may block
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "api_key", _stripped_key(self.api_key))
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be 1-65535, got {self.port}")
         if not 1 <= self.gateway_processes <= 64:

@@ -14,6 +14,7 @@ class RedbatchError(Exception):
     """Root of every redbatch error."""
 
     code = "internal"
+    request_id = ""  # the request it befell, once it had an id (a stream's, say)
 
 
 class ConfigError(RedbatchError):

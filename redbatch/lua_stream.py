@@ -14,7 +14,9 @@ _S = protocol.STREAMED_PREFIX
 
 # Shared by both scripts: push(to, data, ttl_s) is false when Redis refused the push (the
 # reply_to holds a value of another type: a hostile or broken caller),
-# final_error(...) a final error message, encoded as its request was, and
+# final_error(...) a final error message, encoded as its request was, streamed(m) the
+# next chunk number a request's marker holds (nil for anything but ``S<digits>``: a
+# hostile ``Snan`` must not make a NaN that fails the script's encode), and
 # cancelled(key, id) whether ``id`` is in the cancelled set ``key`` (a value of another
 # type there cancels nothing: it must not fail every stream of the model).
 _HELPERS: Final = f"""
@@ -25,6 +27,11 @@ local function push(to, data, ttl_s)
     redis.call('EXPIRE', to, ttl_s, 'GT')  -- else only ever longer: a reply waiting
   end                                       -- there keeps its own, longer TTL
   return true
+end
+local function streamed(m)  -- a marker's next chunk number; nil if it holds none
+  local digits = m and string.match(m, '^{_S}(%d+)$')
+  if digits and #digits <= 15 then return tonumber(digits) end
+  return nil
 end
 local function cancelled(key, id)
   return type(redis.pcall('ZSCORE', key, id)) == 'string'
@@ -68,8 +75,11 @@ for j = 1, n do
   local ours = redis.call('LPOS', KEYS[1], ARGV[b]) ~= false
   local m = ours and redis.pcall('GET', marker) or false
   if type(m) == 'table' then m = 'd' end  -- not a string (WRONGTYPE): never answered
-  local expect = 0
-  if m and string.sub(m, 1, 1) == '{_S}' then expect = tonumber(string.sub(m, 2)) end
+  local expect = streamed(m)  -- (a marker of no number, or a huge one: as expired)
+  if expect == nil then
+    if m and string.sub(m, 1, 1) == '{_S}' then m = false end
+    expect = 0
+  end
   local acked = true
   if not ours or m == 'd' then
     status[j] = 1
@@ -110,7 +120,8 @@ return {{status, items, redis.call('EXISTS', KEYS[3])}}
 # ARGV[3]=sha1 hex of the in-flight entries read  ARGV[4]=reply ttl s
 # ARGV[5]=dead-letter ttl s  ARGV[6]=nd  ARGV[7..6+nd]=dead letters (unreadable entries)
 # ARGV[7+nd]=n, then 7 per entry from b = 8 + nd + 7(j-1): ARGV[b]=the entry to requeue
-# ('' when it may not run again)  ARGV[b+1]=its raw entry  ARGV[b+2]=request id
+# ('' when it may not run again)  ARGV[b+1]=its dead letter (the entry's first bytes,
+# ``DEAD_LETTER_MAX_BYTES``)  ARGV[b+2]=request id
 # ARGV[b+3]='json' or 'msgpack'  ARGV[b+4]=marker ttl ms  ARGV[b+5]=error message
 # ARGV[b+6]=error code
 # An entry whose marker says chunks went out ('s<n>') is never run again (its chunks
@@ -142,8 +153,8 @@ for j = 1, n do
   local b = 8 + nd + 7 * (j - 1)
   local m = redis.pcall('GET', KEYS[4 + 2 * j])
   if type(m) == 'table' then m = false end
-  if m and string.sub(m, 1, 1) == '{_S}' then
-    ended(j, b, tonumber(string.sub(m, 2)))
+  if streamed(m) then
+    ended(j, b, streamed(m))
   elseif m ~= 'd' then
     if ARGV[b] ~= '' then
       requeue[#requeue + 1] = ARGV[b]

@@ -67,6 +67,9 @@ class LiveSummary:
         return self.at + refresh_s
 
 
+MAX_SUMMARIES = 4096  # models whose live summary a process keeps (unknown names first out)
+
+
 class LiveCache:
     """Per-model ``LiveSummary``, refreshed at most every ``refresh_s`` with single
     flight: callers that find a model stale await one read; a failed read raises to
@@ -113,6 +116,17 @@ class LiveCache:
             summary = self._summaries[model] = flight.result()
             if summary.known:  # whoever read it (a route, a cap, a served check)
                 self.known_at[model] = summary.at
+            if len(self._summaries) > MAX_SUMMARIES:
+                self._evict()
+
+    def _evict(self) -> None:
+        """Down to three quarters of ``MAX_SUMMARIES``: names nothing serves first (a
+        client asking for ever new names must not grow a gateway's memory), then the
+        least recently read."""
+        keep = MAX_SUMMARIES * 3 // 4
+        order = sorted(self._summaries.items(), key=lambda kv: (kv[1].known, kv[1].at))
+        for model, _summary in order[:len(order) - keep]:
+            del self._summaries[model]
 
     async def _read(self, model: str) -> LiveSummary:
         """One round trip (a read), repeated once on a broken connection."""

@@ -811,3 +811,40 @@ async def test_a_stream_whose_input_cannot_be_encoded_leaves_no_waiter(
         assert client.waiting == 0
         assert [x async for x in client.stream("counter", {"n": 2, "tag": "t"}, 5)] == [
             "t0", "t1"]
+
+
+async def test_a_hostile_marker_fails_its_own_stream_alone(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    """``snan`` in a request's marker once made a NaN that failed the STEP script's
+    encode for the whole batch, and every reap of it after.  It now reads as no
+    marker: that stream runs as any other."""
+    start_worker([counter(size=4)])
+    await wait_live(redis_url, "counter")
+    reply_to = protocol.reply_key("counter", "evil")
+    evil = _request("evil2", reply_to, {"n": 3})
+    raw_redis.set(protocol.request_key("counter", "evil2"), "snan", px=20_000)
+    async with Client(redis_url) as client:
+        good = client.stream("counter", {"n": 30, "tag": "g"}, 10)
+        await good.open()
+        raw_redis.rpush(protocol.queue_key("counter"), codec.encode(evil.to_wire(), "json"))
+        assert len([x async for x in good]) == 30
+    await _until(lambda: raw_redis.llen(reply_to) == 4)
+    messages = [orjson.loads(m) for m in raw_redis.lrange(reply_to, 0, -1)]
+    assert [m.get("payload") for m in messages[:3]] == ["0", "1", "2"]
+    assert messages[3]["last"] is True and messages[3]["ok"] is True
+
+
+async def test_the_stream_reaper_dead_letters_an_entrys_first_bytes(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    now = protocol.now_ms()
+    bad = orjson.dumps({"v": 1, "id": "x1", "model": "counter", "enqueue_ms": "bad",
+                        "deadline_ms": now + 60_000, "reply_to": "rb:reply:{counter}:c",
+                        "attempt": 0, "payload": "A" * 200_000})
+    raw_redis.rpush(protocol.inflight_key("counter", "w1"), bad)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await StreamReaper(client, "counter", 3).reap("w1", force=True)
+    finally:
+        await client.aclose()
+    assert [len(x) for x in raw_redis.lrange(protocol.dead_letter_key("counter"), 0, -1)] \
+        == [4096]

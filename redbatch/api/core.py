@@ -30,7 +30,13 @@ from redbatch.api import body, streaming
 from redbatch.api.directory import ModelDirectory, ModelInfo
 from redbatch.api.errors import error_response, from_exception
 from redbatch.config import GatewayConfig
-from redbatch.errors import BadRequest, DeadlineExceeded, RedbatchError, error_from_code
+from redbatch.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    ModelError,
+    RedbatchError,
+    error_from_code,
+)
 from redbatch.pipelines.definition import meta_stages
 from redbatch.producer import packing
 from redbatch.producer.admission import no_live_workers
@@ -180,6 +186,7 @@ class InferCore:
             return await self.predict(model, headers, receive, trace, query, version, plain)
         except RedbatchError as exc:
             response = from_exception(exc)
+            trace = trace or exc.request_id  # (one enqueued before it failed: its own id)
             if version and self.directory.cached(served := protocol.served_name(model, version)):
                 tag_version(response, served)  # (a version refused it)
         except Exception:
@@ -210,6 +217,10 @@ class InferCore:
         plain = plain and self.client.direct(model)
         data = body.parse_json(raw) if query is None else query_input(query, raw, info)
         if info.meta.get(protocol.F_STREAMING):
+            if query is not None:
+                raise BadRequest(f"model {info.name!r} is a streaming model: call it with "
+                                 "POST and a JSON body of its fields (GET takes numbers "
+                                 "for one input)")
             return await self.stream(info, data, headers, arrived_ms, trace_id,
                                      streaming.v1_shapes(info.output_name),
                                      streaming.wants_sse(headers), receive)
@@ -248,7 +259,11 @@ class InferCore:
         stream = self.client.stream(info.name, streaming.stream_input(data),
                                     deadline_ms=deadline_ms, trace_id=trace_id,
                                     max_queue_len=info.max_queue_len, chunks=True)
-        first = await streaming.first_chunk(stream, receive)
+        try:
+            first = await streaming.first_chunk(stream, receive)
+        except RedbatchError as exc:  # failed before its first chunk: its answer is
+            exc.request_id = stream.request_id  # named as the request (``_respond``)
+            raise
         answer = streaming.StreamAnswer(stream, first, shapes, sse,
                                         trace_id or stream.request_id)
         if protocol.VERSION_SEP in info.name:  # a version answers: which one
@@ -362,6 +377,13 @@ class PredictEndpoint:
 
 
 # --- GET: the input in the query string -------------------------------------------
+def _query_fields(info: ModelInfo) -> int:
+    """The most query fields a GET of ``info`` may hold: the values of its input (or of
+    each named input) as repeated keys, and a few more (its mask, ``timeout_ms``)."""
+    inputs = len(info.signature.inputs) if info.signature is not None else 1
+    return protocol.MAX_QUERY_VALUES * inputs + 8
+
+
 def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any]:
     """The fields of a GET's query string that a POST body would hold: the model's
     input (JSON numbers; a repeated key or a comma list makes a list), or each named
@@ -372,7 +394,7 @@ def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any
     try:
         pairs = urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True,
                                        errors="strict",
-                                       max_num_fields=protocol.MAX_QUERY_VALUES)
+                                       max_num_fields=_query_fields(info))
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadRequest(f"unreadable query string: {exc}") from exc
     fields: dict[str, list[str]] = {}
@@ -432,8 +454,14 @@ def reply_response(info: ModelInfo, reply: Reply, request_id: str) -> Response |
         response.headers["x-request-id"] = request_id
         tag_version(response, info.name)
         return response
-    content = orjson.dumps({info.output_name: reply.payload}, default=body.jsonable,
-                           option=orjson.OPT_SERIALIZE_NUMPY)
+    try:
+        content = orjson.dumps({info.output_name: reply.payload}, default=body.jsonable,
+                               option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:  # bytes, or nested deeper than orjson writes (254 levels)
+        failed = ModelError(f"the output of model {info.name!r} cannot be written as "
+                            f"JSON: {exc}")
+        return reply_response(info, Reply(reply.id, False, error_code=failed.code,
+                                          error_message=str(failed)), request_id)
     timings = reply.timings
     headers = [
         (b"content-type", b"application/json"),

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import Any
 
 import orjson
+import redis
 import redis.asyncio as aioredis
 
 from redbatch import defaults, protocol, versions
 from redbatch.config import RedisSettings
+from redbatch.errors import RedbatchError
 from redbatch.levels import by_level, queue_depths, read_meta
 from redbatch.producer.admission import unknown_model
 from redbatch.redis_conn import deadline_bound, idempotent, translated
@@ -18,6 +22,7 @@ from redbatch.spec import ModelInfo
 
 __all__ = ["MAX_CACHED", "ModelDirectory", "ModelInfo"]
 
+log = logging.getLogger("redbatch.api")
 
 MAX_CACHED = 1024
 
@@ -65,7 +70,14 @@ class ModelDirectory:
         protocol.check_model_name(name)
         async with translated(self._settings):
             raw = await idempotent(self._redis, lambda: self._redis.get(protocol.meta_key(name)))
-        return ModelInfo.from_meta(orjson.loads(raw)) if raw else None
+        if not raw:
+            return None
+        try:
+            return ModelInfo.from_meta(orjson.loads(raw))
+        except (ValueError, TypeError, KeyError, AttributeError, RedbatchError) as exc:
+            log.warning("model %r: its metadata cannot be read (%s); answered as unknown",
+                        name, exc)
+            return None
 
     async def listing(self) -> list[dict[str, Any]]:
         """Every known model with its queue depth, live workers and ``versions``; a
@@ -75,7 +87,19 @@ class ModelDirectory:
         depths per level for a multi-level version)."""
         async with translated(self._settings):
             groups = by_model(await self._model_names())
-            return [await self._entry(name, groups[name]) for name in sorted(groups)]
+            entries = [await self._readable(name, groups[name]) for name in sorted(groups)]
+        return [entry for entry in entries if entry is not None]
+
+    async def _readable(self, name: str, served: list[str]) -> dict[str, Any] | None:
+        """``_entry``, or None (logged) for a model whose keys in Redis cannot be read
+        (metadata that is not a JSON object, a key of another type): one bad entry,
+        written by something else, never fails the whole listing."""
+        try:
+            return await self._entry(name, served)
+        except (ValueError, TypeError, KeyError, redis.ResponseError) as exc:
+            log.warning("model %r left out of the listing: its keys in Redis cannot be "
+                        "read (%s: %s)", name, type(exc).__name__, exc)
+            return None
 
     async def _entry(self, name: str, served: list[str]) -> dict[str, Any]:
         if not served:  # served without versions: its one version, "1"
@@ -101,6 +125,8 @@ class ModelDirectory:
         depths = await queue_depths(self._redis, name, raw, draining)
         workers = await live_workers(self._redis, name)
         meta = orjson.loads(raw) if raw else {"name": name}
+        if not isinstance(meta, dict):
+            raise TypeError(f"metadata is a JSON {type(meta).__name__}, not an object")
         if len(depths) > 1:  # a multi-level model: its depth counts every level
             meta["queue_depths"] = by_level(depths)
         return {"kind": "model", **meta,  # a pipeline's: its own
@@ -126,8 +152,9 @@ class ModelDirectory:
         async with translated(self._settings):
             now = protocol.now_ms()
             for name in await self._model_names():
-                if await self._redis.zcount(protocol.workers_key(name), now, "+inf"):
-                    return True
+                with contextlib.suppress(redis.ResponseError):  # (a key of another type)
+                    if await self._redis.zcount(protocol.workers_key(name), now, "+inf"):
+                        return True
         return False
 
 

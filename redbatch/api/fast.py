@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
-from redbatch import metrics
-from redbatch.api import auth, metrics_view
+from redbatch import metrics, protocol
+from redbatch.api import auth, body, metrics_view
 from redbatch.api.core import RawResponse
 from redbatch.api.errors import error_response
 
@@ -46,7 +46,9 @@ class GatewayApp(Starlette):
             await super().__call__(scope, receive, send)
             return
         refused = auth.refusal(scope, self.api_key)
-        if refused is not None:
+        if refused is not None:  # (named as every predict answer is)
+            refused.headers["x-request-id"] = \
+                body.trace_id(dict(scope["headers"])) or protocol.new_request_id()
             await refused(scope, receive, send)
             return
         gateway: Gateway = self.state.gateway

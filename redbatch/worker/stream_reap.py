@@ -104,7 +104,9 @@ class StreamReaper(Reaper):
             code, message = WorkerCrashed.code, CRASHED if failed else STOPPED
         keys += [protocol.request_key(self.model, request.id), request.reply_to]
         ttl = protocol.marker_ttl_ms(request.deadline_ms, protocol.now_ms())
-        per_entry += [requeued, raw, request.id, entry.fmt, ttl, message, code]
+        # (the entry's copy is what a dead letter keeps: its first bytes, as anywhere)
+        per_entry += [requeued, raw[:self.dead_letters.max_bytes], request.id, entry.fmt, ttl,
+                      message, code]
 
     def _requeued(self, entry: _Entry, blamed: bool, suspect: bool) -> bytes:
         """The entry to requeue, or b"" when it may not run again."""

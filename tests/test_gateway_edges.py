@@ -1,0 +1,104 @@
+"""The v1 gateway at its edges: names nobody serves cost bounded memory, outputs JSON
+cannot hold, GET on a streaming model, the GET field cap, the key's white space, a
+401's request id, and bad entries in Redis, against a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from redbatch import protocol
+from redbatch.config import GatewayConfig
+from redbatch.errors import ConfigError
+from redbatch.registry import LiveCache
+from redbatch.worker.model import Model
+from redbatch.worker.process import Worker
+from tests.conftest import wait_live
+from tests.stream_models import counter
+from tests.test_gateway import gateway
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_the_live_cache_keeps_a_bounded_number_of_names(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every unknown name a client asks for was kept, forever (430 bytes each)."""
+    from redbatch import registry
+
+    monkeypatch.setattr(registry, "MAX_SUMMARIES", 40)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        cache = LiveCache(client)
+        for i in range(200):
+            await cache.get(f"nobody{i}")
+            assert len(cache._summaries) <= 40
+    finally:
+        await client.aclose()
+
+
+def deep(levels: int) -> object:
+    value: object = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+async def test_an_output_json_cannot_hold_is_the_models_error_named_as_its_request(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([Model("bytesout", fn=lambda xs: [b"\x00" for _ in xs]),
+                  Model("same", fn=lambda xs: xs)])
+    await wait_live(redis_url, "bytesout")
+    await wait_live(redis_url, "same")
+    async with gateway(redis_url) as http:
+        for model, inputs in (("bytesout", 1), ("same", deep(300))):
+            resp = await http.post(f"/v1/models/{model}/predict", json={"inputs": inputs},
+                                   headers={"X-Request-ID": "mine-1"})
+            assert resp.status_code == 500, resp.text
+            assert resp.json()["error"]["code"] == "model_error"
+            assert resp.headers["x-request-id"] == "mine-1"
+
+
+async def test_get_on_a_streaming_model_is_refused_and_get_takes_256_values_and_more(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    start_worker([counter(size=2), Model("count", fn=lambda xs: [len(x) for x in xs])])
+    await wait_live(redis_url, "counter")
+    await wait_live(redis_url, "count")
+    async with gateway(redis_url) as http:
+        resp = await http.get("/v1/models/counter/predict?n=3")
+        assert resp.status_code == 400 and "POST" in resp.text, resp.text
+        query = "&".join(["inputs=1"] * 256) + "&timeout_ms=5000"
+        resp = await http.get(f"/v1/models/count/predict?{query}")
+        assert resp.status_code == 200 and resp.json() == {"outputs": 256}, resp.text
+
+
+async def test_a_key_with_white_space_around_it_and_a_401s_request_id(
+        redis_url: str) -> None:
+    assert GatewayConfig(api_key="sekrit\n").api_key == "sekrit"
+    with pytest.raises(ConfigError, match="white space"):
+        GatewayConfig(api_key=" \n")
+    async with gateway(redis_url, api_key="sekrit\n") as http:
+        resp = await http.post("/v1/models/m/predict", json={"inputs": 1})
+        assert resp.status_code == 401 and resp.headers["x-request-id"]
+        resp = await http.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert resp.status_code == 200
+
+
+async def test_a_bad_entry_in_redis_is_left_out_not_fatal(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([Model("fine", fn=lambda xs: xs)])
+    await wait_live(redis_url, "fine")
+    now = protocol.now_ms()
+    raw_redis.zadd(protocol.MODELS_KEY, {"garbled": now, "listy": now, "typed": now})
+    raw_redis.set(protocol.meta_key("garbled"), "garbage{")
+    raw_redis.set(protocol.meta_key("listy"), "[1, 2]")
+    raw_redis.set(protocol.workers_key("typed"), "a string where a sorted set belongs")
+    async with gateway(redis_url) as http:
+        resp = await http.get("/v1/models")
+        assert resp.status_code == 200, resp.text
+        assert [m["name"] for m in resp.json()["models"]] == ["fine"]
+        assert (await http.get("/readyz")).status_code == 200
+        resp = await http.post("/v1/models/garbled/predict", json={"inputs": 1})
+        assert resp.status_code == 404, resp.text
