@@ -102,3 +102,17 @@ async def test_a_bad_entry_in_redis_is_left_out_not_fatal(
         assert (await http.get("/readyz")).status_code == 200
         resp = await http.post("/v1/models/garbled/predict", json={"inputs": 1})
         assert resp.status_code == 404, resp.text
+
+
+async def test_get_sends_a_list_of_one_to_an_input_with_dimensions(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    from redbatch import TensorSpec
+
+    start_worker([Model("lens1", fn=lambda xs: [len(x) for x in xs],
+                        spec=TensorSpec("float32", (None,)))])
+    await wait_live(redis_url, "lens1")
+    async with gateway(redis_url) as http:
+        resp = await http.get("/v1/models/lens1/predict?inputs=5")
+        assert resp.status_code == 200 and resp.json() == {"outputs": 1}, resp.text
+        assert (await http.get("/v1/models/lens1/predict?inputs=5,6")).json() == \
+            {"outputs": 2}

@@ -42,6 +42,7 @@ from redbatch.producer import packing
 from redbatch.producer.admission import no_live_workers
 from redbatch.producer.client import Client
 from redbatch.protocol import Reply
+from redbatch.spec import TensorSpec
 
 log = logging.getLogger("redbatch.api")
 
@@ -402,16 +403,26 @@ def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any
         fields.setdefault(key, []).append(value)
     data: dict[str, Any] = {}
     if info.signature is not None:  # named inputs: one query parameter each
-        data[info.input_name] = {name: _query_value(name, fields[name])
-                                 for name in info.signature.inputs if name in fields}
+        data[info.input_name] = {
+            name: _shaped(_query_value(name, fields[name]), info.signature.inputs[name])
+            for name in info.signature.inputs if name in fields}
     elif info.input_name in fields:
-        data[info.input_name] = _query_value(info.input_name, fields[info.input_name])
+        data[info.input_name] = _shaped(_query_value(info.input_name,
+                                                     fields[info.input_name]), info.spec)
     mask = info.spec.mask if info.spec is not None else None
     if mask is not None and mask in fields:
         data[mask] = _query_value(mask, fields[mask])
     if body.TIMEOUT_FIELD in fields:
         data[body.TIMEOUT_FIELD] = _single(body.TIMEOUT_FIELD, fields[body.TIMEOUT_FIELD])
     return data
+
+
+def _shaped(value: Any, spec: TensorSpec | None) -> Any:
+    """One number for an input whose spec has dimensions: a list of one (``?x=5`` for
+    an input of shape ``(None,)``)."""
+    if spec is not None and spec.shape and not isinstance(value, list):
+        return [value]
+    return value
 
 
 def _single(key: str, values: list[str]) -> str:
