@@ -191,6 +191,9 @@ class TensorSpec:
             info = np.iinfo(cast.dtype)
             if arr.min() < info.min or arr.max() > info.max:
                 raise InvalidPayload(f"input holds an integer out of range for {self.dtype}")
+        if kind == "b" and arr.dtype.kind in "iu" and arr.size and \
+                not ((arr == 0) | (arr == 1)).all():  # (-1 or 70000 cast to true)
+            raise InvalidPayload("input must be true or false (or 0 and 1) for dtype bool")
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         ok = len(shape) == len(self.shape) and all(

@@ -182,3 +182,16 @@ async def test_a_model_of_two_sub_queues_keeps_its_stride_and_its_window(
             list(range(6))
     gaps = [b - a for a, b in itertools.pairwise(passes)]
     assert len(gaps) == 5 and min(gaps) > 0.25, gaps
+
+
+def test_a_bool_input_takes_0_and_1_but_no_other_integer() -> None:
+    """-1 or 70000 became true without a word."""
+    from redbatch import TensorSpec
+    from redbatch.errors import InvalidPayload
+
+    spec = TensorSpec("bool", (2,))
+    assert spec.check([0, 1]).tolist() == [False, True]
+    assert spec.check([True, False]).tolist() == [True, False]
+    for bad in ([-1, 1], [70000, 0]):
+        with pytest.raises(InvalidPayload, match="true or false"):
+            spec.check(bad)
