@@ -10,6 +10,7 @@ override stores only what someone changed; the effective values are the model's 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -215,9 +216,18 @@ def decode_stored(raw: Mapping[Any, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 def published(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The knob values a model's workers run with, from the meta they publish."""
-    values = {**(meta.get("policy") or {}), **(meta.get("limits") or {})}
-    return {name: values.get(name) for name in KNOBS if name in values}
+    """The knob values a model's workers run with, from the meta they publish (a value
+    that does not check, written by something else, is left out)."""
+    values: dict[str, Any] = {}
+    for section in ("policy", "limits"):
+        if isinstance(part := meta.get(section), dict):
+            values.update(part)
+    shown: dict[str, Any] = {}
+    for name in KNOBS:
+        if name in values:
+            with contextlib.suppress(InvalidKnob):
+                shown[name] = check(name, values[name])
+    return shown
 
 
 def model_defaults(meta: Mapping[str, Any]) -> dict[str, Any]:

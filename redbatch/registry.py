@@ -36,8 +36,20 @@ def live_workers_sync(redis: Any, model: str) -> list[dict[str, Any]]:
 
 
 def _with_info(ids: Any, infos: Any) -> list[dict[str, Any]]:
-    return [orjson.loads(raw) if raw else {"worker_id": wid.decode()}
-            for wid, raw in zip(ids, infos, strict=True)]
+    return [_info(wid, raw) for wid, raw in zip(ids, infos, strict=True)]
+
+
+def _info(worker_id: bytes, raw: bytes | None) -> dict[str, Any]:
+    """A live worker's published info; its id alone when there is none, or when it is
+    not a JSON object (written by something else)."""
+    own = {"worker_id": worker_id.decode(errors="replace")}
+    if not raw:
+        return own
+    try:
+        info = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return own
+    return info if isinstance(info, dict) else own
 
 
 @dataclass(frozen=True)

@@ -102,4 +102,11 @@ class FleetReader:
         keys = [protocol.workers_key(model), protocol.worker_capacity_key(model)]
         reply: Any = await self._script(keys=keys, args=[protocol.now_ms()])
         live, measured, capacity, served = reply
-        return FleetRates(int(live), int(measured), float(capacity), float(served))
+        return FleetRates(int(live), int(measured), _finite(capacity), _finite(served))
+
+
+def _finite(value: Any) -> float:
+    """A rate the workers published, summed by the script; 0 for one that is not a
+    finite number (``1e400`` in a field reads as infinity)."""
+    rate = float(value)
+    return rate if math.isfinite(rate) else 0.0

@@ -12,6 +12,7 @@ the arrival rate is the entries served plus the queue's growth over the interval
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ import redis
 from redbatch import knobs, metrics, protocol, scaling
 from redbatch.levels import by_level, level_keys, meta_keys, queued_sub_queues_of
 from redbatch.registry import live_workers_sync
+
+log = logging.getLogger("redbatch.status")
 
 HISTS: dict[str, tuple[float, ...]] = {"batch_size": metrics.BATCH_BUCKETS,
                                        "batch_entries": metrics.BATCH_BUCKETS,
@@ -155,23 +158,40 @@ def _fill_quantiles(status: ModelStatus, workers: list[dict[str, Any]]) -> None:
 
 def model_names(client: redis.Redis) -> list[str]:
     raw: Any = client.zrange(protocol.MODELS_KEY, 0, -1)
-    return sorted(name.decode() for name in raw)
+    return sorted(name.decode(errors="replace") for name in raw)
 
 
 def sample(client: redis.Redis, interval_s: float) -> dict[str, ModelStatus]:
     """Every model's status, with items/s measured over ``interval_s`` (workers publish
     their counters once a heartbeat, 1 s by default: sample 2 s or more for steady
     figures)."""
-    before = {m: read_model(client, m) for m in model_names(client)}
+    before = _read_all(client)
     started = time.monotonic()
     time.sleep(interval_s)
     elapsed = time.monotonic() - started
-    now = {m: read_model(client, m) for m in model_names(client)}
+    now = _read_all(client)
     for name, status in now.items():
         if name in before:
-            status.items_per_s = _served(before[name].workers, status.workers) / elapsed
-            status.workers_needed = _needed(before[name], status, elapsed)
+            try:
+                status.items_per_s = _served(before[name].workers, status.workers) / elapsed
+                status.workers_needed = _needed(before[name], status, elapsed)
+            except (ValueError, TypeError) as exc:  # a worker's counter that is no number
+                log.warning("model %r: its rates cannot be read (%s)", name, exc)
     return now
+
+
+def _read_all(client: redis.Redis) -> dict[str, ModelStatus]:
+    """Every model's status; a model whose keys in Redis cannot be read (a field that
+    is no number, metadata that is no JSON object, a key of another type: written by
+    something else) is left out, with a warning naming it."""
+    statuses: dict[str, ModelStatus] = {}
+    for model in model_names(client):
+        try:
+            statuses[model] = read_model(client, model)
+        except (ValueError, TypeError, AttributeError, KeyError, redis.ResponseError) as exc:
+            log.warning("model %r left out: its keys in Redis cannot be read (%s: %s)",
+                        model, type(exc).__name__, exc)
+    return statuses
 
 
 def _needed(before: ModelStatus, now: ModelStatus, elapsed: float) -> int:

@@ -116,3 +116,38 @@ async def test_get_sends_a_list_of_one_to_an_input_with_dimensions(
         assert resp.status_code == 200 and resp.json() == {"outputs": 1}, resp.text
         assert (await http.get("/v1/models/lens1/predict?inputs=5,6")).json() == \
             {"outputs": 2}
+
+
+async def test_one_unreadable_model_freezes_no_other_models_gauges(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """``aaa``'s queue key holds a string and its capacity an infinite rate: ``bbb``'s
+    depth still moves, and the scrape answers."""
+    raw_redis.zadd(protocol.MODELS_KEY, {"aaa": 1, "bbb": 2, "ccc": 3})
+    raw_redis.rpush(protocol.queue_key("bbb"), *[b"x"] * 5)
+    async with gateway(redis_url) as http:
+        assert 'redbatch_queue_depth{model="bbb"} 5.0' in (await http.get("/metrics")).text
+        raw_redis.set(protocol.queue_key("aaa"), "a string where a list belongs")
+        raw_redis.zadd(protocol.workers_key("ccc"), {"w": protocol.now_ms() + 60_000})
+        raw_redis.hset(protocol.worker_capacity_key("ccc"), "w",
+                       '{"items_per_s": 1e400, "rows": true, "served_per_s": 1e400}')
+        raw_redis.rpush(protocol.queue_key("bbb"), *[b"x"] * 895)
+        resp = await http.get("/metrics")
+        assert resp.status_code == 200
+        assert 'redbatch_queue_depth{model="bbb"} 900.0' in resp.text
+
+
+async def test_a_models_level_series_go_when_its_levels_do(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Redeployed with one level, a model kept its old levels' depth series forever."""
+    raw_redis.zadd(protocol.MODELS_KEY, {"lv": 1})
+    raw_redis.set(protocol.meta_key("lv"),
+                  '{"name": "lv", "priority": {"levels": 3, "default": 2}}')
+    for level, count in ((1, 4), (3, 7)):
+        raw_redis.rpush(protocol.queue_key("lv", level), *[b"x"] * count)
+    async with gateway(redis_url) as http:
+        text = (await http.get("/metrics")).text
+        assert 'redbatch_queue_depth_level{level="3",model="lv"} 7.0' in text, text
+        raw_redis.set(protocol.meta_key("lv"), '{"name": "lv"}')
+        text = (await http.get("/metrics")).text
+        assert 'redbatch_queue_depth_level{level="3",model="lv"}' not in text
+        assert 'redbatch_queue_depth{model="lv"} 0.0' in text

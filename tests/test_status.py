@@ -108,3 +108,32 @@ def test_the_table_shows_every_live_change() -> None:
     off = ModelStatus("o", 0, 0, knobs={"auto_batch": False},
                       overrides={"auto_batch": False})
     assert status_view._live(off) == "auto_batch=false"  # the batching column shows no "auto"
+
+
+def test_status_leaves_out_a_model_whose_keys_are_odd_and_shows_the_rest(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Data written by something else (a worker's info that is no JSON object, counters
+    that are no numbers, metadata that is no object, knobs of the wrong type) made
+    ``redbatch status`` end in a traceback."""
+    now = protocol.now_ms()
+    raw_redis.zadd(protocol.MODELS_KEY, {"fine": 0, "badinfo": 0, "badcount": 0,
+                                         "badmeta": 0, "badknob": 0})
+    for model in ("badinfo", "badcount"):
+        raw_redis.zadd(protocol.workers_key(model), {"w1": now + 60_000})
+    raw_redis.hset(protocol.worker_info_key("badinfo"), "w1", "not json")
+    raw_redis.hset(protocol.worker_info_key("badcount"), "w1",
+                   '{"worker_id": "w1", "batches": "abc", "items_per_s": "x"}')
+    raw_redis.set(protocol.meta_key("badmeta"), "[1]")
+    raw_redis.set(protocol.meta_key("badknob"), '{"name": "badknob", "policy": '
+                  '{"max_batch_size": 8, "batch_wait_timeout_s": "5"}}')
+    args = ["status", "--redis-url", redis_url, "--interval-s", "0.1"]
+    result = subprocess.run(redbatch_cmd(*args, "--json"), capture_output=True, text=True,
+                            env=test_env(), timeout=30, check=False)
+    assert result.returncode == 0, result.stderr
+    shown = {m["model"]: m for m in json.loads(result.stdout)["models"]}
+    assert {"fine", "badinfo", "badknob"} <= set(shown)
+    assert "badcount" not in shown and "badmeta" not in shown
+    assert "left out" in result.stderr and "Traceback" not in result.stderr
+    table = subprocess.run(redbatch_cmd(*args), capture_output=True, text=True,
+                           env={**test_env(), "COLUMNS": "200"}, timeout=30, check=False)
+    assert table.returncode == 0 and "badknob" in table.stdout, table.stderr

@@ -195,3 +195,51 @@ def test_a_bool_input_takes_0_and_1_but_no_other_integer() -> None:
     for bad in ([-1, 1], [70000, 0]):
         with pytest.raises(InvalidPayload, match="true or false"):
             spec.check(bad)
+
+
+async def test_a_larger_pass_after_short_ones_leaves_the_event_loop_to_the_heartbeat(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: Any) -> None:
+    """Auto-inline runs a model's passes on the loop while its recent ones were short;
+    a pass larger than those (here 3 s long) runs in the thread: the lease stays live
+    (it lapsed, and a peer reaped a healthy worker and ran its batch again)."""
+    import time
+
+    def slow_when_many(xs: list[int]) -> list[int]:
+        if len(xs) >= 4:
+            time.sleep(3)
+        return xs
+
+    worker = start_worker([Model("grow", fn=slow_when_many, policy=BatchPolicy(
+        max_batch_size=16, batch_wait_timeout_s=0.05))])
+    await wait_live(redis_url, "grow")
+    async with Client(redis_url) as client:
+        for x in range(10):
+            assert await client.predict("grow", x, timeout_s=10) == x
+        futures = await client.submit_many("grow", list(range(8)), timeout_s=15)
+        lowest = math.inf
+        while not all(f.done() for f in futures):
+            lease = raw_redis.zscore(protocol.workers_key("grow"), worker.worker_id)
+            lowest = min(lowest, (lease or 0) - protocol.now_ms())
+            await asyncio.sleep(0.1)
+        assert [await f for f in futures] == list(range(8))
+    assert lowest > 500, lowest  # (2 s leases, renewed every 0.2 s)
+
+
+async def test_a_dead_worker_that_cannot_be_reaped_holds_up_no_other(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: Any) -> None:
+    """``d0``'s in-flight key holds a string: its reap fails every time; ``d1`` behind it
+    is still reaped (its junk entry dead-lettered), and the worker serves."""
+    start_worker([Model("m8", fn=lambda xs: xs)])
+    await wait_live(redis_url, "m8")
+    past = protocol.now_ms() - 60_000
+    raw_redis.set(protocol.inflight_key("m8", "d0"), "not a list")
+    raw_redis.rpush(protocol.inflight_key("m8", "d1"), b"junk-entry")
+    raw_redis.zadd(protocol.workers_key("m8"), {"d0": past, "d1": past + 1})
+    for _ in range(100):
+        if raw_redis.llen(protocol.dead_letter_key("m8")):
+            break
+        await asyncio.sleep(0.05)
+    assert raw_redis.llen(protocol.dead_letter_key("m8")) == 1
+    assert raw_redis.llen(protocol.inflight_key("m8", "d1")) == 0
+    async with Client(redis_url) as client:
+        assert await client.predict("m8", 3, timeout_s=5) == 3

@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import redis
+
 from redbatch import metrics, scaling
-from redbatch.errors import RedbatchError
+from redbatch.errors import RedbatchError, RedisUnavailable
 from redbatch.levels import by_level, queue_depths, read_meta
 from redbatch.redis_conn import translated
 
@@ -19,18 +21,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("redbatch.api")
 
 
+LEVELS_SHOWN: dict[str, set[str]] = {}  # model -> the levels whose depth series exist
+
+
 async def refresh_gauges(gateway: Gateway) -> None:
-    """Queue depth, live workers and the scaling signals of every registered model."""
-    redis = gateway.redis
+    """Queue depth, live workers and the scaling signals of every registered model;
+    a model whose keys cannot be read (a key of another type, a number that is no
+    number) is logged and skipped: the others' gauges still move."""
     for name in await gateway.directory.model_names():
-        async with translated(gateway.redis_settings):
-            depths = await queue_depths(redis, name, *await read_meta(redis, name))
-            rates = await gateway.fleet.rates(name)
-        metrics.QUEUE_DEPTH.labels(name).set(sum(depths))  # every level
-        for level, depth in by_level(depths).items() if len(depths) > 1 else ():
-            metrics.QUEUE_DEPTH_LEVEL.labels(name, level).set(depth)
-        metrics.LIVE_WORKERS.labels(name).set(rates.live)
-        set_scaling(name, sum(depths), rates, gateway.fleet.growth)
+        try:
+            async with translated(gateway.redis_settings):
+                await _refresh_one(gateway, name)
+        except RedisUnavailable as exc:
+            if not isinstance(exc.__cause__, redis.ResponseError):
+                raise  # Redis away: every model's gauges keep their last values
+            _skipped(name, exc.__cause__)
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            _skipped(name, exc)
+
+
+def _skipped(name: str, exc: Exception) -> None:
+    log.warning("metrics: model %r skipped: its keys cannot be read (%s: %s)", name,
+                type(exc).__name__, exc)
+
+
+async def _refresh_one(gateway: Gateway, name: str) -> None:
+    redis_ = gateway.redis
+    depths = await queue_depths(redis_, name, *await read_meta(redis_, name))
+    rates = await gateway.fleet.rates(name)
+    metrics.QUEUE_DEPTH.labels(name).set(sum(depths))  # every level
+    levels = by_level(depths) if len(depths) > 1 else {}
+    for level, depth in levels.items():
+        metrics.QUEUE_DEPTH_LEVEL.labels(name, level).set(depth)
+    for gone in LEVELS_SHOWN.get(name, set()) - set(levels):  # (levels changed)
+        metrics.QUEUE_DEPTH_LEVEL.remove(name, gone)
+    LEVELS_SHOWN[name] = set(levels)
+    metrics.LIVE_WORKERS.labels(name).set(rates.live)
+    set_scaling(name, sum(depths), rates, gateway.fleet.growth)
 
 
 def set_scaling(name: str, backlog: int, rates: scaling.FleetRates,

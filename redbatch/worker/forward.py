@@ -27,6 +27,7 @@ from redbatch.worker.model import BatchFn, Model
 log = logging.getLogger("redbatch.worker")
 AUTO_INLINE_MS = 5.0  # on a CPU worker, passes shorter than this run on the event loop
 RECENT_PASSES = 8
+SLOW_INLINE_MS = 1000.0  # an inline pass longer than this is logged (the loop waited)
 CPU_BOUND = 0.2  # a pass on the CPU this share of its thread's wall time: CPU-timed
 # (low: a CPU pass on a machine whose cores other processes share may get a third of a
 # core; a pass timed by the wall among passes timed by the CPU would skew the curve)
@@ -69,6 +70,9 @@ class Forwarder:
         # one GPU)
         self._auto = model.inline is None and device == "cpu" and not model.is_async
         self._recent: deque[float] = deque(maxlen=RECENT_PASSES)  # last passes, ms
+        # ... and the largest pass (items, padded length) among them: an auto-inline
+        # pass is never larger (a pass time grows with both; a larger one may be slow)
+        self._sizes: deque[tuple[int, int]] = deque(maxlen=RECENT_PASSES)
         self._passes: list[int] = []  # items in each pass of ``run_batches`` since taken
         self._sig = model.signature  # named inputs and outputs
         self._spec = model.length_spec
@@ -278,13 +282,19 @@ class Forwarder:
 
     async def _call(self, inputs: list[Any], length: int | None) -> list[Any]:
         arg = self._arg(inputs, length)
-        inline = self.inline
+        size = (len(inputs), length or 0)
+        inline = self.inline and (self.model.inline is not None or self._seen(size))
         started = time.perf_counter()
         try:
             outputs = await self._pass(arg, inline)
         finally:
             pass_ms = (time.perf_counter() - started) * 1000
             self._recent.append(pass_ms)
+            self._sizes.append(size)
+            if inline and pass_ms > SLOW_INLINE_MS:
+                log.warning("model=%s a pass on the event loop took %.0f ms (the heartbeat "
+                            "waited); set inline=False on a model whose passes vary so",
+                            self.model.name, pass_ms)
         if inline:  # let the heartbeat and replies run between inline passes (untimed)
             await asyncio.sleep(0)
         if self._sig is not None:
@@ -325,6 +335,12 @@ class Forwarder:
         except ValueError as exc:
             raise ContractError(f"model {self.model.name!r} {exc}") from exc
         return rows
+
+    def _seen(self, size: tuple[int, int]) -> bool:
+        """Whether a pass of ``size`` (items, padded length) is no larger than a recent
+        one, each way: only such a pass may run inline by itself (``Model.inline``
+        None)."""
+        return any(size[0] <= items and size[1] <= length for items, length in self._sizes)
 
     async def _pass(self, arg: Any, inline: bool) -> Any:
         if self.model.is_async:

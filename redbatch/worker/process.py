@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import redis
 import redis.asyncio as aioredis
 
 from redbatch import defaults, lua, metrics, protocol
@@ -163,13 +164,23 @@ class Worker:
         for runner in self.runners:
             runner.claimer.rank(beat.live.get(runner.model.name))
             runner.peers_hold_aware = beat.held_aware.get(runner.model.name, False)
-        for model, dead_ids in beat.expired.items():
-            for dead_id in dead_ids:
-                await self._reapers[model].reap(dead_id)
+        await self._reap_all(beat.expired)
         if beat.versions and await self._drain.done(redis, beat.versions):
             log.info("worker %s: its versions are drained; stopping", self.worker_id)
             self.drained = True
             self._stop.set()
+
+    async def _reap_all(self, expired: dict[str, list[str]]) -> None:
+        """Reap each dead worker on its own: one whose reap keeps failing (a key of
+        another type, say) is logged and skipped, never holding up the others, this
+        worker's registration, or its drain check."""
+        for model, dead_ids in expired.items():
+            for dead_id in dead_ids:
+                try:
+                    await self._reapers[model].reap(dead_id)
+                except redis.ResponseError as exc:  # (Redis away: the beat fails, retried)
+                    log.warning("model=%s could not reap dead worker %s: %s", model,
+                                dead_id, exc)
 
     def _draining(self) -> heartbeat.Draining:
         """The sub-queues this worker still drains above each model's shrunk count."""
