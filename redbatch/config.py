@@ -31,7 +31,7 @@ CLUSTER_PATH = re.compile(r"/?0?")
 QUERY_NAME = re.compile(r"[a-z_]+")
 DB_PATH = re.compile(r"/?\d*")
 ENCODE_HINT = ("percent-encode special characters in the password (/ as %2F, # as %23, "
-               "? as %3F, @ as %40, : as %3A)")
+               "? as %3F, @ as %40, : as %3A; in a password=... option, + as %2B)")
 
 
 def redact_url(url: str) -> str:

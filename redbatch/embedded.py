@@ -57,7 +57,8 @@ def _wait_ready(url: str) -> None:
             try:
                 client.ping()
                 return
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError,
+                    redis.exceptions.InvalidResponse):  # (not up yet, or not Redis)
                 time.sleep(0.05)
     finally:
         client.close()
@@ -91,7 +92,7 @@ def start_redis_server(binary: str) -> EmbeddedRedis:
     url = f"redis://127.0.0.1:{port}/0"
     try:
         _wait_ready(url)
-    except RedisUnavailable:
+    except BaseException:  # (its work folder goes too)
         stop()
         raise
     return EmbeddedRedis(url, f"redis-server ({binary}, pid {proc.pid})", stop)

@@ -43,8 +43,10 @@ T = TypeVar("T")
 # a command was redirected 16 times: a script whose keys are split between the two
 # nodes of a slot being moved gets TRYAGAIN at each try (tests/test_cluster.py,
 # test_a_half_moved_slot_keeps_every_promise).
+# (``InvalidResponse``: something other than Redis answers on the port, a common
+# mistake in a URL)
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError,
-                RedisClusterException, ClusterError)
+                RedisClusterException, ClusterError, redis.exceptions.InvalidResponse)
 
 
 def _no_retry() -> AsyncRetry:

@@ -151,3 +151,52 @@ async def test_a_models_level_series_go_when_its_levels_do(
         text = (await http.get("/metrics")).text
         assert 'redbatch_queue_depth_level{level="3",model="lv"}' not in text
         assert 'redbatch_queue_depth{model="lv"} 0.0' in text
+
+
+async def test_a_port_where_something_else_answers_is_redis_unavailable() -> None:
+    """``InvalidResponse`` (an HTTP server on the URL's port) went through untranslated:
+    the gateway died with a traceback."""
+    import asyncio
+
+    from redbatch import Client
+    from redbatch.errors import RedisUnavailable
+
+    async def http_like(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"<html>not redis</html>\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(http_like, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(RedisUnavailable):
+            async with Client(f"redis://127.0.0.1:{port}/0", require_workers=False):
+                pass
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_an_embedded_redis_that_never_answers_leaves_nothing_behind(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from redbatch import embedded
+    from redbatch.errors import RedisUnavailable
+
+    fake = Path(str(tmp_path)) / "mute-server"
+    fake.write_text(f"#!{sys.executable}\n"
+                    "import socket, sys, time\n"
+                    "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+                    "s = socket.socket(); s.bind(('127.0.0.1', port)); s.listen()\n"
+                    "conns = []\n"
+                    "while True: conns.append(s.accept())\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(embedded, "START_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RedisUnavailable):
+        embedded.start_redis_server(str(fake))
+    assert [p for p in os.listdir(str(tmp_path)) if p.startswith("redbatch-redis-")] == []

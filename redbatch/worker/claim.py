@@ -372,6 +372,8 @@ class Claimer:
         if not paced:
             await self.pace()
         size = count or self._policy.max_batch_size
+        if wait_s is not None:  # never a blocking pop longer than the socket allows
+            wait_s = min(wait_s, self.block_timeout_s)
         if wait_s is None:
             return await self._claiming(self._claim_batch, size)
         return await self._claiming(functools.partial(self._claim_batch, wait_s=wait_s,
