@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoPermissionError, ResponseError
 
 log = logging.getLogger("redbatch.checks")
@@ -31,7 +32,7 @@ async def check_eviction(redis: aioredis.Redis) -> str | None:
 async def eviction_warning(redis: aioredis.Redis) -> str | None:
     """``check_eviction``'s warning, not logged."""
     try:
-        config: Any = await redis.config_get("maxmemory*")
+        configs = await _maxmemory(redis)
     except NoPermissionError:
         return CONFIG_REFUSED
     except Exception as exc:  # CONFIG is often disabled (managed Redis, fakeredis)
@@ -40,6 +41,22 @@ async def eviction_warning(redis: aioredis.Redis) -> str | None:
         if pool is not None:
             await pool.disconnect()  # some servers drop the link on an error
         return None
+    return next((w for w in map(_evicts, configs) if w is not None), None)
+
+
+async def _maxmemory(redis: aioredis.Redis) -> list[Any]:
+    """The ``maxmemory*`` settings of the server, or of every primary of a cluster (a
+    cluster client asks one node by default: another may evict)."""
+    if not isinstance(redis, RedisCluster):
+        return [await redis.config_get("maxmemory*")]
+    answers: Any = await redis.config_get(
+        "maxmemory*", target_nodes=RedisCluster.PRIMARIES)
+    single = "maxmemory" in answers or b"maxmemory" in answers  # (one primary's answer)
+    return [answers] if single else list(answers.values())
+
+
+def _evicts(config: Any) -> str | None:
+    """The warning for one server's settings, None if it never evicts."""
     limit = int(config.get("maxmemory") or config.get(b"maxmemory") or 0)
     policy = config.get("maxmemory-policy") or config.get(b"maxmemory-policy") or b""
     policy = policy.decode() if isinstance(policy, bytes) else str(policy)

@@ -131,17 +131,20 @@ class Nodes:
         with redis.Redis(host=host, port=port, username=self.topology.username,
                          password=self.topology.password,
                          socket_timeout=self.settings.socket_timeout_s,
-                         socket_connect_timeout=self.settings.connect_timeout_s) as client:
+                         socket_connect_timeout=self.settings.connect_timeout_s,
+                         **dict(self.topology.options.tls)) as client:  # (the URL's TLS)
             return client.execute_command(*command)
 
     def slot_map(self) -> SlotMap:
         """From the first seed that answers ``CLUSTER SLOTS``."""
+        why = "none given"
         for host, port in self.topology.seeds:
             try:
                 return _parse_slots(self.ask(host, port, "CLUSTER", "SLOTS"))
-            except (redis.ConnectionError, redis.TimeoutError):
-                continue
-        raise RedisUnavailable(f"no seed of {self.settings.safe_url} answered")
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+                why = f"{type(exc).__name__}: {exc}"  # (redis-py quotes no password)
+        raise RedisUnavailable(f"no seed of {self.settings.safe_url} answered (the last: "
+                               f"{why})")
 
     def on(self, node: Primary, *command: str | int | bytes) -> object:
         return self.ask(node.host, node.port, *command)

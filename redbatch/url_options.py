@@ -77,9 +77,27 @@ def _db(text: str) -> int:
 # A plain URL's options (redis-py's ``from_url`` takes them over the settings, so a
 # timeout in the query would pass every check and replace the settings' own): a
 # database, a socket's credentials, TLS on ``rediss://``; nothing else.
+def _plain_flag(text: str) -> bool:
+    """A flag as redis-py reads it from a plain URL, which it parses itself: ``off``
+    or `` false`` would read as true there, so only these spellings are taken."""
+    if text.lower() not in {"1", "true", "yes", "0", "false", "no"}:
+        raise ValueError("is not one of 1, true, yes, 0, false, no")
+    return text.lower() in TRUE
+
+
+def _plain_cert_reqs(text: str) -> str:
+    """As redis-py reads it from a plain URL: lower case, nothing around it."""
+    if text not in CERT_REQS:
+        raise ValueError("is not none, optional or required (lower case)")
+    return text
+
+
+PLAIN_TLS: dict[str, Callable[[str], Any]] = {
+    **TLS_OPTIONS, "ssl_cert_reqs": _plain_cert_reqs, "ssl_check_hostname": _plain_flag}
+
 PLAIN_OPTIONS: dict[str, dict[str, Callable[[str], Any]]] = {
     "redis": {"db": _db},
-    "rediss": {"db": _db, **TLS_OPTIONS},
+    "rediss": {"db": _db, **PLAIN_TLS},
     "unix": {"db": _db, "username": _text, "password": _text},
 }
 

@@ -477,3 +477,22 @@ async def test_a_drained_version_stops_and_refuses_late_pushes(
         assert owner.ask("LLEN", protocol.queue_key("vx@1")) == 0  # nothing left behind
         assert await late.predict("vx@2", 1, 2.0) == 201
     check_slots(redis_cluster, VERSION_TAGS)
+
+
+async def test_the_eviction_check_asks_every_primary(redis_cluster: ClusterEngine,
+                                                     settings: RedisSettings) -> None:
+    """A cluster client sends CONFIG GET to one node: another primary that may evict
+    went unwarned."""
+    from redbatch.checks import _maxmemory, eviction_warning
+    from redbatch.redis_conn import async_client
+
+    risky = redis_cluster.owner("{evict-me}")
+    risky.ask("CONFIG", "SET", "maxmemory", "100mb")
+    risky.ask("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+    client = async_client(settings)
+    try:
+        assert len(await _maxmemory(client)) == 3  # one answer per primary
+        warning = await eviction_warning(client)
+        assert warning is not None and "allkeys-lru" in warning
+    finally:
+        await client.aclose()

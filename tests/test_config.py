@@ -174,3 +174,37 @@ def test_metrics_ports_of_every_replica_must_exist() -> None:
     assert WorkerConfig(metrics_port=65534, replicas=2).metrics_port == 65534
     with pytest.raises(ConfigError, match="replica 1 of 2"):
         WorkerConfig(metrics_port=65535, replicas=2)
+
+
+@pytest.mark.parametrize("query", ["ssl_cert_reqs=None", "ssl_cert_reqs=%20none",
+                                   "ssl_check_hostname=off", "ssl_check_hostname=%20false"])
+def test_a_plain_tls_option_redis_py_would_read_otherwise_is_refused(query: str) -> None:
+    """redis-py parses a plain URL itself: ``off`` reads as true there, ``None`` fails."""
+    with pytest.raises(ConfigError, match="ssl_"):
+        RedisSettings(f"rediss://db:6380/0?{query}")
+    RedisSettings("rediss://db:6380/0?ssl_cert_reqs=none&ssl_check_hostname=false")
+
+
+def test_place_slots_uses_the_urls_tls_and_says_why_no_seed_answered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import redis
+
+    from redbatch import placement
+    from redbatch.embedded import free_port
+    from redbatch.errors import RedisUnavailable
+
+    nodes = placement.Nodes(RedisSettings(f"redis+cluster://127.0.0.1:{free_port()}"))
+    with pytest.raises(RedisUnavailable, match="ConnectionError"):
+        nodes.slot_map()
+    seen: dict[str, object] = {}
+
+    class Recorded(redis.Redis):
+        def __init__(self, **kwargs: object) -> None:
+            seen.update(kwargs)
+            raise redis.ConnectionError("recorded")
+
+    monkeypatch.setattr(placement.redis, "Redis", Recorded)
+    tls = placement.Nodes(RedisSettings("redis+cluster://127.0.0.1:7000?ssl=true"))
+    with pytest.raises(RedisUnavailable):
+        tls.slot_map()
+    assert seen.get("ssl") is True
