@@ -36,7 +36,8 @@ from redbatch.errors import ConfigError
 
 log = logging.getLogger("redbatch")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 30.0  # at least; more when requests may wait longer (``max_timeout_s``)
+STOP_MARGIN_S = 5.0  # beyond the longest deadline a request in flight may have
 
 
 class _Terminated(Exception):
@@ -50,6 +51,9 @@ def _terminated(signum: int, frame: object) -> None:
 def _child(sock: socket.socket, config: GatewayConfig, redis: RedisSettings,
            log_level: str, metrics_dir: str) -> None:
     """One gateway process (spawned): multiprocess metrics first, then serve."""
+    from redbatch.supervised import supervised_child
+
+    supervised_child()
     os.environ[MULTIPROC_ENV] = metrics_dir
     if "prometheus_client" in sys.modules:  # its value class is chosen at import
         raise RuntimeError("prometheus_client was imported before the multiprocess "
@@ -120,8 +124,12 @@ class GatewayGroup:
                 log.error("%s; stopping the others", self.failure)
                 return
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM every process, wait ``grace_s``, SIGKILL the rest; mark all dead."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every process, wait ``grace_s`` (by default long enough for a request
+        accepted with the longest deadline to be answered), SIGKILL the rest; mark all
+        dead."""
+        if grace_s is None:
+            grace_s = max(STOP_GRACE_S, self.config.max_timeout_s + STOP_MARGIN_S)
         for proc in self.processes:
             if proc.is_alive():
                 proc.terminate()

@@ -7,6 +7,7 @@ with ``SO_REUSEPORT`` by the parent."""
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 from types import FrameType
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from redbatch import supervised
 from redbatch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ class GatewayServer(uvicorn.Server):
         return self.stop.is_set() or await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT and supervised.is_supervised():
+            return  # a gateway process of several: its parent stops it, in order
         self.stop.set()
         super().handle_exit(sig, frame)
 
@@ -94,6 +98,10 @@ def run(app: Any, stop: threading.Event | None = None, sock: socket.socket | Non
     server = GatewayServer(config, stop or threading.Event())
     try:
         server.run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn's exit 3 when the app's startup failed
+        if server.started:
+            raise
+        raise ConfigError("the gateway did not start (see the error above)") from exc
     finally:
         sock.close()
     if not server.started:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import signal
 import socket
@@ -218,3 +220,51 @@ def test_up_with_a_bad_redis_setting_leaves_no_embedded_redis_behind(tmp_path: P
     assert result.returncode == 2, result.stderr
     assert "connect_timeout_s" in result.stderr
     assert list(tmp_path.iterdir()) == []  # its work folder removed: it was stopped
+
+
+@pytest.mark.e2e
+def test_a_gateway_whose_startup_fails_exits_2_in_one_line(redis_url: str) -> None:
+    """uvicorn ends a failed start with exit 3 (the worker pool's "drained" code)."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", "nowait", "on", ">pw", "~*", "&*", "+@all",
+                          "-wait")
+    admin.close()
+    port = redis_url.rsplit(":", 1)[1].split("/", maxsplit=1)[0]
+    result = run_cli("gateway", "--redis-url", f"redis://nowait:pw@127.0.0.1:{port}/0",
+                     "--port", str(free_port()), "--workers", "1", timeout_s=30,
+                     REDBATCH_WAIT_REPLICAS="1")
+    assert result.returncode == 2, result.stderr
+    assert "the gateway did not start" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_gateway_processes_die_with_their_parent(redis_url: str) -> None:
+    """A parent killed outright (SIGKILL, the OOM killer) left its gateway processes
+    serving, holding the port."""
+    port = free_port()
+    proc = subprocess.Popen(redbatch_cmd("gateway", "--redis-url", redis_url, "--port",
+                                         str(port), "--workers", "2"),
+                            env=test_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 30
+        while len(parent.children()) < 2 or not _listening(port):
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.1)
+        children = parent.children()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        _gone, alive = psutil.wait_procs(children, timeout=15)
+        assert alive == [], alive
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0

@@ -73,9 +73,13 @@ class FakePool(Pool):
         self.spawned[-1][1].messages.append(SERVING)
 
     def crash(self, error: bytes = b"") -> None:
+        """The replica exits: its exit is booked, and it is restarted once its delay
+        has passed (the clock moved on to it)."""
         if error:
             self.spawned[-1][1].messages.append(error)
         self.proc.die()
+        self._check(self.replicas[0])  # booked: its restart waits from now
+        self.now = max(self.now, self.replicas[0].next_start)
         self._check(self.replicas[0])
 
 
@@ -97,23 +101,41 @@ def make_pool() -> Iterator[Callable[..., FakePool]]:
 
 def test_backoff_grows_then_resets_after_healthy_serving(
         make_pool: Callable[..., FakePool]) -> None:
+    """Each restart waits its delay from the exit (it was counted from the start, so a
+    replica that took longer than the delay to crash came back at once)."""
     pool = make_pool()
+    replica = pool.replicas[0]
+    delays = []
     for _ in range(4):  # a bad spell: each restart waits longer
         pool.serve()
-        pool.now = pool.replicas[0].next_start + 1
-        pool.crash()
-    replica = pool.replicas[0]
-    assert replica.restarts == 4 and replica.next_start - pool.now == 8.0
-    pool.now += 5  # inside the backoff: no restart yet
-    pool.crash()
-    assert len(pool.spawned) == 5
-    pool.now = replica.next_start + HEALTHY_UPTIME_S  # then it served well for a long time
-    pool._check(replica)
+        pool.now += 30  # (up, then crashes: longer than any delay)
+        pool.proc.die()
+        pool._check(replica)
+        delays.append(replica.next_start - pool.now)
+        pool.now += delays[-1] / 2  # inside the delay: no restart yet
+        pool._check(replica)
+        assert len(pool.spawned) == len(delays)
+        pool.now = replica.next_start
+        pool._check(replica)
+    assert delays == [0.5, 1.0, 2.0, 4.0] and len(pool.spawned) == 5
     pool.serve()
+    pool._check(replica)  # it serves, then stays up a long time
     pool.now += HEALTHY_UPTIME_S
-    pool.crash()
-    assert len(pool.spawned) == 7
-    assert replica.restarts == 1 and replica.next_start - pool.now == 1.0
+    pool.proc.die()
+    pool._check(replica)
+    assert replica.restarts == 1 and replica.next_start - pool.now == 0.5
+
+
+def test_a_long_model_load_is_no_healthy_uptime(make_pool: Callable[..., FakePool]) -> None:
+    """Uptime counts from serving: a replica that loads for minutes, serves, and
+    crashes keeps its backoff growing."""
+    pool = make_pool()
+    replica = pool.replicas[0]
+    for _ in range(3):
+        pool.now += HEALTHY_UPTIME_S + 10  # loading
+        pool.serve()
+        pool.crash()
+    assert replica.restarts == 3
 
 
 def test_a_short_run_keeps_the_backoff(make_pool: Callable[..., FakePool]) -> None:
@@ -234,6 +256,8 @@ def test_a_replica_exiting_with_3_for_its_own_reasons_is_restarted(
     pool = make_pool()
     pool.serve()
     pool.proc.die(defaults.DRAINED_EXIT_CODE)  # no DRAINED report: the model's sys.exit(3)
+    pool._check(pool.replicas[0])
+    pool.now = pool.replicas[0].next_start
     pool._check(pool.replicas[0])
     assert len(pool.spawned) == 2 and not pool.replicas[0].drained
 

@@ -44,8 +44,10 @@ def _child(target: str, redis: RedisSettings, config: WorkerConfig, index: int,
     """A replica's process: reports ``SERVING`` once it serves, or the last line of
     the error that stopped it (read by the pool's supervisor; text, never pickle).
     ``quiet``: the same error was shown with its traceback already."""
+    from redbatch.supervised import supervised_child
     from redbatch.worker.process import run_worker_process, set_threads
 
+    supervised_child()
     try:
         set_threads(config.threads)  # before _gpu_count() may import torch
         device = config.device
@@ -107,7 +109,9 @@ class _Replica:
     report: mp_connection.Connection  # the child's SERVING, or its last error line
     started_s: float  # when this process was started (the pool's clock)
     restarts: int = 0  # restarts since the replica last stayed up HEALTHY_UPTIME_S
-    next_start: float = 0.0
+    next_start: float = 0.0  # the restart's time, once its exit was booked
+    booked: bool = False  # this process's exit is counted (its restart waits its delay)
+    served_s: float | None = None  # when it reported SERVING (the pool's clock)
     served: bool = False  # this process reached its serving loop
     failed_starts: int = 0  # exits in a row of processes that never served
     last_error: str = ""
@@ -178,25 +182,29 @@ class Pool:
 
     def _check(self, replica: _Replica) -> None:
         self._read_report(replica)
-        if (self._stopping.is_set() or replica.drained or replica.process.is_alive()
-                or self._clock() < replica.next_start):
+        if self._stopping.is_set() or replica.drained or replica.process.is_alive():
             return
         if replica.process.exitcode == defaults.DRAINED_EXIT_CODE and replica.said_drained:
             replica.drained = True
             log.info("worker replica %d drained its versions and stopped; not restarted",
                      replica.index)
             return
-        self._count_exit(replica)
-        if replica.failed_starts >= self.config.max_failed_starts:
-            self._give_up(replica)
-            return
+        if not replica.booked:  # its exit, seen now: the restart waits from here
+            self._count_exit(replica)
+            if replica.failed_starts >= self.config.max_failed_starts:
+                self._give_up(replica)
+                return
+            delay = min(RESTART_BACKOFF_CAP_S, 0.5 * 2 ** min(replica.restarts - 1, 5))
+            replica.booked, replica.next_start = True, self._clock() + delay
+        if self._clock() >= replica.next_start:
+            self._restart(replica)
+
+    def _restart(self, replica: _Replica) -> None:
         log.warning("worker replica %d: restart #%d", replica.index, replica.restarts)
-        delay = min(RESTART_BACKOFF_CAP_S, 0.5 * 2 ** min(replica.restarts, 5))
         replica.report.close()
         proc, replica.report = self._spawn(replica.index, quiet=replica.failed_starts > 0)
         replica.process, replica.served, replica.last_error = proc, False, ""
-        replica.started_s = self._clock()
-        replica.next_start = replica.started_s + delay
+        replica.started_s, replica.served_s, replica.booked = self._clock(), None, False
 
     def _read_report(self, replica: _Replica) -> None:
         with contextlib.suppress(EOFError, OSError):  # EOF: the child has exited
@@ -204,6 +212,7 @@ class Pool:
                 message = replica.report.recv_bytes(MAX_REPORT_BYTES)
                 if message == SERVING:
                     replica.served, replica.failed_starts = True, 0
+                    replica.served_s = self._clock()
                 elif message == DRAINED:
                     replica.said_drained = True
                 else:
@@ -213,7 +222,8 @@ class Pool:
         """Book an exit: a replica that stayed up ``HEALTHY_UPTIME_S`` starts its
         backoff over; one that never served counts as a failed start."""
         proc = replica.process
-        if self._clock() - replica.started_s >= HEALTHY_UPTIME_S:
+        if replica.served_s is not None and self._clock() - replica.served_s >= \
+                HEALTHY_UPTIME_S:  # (served that long: a long model load is no uptime)
             replica.restarts = 0
         replica.restarts += 1
         replica.failed_starts = 0 if replica.served else replica.failed_starts + 1

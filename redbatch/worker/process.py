@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio as aioredis
 
-from redbatch import defaults, lua, metrics, protocol
+from redbatch import defaults, lua, metrics, protocol, supervised
 from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
 from redbatch.errors import RedbatchError
@@ -288,8 +288,9 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 async def _main(worker: Worker) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in (signal.SIGTERM,) if supervised.is_supervised() else (signal.SIGTERM,
+                                                                   signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # (a pool's replica: SIGINT is the pool's)
     await worker.run(stop)
 
 
