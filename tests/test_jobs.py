@@ -305,7 +305,10 @@ def test_bad_sources_are_refused_at_submit(raw_redis: redis.Redis, tmp_path: Pat
 
 def test_url_of_an_rq_connection() -> None:
     for url in ("redis://127.0.0.1:6380/3", "redis://u:p%40ss@h:1/0", "rediss://h:1/2",
-                "unix:///tmp/r.sock?db=2&password=x"):
+                "unix:///tmp/r.sock?db=2&password=x",
+                # a Unix socket's ACL user (it was dropped), an IPv6 host (unbracketed)
+                "unix:///tmp/r.sock?db=1&username=bulk&password=p%26w",
+                "redis://[::1]:6393/2", "redis://u:p@[::1]:6393/0"):
         conn = redis.Redis.from_url(url)
         kwargs = conn.connection_pool.connection_kwargs
         again = redis.Redis.from_url(url_of(conn)).connection_pool.connection_kwargs

@@ -14,7 +14,6 @@ from redbatch.errors import ConfigError
 from redbatch.jobs import BulkOptions
 from redbatch.jobs.cli import main as jobs_main
 from redbatch.jobs.submit import submit_bulk
-from redbatch.jobs.tasks import url_of
 from redbatch.jobs.urls import JOBS_URL_ENV, portable, queues_url, rq_settings, with_password
 
 CLUSTER = "redis+cluster://:s3cr3t@10.0.0.1:7000,10.0.0.2:7000"
@@ -114,13 +113,3 @@ def test_bulk_options_refuse_waits_without_end_and_levels_out_of_range(
     with pytest.raises(ConfigError):
         BulkOptions(**options)  # type: ignore[arg-type]
 
-
-def test_url_of_keeps_a_unix_sockets_user_and_brackets_an_ipv6_host() -> None:
-    for url in ("unix:///tmp/r.sock?db=1&username=bulk&password=p%26w", "redis://[::1]:6393/2",
-                "redis://u:p@[::1]:6393/0"):
-        conn = redis.Redis.from_url(url)
-        kwargs = conn.connection_pool.connection_kwargs
-        again = redis.Redis.from_url(url_of(conn)).connection_pool.connection_kwargs
-        for key in ("host", "port", "db", "username", "password", "path"):
-            assert again.get(key) == kwargs.get(key), (url, key)
-        conn.close()
