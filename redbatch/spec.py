@@ -54,6 +54,7 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"TensorSpec dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        object.__setattr__(self, "shape", _checked_shape(self.shape))
         if self.min_value is not None or self.max_value is not None:
             self._check_bounds_given()
         if self.max_len is not None or self.buckets is not None:
@@ -248,6 +249,16 @@ def _bound(value: float | None) -> str:
     if value is None:
         return ""
     return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _checked_shape(shape: Any) -> tuple[int | None, ...]:
+    """A spec's shape as a tuple of dimensions, each an int >= 0 or None (free);
+    ``ConfigError`` otherwise (an int alone, -1 for a free one)."""
+    if not isinstance(shape, (tuple, list)) or not all(
+            dim is None or (type(dim) is int and dim >= 0) for dim in shape):
+        raise ConfigError(f"TensorSpec shape must be a tuple of ints >= 0 or None (a free "
+                          f"dimension), such as (4,) or (None,), got {shape!r}")
+    return tuple(shape)
 
 
 def _array(value: Any, what: str) -> np.ndarray[Any, Any]:

@@ -147,3 +147,54 @@ def test_a_sync_client_closed_under_another_threads_calls_settles_every_one(
     assert refused and "closed" in str(refused[0])
     with pytest.raises(RedbatchError, match="closed"):
         client.predict("m", 1, 1)
+
+
+def test_a_client_started_on_one_loop_says_so_on_another(redis_url: str) -> None:
+    """It failed each call with 'Event loop is closed', or hung to the deadline."""
+    client = Client(redis_url, require_workers=False)
+
+    async def once() -> None:
+        future = await client.submit("m", 1, 5)
+        future.cancel()
+
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(once())
+        with pytest.raises(RedbatchError, match="another event loop"):
+            asyncio.run(once())
+    finally:
+        first.run_until_complete(client.close())  # (on its own loop: nothing left open)
+        first.close()
+
+
+async def test_bad_arguments_are_refused_at_once(redis_url: str) -> None:
+    from redbatch import BatchPolicy, TensorSpec
+    from redbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fmt"):
+        Client(redis_url, fmt="JSON")  # type: ignore[arg-type]
+    for bad in ({"max_batch_size": 8.0}, {"max_batch_size": "8"}):
+        with pytest.raises(ConfigError, match="max_batch_size"):
+            BatchPolicy(**bad)  # type: ignore[arg-type]
+    for shape in (4, (-1,), ("4",)):
+        with pytest.raises(ConfigError, match="shape"):
+            TensorSpec("float32", shape)  # type: ignore[arg-type]
+    assert TensorSpec("float32", [3]).shape == (3,)
+    async with Client(redis_url, require_workers=False) as client:
+        for ids in (["a1", "a2"], ["b1", "b2", "b3", "b4"]):
+            with pytest.raises(InvalidPayload, match="request ids for 3 inputs"):
+                await client.submit_many("m", [1, 2, 3], 5, request_ids=ids)
+        assert client.waiting == 0
+
+
+def test_a_sync_client_waits_for_the_deadline_it_was_given(redis_url: str) -> None:
+    """Given ``deadline_ms``, it gave up after its default timeout + 5 s all the same."""
+    from redbatch.producer.sync import MARGIN_S
+
+    client = SyncClient(redis_url, require_workers=False, default_timeout_s=1)
+    try:
+        budget = client._budget(None, protocol.now_ms() + 12_000)
+        assert 12 + MARGIN_S - 1 < budget <= 12 + MARGIN_S
+        assert client._budget(None) == 1 + MARGIN_S
+    finally:
+        client.close()

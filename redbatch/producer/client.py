@@ -86,6 +86,8 @@ class Client:
         self.max_timeout_s = max_timeout_s
         self.max_queue_len = max_queue_len
         self.max_waiters = max_waiters
+        if fmt not in ("msgpack", "json"):
+            raise ConfigError(f"fmt must be 'msgpack' or 'json', got {fmt!r}")
         self.fmt: Format = fmt
         if not 1 <= pack_rows <= protocol.MAX_ROWS:
             raise ConfigError(f"pack_rows must be 1..{protocol.MAX_ROWS}, got {pack_rows}")
@@ -98,12 +100,14 @@ class Client:
         self._listeners: Listeners | None = None
         self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
         self._cancels: set[asyncio.Task[None]] = set()  # streams' cancels under way
 
     # --- life cycle ---------------------------------------------------------
     async def start(self) -> None:
         """Connect (failing fast with ``RedisUnavailable``); each model's reply listener
         starts with its first request."""
+        self._check_loop()
         async with self._start_lock:
             if self._listeners is not None:
                 return
@@ -132,6 +136,19 @@ class Client:
                                       self.fmt, self.pack_rows, listeners.route_pack,
                                       self.replica_wait)
             self._listeners = listeners
+            self._loop = asyncio.get_running_loop()
+
+    def _check_loop(self) -> None:
+        """``RedbatchError`` when a started client is used from another event loop than
+        the one that started it (its connections, listeners and tasks live there);
+        a closed client starts again on any loop."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop is loop:
+            return
+        if self._listeners is not None:
+            raise RedbatchError("this Client was started on another event loop: use one "
+                                "Client per loop, or close it before using it on another")
+        self._loop, self._start_lock = None, asyncio.Lock()  # (closed: start afresh)
 
     async def close(self) -> None:
         # every task on the pool ends before it closes: one that went on would take a
@@ -300,7 +317,9 @@ class Client:
     async def mark_cancelled(self, model: str, request_id: str, deadline_ms: int) -> None:
         """Mark a queued request cancelled in Redis (one MULTI), so that a worker that
         claims it skips it without computing (``model``: for a sharded model, the
-        sub-queue the request went to, its future's ``tag``)."""
+        sub-queue the request went to, its future's ``tag``).  A request this client
+        packed with others into one multi-row entry is computed with its pack (the
+        worker sees the pack's id alone); its reply is dropped."""
         now = protocol.now_ms()
         if deadline_ms <= now:
             return  # a worker answers an expired request without computing anyway
@@ -381,6 +400,7 @@ class Client:
         name and ``count`` more waiters fit under ``max_waiters``: checked before any
         work.  The start and the worker check end by ``deadline_ms``.  (A waiter goes
         to its model's listener in the step that makes it: ``Listeners.expect``.)"""
+        self._check_loop()
         if self._listeners is None:
             async with deadline_bound(deadline_ms, "connecting to Redis"):
                 await self.start()
@@ -445,6 +465,7 @@ class Client:
         listeners = self._listeners
         if listeners is None:
             raise RedbatchError("client is not started")
+        self._check_loop()
         self._check_room(listeners, 1)
         level = 0 if priority is None else await self._level(model, priority)
         return self._expect(listeners, model, model, inputs, deadline_ms, reply, request_id,
@@ -492,6 +513,9 @@ class Client:
         direct = self._plain_ready(model, version, len(inputs))
         model, listeners, pipeline = (model, direct, None) if direct is not None \
             else await self._resolve(model, version, len(inputs), deadline)
+        if request_ids is not None and len(request_ids) != len(inputs):
+            raise InvalidPayload(f"{len(request_ids)} request ids for {len(inputs)} inputs: "
+                                 "give one id per input")
         ids: list[str | None] = list(request_ids) if request_ids else [None] * len(inputs)
         if pipeline is not None:  # one entry per input
             return list(await asyncio.gather(*(

@@ -11,6 +11,7 @@ rather than skip a chunk.  Every wait ends by the request's deadline plus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
@@ -176,7 +177,8 @@ def sync_stream(call: Callable[[Coroutine[Any, Any, Any], float], Any], stream: 
         while (item := call(_step(stream), budget_s)) is not _END:
             yield item
     finally:
-        call(stream.aclose(), budget_s)
+        with contextlib.suppress(RedbatchError):  # (the client closed: it failed the
+            call(stream.aclose(), budget_s)         # stream's waiter already)
 
 
 _END = object()

@@ -10,6 +10,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+from redbatch import protocol
 from redbatch.errors import DeadlineExceeded, RedbatchError
 from redbatch.producer.client import Client
 from redbatch.producer.streams import sync_stream
@@ -57,14 +58,19 @@ class SyncClient:
             future.cancel()
             raise DeadlineExceeded(f"no answer within {timeout_s:.1f} s") from exc
 
-    def _budget(self, timeout_s: float | None) -> float:
+    def _budget(self, timeout_s: float | None, deadline_ms: int | None = None) -> float:
+        """How long a blocking call waits: the request's own time (its ``deadline_ms``
+        when given, else its timeout), and a margin."""
+        if deadline_ms is not None:
+            return max(0.0, (deadline_ms - protocol.now_ms()) / 1000) + MARGIN_S
         return (self._client.default_timeout_s if timeout_s is None else timeout_s) + MARGIN_S
 
     def predict(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                 reply: bool = False, **kwargs: Any) -> Any:
         """``Client.predict``, blocking; takes its keywords."""
         return self._call(self._client.predict(model, inputs, timeout_s, reply=reply,
-                                               **kwargs), self._budget(timeout_s))
+                                               **kwargs),
+                          self._budget(timeout_s, kwargs.get("deadline_ms")))
 
     def submit(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                reply: bool = False, **kwargs: Any) -> concurrent.futures.Future[Any]:
@@ -76,8 +82,9 @@ class SyncClient:
                     *, reply: bool = False, **kwargs: Any
                     ) -> list[concurrent.futures.Future[Any]]:
         """``Client.submit_many``: enqueued once this returns; a future per input."""
+        budget_s = self._budget(timeout_s, kwargs.get("deadline_ms"))
         coro = self._submit_many(model, inputs, timeout_s, reply=reply, **kwargs)
-        return self._call(coro, self._budget(timeout_s))
+        return self._call(coro, budget_s)
 
     async def _submit_many(self, model: str, inputs: Sequence[Any], timeout_s: float | None,
                            **kwargs: Any) -> list[concurrent.futures.Future[Any]]:
@@ -96,7 +103,8 @@ class SyncClient:
                **kwargs: Any) -> Iterator[Any]:
         """``Client.stream`` as a blocking iterator; closing it early cancels it."""
         stream = self._client.stream(model, inputs, timeout_s, **kwargs)
-        return sync_stream(self._call, stream, self._budget(timeout_s))
+        return sync_stream(self._call, stream, self._budget(timeout_s,
+                                                            kwargs.get("deadline_ms")))
 
     def configure(self, model: str, *, reset: bool = False, **values: Any) -> dict[str, Any]:
         """``Client.configure`` (an admin call: a model's live knobs), blocking."""

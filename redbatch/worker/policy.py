@@ -8,7 +8,7 @@ from typing import Any
 
 from redbatch import defaults
 from redbatch.errors import ConfigError
-from redbatch.knobs import check_range
+from redbatch.knobs import check
 
 _ALIASES = {"timeout_s": "batch_wait_timeout_s"}
 _KNOWN = {"max_batch_size", "batch_wait_timeout_s", "stride_s", "allow_small_batch",
@@ -78,7 +78,7 @@ class BatchPolicy:
 
     def __post_init__(self) -> None:
         for name, value in self.to_json().items():
-            check_range(name, value)  # the live knobs' ranges (redbatch.knobs)
+            check(name, value)  # the live knobs' types and ranges (redbatch.knobs)
         concurrent = self.max_concurrent_batches
         if isinstance(concurrent, bool) or not isinstance(concurrent, int) or not (
                 1 <= concurrent <= MAX_CONCURRENT_BATCHES_LIMIT):
