@@ -251,6 +251,14 @@ def _bound(value: float | None) -> str:
     return str(value) if isinstance(value, int) else f"{value:g}"
 
 
+def row_count(value: Any) -> int | None:
+    """How many rows ``value`` holds as one input's rows: a list's length, or an
+    array's first dimension (None for anything else)."""
+    if isinstance(value, list) or (isinstance(value, np.ndarray) and value.ndim):
+        return len(value)
+    return None
+
+
 def _checked_shape(shape: Any) -> tuple[int | None, ...]:
     """A spec's shape as a tuple of dimensions, each an int >= 0 or None (free);
     ``ConfigError`` otherwise (an int alone, -1 for a free one)."""
@@ -442,10 +450,7 @@ class Signature:
         unchecked; ``InvalidPayload`` naming the input that is not ``rows`` long."""
         self._check_names(payload)
         for name in self.inputs:
-            value = payload[name]
-            length = len(value) if isinstance(value, list) or (
-                isinstance(value, np.ndarray) and value.ndim) else None
-            if length != rows:
+            if (length := row_count(payload[name])) != rows:
                 raise InvalidPayload(f"input {name!r} of a request of {rows} rows needs "
                                      f"{rows} rows (a tensor or a list whose first "
                                      f"dimension is {rows}), got {length}")

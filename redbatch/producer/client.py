@@ -580,7 +580,6 @@ class Client:
         listeners = await self._ready(model, count, deadline_ms)
         return model, listeners, await self._pipeline(model, deadline_ms)
 
-
     async def _routed(self, model: str, version: str | None, deadline_ms: int) -> str:
         """``route``, unless the client queues for workers to come
         (``require_workers=False``) and no version is asked for: the name given."""

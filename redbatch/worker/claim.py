@@ -150,11 +150,9 @@ class Claimer:
         # runner: a window closes early enough for its most urgent request's pass
         self.pass_ms: Callable[[int], float | None] = _cold
         self.stop: asyncio.Event | None = None  # set: a window waits no more (shutdown)
-        # the model's stride as it is now (set by the runner: a live change reaches a
-        # stride being waited out); None: the policy's
-        self.live_stride: Callable[[], float] | None = None
-        # the policy in effect now (a live knob change), read again while a window is
-        # open: None, the one set between batches (``set_policy``)
+        # the model's policy as it is now (set by the runner): a live change reaches a
+        # stride being waited out, and a batch window already open; None: the one set
+        # between batches (``set_policy``)
         self.live_policy: Callable[[], BatchPolicy] | None = None
 
     def set_policy(self, policy: BatchPolicy) -> None:
@@ -298,7 +296,7 @@ class Claimer:
 
     async def pace(self) -> None:
         """Wait out the stride since the last claim, re-reading it every
-        ``PACE_STEP_S``: a live change (``live_stride``), down as well as up, applies
+        ``PACE_STEP_S``: a live change (``live_policy``), down as well as up, applies
         to the wait under way; shutdown (``stop``) ends it."""
         while (wait_s := self._last_claim + self._stride_s() - time.monotonic()) > 0:
             if self.stop is not None and self.stop.is_set():
@@ -307,7 +305,7 @@ class Claimer:
         self._last_claim = time.monotonic()
 
     def _stride_s(self) -> float:
-        return self._policy.stride_s if self.live_stride is None else self.live_stride()
+        return (self._policy if self.live_policy is None else self.live_policy()).stride_s
 
     async def _prepare(self) -> None:
         if not self._loaded:  # EVALSHA then never misses (fakeredis drops the link on a miss)

@@ -25,6 +25,7 @@ from redbatch import codec, protocol
 from redbatch.codec import Format
 from redbatch.errors import DeadlineExceeded, InvalidPayload, RedbatchError
 from redbatch.protocol import Request
+from redbatch.spec import row_count
 from redbatch.worker.model import Model
 
 log = logging.getLogger("redbatch.worker")
@@ -204,15 +205,9 @@ def _rows_of(payload: Any, rows: int, plain: bool) -> Any:
     if not plain or not isinstance(payload, dict) or \
             not 0 < len(payload) <= protocol.MAX_ROW_MAP_NAMES:
         return None
-    if any(_length(value) != rows for value in payload.values()):
+    if any(row_count(value) != rows for value in payload.values()):
         return None
     return [{name: value[row] for name, value in payload.items()} for row in range(rows)]
-
-
-def _length(value: Any) -> int | None:
-    if isinstance(value, list):
-        return len(value)
-    return len(value) if isinstance(value, np.ndarray) and value.ndim else None
 
 
 def _rows_array(payload: Any) -> np.ndarray[Any, Any] | None:

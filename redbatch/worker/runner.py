@@ -662,8 +662,7 @@ def claimer_for(redis: aioredis.Redis, model: Model, worker_id: str, block_timeo
     else:
         claimer = Claimer(redis, model.name, worker_id, model.policy, block_timeout_s,
                           blocking, tag, link)
-    claimer.live_stride = lambda: model.policy.stride_s  # (``model.policy``: live)
-    claimer.live_policy = lambda: model.policy
+    claimer.live_policy = lambda: model.policy  # (``model.policy``: live)
     return claimer
 
 
