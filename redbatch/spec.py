@@ -445,9 +445,15 @@ class Signature:
             raise InvalidPayload(f"missing input {missing[0]!r}; this model takes "
                                  f"{list(self.inputs)}")
 
-    def split_rows(self, payload: Any, rows: int) -> list[dict[str, Any]]:
-        """A multi-row payload (a map input name -> ``rows`` rows) as one map per row,
+    def split_rows(self, payload: Any, rows: int) -> list[Any]:
+        """A multi-row payload (a map input name -> ``rows`` rows, or a list of ``rows``
+        maps, as a pipeline's previous stage answers rows) as one map per row,
         unchecked; ``InvalidPayload`` naming the input that is not ``rows`` long."""
+        if isinstance(payload, list):
+            if len(payload) != rows:
+                raise InvalidPayload(f"a request of {rows} rows given as a list of maps "
+                                     f"needs {rows} of them, got {len(payload)}")
+            return payload
         self._check_names(payload)
         for name in self.inputs:
             if (length := row_count(payload[name])) != rows:
@@ -473,12 +479,10 @@ class Signature:
                 "outputs": {name: spec.to_json() if spec else None
                             for name, spec in self.outputs.items()}}
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Signature:
-        return cls({name: TensorSpec.from_json(spec) if spec else None
-                    for name, spec in data["inputs"].items()},
-                   {name: TensorSpec.from_json(spec) if spec else None
-                    for name, spec in data["outputs"].items()})
+
+def _specs(data: dict[str, Any]) -> dict[str, TensorSpec | None]:
+    """Named specs as ``Signature.to_json`` writes them (``None``: any value)."""
+    return {name: TensorSpec.from_json(spec) if spec else None for name, spec in data.items()}
 
 
 def per_token(output_spec: TensorSpec | None) -> bool:
@@ -520,21 +524,35 @@ class ModelInfo:
     meta: dict[str, Any]
     max_queue_len: int | None = None  # the model's own limits (None: the gateway's)
     default_timeout_s: float | None = None
-    signature: Signature | None = None  # named inputs and outputs
+    # Named inputs (a request is a map input name -> value); its outputs are the named
+    # ones, or else the one output, ``{output_name: output_spec}``.
+    signature: Signature | None = None
     output_spec: TensorSpec | None = None  # what one output looks like, if published
+    # Named outputs (a reply is a map output name -> value): a model's with named
+    # inputs, or a pipeline's whose last stage has them (whatever its first stage takes).
+    named_outputs: dict[str, TensorSpec | None] | None = None
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> ModelInfo:
         spec = TensorSpec.from_json(meta["spec"]) if meta.get("spec") else None
         limits = meta.get("limits") or {}
         cap, timeout = limits.get("max_queue_len"), limits.get("default_timeout_s")
+        output_name = meta.get("output_name", "outputs")
+        output_spec = TensorSpec.from_json(out) if (out := meta.get("output_spec")) else None
+        named = _specs(meta["outputs"]) if meta.get("outputs") else None
         return cls(name=meta["name"], input_name=meta.get("input_name", "inputs"),
-                   output_name=meta.get("output_name", "outputs"), spec=spec, meta=meta,
+                   output_name=output_name, spec=spec, meta=meta,
                    max_queue_len=int(cap) if cap else None,
                    default_timeout_s=float(timeout) if timeout else None,
-                   signature=Signature.from_json(meta) if meta.get("inputs") else None,
-                   output_spec=TensorSpec.from_json(out) if (out := meta.get("output_spec"))
-                   else None)
+                   signature=Signature(_specs(meta["inputs"]),
+                                       named or {output_name: output_spec})
+                   if meta.get("inputs") else None,
+                   output_spec=output_spec, named_outputs=named)
+
+    @property
+    def output_specs(self) -> dict[str, TensorSpec | None]:
+        """The outputs a reply holds, by name: the named ones, or the one output."""
+        return self.named_outputs or {self.output_name: self.output_spec}
 
     @property
     def per_token(self) -> bool:

@@ -8,14 +8,17 @@ import logging
 from collections.abc import Callable
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
-from redbatch import Client, batch, defaults, protocol, scaling
+from redbatch import Client, batch, defaults, placement, protocol, scaling
 from redbatch.checks import CONFIG_REFUSED, UNBLOCK_REFUSED
+from redbatch.placement import model_slot
 from redbatch.worker.claim import LMOVE_REFUSED, LPOS_REFUSED
 from redbatch.worker.process import Worker
 from tests.conftest import ROOT, RedisServer, wait_live
 from tests.stream_models import counter
+from tests.test_placement import A, OneNode, slot_map
 
 
 @batch(name="acl_double", max_batch_size=8, batch_wait_timeout_s=0.01)
@@ -191,3 +194,13 @@ async def test_the_documented_user_reaps_a_dead_worker_and_serves_a_pipeline(
         async with Client(url) as client:
             assert await client.predict("acl_pipe", 3, timeout_s=10) == 8
     assert "NOPERM" not in caplog.text and "no permissions" not in caplog.text, caplog.text
+
+
+def test_the_documented_user_plans_slot_placement(acl_server: RedisServer) -> None:
+    """``place-slots`` without ``--apply`` reads each model's live S as the documented
+    user, who may not run ``EVAL`` (it loads the script and runs it by its SHA-1)."""
+    acl_server.client().set(protocol.meta_key("acl_hot"), b'{"name":"acl_hot","sub_queues":3}')
+    user = redis.Redis.from_url(acl_url(acl_server, documented_rules()))
+    node = OneNode(user)
+    owners = slot_map({model_slot("acl_hot"): A})
+    assert placement.sub_queue_count(node, owners, "acl_hot") == 3  # type: ignore[arg-type]

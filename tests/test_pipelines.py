@@ -642,3 +642,67 @@ def test_a_fan_out_is_at_most_64_wide_and_so_is_a_map_of_rows() -> None:
                                    payload, rows=2)
         decoded = decode_batch([codec.encode(request.to_wire())], plain, now)
         assert (len(decoded.items), len(decoded.early)) == ((2, 0) if ok else (0, 1))
+
+
+def pair_fn(xs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"lo": x["x"], "hi": 10 * x["x"]} for x in xs]
+
+
+def mixed_models() -> list[Model]:
+    """``wrap`` (one input, answers maps) then ``pair`` (named input ``x``, named outputs
+    ``lo`` and ``hi``); ``pair`` then ``add`` (one input, one output)."""
+    return [Model("wrap", fn=lambda xs: [{"x": x} for x in xs], policy=POLICY, inline=True),
+            Model("pair", fn=pair_fn, policy=POLICY, inline=True, inputs={"x": None},
+                  outputs=["lo", "hi"]),
+            Model("add", fn=lambda xs: [x["lo"] + x["hi"] for x in xs], policy=POLICY,
+                  inline=True)]
+
+
+async def v2_names(http: httpx.AsyncClient, name: str, want: list[list[str]]
+                   ) -> list[list[str]]:
+    """The names of a model's v2 inputs and outputs, once they are ``want`` (a
+    pipeline's outputs are known once its last stage has published its own), or after
+    5 s."""
+    got: list[list[str]] = []
+    for _ in range(50):
+        meta = (await http.get(f"/v2/models/{name}")).json()
+        got = [[t["name"] for t in meta.get(kind, [])] for kind in ("inputs", "outputs")]
+        if got == want:
+            break
+        await asyncio.sleep(0.1)
+    return got
+
+
+async def test_a_pipeline_of_one_input_and_named_outputs_and_the_reverse_over_v2(
+        workers: Workers, redis_url: str) -> None:
+    """A pipeline takes its first stage's inputs and answers its last stage's outputs,
+    named or not: rows hand on as a list of maps, and v2 describes and answers each
+    end as it is (before: a 500 for one, a 404 for the other)."""
+    workers.start(mixed_models(), [Pipeline("mix_in", ["wrap", "pair"]),
+                                   Pipeline("mix_out", ["pair", "add"])])
+    await wait_live(redis_url, "mix_in")
+    await wait_live(redis_url, "mix_out")
+    app = create_app(GatewayConfig(), RedisSettings(redis_url))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10) as http:
+        for name, want in (("mix_in", [["inputs"], ["lo", "hi"]]),
+                           ("mix_out", [["x"], ["outputs"]])):
+            assert await v2_names(http, name, want) == want
+        config = (await http.get("/v2/models/mix_in/config")).json()
+        assert [t["name"] for t in config["output"]] == ["lo", "hi"]
+        resp = await http.post("/v2/models/mix_in/infer", json={
+            "inputs": [{"name": "inputs", "shape": [2], "datatype": "INT64", "data": [1, 2]}],
+            "outputs": [{"name": "hi"}]})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["outputs"] == [{"name": "hi", "datatype": "INT64", "shape": [2],
+                                           "data": [10, 20]}]
+        resp = await http.post("/v2/models/mix_out/infer", json={
+            "inputs": [{"name": "x", "shape": [2], "datatype": "INT64", "data": [1, 2]}]})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["outputs"][0]["data"] == [11, 22]
+        unknown = await http.post("/v2/models/mix_in/infer", json={
+            "inputs": [{"name": "inputs", "shape": [1], "datatype": "INT64", "data": [1]}],
+            "outputs": [{"name": "outputs"}]})
+        assert unknown.status_code == 400 and "['lo', 'hi']" in unknown.text
+        v1 = await http.post("/v1/models/mix_out/predict", json={"inputs": {"x": 3}})
+        assert v1.json() == {"outputs": 33}

@@ -173,6 +173,8 @@ class OneNode:
     def on(self, _node: Primary, *command: str | int | bytes) -> object:
         return self.client.execute_command(*command)
 
+    script = placement.Nodes.script
+
 
 def test_s_is_the_stored_override_before_the_workers_publish_it(raw_redis: redis.Redis
                                                                 ) -> None:

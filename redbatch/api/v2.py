@@ -34,9 +34,7 @@ from redbatch.api.v2_repo import RepositoryApi
 from redbatch.api.v2_tensors import (
     V2_DATATYPES,
     dtype_of,
-    flag,
     mapping,
-    output_binary,
     shape_of,
     tensor_data,
 )
@@ -104,11 +102,19 @@ def _described(specs: Mapping[str, TensorSpec | None]) -> Described:
             if spec else (name, ANY_DATATYPE, [-1]) for name, spec in specs.items()]
 
 
-def _named(info: ModelInfo) -> dict[str, Described]:
-    """The ``inputs`` and ``outputs`` of a model with named ones."""
-    assert info.signature is not None
-    return {"inputs": _described(info.signature.inputs),
-            "outputs": _described(info.signature.outputs)}
+def _inputs(info: ModelInfo) -> Described:
+    """The named inputs, or the one input."""
+    if info.signature is not None:
+        return _described(info.signature.inputs)
+    return [(info.input_name, _datatype(info), _row_dims(info))]
+
+
+def _outputs(info: ModelInfo) -> Described:
+    """The named outputs (a pipeline's last stage's, whatever its first stage takes),
+    or the one output."""
+    if info.named_outputs is not None:
+        return _described(info.named_outputs)
+    return [(info.output_name, *_output(info))]
 
 
 def name_version(info: ModelInfo) -> tuple[str, str]:
@@ -132,34 +138,32 @@ def model_metadata(info: ModelInfo, listed: list[str] | None = None) -> dict[str
     the output as ``_output`` describes it."""
     name, version = name_version(info)
     head = {"name": name, "versions": listed or [version], "platform": "redbatch"}
-    if info.signature is not None:
-        return {**head,
-                **{kind: [{"name": name, "datatype": datatype, "shape": [-1, *dims]}
-                          for name, datatype, dims in tensors]
-                   for kind, tensors in _named(info).items()}}
-    datatype, (out_type, out_dims) = _datatype(info), _output(info)
-    return {
-        **head,
-        "inputs": [{"name": info.input_name, "datatype": datatype,
-                    "shape": [-1, *_row_dims(info)]}],
-        "outputs": [{"name": info.output_name, "datatype": out_type, "shape": [-1, *out_dims]}],
-    }
+    return {**head,
+            **{kind: [{"name": name, "datatype": datatype, "shape": [-1, *dims]}
+                      for name, datatype, dims in tensors]
+               for kind, tensors in (("inputs", _inputs(info)), ("outputs", _outputs(info)))}}
 
 
 def _config_tensors(info: ModelInfo) -> dict[str, list[dict[str, Any]]]:
     """The config's ``input`` and ``output`` lists."""
+    data_type = f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID"
     if info.signature is None:
-        data_type = f"TYPE_{_datatype(info)}" if info.spec else "TYPE_INVALID"
         mask = v2_masked.mask_name(info)  # an optional second input (v2_masked)
-        return {"input": [{"name": info.input_name, "data_type": data_type,
-                           "dims": _row_dims(info)}] + ([] if mask is None else [
-                               {"name": mask, "data_type": "TYPE_INT64", "dims": [-1],
-                                "optional": True}]),
-                "output": [_config_output(info, data_type)]}
-    return {kind[:-1]: [{"name": name, "dims": dims, "data_type": "TYPE_INVALID"
-                         if datatype == ANY_DATATYPE else f"TYPE_{datatype}"}
-                        for name, datatype, dims in tensors]  # "inputs" -> "input"
-            for kind, tensors in _named(info).items()}
+        inputs = [{"name": info.input_name, "data_type": data_type,
+                   "dims": _row_dims(info)}] + ([] if mask is None else [
+                       {"name": mask, "data_type": "TYPE_INT64", "dims": [-1],
+                        "optional": True}])
+    else:
+        inputs = _config_list(_described(info.signature.inputs))
+    return {"input": inputs, "output": [_config_output(info, data_type)]
+            if info.named_outputs is None else _config_list(_outputs(info))}
+
+
+def _config_list(tensors: Described) -> list[dict[str, Any]]:
+    """Named tensors as a config lists them."""
+    return [{"name": name, "dims": dims, "data_type": "TYPE_INVALID"
+             if datatype == ANY_DATATYPE else f"TYPE_{datatype}"}
+            for name, datatype, dims in tensors]
 
 
 def _config_output(info: ModelInfo, input_type: str) -> dict[str, Any]:
@@ -196,7 +200,7 @@ class InferCall:
     request_id: str | None
     tensor: np.ndarray[Any, Any]
     timeout_s: float
-    binary_output: bool
+    outputs: dict[str, bool]  # the outputs asked for (name -> as binary data)
     priority: int | None = None  # parameters.priority (as Triton's; 0: the default)
     runs: list[v2_masked.Run] | None = None  # with a mask input: the rows, cut
 
@@ -300,23 +304,6 @@ def _split_binary(binary: bytes, first: dict[str, Any]) -> tuple[bytes, bytes]:
     return binary[:size], binary[size:]
 
 
-def _binary_output(data: dict[str, Any], params: dict[str, Any], info: ModelInfo) -> bool:
-    """Whether the output goes back as binary data (binary data extension)."""
-    binary = flag(params, "binary_data_output", False)
-    outputs = data.get("outputs")
-    if outputs is None:
-        return binary
-    if not isinstance(outputs, list):
-        raise BadRequest("'outputs' must be a list")
-    for output in outputs:
-        name = output.get("name") if isinstance(output, dict) else None
-        if name != info.output_name:
-            raise BadRequest(f"unknown output {name!r}: model {info.name!r} has one output "
-                             f"{info.output_name!r}")
-        binary = output_binary(output, binary)
-    return binary
-
-
 
 def timeout_s(headers: body.Headers, params: dict[str, Any], default_s: float,
               max_s: float) -> float:
@@ -340,7 +327,7 @@ def parse_infer(raw: bytes, headers: body.Headers, info: ModelInfo, default_s: f
     tensor, runs = input_tensor(data, info, binary)
     return InferCall(request_id=_request_id(data), tensor=tensor, runs=runs,
                      timeout_s=timeout_s(headers, params, default_s, max_s),
-                     binary_output=_binary_output(data, params, info),
+                     outputs=v2_named.chosen_outputs(data, params, info),
                      priority=body.checked_priority(params.get("priority"),
                                                     "parameters.priority", info))
 
@@ -428,6 +415,17 @@ def _listed(obj: Any) -> Any:
     raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
+def _named_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Response:
+    """The answer of one input's rows with named outputs, as ``v2_named`` gives it."""
+    name, version = name_version(info)
+    doc: dict[str, Any] = {"model_name": name, "model_version": version}
+    if call.request_id is not None:
+        doc["id"] = call.request_id
+    replies = settle(len(call.tensor), parts)
+    return v2_named.respond(doc, call.outputs, replies, info, _timing_headers(replies),
+                            len(call.tensor))
+
+
 def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Response:
     replies = settle(len(call.tensor), parts)
     try:
@@ -445,7 +443,7 @@ def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Respo
         doc["id"] = call.request_id
     doc["outputs"] = [output]
     headers = _timing_headers(replies)
-    if not call.binary_output:
+    if not call.outputs[info.output_name]:
         output["data"] = arr.ravel()  # orjson writes float32 as float32 (shortest form)
         content = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY, default=_listed)
         return Response(content, media_type="application/json", headers=headers)
@@ -557,8 +555,10 @@ class V2Api:
             starts, parts = v2_masked.slices(call.runs, core.client.pack_rows)
             sent = await core.submit_parts(info, starts, parts, deadline_ms, call.priority)
         results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
-        return infer_response(info, call, parts_of(len(call.tensor), [s for s, _ in sent],
-                                                   list(results)))
+        answered = parts_of(len(call.tensor), [s for s, _ in sent], list(results))
+        if info.named_outputs is not None:  # a pipeline whose last stage names outputs
+            return _named_response(info, call, answered)
+        return infer_response(info, call, answered)
 
     async def _infer_named(self, info: ModelInfo, raw: bytes, headers: body.Headers,
                            arrived_ms: int) -> Response:

@@ -116,7 +116,7 @@ def slices(arrays: Arrays, pack_rows: int) -> tuple[list[int], list[Arrays]]:
 def chosen_outputs(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
                    ) -> dict[str, bool]:
     """The outputs to answer with, each binary or not (binary data extension)."""
-    known = list(_signature(info).outputs)
+    known = list(info.output_specs)
     binary = flag(params, "binary_data_output", False)
     outputs = data.get("outputs")
     if outputs is None:
@@ -133,9 +133,8 @@ def chosen_outputs(data: dict[str, Any], params: dict[str, Any], info: ModelInfo
     return chosen or dict.fromkeys(known, binary)
 
 
-def _stacked(name: str, rows: list[Any], signature: Signature) -> np.ndarray[Any, Any]:
-    """Output ``name`` of every row, stacked (in its spec's dtype when it has one)."""
-    spec = signature.outputs.get(name)
+def _stacked(name: str, rows: list[Any], spec: TensorSpec | None) -> np.ndarray[Any, Any]:
+    """Output ``name`` of every row, stacked (in ``spec``'s dtype when there is one)."""
     try:
         arr = np.stack([np.asarray(row[name]) for row in rows])
         if spec is not None:
@@ -154,11 +153,14 @@ def _rows_of(reply: Reply) -> list[Any]:
     return reply.payload
 
 
-def _all_rows(replies: list[Reply], total: int) -> list[Any]:
-    """Every row's output map, in order; ``ModelError`` unless there are ``total``."""
+def _all_rows(replies: list[Reply], total: int, info: ModelInfo) -> list[Any]:
+    """Every row's output map, in order (a reply of one output made a map of it);
+    ``ModelError`` unless there are ``total``."""
     rows = [row for reply in replies for row in _rows_of(reply)]
     if len(rows) != total:
         raise ModelError(f"the replies to {total} rows held {len(rows)} outputs")
+    if info.named_outputs is None:  # named inputs (a pipeline's first stage), one output
+        return [{info.output_name: row} for row in rows]
     return rows
 
 
@@ -168,9 +170,9 @@ def respond(doc: dict[str, Any], chosen: dict[str, bool], replies: list[Reply],
     ones after the JSON header, in that order."""
     outputs: list[dict[str, Any]] = []
     binary: list[bytes] = []
-    rows = _all_rows(replies, total)
+    rows, specs = _all_rows(replies, total, info), info.output_specs
     for name, as_binary in chosen.items():
-        arr = _stacked(name, rows, _signature(info))
+        arr = _stacked(name, rows, specs[name])
         output: dict[str, Any] = {"name": name, "datatype": V2_DATATYPES[arr.dtype.name],
                                   "shape": list(arr.shape)}
         if as_binary:

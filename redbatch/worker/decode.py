@@ -197,11 +197,14 @@ def _decode_named_rows(request: Request, fmt: Format, model: Model, out: Decoded
 
 def _rows_of(payload: Any, rows: int, plain: bool) -> Any:
     """A multi-row payload's ``rows`` rows: an array (``_rows_array``), or for a
-    ``plain`` model (no spec) a map name -> ``rows`` rows as one map per row (a
+    ``plain`` model (no spec) a list of ``rows`` values (a pipeline's previous stage
+    answers rows of maps so), or a map name -> ``rows`` rows as one map per row (a
     pipeline's merge stage gets its branches' outputs so); None if it is neither."""
     array = _rows_array(payload)
     if array is not None and array.ndim and array.shape[0] == rows:
         return array
+    if plain and isinstance(payload, list) and len(payload) == rows:
+        return payload
     if not plain or not isinstance(payload, dict) or \
             not 0 < len(payload) <= protocol.MAX_ROW_MAP_NAMES:
         return None
