@@ -128,7 +128,9 @@ return 1
 # the entries move to the in-flight list's tail, in the order returned.  Silences the
 # bell (DEL) once every level queue is empty.
 # Returns {entries taken from below the most urgent non-empty level, entries left in
-# the level queues, {entries...}}.
+# the level queues, {entries...}, the next claim's rotation (ARGV[4] moved on by the
+# reserved slots given, so that each lower level gets its turn whatever the claims'
+# rhythm)}.
 CLAIM_LEVELS: Final = """
 local n, reserve, rot = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local levels = #KEYS - 2
@@ -137,9 +139,9 @@ for l = 1, levels do
   lens[l] = redis.call('LLEN', KEYS[2 + l])
   if top == nil and lens[l] > 0 then top = l end
 end
-local items, low = {}, 0
-local function take(l, k)
-  local got = redis.call('LPOP', KEYS[2 + l], k) or {}
+local items, low, k = {}, 0, 0
+local function take(l, count)
+  local got = redis.call('LPOP', KEYS[2 + l], count) or {}
   for i = 1, #got do items[#items + 1] = got[i] end
   lens[l] = lens[l] - #got
   if top ~= nil and l > top then low = low + #got end
@@ -148,7 +150,6 @@ end
 if top ~= nil then
   local lower = {}
   for l = top + 1, levels do if lens[l] > 0 then lower[#lower + 1] = l end end
-  local k = 0
   while reserve > 0 and #items < n and #lower > 0 do
     local at = (rot + k) % #lower + 1
     take(lower[at], 1)
@@ -167,7 +168,7 @@ if #items > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
 local left = 0
 for l = 1, levels do left = left + lens[l] end
 if left == 0 then redis.call('DEL', KEYS[1]) end
-return {low, left, items}
+return {low, left, items, rot + k}
 """
 
 # Shared helpers: answer a request at most once (its marker turns to 'd' with the

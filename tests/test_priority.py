@@ -95,14 +95,14 @@ def test_claim_levels_reserves_slots_for_the_lower_levels_in_turn(raw_redis: red
     raw_redis.rpush(bell, 1)
     claim = raw_redis.register_script(lua.CLAIM_LEVELS)
     keys = [bell, inflight_key, *queues]
-    low, left, items = claim(keys=keys, args=[4, 60_000, 2, 0])
-    assert (low, left) == (2, 10)
+    low, left, items, turn = claim(keys=keys, args=[4, 60_000, 2, 0])
+    assert (low, left, turn) == (2, 10, 2)  # two reserved slots given: the turn moves 2
     assert items == [b"b0", b"c0", b"a0", b"a1"]  # one of each lower level, then urgent
     assert raw_redis.lrange(inflight_key, 0, -1) == items
-    low, left, items = claim(keys=keys, args=[4, 60_000, 1, 1])  # the turn moved on
-    assert (low, items) == (1, [b"c1", b"a2", b"a3", b"a4"])
-    low, left, items = claim(keys=keys, args=[20, 60_000, 0, 0])
-    assert (low, left, len(items)) == (1, 0, 6)  # a5..a9, then b1 (served in order)
+    low, left, items, turn = claim(keys=keys, args=[4, 60_000, 1, 1])  # the turn moved on
+    assert (low, items, turn) == (1, [b"c1", b"a2", b"a3", b"a4"], 1)  # c emptied: stays
+    low, left, items, turn = claim(keys=keys, args=[20, 60_000, 0, 0])
+    assert (low, left, len(items), turn) == (1, 0, 6, 0)  # a5..a9, then b1 (in order)
     assert raw_redis.exists(bell) == 0  # every level empty: the bell is silenced
 
 
@@ -160,6 +160,27 @@ async def test_lower_levels_get_their_share_under_saturation(
     # 25 % of the claims: every low request is served while the urgent backlog lasts
     assert last_low < 120, served
     assert sum(1 for x in served[:40] if x >= 1000) >= 8
+
+
+async def test_every_lower_level_gets_its_turn_whatever_the_claims_rhythm(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    """Three levels, one reserved slot every second claim: the slots go to levels 2 and
+    3 in turn (before, the turn moved once per claim, so every reserved slot went to
+    level 2 and level 3 waited for levels 1 and 2 to empty)."""
+    model, release, batches = held_model("rhythm", levels=3, default=1, size=2, share=0.25)
+    start_worker([model])
+    await wait_live(redis_url, "rhythm")
+    async with Client(redis_url) as client:
+        first = await hold(client, raw_redis, "rhythm")
+        top = await client.submit_many("rhythm", list(range(1, 201)), 60, priority=1)
+        mid = await client.submit_many("rhythm", list(range(1000, 1100)), 60, priority=2)
+        low = await client.submit_many("rhythm", list(range(5000, 5010)), 60, priority=3)
+        await until(lambda: queued(raw_redis, "rhythm", 3) == 310)
+        release.set()
+        await asyncio.gather(first, *top, *mid, *low)
+    served = [x for batch in batches[1:] for x in batch]
+    last_top = max(i for i, x in enumerate(served) if x < 1000)
+    assert max(i for i, x in enumerate(served) if x >= 5000) < last_top, served
 
 
 # --- per-level caps, over HTTP ------------------------------------------------------

@@ -51,10 +51,9 @@ class LevelClaimer(Claimer):
                 self._turn)
 
     def _claimed(self, reply: Any, exists: Any) -> list[bytes]:
-        low, left, items = reply
+        low, left, items, self._turn = reply
         ceiling = self.share * self._policy.max_batch_size + 1  # kept while none waits
         self.credit = max(0.0, min(ceiling, self.credit + self.share * len(items)) - low)
-        self._turn += 1
         self._drained = left == 0
         self.cancels = self.cancels or exists == 1
         return list(items)
