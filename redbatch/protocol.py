@@ -348,6 +348,18 @@ def cancelled_key(model: str) -> str:
 
 
 CANCELLED_MAX: Final = 10_000  # members kept in a model's cancelled set (latest deadlines)
+
+
+def suspects_key(tag: str) -> str:
+    """Sorted set: request id -> deadline (epoch ms) of the entries a reaper requeued
+    from a worker that died (sub-queue ``tag``), written before it requeues them: a
+    worker honours an entry's ``suspect`` flag only for an id it holds.  Trimmed by
+    score and to ``SUSPECTS_MAX`` members; it expires with its latest deadline plus
+    ``MARKER_GRACE_MS``."""
+    return f"{PREFIX}:{{{tag}}}:suspects"
+
+
+SUSPECTS_MAX: Final = 10_000  # members kept in a suspects set (latest deadlines)
 MODELS_KEY: Final = f"{PREFIX}:models"  # sorted set: model -> last heartbeat (epoch ms)
 
 

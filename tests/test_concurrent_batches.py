@@ -106,6 +106,9 @@ async def test_a_suspect_batch_runs_alone(redis_url: str, raw_redis: redis.Redis
         req.suspect = value == 12  # the fourth batch: three are in flight when it comes
         entries.append(codec.encode(req.to_wire()))
         replies.append(reply_to)
+    suspect = codec.decode(entries[12])
+    raw_redis.zadd(protocol.suspects_key("suspects"),  # as the reaper that requeued it
+                   {suspect["id"]: suspect[protocol.F_DEADLINE_MS]})
     raw_redis.rpush(protocol.queue_key("suspects"), *entries)
     for value, reply_to in enumerate(replies):
         reply = await asyncio.to_thread(read_reply, raw_redis, reply_to)
@@ -114,6 +117,27 @@ async def test_a_suspect_batch_runs_alone(redis_url: str, raw_redis: redis.Redis
     assert [xs for xs, _ in gauge.calls if 12 in xs] == [[12]]  # ...in a pass of its own
     assert gauge.overlaps(13) == [1]  # its batch's others too, after it
     assert gauge.peak == 3  # the batches before it did overlap
+
+
+async def test_a_suspect_flag_no_reaper_set_is_ignored(
+        redis_url: str, raw_redis: redis.Redis, start_worker: Callable[..., Worker]) -> None:
+    """Entries pushed with ``suspect`` set, that no reaper requeued, run batched as any
+    other: a forged flag costs the batch no extra passes."""
+    gauge = Gauge()
+    start_worker([gauged("forged", gauge)])
+    await wait_live(redis_url, "forged")
+    replies, entries = [], []
+    for value in range(4):
+        reply_to = protocol.reply_key("forged", f"forged-test-{value}")
+        req, _ = raw_request("forged", value, reply_to)
+        req.suspect = True
+        entries.append(codec.encode(req.to_wire()))
+        replies.append(reply_to)
+    raw_redis.rpush(protocol.queue_key("forged"), *entries)
+    for value, reply_to in enumerate(replies):
+        reply = await asyncio.to_thread(read_reply, raw_redis, reply_to)
+        assert reply.ok and reply.payload == value * 2
+    assert [sorted(xs) for xs, _ in gauge.calls] == [[0, 1, 2, 3]]  # one pass, batched
 
 
 async def test_kill_9_with_three_batches_in_flight_loses_nothing(
@@ -141,6 +165,7 @@ async def test_kill_9_with_three_batches_in_flight_loses_nothing(
     assert all(raw_redis.llen(reply_to) == 0 for reply_to in replies)  # exactly once
     assert sorted(x for xs, _ in gauge.calls for x in xs) == list(range(12))
     assert all(seen == [1] for _, seen in gauge.calls)  # suspects: each alone
+    assert raw_redis.zcard(protocol.suspects_key("sleepy")) == 12  # the reaper's record
     assert inflight_total(raw_redis, "sleepy") == 0
     assert raw_redis.llen(protocol.dead_letter_key("sleepy")) == 0
 

@@ -762,6 +762,7 @@ async def test_a_suspect_never_joins_a_running_batch_and_runs_alone_after_it(
     async with Client(redis_url) as client:
         busy = client.stream("counter", {"n": 15}, 10)
         assert await anext(busy) == "0"
+        raw_redis.zadd(protocol.suspects_key("counter"), {"suspect1": suspect.deadline_ms})
         raw_redis.rpush(protocol.queue_key("counter"), codec.encode(suspect.to_wire(), "json"))
         await _until(lambda: raw_redis.llen(protocol.queue_key("counter")) == 0)
         late = client.stream("counter", {"n": 2, "tag": "l"}, 10)
@@ -798,6 +799,27 @@ async def test_the_suspect_a_worker_died_running_alone_takes_the_blame_alone(
                 raw_redis.lrange(protocol.queue_key("counter"), 0, -1)]
     assert [(r["id"], r[protocol.F_ATTEMPT], r.get(protocol.F_SUSPECT)) for r in requeued] == \
         [("waiting", 0, True), ("culprit", 2, True)]
+    assert set(raw_redis.zrange(protocol.suspects_key("counter"), 0, -1)) == \
+        {b"waiting", b"culprit"}  # recorded: workers honour these two flags
+
+
+async def test_a_forged_suspect_flag_neither_waits_nor_holds_newcomers_back(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry pushed with ``suspect`` set that no reaper requeued joins the running
+    batch as any other (a forged flag would hold every newcomer back for its stream)."""
+    await _live(start_worker, redis_url, monkeypatch)
+    reply_to = protocol.reply_key("counter", "t2")
+    forged = _request("forged1", reply_to, {"n": 3, "tag": "f"})
+    forged.suspect = True
+    async with Client(redis_url) as client:
+        busy = client.stream("counter", {"n": 15}, 10)
+        assert await anext(busy) == "0"
+        raw_redis.rpush(protocol.queue_key("counter"), codec.encode(forged.to_wire(), "json"))
+        await _until(lambda: raw_redis.llen(reply_to) == 4)
+        assert len([x async for x in busy]) == 14
+    steps = stream_models.STEPS
+    assert any("forged1" in keys and busy.request_id in keys for keys in steps)
 
 
 async def test_a_stream_whose_input_cannot_be_encoded_leaves_no_waiter(

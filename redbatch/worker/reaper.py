@@ -49,6 +49,7 @@ from redbatch.levels import ONE, Levels
 from redbatch.logs import utf8
 from redbatch.protocol import Request, Timings
 from redbatch.splice import requeue_entry
+from redbatch.worker import suspects
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.replies import (
     DEFAULT_DEAD_LETTERS,
@@ -71,6 +72,7 @@ class Plan:
     requeue: list[bytes] = field(default_factory=list)
     dead: list[bytes] = field(default_factory=list)
     replies: list[Outgoing] = field(default_factory=list)  # to callers of dead entries
+    suspects: list[Request] = field(default_factory=list)  # requeued, marked by this reap
 
 
 class Reaper:
@@ -142,6 +144,8 @@ class Reaper:
             entry = requeue_entry(raw, request, fmt)
             if entry is not None:
                 plan.requeue.append(entry)
+                if suspect:
+                    plan.suspects.append(request)
                 return
             why = "its worker died and it cannot be requeued (over the entry limit)"
         plan.dead.append(raw)
@@ -228,6 +232,7 @@ class Reaper:
                 continue  # nothing held there: no REAP
             plan = self.plan(lists[index], bump=not force, crashing=crashing, tag=tags[index],
                              elsewhere=holder is not None and holder != index)
+            await suspects.record(self._redis, tags[index], plan.suspects)
             result = await self._reap_list(worker_id, force, tags[index], lists[index], plan)
             if result < 0:
                 return result

@@ -19,7 +19,7 @@ from redbatch.errors import RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.protocol import Reply, Request, Timings
 from redbatch.redis_conn import check_cancelled, is_cluster
-from redbatch.worker import hold
+from redbatch.worker import hold, suspects
 from redbatch.worker.claim import Claimer
 from redbatch.worker.claim_levels import LevelClaimer
 from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
@@ -335,6 +335,8 @@ class BatchRunner:
         if not raws and held is None:
             return None
         batch = self._decoded(raws, held)
+        await suspects.verify(self._redis, batch.source.tag,
+                              (item.request for item in batch.decoded.items))
         if batch.source.cancels:  # callers went away: skip their requests
             await batch.source.drop_cancelled(batch.decoded)
         if raws:

@@ -51,6 +51,7 @@ from redbatch.lean import LeanLink
 from redbatch.protocol import Request, Timings
 from redbatch.redis_conn import check_cancelled
 from redbatch.stream_wire import StreamChunk
+from redbatch.worker import suspects
 from redbatch.worker.claim import warn_cancel_refused
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.runner import BatchRunner
@@ -546,6 +547,7 @@ class StreamLoop:
         final error."""
         now = protocol.now_ms()
         members = [m for m in (self._member(raw, now) for raw in raws) if m is not None]
+        await suspects.verify(self.r._redis, self.r.model.name, [m.request for m in members])
         cancelled = await self.r.cancelled([m.request.id for m in members])
         for member in members:
             if member.request.id in self.members:  # a second entry of a running request

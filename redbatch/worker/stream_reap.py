@@ -20,6 +20,7 @@ from redbatch import codec, lua_stream, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.protocol import Request
 from redbatch.splice import requeue_entry
+from redbatch.worker import suspects
 from redbatch.worker.decode import addressable, parse_entry
 from redbatch.worker.reaper import NOT_ELECTED, Plan, Reaper
 
@@ -63,6 +64,9 @@ class StreamReaper(Reaper):
         failed = not force or self.blame
         for entry in entries:
             self._plan_one(entry, failed, named, keys, per_entry, dead)
+        if failed:  # every entry it may requeue is a suspect
+            await suspects.record(self._redis, self.model, [
+                e.request for e in entries if e.request is not None and e.error is None])
         digest = hashlib.sha1(b"".join(raws), usedforsecurity=False).hexdigest()
         args = [worker_id, "force" if force else protocol.now_ms(), digest,
                 protocol.REPLY_TTL_S, self.dead_letters.ttl_s, len(dead), *dead,

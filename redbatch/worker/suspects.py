@@ -1,0 +1,61 @@
+"""Suspects: the entries a reaper requeued from a worker that died, each run alone.
+
+An entry's ``suspect`` flag alone proves nothing: anyone who can push to a queue can
+set it, and a forged flag would make a worker run that entry in passes of its own (an
+ordinary model's batch waiting behind it, a streaming model's newcomers kept out for
+its whole stream).  So a reaper records the ids it marks in the sub-queue's suspects
+set (``protocol.suspects_key``) before it requeues them, and a worker honours the
+flag only for an id that set holds; it asks only when a claimed entry carries the
+flag, which no request does but after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from redbatch import protocol
+from redbatch.protocol import Request
+
+log = logging.getLogger("redbatch.worker")
+
+
+async def record(redis: aioredis.Redis, tag: str, requests: Iterable[Request]) -> None:
+    """Record ``requests`` as suspects of sub-queue ``tag`` until their deadlines (one
+    MULTI; the set expires with its latest deadline, trimmed as it grows)."""
+    marked = {r.id: r.deadline_ms for r in requests}
+    if not marked:
+        return
+    key, now = protocol.suspects_key(tag), protocol.now_ms()
+    ttl_ms = protocol.marker_ttl_ms(max(marked.values()), now)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.zremrangebyscore(key, "-inf", now)
+        pipe.zadd(key, marked)
+        pipe.zremrangebyrank(key, 0, -protocol.SUSPECTS_MAX - 1)
+        pipe.pexpire(key, ttl_ms, nx=True)  # a new set: expires with the latest deadline
+        pipe.pexpire(key, ttl_ms, gt=True)  # else only ever later
+        await pipe.execute()
+
+
+async def verify(redis: aioredis.Redis, tag: str, requests: Iterable[Request]) -> None:
+    """Clear the ``suspect`` flag of each of ``requests`` that no reaper recorded in
+    sub-queue ``tag``'s set (a forged flag: the request runs batched, as any other).
+    Where Redis refuses the read (an ACL without ZMSCORE), every flag stands."""
+    flagged = [r for r in requests if r.suspect]
+    if not flagged:
+        return
+    try:
+        scores = await redis.zmscore(protocol.suspects_key(tag), [r.id for r in flagged])
+    except ResponseError as exc:
+        log.warning("model=%s cannot read its suspects set (%s): every suspect flag is "
+                    "honoured", tag, exc)
+        return
+    forged = [r for r, score in zip(flagged, scores, strict=True) if score is None]
+    for request in forged:
+        request.suspect = False
+    if forged:
+        log.warning("model=%s %d entries flagged suspect that no reaper requeued: run "
+                    "batched (the first: %s)", tag, len(forged), forged[0].id)
