@@ -189,6 +189,47 @@ async def test_client_fails_by_the_deadline_while_redis_is_stalled(
     assert elapsed[0] < 1.8, elapsed
 
 
+async def test_a_pipeline_request_fails_by_its_deadline_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    """Entering a pipeline's first stage (its levels, its cap, the hand-off) counts
+    against the request's deadline (before: the 10 s socket timeout)."""
+    from redbatch.pipelines import Pipeline
+    from redbatch.pipelines.duty import pipeline_meta
+
+    server = redis_server_factory()
+    _register(server, "stalled")
+    raw = server.client()
+    first = Model("stalled", fn=lambda xs: xs).meta()
+    raw.set(protocol.meta_key("stalledp"), orjson.dumps(
+        pipeline_meta(Pipeline("stalledp", ["stalled", "other"]), first, None)))
+    raw.zadd(protocol.workers_key("stalledp"), {"w1": protocol.now_ms() + 60_000})
+    raw.hset(protocol.PIPELINES_KEY, "stalledp",
+             Pipeline("stalledp", ["stalled", "other"]).to_json())
+    raw.close()
+    async with Client(server.url, require_workers=False) as client:  # as a gateway's
+        warm = await client.submit("stalledp", 0, timeout_s=30)
+        await asyncio.sleep(1.5)  # the first stage's cached levels and cap are stale
+        with stalled(server) as elapsed, pytest.raises(DeadlineExceeded):
+            await client.predict("stalledp", 1, timeout_s=1.0)
+        warm.cancel()
+    assert elapsed[0] < 1.8, elapsed
+
+
+async def test_a_sub_queue_look_up_ends_by_the_deadline_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    """A client that queues for workers to come (as a gateway's) reads a model's
+    sub-queue count once its cache is stale: by the request's deadline."""
+    server = redis_server_factory()
+    _register(server, "stalled")
+    async with Client(server.url, require_workers=False) as client:
+        warm = await client.submit("stalled", 0, timeout_s=30)
+        await asyncio.sleep(1.5)  # the cached count is stale
+        with stalled(server) as elapsed, pytest.raises(DeadlineExceeded):
+            await client.predict("stalled", 1, timeout_s=1.0, priority=1)
+        warm.cancel()
+    assert elapsed[0] < 1.8, elapsed
+
+
 @pytest.mark.timeout(60)
 async def test_closing_a_client_ends_a_push_stuck_on_a_stalled_redis(
         redis_server_factory: Callable[..., RedisServer]) -> None:

@@ -369,22 +369,25 @@ class Client:
                        reply_to=reply_to, payload=inputs, trace_id=trace_id, rows=rows,
                        priority=priority)
 
-    async def _level(self, model: str, priority: int) -> int:
+    async def _level(self, model: str, priority: int, deadline_ms: int) -> int:
         """The level of a request that asks for ``priority``, checked against the
         model's levels as its workers publish them (a request that asks for none goes
-        to the model's default level, decided at the enqueue: nothing per request)."""
-        async with translated(self.settings):
+        to the model's default level, decided at the enqueue: nothing per request); the
+        look-up ends by ``deadline_ms``."""
+        async with deadline_bound(deadline_ms, f"looking up the levels of {model!r}"), \
+                translated(self.settings):
             levels = await self._admission.levels(model)
         level = levels.resolve(model, priority)
         return level if levels.many else 0  # one level: the plain path, no field
 
-    async def _route(self, model: str, request_id: str | None = None) -> str:
+    async def _route(self, model: str, request_id: str | None, deadline_ms: int) -> str:
         """The sub-queue a request of ``model`` joins (``routing.Router.pick``): the
         model's own queue while it has one sub-queue (its count is cached with the
-        live workers: no round trip)."""
+        live workers: no round trip; a look-up ends by ``deadline_ms``)."""
         count = self._admission.sub_queues_cached(model)
         if count is None:
-            async with translated(self.settings):
+            async with deadline_bound(deadline_ms, f"looking up the sub-queues of "
+                                                   f"{model!r}"), translated(self.settings):
                 count = await self._admission.sub_queues(model)
         return model if count == 1 else self._pusher().router.pick(model, count, request_id)
 
@@ -449,9 +452,10 @@ class Client:
             return await self._enter(pipeline, listeners, inputs, deadline, reply,
                                      request_id, trace_id, asked_priority(priority),
                                      cap=max_queue_len)
-        level = 0 if priority is None else await self._level(model, priority)
-        return self._expect(listeners, model, await self._route(model, request_id), inputs,
-                            deadline, reply, request_id, trace_id, max_queue_len, level)
+        level = 0 if priority is None else await self._level(model, priority, deadline)
+        tag = await self._route(model, request_id, deadline)
+        return self._expect(listeners, model, tag, inputs, deadline, reply, request_id,
+                            trace_id, max_queue_len, level)
 
     async def _submit_direct(self, model: str, inputs: Any, *, deadline_ms: int,
                              reply: bool = False, request_id: str | None = None,
@@ -467,7 +471,7 @@ class Client:
             raise RedbatchError("client is not started")
         self._check_loop()
         self._check_room(listeners, 1)
-        level = 0 if priority is None else await self._level(model, priority)
+        level = 0 if priority is None else await self._level(model, priority, deadline_ms)
         return self._expect(listeners, model, model, inputs, deadline_ms, reply, request_id,
                             trace_id, max_queue_len, level)
 
@@ -523,10 +527,10 @@ class Client:
                             asked_priority(priority), _rows(x) if batched else 0,
                             max_queue_len)
                 for x, rid in zip(inputs, ids, strict=True))))
-        level = 0 if priority is None else await self._level(model, priority)
-        first = model if direct is not None else await self._route(model, ids[0])
-        groups = await self._route_many(model, ids, first) if request_ids and first != model \
-            else {first: list(range(len(ids)))}
+        level = 0 if priority is None else await self._level(model, priority, deadline)
+        first = model if direct is not None else await self._route(model, ids[0], deadline)
+        groups = await self._route_many(model, ids, first, deadline) \
+            if request_ids and first != model else {first: list(range(len(ids)))}
         built = {tag: [self._request(model, inputs[i], deadline, ids[i],
                                      listeners.reply_to(tag),
                                      rows=_rows(inputs[i]) if batched else 0, priority=level)
@@ -549,8 +553,8 @@ class Client:
         await (pushed[0] if len(pushed) == 1 else asyncio.gather(*pushed))
         return futures if len(groups) == 1 else _in_order(futures, groups)
 
-    async def _route_many(self, model: str, ids: list[str | None], first: str
-                          ) -> dict[str, list[int]]:
+    async def _route_many(self, model: str, ids: list[str | None], first: str,
+                          deadline_ms: int) -> dict[str, list[int]]:
         """The sub-queues of a ``submit_many``'s requests that carry the caller's ids
         (of a model of several sub-queues; ``first``: the first id's), each with the
         indices of the requests it takes: each id's own, where a retry of it by
@@ -558,7 +562,8 @@ class Client:
         one sub-queue: one push.)"""
         groups: dict[str, list[int]] = {first: [0]}
         for index in range(1, len(ids)):
-            groups.setdefault(await self._route(model, ids[index]), []).append(index)
+            groups.setdefault(await self._route(model, ids[index], deadline_ms),
+                              []).append(index)
         return groups
 
     def _plain_ready(self, model: str, version: str | None, count: int) -> Listeners | None:
@@ -609,7 +614,8 @@ class Client:
         self._check_room(listeners, 1)  # again: other callers may have awaited past it
         future = listeners.expect(pipeline.name, rid, deadline_ms, reply)
         try:
-            async with translated(self.settings):
+            async with deadline_bound(deadline_ms, f"entering pipeline {pipeline.name!r}"), \
+                    translated(self.settings):
                 levels = await self._admission.levels(pipeline.first)
                 await enter(self._pipeline_link, levels, pipeline, rid, inputs,
                             reply_to=listeners.reply_to(pipeline.name),
