@@ -21,6 +21,7 @@ from typing import Final
 REDIS_URL: Final = "redis://127.0.0.1:6379/0"  # where Redis is when REDIS_URL is unset
 SOCKET_TIMEOUT_S: Final = 10.0  # Redis socket timeout: > 1 s above every blocking pop's
 CONNECT_TIMEOUT_S: Final = 2.0  # Redis connect timeout
+PROBE_TIMEOUT_S: Final = 0.8  # a readiness probe answers 503 when Redis takes longer
 REDIS_MAX_CONNECTIONS: Final = 32  # connections in one asyncio client's pool
 MAX_LISTENERS: Final = 1024  # room in a client's pool for its reply listeners' connections
 

@@ -178,6 +178,23 @@ async def test_gateway_answers_by_the_deadline_while_redis_is_stalled(
     assert elapsed[0] < 1.8, elapsed  # the deadline, not the 10 s socket timeout
 
 
+async def test_readiness_answers_503_in_time_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    """A readiness probe (Kubernetes waits 1 s by default) gets its 503 within
+    ``PROBE_TIMEOUT_S``, not after the 10 s socket timeout."""
+    server = redis_server_factory()
+    _register(server, "stalled")
+    server.client().zadd(protocol.MODELS_KEY, {"stalled": protocol.now_ms()})
+    async with gateway(server.url, meta_refresh_s=0.1) as http:
+        assert (await http.get("/readyz")).status_code == 200
+        await asyncio.sleep(1.2)  # the model's cached live workers are stale
+        with stalled(server) as elapsed:
+            statuses = [(await http.get(path)).status_code for path in (
+                "/readyz", "/v2/health/ready", "/v2/models/stalled/ready")]
+    assert statuses == [503, 503, 503], statuses
+    assert elapsed[0] < 3 * 1.2, elapsed  # three probes of at most 0.8 s each
+
+
 async def test_client_fails_by_the_deadline_while_redis_is_stalled(
         redis_server_factory: Callable[..., RedisServer]) -> None:
     """The client's worker look-up (a cold cache) counts against the request's deadline."""

@@ -149,7 +149,10 @@ class ModelDirectory:
         return [name.decode() for name in raw]
 
     async def any_live_worker(self) -> bool:
-        async with translated(self._settings):
+        """Whether a worker of any model holds a live lease; ``DeadlineExceeded``
+        when Redis takes longer than a probe waits (``PROBE_TIMEOUT_S``)."""
+        async with deadline_bound(probe_deadline_ms(), "looking for a live worker"), \
+                translated(self._settings):
             now = protocol.now_ms()
             for name in await self._model_names():
                 with contextlib.suppress(redis.ResponseError):  # (a key of another type)
@@ -168,3 +171,9 @@ def by_model(names: list[str]) -> dict[str, list[str]]:
         if version is not None:
             groups[base].append(name)
     return groups
+
+
+def probe_deadline_ms() -> int:
+    """When a readiness probe's look-ups must have ended (``PROBE_TIMEOUT_S`` from now:
+    a probe answers 503 rather than hang on a stalled Redis)."""
+    return protocol.now_ms() + round(1000 * defaults.PROBE_TIMEOUT_S)

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from redbatch import __version__, protocol, versions
 from redbatch.api import body, v2_masked, v2_named, v2_tensors
-from redbatch.api.directory import ModelInfo
+from redbatch.api.directory import ModelInfo, probe_deadline_ms
 from redbatch.api.errors import retry_headers, status_of
 from redbatch.api.v2_generate import GenerateApi, path_name
 from redbatch.api.v2_repo import RepositoryApi
@@ -40,14 +40,17 @@ from redbatch.api.v2_tensors import (
 )
 from redbatch.errors import (
     BadRequest,
+    DeadlineExceeded,
     ModelError,
     NoLiveWorkers,
     QueueFull,
     RedbatchError,
+    RedisUnavailable,
     error_from_code,
 )
 from redbatch.producer.admission import no_live_workers
 from redbatch.protocol import Reply
+from redbatch.redis_conn import deadline_bound
 from redbatch.spec import TensorSpec
 
 if TYPE_CHECKING:
@@ -519,7 +522,13 @@ class V2Api:
                                                      for v in table.ordered()])
 
     async def model_ready(self, request: Request) -> Response:
-        await self._served(request)
+        """200 once a worker of the model is live; within ``PROBE_TIMEOUT_S`` (a
+        stalled Redis: 503)."""
+        try:
+            async with deadline_bound(probe_deadline_ms(), "checking the model's workers"):
+                await self._served(request)
+        except DeadlineExceeded as exc:
+            raise RedisUnavailable("redis did not answer in time") from exc
         return Response(status_code=200)
 
     async def infer(self, request: Request) -> Response:
