@@ -27,6 +27,10 @@ DTYPES: frozenset[str] = frozenset(
     {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
 )
 MAX_DEPTH = 32
+# Lists and maps one entry may hold: a container costs 1 byte on the wire and about 64
+# in memory once decoded (16 MiB of empty lists would take a worker about 1 GB and
+# seconds of its event loop); an array past this goes as a tensor.
+MAX_CONTAINERS = 1 << 19
 # looked up, not computed: ``dtype.name`` and ``np.dtype(name)`` cost microseconds each
 WIRE_DTYPES: dict[str, np.dtype[Any]] = {name: np.dtype(name).newbyteorder("<")
                                          for name in DTYPES}
@@ -97,12 +101,52 @@ def decode(data: bytes) -> Any:
         raise InvalidPayload(f"entry of {len(data)} bytes is over {MAX_ENTRY_BYTES}")
     try:
         if sniff_format(data) == "json":
+            check_containers(data)
             return _untag(orjson.loads(data), 0)
-        return msgpack.unpackb(data, raw=False, object_hook=_tensor_hook, strict_map_key=True)
+        if len(data) <= MAX_CONTAINERS:  # (each container takes a byte at least)
+            return msgpack.unpackb(data, raw=False, object_hook=_tensor_hook,
+                                   strict_map_key=True)
+        counted = _Counted()
+        return msgpack.unpackb(data, raw=False, object_hook=counted.mapping,
+                               list_hook=counted.array, strict_map_key=True)
     except InvalidPayload:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise InvalidPayload(f"undecodable entry: {exc}") from exc
+
+
+def check_containers(text: bytes) -> None:
+    """``InvalidPayload`` when JSON ``text`` may hold more than ``MAX_CONTAINERS``
+    lists and maps (its brackets counted, strings' too: an upper bound), before any is
+    built; a text too short to hold that many is not scanned."""
+    if len(text) > 2 * MAX_CONTAINERS and \
+            text.count(b"[") + text.count(b"{") > MAX_CONTAINERS:
+        raise InvalidPayload(_too_many())
+
+
+def _too_many() -> str:
+    return (f"message holds more than {MAX_CONTAINERS} lists and maps: send a large "
+            "array as a tensor (dtype, shape and raw bytes)")
+
+
+class _Counted:
+    """msgpack hooks that count the containers decoded, refusing past the budget."""
+
+    def __init__(self) -> None:
+        self.left = MAX_CONTAINERS
+
+    def _spend(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise InvalidPayload(_too_many())
+
+    def array(self, obj: list[Any]) -> list[Any]:
+        self._spend()
+        return obj
+
+    def mapping(self, obj: dict[str, Any]) -> Any:
+        self._spend()
+        return _tensor_hook(obj)
 
 
 def _tensor_hook(obj: dict[str, Any]) -> Any:

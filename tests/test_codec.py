@@ -95,3 +95,19 @@ def test_unencodable_value_is_invalid_payload() -> None:
         codec.encode({"x": object()})
     with pytest.raises(InvalidPayload):
         codec.encode({"x": np.array(["a"], dtype=object)})
+
+
+def test_an_entry_of_too_many_lists_and_maps_is_refused_before_it_is_built() -> None:
+    """One byte on the wire, about 64 once decoded: a 16 MiB entry of empty lists took
+    a worker about 1 GB and seconds of its event loop.  A legal nested list (512 x 512
+    x 3, 262,657 lists) still decodes."""
+    many = codec.MAX_CONTAINERS + 1
+    packed = msgpack.packb({"payload": [[] for _ in range(many)]})
+    with pytest.raises(InvalidPayload, match="lists and maps"):
+        codec.decode(packed)
+    text = orjson.dumps({"payload": [{} for _ in range(many)]})
+    with pytest.raises(InvalidPayload, match="lists and maps"):
+        codec.decode(text)
+    image = np.zeros((512, 512, 3)).tolist()
+    for fmt in ("msgpack", "json"):
+        assert len(codec.decode(codec.encode({"payload": image}, fmt))["payload"]) == 512

@@ -46,19 +46,29 @@ def deep(levels: int) -> object:
     return value
 
 
-async def test_an_output_json_cannot_hold_is_the_models_error_named_as_its_request(
+async def test_an_output_json_cannot_hold_is_the_models_error_and_deep_inputs_are_refused(
         start_worker: Callable[..., Worker], redis_url: str) -> None:
     start_worker([Model("bytesout", fn=lambda xs: [b"\x00" for _ in xs]),
                   Model("same", fn=lambda xs: xs)])
     await wait_live(redis_url, "bytesout")
     await wait_live(redis_url, "same")
-    async with gateway(redis_url) as http:
-        for model, inputs in (("bytesout", 1), ("same", deep(300))):
-            resp = await http.post(f"/v1/models/{model}/predict", json={"inputs": inputs},
-                                   headers={"X-Request-ID": "mine-1"})
-            assert resp.status_code == 500, resp.text
-            assert resp.json()["error"]["code"] == "model_error"
-            assert resp.headers["x-request-id"] == "mine-1"
+    async with gateway(redis_url, max_body_bytes=4 << 20) as http:
+        resp = await http.post("/v1/models/bytesout/predict", json={"inputs": 1},
+                               headers={"X-Request-ID": "mine-1"})
+        assert resp.status_code == 500, resp.text
+        assert resp.json()["error"]["code"] == "model_error"
+        assert resp.headers["x-request-id"] == "mine-1"
+        # nested deeper than an entry may be: refused before the model runs
+        assert (await http.post("/v1/models/same/predict",
+                                json={"inputs": deep(31)})).status_code == 200
+        resp = await http.post("/v1/models/same/predict", json={"inputs": deep(300)})
+        assert resp.status_code == 422 and "deeper than 32" in resp.text, resp.text
+        # more lists and maps than an entry may hold (a body limit raised to allow them):
+        # a 400 before the body is parsed
+        resp = await http.post("/v1/models/same/predict",
+                               content=b'{"inputs":[' + b"[]," * 600_000 + b"[]]}",
+                               headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and "lists and maps" in resp.text, resp.text
 
 
 async def test_get_on_a_streaming_model_is_refused_and_get_takes_256_values_and_more(

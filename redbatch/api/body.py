@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive
 
-from redbatch import levels, protocol
+from redbatch import codec, levels, protocol
 from redbatch.api.directory import ModelInfo
 from redbatch.errors import BadRequest, BodyTooLarge, InvalidPayload, UnsupportedMediaType
 
@@ -73,9 +73,12 @@ def parse_json(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequest("empty body: send a JSON object")
     try:
+        codec.check_containers(body)
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from exc
+    except InvalidPayload as exc:
+        raise BadRequest(str(exc)) from exc
     if not isinstance(data, dict):
         raise BadRequest(f"body must be a JSON object, got {type(data).__name__}")
     return data
@@ -109,19 +112,24 @@ _CONTAINERS_SET = frozenset(_CONTAINERS)
 def _refuse_tensor_tags(value: Any) -> None:
     """A spec-less model takes any JSON, except a map whose one key is the tensor tag:
     that is how the queue spells an array, and a JSON one (base64 text) would not
-    decode in the worker, so its caller would hear nothing until its deadline."""
-    stack = [value]
+    decode in the worker, so its caller would hear nothing until its deadline; and
+    nothing nested deeper than an entry may be (``codec.MAX_DEPTH``: a reply nested so
+    deep could not be written back as JSON, after the model ran)."""
+    stack = [(value, 1)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
+        if depth > codec.MAX_DEPTH:
+            raise InvalidPayload(f"the input nests deeper than {codec.MAX_DEPTH} lists "
+                                 "and maps")
         if isinstance(item, dict):
             if len(item) == 1 and protocol.TENSOR_TAG in item:
                 raise InvalidPayload(
                     f"a map whose only key is {protocol.TENSOR_TAG!r} is how the queue "
                     "spells a tensor, and this model has no tensor spec: send the array "
                     "as a nested list, or give the map another key")
-            stack.extend(v for v in item.values() if isinstance(v, _CONTAINERS))
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, _CONTAINERS))
         elif isinstance(item, list) and not _CONTAINERS_SET.isdisjoint(map(type, item)):
-            stack.extend(v for v in item if isinstance(v, _CONTAINERS))
+            stack.extend((v, depth + 1) for v in item if isinstance(v, _CONTAINERS))
 
 
 def _positive_ms(raw: Any, where: str) -> float:
