@@ -65,9 +65,11 @@ def echo_tokens(policy: BatchPolicy) -> Model:
                  stack=True, inline=True)
 
 
-@batch(max_batch_size=32, batch_wait_timeout_s=0.0)
-def adder(numbers: list[int]) -> list[int]:
-    result: list[int] = (np.asarray(numbers) + 1).tolist()
+@batch(max_batch_size=32, batch_wait_timeout_s=0.0, spec=TensorSpec("int64", ()))
+def adder(numbers: list[Any]) -> list[int]:
+    """Each int64 plus one (its spec refuses a float or an int out of range, which would
+    otherwise change its batch-mates' answers: one array of the batch)."""
+    result: list[int] = (np.asarray(numbers, dtype=np.int64) + 1).tolist()
     return result
 
 

@@ -16,7 +16,7 @@ from tests.test_metrics import sample
 
 
 @batch(name="adder", batch_wait_timeout_s=0)
-def adder(ns: list[int]) -> list[int]:  # no TensorSpec, as the demo's adder
+def adder(ns: list[int]) -> list[int]:  # no TensorSpec
     return [n + 1 for n in ns]
 
 

@@ -870,3 +870,21 @@ async def test_the_stream_reaper_dead_letters_an_entrys_first_bytes(
         await client.aclose()
     assert [len(x) for x in raw_redis.lrange(protocol.dead_letter_key("counter"), 0, -1)] \
         == [4096]
+
+
+async def test_a_malformed_entry_with_a_running_streams_id_leaves_that_stream_be(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad entry carrying a running stream's id is dead-lettered quietly, as a
+    retried copy is (its final error ended the running stream, and went to the bad
+    entry's reply list)."""
+    await _live(start_worker, redis_url, monkeypatch)
+    other = protocol.reply_key("counter", "t3")
+    async with Client(redis_url) as client:
+        busy = client.stream("counter", {"n": 15}, 10)
+        assert await anext(busy) == "0"
+        bad = _request(busy.request_id, other, {"n": 3}, attempt=-1)  # malformed
+        raw_redis.rpush(protocol.queue_key("counter"), codec.encode(bad.to_wire(), "json"))
+        await _until(lambda: raw_redis.llen(protocol.dead_letter_key("counter")) == 1)
+        assert len([x async for x in busy]) == 14  # every chunk, then its own final
+    assert raw_redis.llen(other) == 0

@@ -243,3 +243,19 @@ async def test_a_dead_worker_that_cannot_be_reaped_holds_up_no_other(
     assert raw_redis.llen(protocol.inflight_key("m8", "d1")) == 0
     async with Client(redis_url) as client:
         assert await client.predict("m8", 3, timeout_s=5) == 3
+
+
+async def test_the_demo_adder_answers_each_request_by_its_own_input(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """A float or an int past int64 batched with an int made one array of the batch:
+    ``3`` beside ``1.5`` was answered ``4.0``, and ``2**64 - 1`` was answered 0."""
+    from redbatch import demo
+    from redbatch.errors import InvalidPayload
+
+    start_worker([demo.adder])
+    await wait_live(redis_url, "adder")
+    async with Client(redis_url) as client:
+        futures = await client.submit_many("adder", [3, 1.5, 2**64 - 1, 41], timeout_s=10)
+        results = await asyncio.gather(*futures, return_exceptions=True)
+    assert results[0] == 4 and type(results[0]) is int and results[3] == 42
+    assert all(isinstance(r, InvalidPayload) for r in results[1:3]), results

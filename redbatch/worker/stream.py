@@ -593,6 +593,9 @@ class StreamLoop:
                 self.dropped.append(raw)
                 return None
             member = Member(addressed[0], raw, addressed[1], now)
+            if member.request.id in self.members:  # its final would end the running one
+                self._duplicate(member)
+                return None
             self.pending.append(self.r.final(member, exc))
             return None
 
