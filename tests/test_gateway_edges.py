@@ -4,6 +4,7 @@ cannot hold, GET on a streaming model, the GET field cap, the key's white space,
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
@@ -210,3 +211,23 @@ def test_an_embedded_redis_that_never_answers_leaves_nothing_behind(
     with pytest.raises(RedisUnavailable):
         embedded.start_redis_server(str(fake))
     assert [p for p in os.listdir(str(tmp_path)) if p.startswith("redbatch-redis-")] == []
+
+
+async def test_a_model_the_gateway_knew_that_redis_forgot_is_503_not_404(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    """After a Redis restart (or a promoted replica that never got the registration)
+    the gateway's own metadata read misses until the workers' next heartbeat: a model
+    it read within ``KNOWN_GRACE_S`` is 503 ``no_workers`` (retry), on v1 and v2."""
+    from redbatch import defaults
+
+    raw_redis.set(protocol.meta_key("forgot"), b'{"name": "forgot"}')
+    raw_redis.zadd(protocol.workers_key("forgot"), {"w": protocol.now_ms() + 60_000})
+    async with gateway(redis_url, meta_refresh_s=0.1) as http:
+        assert (await http.get("/v2/models/forgot")).status_code == 200
+        raw_redis.delete(protocol.meta_key("forgot"), protocol.workers_key("forgot"))
+        await asyncio.sleep(max(defaults.LIVE_REFRESH_S, 0.1) + 0.2)  # caches stale
+        v1 = await http.post("/v1/models/forgot/predict", json={"inputs": 1})
+        v2 = await http.get("/v2/models/forgot")
+        never = await http.post("/v1/models/never/predict", json={"inputs": 1})
+    assert (v1.status_code, v2.status_code, never.status_code) == (503, 503, 404), v1.text
+    assert v1.headers["retry-after"]

@@ -15,7 +15,7 @@ from redbatch import defaults, protocol, versions
 from redbatch.config import RedisSettings
 from redbatch.errors import RedbatchError
 from redbatch.levels import by_level, queue_depths, read_meta
-from redbatch.producer.admission import unknown_model
+from redbatch.producer.admission import no_live_workers, unknown_model
 from redbatch.redis_conn import deadline_bound, idempotent, translated
 from redbatch.registry import live_workers
 from redbatch.spec import ModelInfo
@@ -37,18 +37,27 @@ class ModelDirectory:
         self._settings = settings
         self._refresh_s = refresh_s
         self._cache: dict[str, tuple[float, ModelInfo | None]] = {}
+        self._known_at: dict[str, float] = {}  # when each name's metadata was last read
 
     async def get(self, name: str, deadline_ms: int | None = None) -> ModelInfo:
-        """The model's info, or ``UnknownModel`` if no worker ever registered it; a
-        lookup in Redis (a cache miss) ends by ``deadline_ms`` (``DeadlineExceeded``)."""
+        """The model's info, or ``UnknownModel`` if no worker ever registered it (one
+        read within ``KNOWN_GRACE_S``: ``NoLiveWorkers``, a Redis that lost the
+        registration until the next heartbeat); a lookup in Redis (a cache miss) ends
+        by ``deadline_ms`` (``DeadlineExceeded``)."""
         hit = self._cache.get(name)
         if hit is None or self._stale(hit):
             async with deadline_bound(deadline_ms, f"looking up model {name!r}"):
                 hit = (time.monotonic(), await self._fetch(name))
             if len(self._cache) >= MAX_CACHED:  # names come from URLs: keep this bounded
                 self._cache.clear()
+                self._known_at.clear()
             self._cache[name] = hit
+            if hit[1] is not None:
+                self._known_at[name] = hit[0]
         if hit[1] is None:
+            known_at = self._known_at.get(name)
+            if known_at is not None and time.monotonic() - known_at < defaults.KNOWN_GRACE_S:
+                raise no_live_workers(name)
             raise unknown_model(name)
         return hit[1]
 
