@@ -29,7 +29,7 @@ from redbatch.config import RedisSettings, WorkerConfig
 from redbatch.levels import ONE
 from redbatch.producer.enqueuer import Turn, _target
 from redbatch.worker.process import Worker
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, wait_live
 from tests.test_gateway import _wait_registered, gateway
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
@@ -268,6 +268,34 @@ async def test_closing_a_client_ends_a_push_stuck_on_a_stalled_redis(
         with pytest.raises(RedbatchError):
             await pending
     warm.cancel()
+
+
+@batch(name="plus1", max_batch_size=16, batch_wait_timeout_s=0.002)
+def plus1(xs: list[int]) -> list[int]:
+    return [x + 1 for x in xs]
+
+
+async def test_the_first_pipeline_request_after_a_redis_restart_succeeds(
+        redis_server_factory: Callable[..., RedisServer],
+        start_worker: Callable[..., Worker]) -> None:
+    """A pipeline request enters its first stage on the client's one held connection:
+    stale after a restart, it is sent once more on a fresh one (before: a 503)."""
+    from redbatch.pipelines import Pipeline
+
+    server = redis_server_factory()
+    start_worker([echo, plus1], url=server.url, config=CONFIG,
+                 pipelines=[Pipeline("chain", ["plus1", "echo"])])
+    await wait_live(server.url, "chain")
+    async with Client(server.url) as client:
+        assert await client.predict("chain", 1, timeout_s=10) == 2
+        server.kill()
+        await asyncio.to_thread(server.start)  # same port, empty
+        raw = aioredis.Redis.from_url(server.url)
+        while not await raw.zcount(protocol.workers_key("chain"), protocol.now_ms(), "+inf"):
+            await asyncio.sleep(0.05)  # the pipeline is fronted again
+        await raw.aclose()
+        await asyncio.sleep(1.2)  # the client's caches are stale: look-ups go to Redis
+        assert await client.predict("chain", 2, timeout_s=10) == 3
 
 
 async def test_first_requests_after_a_redis_restart_succeed(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
+import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, defaults, knobs, lua, protocol, versions
@@ -28,7 +30,7 @@ from redbatch.producer.plain import PlainModels
 from redbatch.producer.replication import check_replicas
 from redbatch.producer.streams import ChunkQueue, Stream
 from redbatch.protocol import Request
-from redbatch.redis_conn import async_client, deadline_bound, translated
+from redbatch.redis_conn import async_client, deadline_bound, is_stale, translated
 
 T = TypeVar("T")
 log = logging.getLogger("redbatch.producer")
@@ -617,11 +619,12 @@ class Client:
             async with deadline_bound(deadline_ms, f"entering pipeline {pipeline.name!r}"), \
                     translated(self.settings):
                 levels = await self._admission.levels(pipeline.first)
-                await enter(self._pipeline_link, levels, pipeline, rid, inputs,
-                            reply_to=listeners.reply_to(pipeline.name),
-                            deadline_ms=deadline_ms, trace_id=trace_id, priority=level,
-                            fmt=self.fmt, rows=rows,
-                            cap=await self._admission.cap(pipeline.first, deadline_ms, cap))
+                send = functools.partial(
+                    enter, self._pipeline_link, levels, pipeline, rid, inputs,
+                    reply_to=listeners.reply_to(pipeline.name), deadline_ms=deadline_ms,
+                    trace_id=trace_id, priority=level, fmt=self.fmt, rows=rows,
+                    cap=await self._admission.cap(pipeline.first, deadline_ms, cap))
+                await _once_more_if_stale(send)
         except Exception as exc:
             listeners.fail(rid, exc, pipeline.name)
         except BaseException:  # a caller cancelled: its waiter goes too
@@ -724,3 +727,14 @@ def _rows(batch: Any) -> int:
         raise InvalidPayload(f"a batch must hold 1 to {protocol.MAX_ROWS} rows along its "
                              f"first dimension, got {type(batch).__name__} of {rows}")
     return rows
+
+
+async def _once_more_if_stale(send: Callable[[], Awaitable[Any]]) -> None:
+    """``send``, once more on a fresh connection if its held one broke (Redis
+    restarted): the request's marker at the stage dedupes a push that went in."""
+    try:
+        await send()
+    except redis.ConnectionError as exc:
+        if not is_stale(exc):
+            raise
+        await send()
