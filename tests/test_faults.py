@@ -195,6 +195,20 @@ async def test_readiness_answers_503_in_time_while_redis_is_stalled(
     assert elapsed[0] < 3 * 1.2, elapsed  # three probes of at most 0.8 s each
 
 
+async def test_a_gateway_starts_in_time_on_a_stalled_redis(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    """Its start gives Redis ``CONNECT_TIMEOUT_S`` (before: the 10 s socket timeout,
+    the port unbound meanwhile), then it serves: 503s until Redis answers."""
+    server = redis_server_factory()
+    _register(server, "stalled")
+    with stalled(server):
+        begun = time.monotonic()
+        async with gateway(server.url) as http:
+            assert (await http.get("/healthz")).status_code == 200
+            serving_s = time.monotonic() - begun
+    assert serving_s < 3.0, serving_s
+
+
 async def test_client_fails_by_the_deadline_while_redis_is_stalled(
         redis_server_factory: Callable[..., RedisServer]) -> None:
     """The client's worker look-up (a cold cache) counts against the request's deadline."""

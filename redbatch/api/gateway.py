@@ -8,13 +8,14 @@ import redis.asyncio as aioredis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from redbatch import defaults, protocol
 from redbatch.api.core import InferCore
 from redbatch.api.directory import ModelDirectory
 from redbatch.api.errors import error_response
 from redbatch.config import GatewayConfig, RedisSettings
 from redbatch.errors import ConfigError, RedbatchError
 from redbatch.producer.client import Client
-from redbatch.redis_conn import async_client
+from redbatch.redis_conn import async_client, deadline_bound
 from redbatch.scaling import FleetReader
 
 log = logging.getLogger("redbatch.api")
@@ -44,8 +45,13 @@ class Gateway:
         return self._redis
 
     async def start(self) -> None:
+        """Start the client, within ``CONNECT_TIMEOUT_S`` (a stalled Redis would hold
+        it for the socket timeout, the port unbound); without Redis the gateway serves
+        503s, and the client starts with the first request once Redis answers."""
+        started_by = protocol.now_ms() + round(1000 * defaults.CONNECT_TIMEOUT_S)
         try:
-            await self.client.start()
+            async with deadline_bound(started_by, "connecting to redis at start"):
+                await self.client.start()
         except ConfigError:  # a setting Redis cannot honour (WAIT refused): stop
             raise
         except RedbatchError as exc:  # serve 503s until Redis is back
