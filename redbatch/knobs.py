@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,8 @@ class Knob:
     increasing: bool = False  # a list knob's items must increase strictly
 
 
+MAX_INT = 2**63 - 1  # the largest int a knob may be (what orjson stores)
+
 KNOBS: dict[str, Knob] = {
     "max_batch_size": Knob(int, 1, 65536),
     "batch_wait_timeout_s": Knob(float, 0, 60, " s", label="batch_wait_timeout_s (timeout_s)"),
@@ -74,6 +77,8 @@ KNOBS: dict[str, Knob] = {
 def _range_text(knob: Knob) -> str:
     if knob.high is None:
         return f"{'>' if knob.low_open else '>='} {knob.low}"
+    if knob.low_open:
+        return f"> {knob.low:g} and at most {knob.high:g}{knob.unit}"
     return f"{knob.low:g}..{knob.high:g}{knob.unit}"
 
 
@@ -101,6 +106,10 @@ def check_range_item(name: str, knob: Knob, value: Any) -> None:
     null)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidKnob(f"{knob.label or name} must be a finite number, got {value}")
+    most = sys.float_info.max if knob.kind is float else MAX_INT
+    if value > most:
+        raise InvalidKnob(f"{knob.label or name} must be at most {most}, got "
+                          f"{str(value)[:40]}")
     low_bad = knob.low is not None and (value <= knob.low if knob.low_open else value < knob.low)
     if low_bad or (knob.high is not None and value > knob.high):
         raise InvalidKnob(f"{knob.label or name} must be {_range_text(knob)}, got {value}")
