@@ -95,15 +95,18 @@ def sniff_format(data: bytes) -> Format:
     return "json" if data[:1] == b"{" else "msgpack"
 
 
-def decode(data: bytes) -> Any:
-    """Decode an envelope of either format; raise ``InvalidPayload`` if it is bad."""
+def decode(data: bytes, budget: bool = False) -> Any:
+    """Decode an envelope of either format; raise ``InvalidPayload`` if it is bad.
+    ``budget``: a producer's queue entry, of at most ``MAX_CONTAINERS`` lists and maps
+    (a reply, or a pipeline's record, comes from a worker: its size alone bounds it)."""
     if len(data) > MAX_ENTRY_BYTES:
         raise InvalidPayload(f"entry of {len(data)} bytes is over {MAX_ENTRY_BYTES}")
     try:
         if sniff_format(data) == "json":
-            check_containers(data)
+            if budget:
+                check_containers(data)
             return _untag(orjson.loads(data), 0)
-        if len(data) <= MAX_CONTAINERS:  # (each container takes a byte at least)
+        if not budget or len(data) <= MAX_CONTAINERS:  # (a container takes a byte)
             return msgpack.unpackb(data, raw=False, object_hook=_tensor_hook,
                                    strict_map_key=True)
         counted = _Counted()

@@ -139,7 +139,7 @@ for l = 1, levels do
   lens[l] = redis.call('LLEN', KEYS[2 + l])
   if top == nil and lens[l] > 0 then top = l end
 end
-local items, low, k = {}, 0, 0
+local items, low, k, given = {}, 0, 0, 0
 local function take(l, count)
   local got = redis.call('LPOP', KEYS[2 + l], count) or {}
   for i = 1, #got do items[#items + 1] = got[i] end
@@ -154,7 +154,7 @@ if top ~= nil then
     local at = (rot + k) % #lower + 1
     take(lower[at], 1)
     if lens[lower[at]] == 0 then table.remove(lower, at) else k = k + 1 end
-    reserve = reserve - 1
+    reserve, given = reserve - 1, given + 1
   end
   for l = top, levels do
     if #items >= n then break end
@@ -168,7 +168,7 @@ if #items > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
 local left = 0
 for l = 1, levels do left = left + lens[l] end
 if left == 0 then redis.call('DEL', KEYS[1]) end
-return {low, left, items, rot + k}
+return {low, left, items, rot + given}
 """
 
 # Shared helpers: answer a request at most once (its marker turns to 'd' with the

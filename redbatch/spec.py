@@ -380,7 +380,8 @@ class Signature:
 
     def __post_init__(self) -> None:
         _field_names(list(self.inputs), "input")
-        _field_names(list(self.outputs), "output")
+        if self.outputs:  # (a gateway's, of a pipeline ending in one output: none named)
+            _field_names(list(self.outputs), "output")
         wrong = [n for n, s in self.inputs.items() if not isinstance(s, TensorSpec | None)]
         if wrong:
             raise ConfigError(f"input {wrong[0]!r}: a TensorSpec, or None for any value")
@@ -395,6 +396,7 @@ class Signature:
         if isinstance(outputs, str):
             raise ConfigError("outputs must be a sequence of names or a dict, not a string")
         named = dict(outputs) if isinstance(outputs, dict) else dict.fromkeys(outputs)
+        _field_names(list(named), "output")
         return cls(dict(inputs), named)
 
     @functools.cached_property
@@ -524,8 +526,8 @@ class ModelInfo:
     meta: dict[str, Any]
     max_queue_len: int | None = None  # the model's own limits (None: the gateway's)
     default_timeout_s: float | None = None
-    # Named inputs (a request is a map input name -> value); its outputs are the named
-    # ones, or else the one output, ``{output_name: output_spec}``.
+    # Named inputs (a request is a map input name -> value), and the named outputs
+    # (none: a pipeline that ends in one output; ``output_specs`` holds what replies do).
     signature: Signature | None = None
     output_spec: TensorSpec | None = None  # what one output looks like, if published
     # Named outputs (a reply is a map output name -> value): a model's with named
@@ -544,8 +546,7 @@ class ModelInfo:
                    output_name=output_name, spec=spec, meta=meta,
                    max_queue_len=int(cap) if cap else None,
                    default_timeout_s=float(timeout) if timeout else None,
-                   signature=Signature(_specs(meta["inputs"]),
-                                       named or {output_name: output_spec})
+                   signature=Signature(_specs(meta["inputs"]), named or {})
                    if meta.get("inputs") else None,
                    output_spec=output_spec, named_outputs=named)
 
@@ -556,6 +557,6 @@ class ModelInfo:
 
     @property
     def per_token(self) -> bool:
-        """Whether the published output spec is per-token: outputs of several lengths,
-        which cannot share one tensor."""
-        return per_token(self.output_spec)
+        """Whether a published output spec is per-token (the one output's, or a named
+        output's): outputs of several lengths, which cannot share one tensor."""
+        return any(per_token(spec) for spec in self.output_specs.values())

@@ -104,10 +104,13 @@ def test_an_entry_of_too_many_lists_and_maps_is_refused_before_it_is_built() -> 
     many = codec.MAX_CONTAINERS + 1
     packed = msgpack.packb({"payload": [[] for _ in range(many)]})
     with pytest.raises(InvalidPayload, match="lists and maps"):
-        codec.decode(packed)
+        codec.decode(packed, budget=True)
     text = orjson.dumps({"payload": [{} for _ in range(many)]})
     with pytest.raises(InvalidPayload, match="lists and maps"):
-        codec.decode(text)
+        codec.decode(text, budget=True)
+    for data in (packed, text):  # a reply or a pipeline's record: bounded by its size
+        assert len(codec.decode(data)["payload"]) == many
     image = np.zeros((512, 512, 3)).tolist()
     for fmt in ("msgpack", "json"):
-        assert len(codec.decode(codec.encode({"payload": image}, fmt))["payload"]) == 512
+        assert len(codec.decode(codec.encode({"payload": image}, fmt),
+                                budget=True)["payload"]) == 512

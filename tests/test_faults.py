@@ -246,17 +246,19 @@ async def test_a_pipeline_request_fails_by_its_deadline_while_redis_is_stalled(
     assert elapsed[0] < 1.8, elapsed
 
 
-async def test_a_sub_queue_look_up_ends_by_the_deadline_while_redis_is_stalled(
-        redis_server_factory: Callable[..., RedisServer]) -> None:
+@pytest.mark.parametrize("priority", [None, 1])
+async def test_a_sub_queue_or_level_look_up_ends_by_the_deadline_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer], priority: int | None) -> None:
     """A client that queues for workers to come (as a gateway's) reads a model's
-    sub-queue count once its cache is stale: by the request's deadline."""
+    sub-queue count (and, for a request that asks for a priority, its levels first)
+    once its cache is stale: by the request's deadline."""
     server = redis_server_factory()
     _register(server, "stalled")
     async with Client(server.url, require_workers=False) as client:
         warm = await client.submit("stalled", 0, timeout_s=30)
         await asyncio.sleep(1.5)  # the cached count is stale
         with stalled(server) as elapsed, pytest.raises(DeadlineExceeded):
-            await client.predict("stalled", 1, timeout_s=1.0, priority=1)
+            await client.predict("stalled", 1, timeout_s=1.0, priority=priority)
         warm.cancel()
     assert elapsed[0] < 1.8, elapsed
 

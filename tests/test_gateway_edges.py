@@ -5,13 +5,14 @@ cannot hold, GET on a streaming model, the GET field cap, the key's white space,
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.config import GatewayConfig
 from redbatch.errors import ConfigError
 from redbatch.registry import LiveCache
@@ -218,8 +219,6 @@ async def test_a_model_the_gateway_knew_that_redis_forgot_is_503_not_404(
     """After a Redis restart (or a promoted replica that never got the registration)
     the gateway's own metadata read misses until the workers' next heartbeat: a model
     it read within ``KNOWN_GRACE_S`` is 503 ``no_workers`` (retry), on v1 and v2."""
-    from redbatch import defaults
-
     raw_redis.set(protocol.meta_key("forgot"), b'{"name": "forgot"}')
     raw_redis.zadd(protocol.workers_key("forgot"), {"w": protocol.now_ms() + 60_000})
     async with gateway(redis_url, meta_refresh_s=0.1) as http:
@@ -231,3 +230,19 @@ async def test_a_model_the_gateway_knew_that_redis_forgot_is_503_not_404(
         never = await http.post("/v1/models/never/predict", json={"inputs": 1})
     assert (v1.status_code, v2.status_code, never.status_code) == (503, 503, 404), v1.text
     assert v1.headers["retry-after"]
+
+
+async def test_readiness_asks_of_the_latest_models_first(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Names of retired models stay in ``rb:models``: asking of each, the oldest first,
+    took longer than a probe waits (its bound does not end a read redis-py swallows the
+    cancel of)."""
+    now = protocol.now_ms()
+    raw_redis.zadd(protocol.MODELS_KEY, {f"old{i:05}": now - 86_400_000 + i
+                                         for i in range(20_000)})
+    raw_redis.zadd(protocol.MODELS_KEY, {"alive": now})
+    raw_redis.zadd(protocol.workers_key("alive"), {"w": now + 60_000})
+    async with gateway(redis_url) as http:
+        asked = time.monotonic()
+        assert (await http.get("/readyz")).status_code == 200
+        assert time.monotonic() - asked < 2 * defaults.PROBE_TIMEOUT_S  # (before: 6.5 s)

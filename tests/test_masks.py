@@ -6,6 +6,7 @@ as long as the input is refused, naming the field."""
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import replace
@@ -254,3 +255,22 @@ async def test_v2_refuses_ragged_rows_of_a_per_token_model_before_computing_them
         assert meta["outputs"] == [{"name": "y", "datatype": "INT64", "shape": [-1, -1]}]
         config = (await http.get("/v2/models/ctoks/config")).json()
         assert config["output"] == [{"name": "y", "data_type": "TYPE_INT64", "dims": [-1]}]
+
+
+def test_a_pipeline_of_masked_input_and_per_token_named_outputs_is_refused_before_compute(
+        ) -> None:
+    """Rows cut to several real lengths cannot share one output tensor: refused before
+    any compute whether the per-token output is the one output or a named one (a
+    pipeline's last stage's), not a 500 after it."""
+    from redbatch.api import v2_masked
+    from redbatch.errors import BadRequest
+    from redbatch.spec import ModelInfo
+
+    spec = TensorSpec("int64", (None,), max_len=4, mask="attention_mask")
+    meta = {"name": "p", "spec": spec.to_json(),
+            "outputs": {"tok": TensorSpec("float32", (None,)).to_json(), "n": None}}
+    info = ModelInfo.from_meta(meta)
+    assert info.per_token
+    arr, mask = np.ones((2, 4), dtype=np.int64), np.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    with pytest.raises(BadRequest, match=re.escape(v2_masked.RAGGED_OUTPUTS)):
+        v2_masked.runs(arr, mask, info)

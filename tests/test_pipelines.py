@@ -706,3 +706,15 @@ async def test_a_pipeline_of_one_input_and_named_outputs_and_the_reverse_over_v2
         assert unknown.status_code == 400 and "['lo', 'hi']" in unknown.text
         v1 = await http.post("/v1/models/mix_out/predict", json={"inputs": {"x": 3}})
         assert v1.json() == {"outputs": 33}
+
+
+def test_a_pipeline_of_named_inputs_ending_in_any_output_name_is_read() -> None:
+    """A model's one output may have any name (no field-name rule): a pipeline whose
+    first stage has named inputs and whose last stage's output is ``probs/0`` is read
+    as such, not as broken metadata (a 404 for every call)."""
+    from redbatch.spec import ModelInfo
+
+    info = ModelInfo.from_meta({"name": "p", "inputs": {"x": None},
+                                "output_name": "probs/0", "kind": "pipeline"})
+    assert info.signature is not None and list(info.signature.inputs) == ["x"]
+    assert info.named_outputs is None and list(info.output_specs) == ["probs/0"]

@@ -100,9 +100,27 @@ def test_claim_levels_reserves_slots_for_the_lower_levels_in_turn(raw_redis: red
     assert items == [b"b0", b"c0", b"a0", b"a1"]  # one of each lower level, then urgent
     assert raw_redis.lrange(inflight_key, 0, -1) == items
     low, left, items, turn = claim(keys=keys, args=[4, 60_000, 1, 1])  # the turn moved on
-    assert (low, items, turn) == (1, [b"c1", b"a2", b"a3", b"a4"], 1)  # c emptied: stays
+    assert (low, items, turn) == (1, [b"c1", b"a2", b"a3", b"a4"], 2)  # one slot given
     low, left, items, turn = claim(keys=keys, args=[20, 60_000, 0, 0])
     assert (low, left, len(items), turn) == (1, 0, 6, 0)  # a5..a9, then b1 (in order)
+
+
+def test_the_turn_moves_on_when_a_reserved_slot_empties_its_level(raw_redis: redis.Redis
+                                                                  ) -> None:
+    """Level 2 gets one entry per claim and each reserved slot empties it: the turn
+    must move on all the same, or level 3 would never get a slot."""
+    queues = protocol.level_queues("m", 3, 1)
+    bell, inflight_key = protocol.bell_key("m"), protocol.inflight_key("m", "w")
+    claim = raw_redis.register_script(lua.CLAIM_LEVELS)
+    raw_redis.rpush(queues[2], *[f"c{i}" for i in range(20)])
+    turn, taken = 0, []
+    for i in range(20):
+        raw_redis.rpush(queues[0], f"a{i}")
+        raw_redis.rpush(queues[1], f"b{i}")
+        _low, _left, items, turn = claim(keys=[bell, inflight_key, *queues],
+                                         args=[2, 60_000, 1, turn])
+        taken += [item[:1] for item in items if not item.startswith(b"a")]
+    assert (taken.count(b"b"), taken.count(b"c")) == (10, 10), taken
     assert raw_redis.exists(bell) == 0  # every level empty: the bell is silenced
 
 

@@ -259,3 +259,15 @@ async def test_the_demo_adder_answers_each_request_by_its_own_input(
         results = await asyncio.gather(*futures, return_exceptions=True)
     assert results[0] == 4 and type(results[0]) is int and results[3] == 42
     assert all(isinstance(r, InvalidPayload) for r in results[1:3]), results
+
+
+async def test_a_reply_of_many_lists_reaches_its_caller(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """The budget of lists and maps holds for a producer's entries, not for replies: a
+    reply of 600,000 pairs is decoded by its caller (it was dropped, the caller waiting
+    to its deadline)."""
+    pairs = 600_000
+    start_worker([Model("boxes", fn=lambda xs: [[[0, 1]] * pairs for _ in xs])])
+    await wait_live(redis_url, "boxes")
+    async with Client(redis_url) as client:
+        assert len(await client.predict("boxes", 1, timeout_s=20)) == pairs

@@ -158,12 +158,15 @@ class ModelDirectory:
         return [name.decode() for name in raw]
 
     async def any_live_worker(self) -> bool:
-        """Whether a worker of any model holds a live lease; ``DeadlineExceeded``
-        when Redis takes longer than a probe waits (``PROBE_TIMEOUT_S``)."""
+        """Whether a worker of any model holds a live lease, asking of the models with
+        the latest heartbeats first (a live one is among them: the names of retired
+        models are never pruned); ``DeadlineExceeded`` when Redis takes longer than a
+        probe waits (``PROBE_TIMEOUT_S``)."""
         async with deadline_bound(probe_deadline_ms(), "looking for a live worker"), \
                 translated(self._settings):
             now = protocol.now_ms()
-            for name in await self._model_names():
+            raw: Any = await self._redis.zrange(protocol.MODELS_KEY, 0, -1, desc=True)
+            for name in (n.decode() for n in raw):
                 with contextlib.suppress(redis.ResponseError):  # (a key of another type)
                     if await self._redis.zcount(protocol.workers_key(name), now, "+inf"):
                         return True

@@ -425,8 +425,13 @@ def _named_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Resp
     if call.request_id is not None:
         doc["id"] = call.request_id
     replies = settle(len(call.tensor), parts)
-    return v2_named.respond(doc, call.outputs, replies, info, _timing_headers(replies),
-                            len(call.tensor))
+    try:
+        return v2_named.respond(doc, call.outputs, replies, info, _timing_headers(replies),
+                                len(call.tensor))
+    except ModelError as exc:  # rows cut by a mask, of several lengths: as the one output
+        if call.runs is None or len(call.runs) == 1:
+            raise
+        raise BadRequest(v2_masked.RAGGED_OUTPUTS) from exc
 
 
 def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Response:

@@ -376,9 +376,13 @@ class Client:
         model's levels as its workers publish them (a request that asks for none goes
         to the model's default level, decided at the enqueue: nothing per request); the
         look-up ends by ``deadline_ms``."""
-        async with deadline_bound(deadline_ms, f"looking up the levels of {model!r}"), \
-                translated(self.settings):
-            levels = await self._admission.levels(model)
+        summary = self._admission.summary_cached(model)
+        if summary is not None:  # (no I/O: no bound to set up)
+            levels = summary.levels
+        else:
+            async with deadline_bound(deadline_ms, f"looking up the levels of {model!r}"), \
+                    translated(self.settings):
+                levels = await self._admission.levels(model)
         level = levels.resolve(model, priority)
         return level if levels.many else 0  # one level: the plain path, no field
 

@@ -109,7 +109,7 @@ def parse_entry(raw: bytes, model: str, same_slot: bool = False, tag: str | None
     by default its own).  ``same_slot`` (on Redis Cluster): a reply list outside the
     sub-queue's slot cannot be answered in the reply script, so such an entry is
     invalid."""
-    request = protocol.request_from_wire(codec.decode(raw))
+    request = protocol.request_from_wire(codec.decode(raw, budget=True))
     if request.model != model:
         raise InvalidPayload(f"entry for model {request.model!r} in the queue of {model!r}")
     tag = tag or model
