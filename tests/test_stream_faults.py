@@ -16,7 +16,13 @@ import redis.asyncio as aioredis
 from redbatch import codec, protocol
 from redbatch.api import streaming
 from redbatch.bench import stream as bench_stream
-from redbatch.errors import ModelError, RedbatchError, RedisUnavailable, WorkerCrashed
+from redbatch.errors import (
+    InvalidPayload,
+    ModelError,
+    RedbatchError,
+    RedisUnavailable,
+    WorkerCrashed,
+)
 from redbatch.producer import streams
 from redbatch.producer.client import Client
 from redbatch.producer.streams import ChunkQueue
@@ -354,13 +360,18 @@ class StreamsClient:
     async def _open_stream(self, *_args: Any) -> tuple[str, ChunkQueue]:
         return "r1", ChunkQueue("r1", protocol.now_ms() + 60_000)
 
-    def _keep_till_close(self, task: asyncio.Task[None]) -> None:
-        self.cancel_task = task  # (a reference keeps it)
+    def __init__(self) -> None:
+        self._cancels: set[asyncio.Task[None]] = set()
+
+    _cancel_soon = Client._cancel_soon  # the client's own cancel, on the fake's mark
+    _mark_cancelled = Client._mark_cancelled
 
 
 def test_closing_a_stream_never_waits_long_on_redis_nor_raises(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(streams, "CANCEL_TIMEOUT_S", 0.05)
+    from redbatch.producer import client as client_module
+
+    monkeypatch.setattr(client_module, "CANCEL_TIMEOUT_S", 0.05)
 
     class Stalled(StreamsClient):
         async def mark_cancelled(self, *_args: Any) -> None:
@@ -888,3 +899,42 @@ async def test_a_malformed_entry_with_a_running_streams_id_leaves_that_stream_be
         await _until(lambda: raw_redis.llen(protocol.dead_letter_key("counter")) == 1)
         assert len([x async for x in busy]) == 14  # every chunk, then its own final
     assert raw_redis.llen(other) == 0
+
+
+async def test_a_stream_given_up_on_this_side_is_cancelled_in_redis(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its worker stops at its next step (before: it ran the stream to its end or its
+    deadline for nobody): a ``break`` out of ``async for``, a reading task cancelled
+    (an ``asyncio.timeout``), chunks left unread past the buffer, ``predict`` on a
+    streaming model, and a client closed with a stream open."""
+    await _live(start_worker, redis_url, monkeypatch)
+    monkeypatch.setattr(protocol, "STREAM_MAX_BUFFERED", 5)
+
+    def cancelled(request_id: str) -> bool:
+        return raw_redis.zscore(protocol.cancelled_key("counter"), request_id) is not None
+
+    async with Client(redis_url) as client:
+        ids = []
+        stream = client.stream("counter", {"n": 500}, 20)
+        async for _chunk in stream:
+            break
+        ids.append(stream.request_id)
+        del stream  # (dropped: nothing else holds it)
+        stream = client.stream("counter", {"n": 500}, 20)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                async for _chunk in stream:
+                    pass
+        ids.append(stream.request_id)
+        stream = client.stream("counter", {"n": 500}, 20)
+        assert await anext(stream) == "0"
+        await _until(lambda: cancelled(stream.request_id))  # unread past 5 chunks
+        with pytest.raises(InvalidPayload, match="stream"):
+            await client.predict("counter", {"n": 500, "tag": "p"}, timeout_s=20)
+        await _until(lambda: raw_redis.zcard(protocol.cancelled_key("counter")) == 4)
+        for request_id in ids:
+            assert cancelled(request_id)
+        last = client.stream("counter", {"n": 500}, 20)
+        assert await anext(last) == "0"
+    assert cancelled(last.request_id)

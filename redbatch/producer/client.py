@@ -28,7 +28,7 @@ from redbatch.producer.listener import RequestFuture
 from redbatch.producer.listeners import Listeners
 from redbatch.producer.plain import PlainModels
 from redbatch.producer.replication import check_replicas
-from redbatch.producer.streams import ChunkQueue, Stream
+from redbatch.producer.streams import CANCEL_TIMEOUT_S, ChunkQueue, Stream
 from redbatch.protocol import Request
 from redbatch.redis_conn import async_client, deadline_bound, is_stale, translated
 
@@ -133,7 +133,7 @@ class Client:
             self._plain = PlainModels(self._admission, self._pipelines)
             self._pipeline_link = LeanLink(redis)  # one held connection: pipeline entries
             listeners = Listeners(redis, self.client_id, self._block_timeout_s,
-                                  self._listener_idle_s)
+                                  self._listener_idle_s, self._cancel_soon)
             self._enqueuer = Enqueuer(redis, self.settings, self._admission, self._failed,
                                       self.fmt, self.pack_rows, listeners.route_pack,
                                       self.replica_wait)
@@ -166,22 +166,35 @@ class Client:
                     await redis.aclose()
 
     async def _end_tasks(self) -> None:
-        await asyncio.gather(*self._cancels, return_exceptions=True)  # (bounded each)
         if self._enqueuer is not None:
             await self._enqueuer.drain()
             self._enqueuer = None
         if self._listeners is not None:
-            await self._listeners.stop()
+            await self._listeners.stop()  # (its open streams: cancels, ``_cancel_soon``)
             self._listeners = None
+        await asyncio.gather(*self._cancels, return_exceptions=True)  # (bounded each)
         if self._redis is not None:  # started: the admission's reads end first
             await self._admission.aclose()
             await self._pipelines.aclose()
 
-    def _keep_till_close(self, task: asyncio.Task[None]) -> None:
-        """Hold ``task`` (a stream's cancel, ``Stream.close_soon``) until it ends;
-        ``close`` waits for it before the connection pool closes."""
+    def _cancel_soon(self, model: str, request_id: str, deadline_ms: int
+                     ) -> asyncio.Task[None]:
+        """Mark a request of ``model`` (its sub-queue) cancelled in Redis, off the
+        caller's path: a task bounded by ``CANCEL_TIMEOUT_S`` (an error is logged),
+        which ``close`` waits for before the connection pool closes."""
+        loop = asyncio.get_running_loop()  # (before the coroutine: none left unawaited)
+        task = loop.create_task(self._mark_cancelled(model, request_id, deadline_ms))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
+        return task
+
+    async def _mark_cancelled(self, model: str, request_id: str, deadline_ms: int) -> None:
+        try:
+            await asyncio.wait_for(self.mark_cancelled(model, request_id, deadline_ms),
+                                   CANCEL_TIMEOUT_S)
+        except (RedbatchError, TimeoutError) as exc:
+            log.warning("could not mark request %s of model %s cancelled: %s",
+                        request_id, model, exc or type(exc).__name__)
 
     async def __aenter__(self) -> Client:
         await self.start()

@@ -22,6 +22,7 @@ from redbatch.producer.streams import ChunkQueue
 from redbatch.stream_wire import chunk_from_wire
 
 T = TypeVar("T")
+Abandoned = Callable[[str, str, int], object]  # (tag, request id, deadline ms)
 log = logging.getLogger("redbatch.producer")
 DRAIN_COUNT = 1024
 RECENT_IDS = 100_000  # answered ids remembered to tell a duplicate reply from a late one
@@ -108,10 +109,14 @@ def resolve(future: asyncio.Future[Any], reply: protocol.Reply, want_reply: bool
 class ReplyListener:
     def __init__(self, redis: aioredis.Redis, reply_to: str, block_timeout_s: float,
                  stats: ListenerStats | None = None, idle_s: float | None = None,
-                 on_idle: Callable[[ReplyListener], None] | None = None) -> None:
+                 on_idle: Callable[[ReplyListener], None] | None = None,
+                 on_abandoned: Abandoned | None = None) -> None:
         """``stats``: shared with other listeners, if given; ``idle_s``: stop once no
         request has waited for that long (checked between pops), after calling
-        ``on_idle(self)`` in the same step (None: run until ``stop``)."""
+        ``on_idle(self)`` in the same step (None: run until ``stop``);
+        ``on_abandoned(tag, request_id, deadline_ms)``: a streaming request this side
+        gave up on while its worker may still run it (a stream failed here, one that
+        ``predict`` awaited, or the listener's stop), to be marked cancelled."""
         self._link = LeanLink(redis)  # the blocking pops: one held connection
         self.reply_to = reply_to
         self.tag = protocol.hash_tag(reply_to) or ""  # the sub-queue whose replies it takes
@@ -125,6 +130,7 @@ class ReplyListener:
         self.stats = stats if stats is not None else ListenerStats()
         self._idle_s = idle_s
         self._on_idle = on_idle
+        self._on_abandoned = on_abandoned
         self._busy = False  # a request waited since the last idle check
         self._busy_at_s = 0.0  # (monotonic) when the last idle check saw one
 
@@ -144,9 +150,15 @@ class ReplyListener:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        for stream in self._streams.values():
+            self._abandoned(stream.request_id, stream.deadline_ms)
         for request_id in [*self._waiters, *self._streams]:
             self.fail(request_id, RedbatchError("client closed before the reply arrived"))
         self._forget_packs()
+
+    def _abandoned(self, request_id: str, deadline_ms: int) -> None:
+        if self._on_abandoned is not None:
+            self._on_abandoned(self.tag, request_id, deadline_ms)
 
     def _forget_packs(self) -> None:
         for _members, timer in self._packs.values():
@@ -264,6 +276,9 @@ class ReplyListener:
         if chunk.last:  # (a stream counts once, as a reply)
             self.stats.count(chunk.id, answered=stream is not None)
         if stream is None:  # its caller gave up, or awaits one reply (no stream)
+            waiter = self._waiters.get(chunk.id)
+            if waiter is not None and not chunk.last:  # the rest would go to nobody
+                self._abandoned(chunk.id, waiter.deadline_ms)
             self.fail(chunk.id, InvalidPayload("the model streams its answers: call it "
                                                "with stream(), not predict()"))
             return
@@ -272,6 +287,8 @@ class ReplyListener:
         self.stats.duplicates += stream.duplicates - before
         if stream.closed:
             del self._streams[chunk.id]
+            if not chunk.last:  # failed here (a gap, too many chunks unread)
+                self._abandoned(chunk.id, stream.deadline_ms)
 
     def _deliver(self, reply: protocol.Reply) -> None:
         waiter = self._waiters.pop(reply.id, None)

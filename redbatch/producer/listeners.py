@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from redbatch import defaults, protocol
 from redbatch.errors import RedbatchError
-from redbatch.producer.listener import ListenerStats, ReplyListener, RequestFuture
+from redbatch.producer.listener import Abandoned, ListenerStats, ReplyListener, RequestFuture
 
 
 class Listeners:
@@ -34,8 +34,11 @@ class Listeners:
     are shared (they add up over every listener, stopped ones included)."""
 
     def __init__(self, redis: aioredis.Redis, client_id: str, block_timeout_s: float,
-                 idle_s: float = defaults.LISTENER_IDLE_S) -> None:
+                 idle_s: float = defaults.LISTENER_IDLE_S,
+                 on_abandoned: Abandoned | None = None) -> None:
+        """``on_abandoned``: each listener's (``ReplyListener``)."""
         self._redis = redis
+        self._on_abandoned = on_abandoned
         self.client_id = client_id
         self._block_timeout_s = block_timeout_s
         self._idle_s = idle_s
@@ -55,7 +58,8 @@ class Listeners:
             if self._closed:
                 raise RedbatchError("the client is closed")
             listener = ReplyListener(self._redis, self.reply_to(model), self._block_timeout_s,
-                                     self.stats, self._idle_s, self._retired)
+                                     self.stats, self._idle_s, self._retired,
+                                     self._on_abandoned)
             self._by_model[model] = listener
             listener.start()
             self.started += 1

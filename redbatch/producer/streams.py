@@ -122,8 +122,11 @@ class Stream:
         assert self._queue is not None
         try:
             chunk = await self._queue.get()
-        except RedbatchError:  # (a cancelled wait leaves the stream open: aclose cancels)
+        except RedbatchError:  # (the request is cancelled by the listener, or aclose)
             self.done = True
+            raise
+        except asyncio.CancelledError:  # its reader gave up (a timeout, a task's cancel)
+            self.close_soon()
             raise
         if not chunk.last:
             return chunk if self._chunks else chunk.payload
@@ -149,17 +152,19 @@ class Stream:
             return None
         self.ended = True
         self._client.abandon(self.request_id, BadRequest("the stream was closed"), self.model)
-        task = asyncio.create_task(self._mark_cancelled())
-        self._client._keep_till_close(task)
-        return task
+        return self._client._cancel_soon(self.model, self.request_id, self.deadline_ms)
 
-    async def _mark_cancelled(self) -> None:
+    def __del__(self) -> None:
+        """A stream dropped unfinished (``break`` out of ``async for`` calls no
+        ``aclose``) is cancelled, while its loop runs."""
+        if self.ended or self._queue is None:
+            return
         try:
-            await asyncio.wait_for(self._client.mark_cancelled(
-                self.model, self.request_id, self.deadline_ms), CANCEL_TIMEOUT_S)
-        except (RedbatchError, TimeoutError) as exc:
-            log.warning("could not mark stream %s of model %s cancelled: %s",
-                        self.request_id, self.model, exc or type(exc).__name__)
+            asyncio.get_running_loop()
+        except RuntimeError:  # none here (at exit, another thread): its deadline ends it
+            return
+        with contextlib.suppress(Exception):  # (never raise out of a finalizer)
+            self.close_soon()
 
     async def __aenter__(self) -> Stream:
         return self
