@@ -22,6 +22,7 @@ REDIS_URL: Final = "redis://127.0.0.1:6379/0"  # where Redis is when REDIS_URL i
 SOCKET_TIMEOUT_S: Final = 10.0  # Redis socket timeout: > 1 s above every blocking pop's
 CONNECT_TIMEOUT_S: Final = 2.0  # Redis connect timeout
 PROBE_TIMEOUT_S: Final = 0.8  # a readiness probe answers 503 when Redis takes longer
+GENERATE_MAX_BYTES: Final = 64 << 20  # v2 generate: the chunks of one JSON answer, at most
 REDIS_MAX_CONNECTIONS: Final = 32  # connections in one asyncio client's pool
 MAX_LISTENERS: Final = 1024  # room in a client's pool for its reply listeners' connections
 

@@ -113,6 +113,7 @@ F_STEPS: Final = "steps"  # final timings: the steps the request was in
 F_STREAMING: Final = "streaming"  # a model's meta: its batch function is a generator
 STREAM_GRACE_MS: Final = 2000  # a stream's caller waits this long past its deadline
 STREAM_MAX_BUFFERED: Final = 4096  # chunks a caller may leave unread before it fails
+STREAM_MAX_BUFFERED_BYTES: Final = 32 << 20  # ... and their bytes (on the wire), at most
 # A streaming entry's marker (``request_key``): ``q`` queued, ``s<n>`` once chunks
 # 0..n-1 went out, ``d`` once its final message went out.
 STREAMED_PREFIX: Final = "s"

@@ -23,6 +23,7 @@ class StreamChunk:
     error_code: str = ""
     error_message: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
+    size: int = 0  # its bytes on the wire, as its caller read them (not sent)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {protocol.F_VERSION: protocol.PROTOCOL_VERSION,

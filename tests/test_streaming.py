@@ -21,7 +21,13 @@ from redbatch.api import create_app
 from redbatch.bench.stream import MAX_TOKENS, MIN_TOKENS, NaiveServer, Result, _drive
 from redbatch.codec import Format
 from redbatch.demo import adder
-from redbatch.errors import DeadlineExceeded, InvalidPayload, ModelError, WorkerCrashed
+from redbatch.errors import (
+    DeadlineExceeded,
+    InvalidPayload,
+    ModelError,
+    QueueFull,
+    WorkerCrashed,
+)
 from redbatch.generate import generate_model
 from redbatch.producer.client import Client
 from redbatch.producer.sync import SyncClient
@@ -225,6 +231,46 @@ async def test_http_sse_ndjson_and_v2_generate_stream(
         assert late.status_code == 200  # the failure comes after a chunk: the last event
         assert [e.get("error", {}).get("code") for e in
                 [orjson.loads(x) for x in late.text.splitlines()]] == [None, "model_error"]
+
+
+async def test_a_generate_answer_over_its_byte_limit_is_refused_and_cancelled(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """v2 ``generate`` gathers the chunks in the gateway: past ``GENERATE_MAX_BYTES``
+    (here 2 KB) it answers ``model_error`` naming ``generate_stream``, and the stream
+    is cancelled (before: no limit, 300 MB gathered for one call)."""
+    from redbatch import defaults
+
+    monkeypatch.setattr(defaults, "GENERATE_MAX_BYTES", 2000)
+    start_worker([counter()])
+    await wait_live(redis_url, "counter")
+    async with gateway(redis_url) as http:
+        small = await http.post("/v2/models/counter/generate", json={"n": 3})
+        assert small.status_code == 200 and small.json()["text_output"] == "012"
+        big = await http.post("/v2/models/counter/generate", json={"n": 100_000})
+    assert big.status_code == 500 and "generate_stream" in big.text, big.text
+    assert raw_redis.zcard(protocol.cancelled_key("counter")) == 1
+
+
+def test_a_caller_leaves_a_bounded_number_of_bytes_unread() -> None:
+    """A stream fails on this side once its unread chunks hold more than
+    ``STREAM_MAX_BUFFERED_BYTES`` (before: only their number was bounded, 4,096 chunks
+    of up to 16 MiB each)."""
+    from redbatch.producer.streams import ChunkQueue
+
+    big = protocol.STREAM_MAX_BUFFERED_BYTES // 2 + 1
+
+    async def run() -> None:
+        queue = ChunkQueue("r1", protocol.now_ms() + 10_000)
+        queue.put(StreamChunk("r1", 0, "a", size=big))
+        assert (await queue.get()).payload == "a"  # read: its bytes no longer count
+        queue.put(StreamChunk("r1", 1, "b", size=big))
+        queue.put(StreamChunk("r1", 2, "c", size=big))  # over: the stream fails
+        assert (await queue.get()).payload == "b"
+        with pytest.raises(QueueFull, match="bytes left unread"):
+            await queue.get()
+
+    asyncio.run(run())
 
 
 # --- a worker that dies mid-stream ------------------------------------------------

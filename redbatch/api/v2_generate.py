@@ -14,7 +14,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from redbatch import protocol
+from redbatch import defaults, protocol
 from redbatch.api import body, streaming
 from redbatch.errors import BadRequest, InvalidPayload, ModelError, RedbatchError, UnknownModel
 from redbatch.producer.streams import Stream
@@ -71,9 +71,10 @@ class GenerateApi:
 
     async def generate(self, request: Request) -> Response:
         answer = await self._answer(request, sse=False)
-        chunks = [] if answer.first is None else [answer.first.payload]
+        first = [] if answer.first is None else [answer.first]
         try:
-            chunks += await streaming.unless_gone(_rest(answer.stream), request.receive)
+            chunks = [c.payload for c in first] + await streaming.unless_gone(
+                _rest(answer.stream, sum(c.size for c in first)), request.receive)
         finally:
             answer.stream.close_soon()  # (a stream cut short: its request is cancelled)
         name = request.path_params["name"]
@@ -105,6 +106,16 @@ class GenerateApi:
                                  request.receive)
 
 
-async def _rest(stream: Stream) -> list[Any]:
-    """The payloads of the stream's chunks still to come."""
-    return [chunk.payload async for chunk in stream]
+async def _rest(stream: Stream, size: int) -> list[Any]:
+    """The payloads of the stream's chunks still to come, those before them of
+    ``size`` bytes; ``ModelError`` once they come to over ``GENERATE_MAX_BYTES`` (one
+    JSON answer: the caller is told to stream it instead)."""
+    payloads = []
+    async for chunk in stream:
+        size += chunk.size
+        if size > defaults.GENERATE_MAX_BYTES:
+            raise ModelError(f"the chunks come to over {defaults.GENERATE_MAX_BYTES} "
+                             "bytes, more than one generate answer holds: use "
+                             "generate_stream")
+        payloads.append(chunk.payload)
+    return payloads

@@ -254,7 +254,7 @@ class ReplyListener:
         try:
             wire = codec.decode(raw)
             if isinstance(wire, dict) and protocol.F_SEQ in wire:
-                self._stream_message(wire)
+                self._stream_message(wire, len(raw))
                 return
             reply = protocol.reply_from_wire(wire)
         except Exception as exc:  # a foreign or corrupt reply must not stop the listener
@@ -270,8 +270,9 @@ class ReplyListener:
         for row, outcome in enumerate(packing.split_reply(reply, len(members))):
             self._deliver(packing.row_reply(reply, members[row], outcome))
 
-    def _stream_message(self, wire: dict[str, Any]) -> None:
+    def _stream_message(self, wire: dict[str, Any], size: int) -> None:
         chunk = chunk_from_wire(wire)
+        chunk.size = size
         stream = self._streams.get(chunk.id)
         if chunk.last:  # (a stream counts once, as a reply)
             self.stats.count(chunk.id, answered=stream is not None)

@@ -38,6 +38,7 @@ class ChunkQueue:
         self.deadline_ms = deadline_ms
         self._queue: asyncio.Queue[StreamChunk | BaseException] = asyncio.Queue()
         self._expect = 0
+        self._bytes = 0  # of the chunks unread
         self.duplicates = 0
         self.closed = False  # its final message (or error) is in
 
@@ -49,11 +50,14 @@ class ChunkQueue:
             self.fail(RedbatchError(f"stream {self.request_id}: chunk {chunk.seq} came "
                                     f"where {self._expect} was due"))
             return
-        if self._queue.qsize() >= protocol.STREAM_MAX_BUFFERED:
+        if self._queue.qsize() >= protocol.STREAM_MAX_BUFFERED or \
+                self._bytes + chunk.size > protocol.STREAM_MAX_BUFFERED_BYTES:
             self.fail(QueueFull(f"stream {self.request_id}: over "
-                                f"{protocol.STREAM_MAX_BUFFERED} chunks left unread"))
+                                f"{protocol.STREAM_MAX_BUFFERED} chunks or "
+                                f"{protocol.STREAM_MAX_BUFFERED_BYTES} bytes left unread"))
             return
         self._expect += 1
+        self._bytes += chunk.size
         self.closed = chunk.last
         self._queue.put_nowait(chunk)
 
@@ -74,6 +78,7 @@ class ChunkQueue:
                                    "deadline") from None
         if isinstance(item, BaseException):
             raise item
+        self._bytes -= item.size
         return item
 
 
