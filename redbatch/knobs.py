@@ -290,7 +290,35 @@ async def configure(redis: aioredis.Redis, model: str, changes: Mapping[str, Any
     check_buckets(values.get("buckets"), base.get("buckets"))
     check_sub_queues(values.get("sub_queues"), base["streaming"])
     await _store(redis, model, checked, reset)
+    before = effective(base, stored).get("sub_queues", 1)
+    if values.get("sub_queues", 1) < before:
+        await _notice_shrink(redis, model, before)
     return {"overrides": overrides, "effective": values}
+
+
+async def _notice_shrink(redis: aioredis.Redis, model: str, before: int) -> None:
+    """``sub_queues`` went down from ``before``: a notice every worker drains by
+    (``sub_queues_shrunk_key``, at the most S of the notices still live), and the
+    queue depths count those sub-queues meanwhile (``sub_queues_draining_key``, as a
+    draining worker's beat writes it)."""
+    notice, draining = protocol.sub_queues_shrunk_key(model), \
+        protocol.sub_queues_draining_key(model)
+    held = await redis.mget(notice, draining)
+    counts = [_count_of(raw) for raw in held]
+    high = max(before, *counts)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.set(notice, f"{high}:{protocol.now_ms()}", ex=protocol.SHRUNK_NOTICE_TTL_S)
+        pipe.set(draining, high, ex=protocol.SHRUNK_NOTICE_TTL_S)
+        await pipe.execute()
+
+
+def _count_of(raw: bytes | str | None) -> int:
+    """The sub-queue count a notice or a draining key holds (0: none, or unreadable)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw or "0"
+    try:
+        return min(int(text.split(":")[0]), protocol.MAX_SUB_QUEUES)
+    except ValueError:
+        return 0
 
 
 async def _store(redis: aioredis.Redis, model: str, checked: Mapping[str, Any],

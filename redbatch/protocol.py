@@ -283,6 +283,18 @@ def sub_queues_draining_key(model: str) -> str:
 DRAINING_TTL_BEATS: Final = 2  # a sub_queues_draining count outlives its last beat
 
 
+def sub_queues_shrunk_key(model: str) -> str:
+    """String ``<S>:<epoch ms>``: written when ``sub_queues`` is lowered live (kept at
+    the most of its S while it lasts), the S before; each worker, once per notice,
+    drains the sub-queues up to it (a worker that never saw that S, as after a quick
+    raise and lower, would leave entries a producer pushed there).  Expires after
+    ``SHRUNK_NOTICE_TTL_S``."""
+    return f"{PREFIX}:{{{model}}}:sub_queues_shrunk"
+
+
+SHRUNK_NOTICE_TTL_S: Final = 60
+
+
 def config_key(model: str) -> str:
     """Hash: knob -> JSON value, the model's live overrides of its batching knobs
     (``redbatch config``, ``PATCH /v1/models/{model}/config``); only the knobs someone

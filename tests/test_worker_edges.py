@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 from redbatch import Client, protocol
@@ -271,3 +272,42 @@ async def test_a_reply_of_many_lists_reaches_its_caller(
     await wait_live(redis_url, "boxes")
     async with Client(redis_url) as client:
         assert len(await client.predict("boxes", 1, timeout_s=20)) == pairs
+
+
+async def test_entries_pushed_while_s_was_raised_and_lowered_unseen_are_drained(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """``sub_queues`` raised and lowered between two heartbeats (here with no worker
+    running): producers may have pushed to sub-queues no worker ever claimed from.  The
+    lowering leaves a notice; a worker drains up to it and answers them (before: they
+    waited to their deadlines, uncounted)."""
+    import redis as redis_sync
+    import redis.asyncio as aioredis
+
+    from redbatch import codec, knobs
+    from redbatch.worker.model import Model
+
+    model = Model("flip", fn=lambda xs: [x * 2 for x in xs], policy=BatchPolicy(
+        max_batch_size=8, batch_wait_timeout_s=0.0))
+    raw = redis_sync.Redis.from_url(redis_url)
+    raw.set(protocol.meta_key("flip"), orjson.dumps(model.meta()))  # registered once
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await knobs.configure(client, "flip", {"sub_queues": 4})
+        replies = []
+        for index in (1, 2, 3):  # as a producer that read S = 4
+            tag = protocol.sub_queue_tag("flip", index)
+            reply_to = protocol.reply_key(tag, "t")
+            now = protocol.now_ms()
+            request = protocol.Request(f"r{index}", "flip", now, now + 20_000, reply_to,
+                                       index)
+            raw.rpush(protocol.queue_key(tag), codec.encode(request.to_wire()))
+            replies.append(reply_to)
+        await knobs.configure(client, "flip", {"sub_queues": 1})
+    finally:
+        await client.aclose()
+    start_worker([model])  # it starts at S = 1, and never saw 4
+    for index, reply_to in zip((1, 2, 3), replies, strict=True):
+        got = await asyncio.to_thread(raw.blpop, [reply_to], 10)
+        assert got is not None, f"sub-queue {index} was never drained"
+        assert codec.decode(got[1])[protocol.F_PAYLOAD] == 2 * index
+    raw.close()

@@ -52,6 +52,7 @@ class Beat:
     live: dict[str, list[bytes]] = field(default_factory=dict)  # a sharded model's live ids
     held_aware: dict[str, bool] = field(default_factory=dict)
     live_counts: dict[str, int] = field(default_factory=dict)  # live leases, this one's too
+    shrunk: dict[str, bytes | None] = field(default_factory=dict)  # sub_queues_shrunk_key
 
     def unranked(self) -> frozenset[str]:
         """The models with more live workers than ``RANKED_WORKERS_MAX``: the next beat
@@ -98,7 +99,8 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
             _beat_model(pipe, model, worker_id, fields[model.name], lease_until)
             pipe.zrangebyscore(protocol.workers_key(model.name), "-inf", now, 0, REAP_SCAN)
             pipe.hgetall(protocol.config_key(model.name))
-            scans.append(len(pipe) - 2)
+            pipe.get(protocol.sub_queues_shrunk_key(model.name))
+            scans.append(len(pipe) - 3)
         rows = _version_rows(pipe, models,
                              round(lease_ttl_s * 1000) * protocol.BASE_SETTLE_LEASES)
         live = _live_ids(pipe, [m for m in models if m.name not in unranked], now)
@@ -114,7 +116,8 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
                 {**{m.name: [] for m in models if m.sub_queues > 1 and m.name in unranked},
                  **{name: list(results[i]) for name, i in live.items()}},
                 {name: results[i] == results[i + 1] for name, i in aware.items()},
-                {name: int(results[i]) for name, i in aware.items()})
+                {name: int(results[i]) for name, i in aware.items()},
+                {m.name: results[i + 2] for m, i in zip(models, scans, strict=True)})
 
 
 def _ids(raw: list[bytes]) -> list[str]:

@@ -163,6 +163,7 @@ class Worker:
             self._live[name].update(raw)
         for runner in self.runners:
             runner.claimer.rank(beat.live.get(runner.model.name))
+            runner.notice_shrink(beat.shrunk.get(runner.model.name))
             runner.peers_hold_aware = beat.held_aware.get(runner.model.name, False)
         await self._reap_all(beat.expired)
         if beat.versions and await self._drain.done(redis, beat.versions):

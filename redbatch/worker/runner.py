@@ -189,6 +189,7 @@ class BatchRunner:
         self._busy = False  # the last claim came back full
         self._steady = 0  # entries of the last claim (several in a row: busy too)
         self._held: Held | None = None  # items held over for the next batch (``hold``)
+        self._shrink_seen: bytes | None = None  # the last shrink notice drained by
         # every live worker of the model knows held lists, as the last heartbeat read
         # (``heartbeat.Beat.held_aware``): none before the first
         self.peers_hold_aware = False
@@ -427,6 +428,20 @@ class BatchRunner:
         hold entries of, once more than one (another worker's reaper reads that many)."""
         seen = max(self.claimer.seen, self.model.sub_queues)
         return {protocol.F_SUB_QUEUES_SEEN: seen} if seen > 1 else {}
+
+    def notice_shrink(self, notice: bytes | None) -> None:
+        """Drain the sub-queues up to the S a shrink notice names, once per notice
+        (``sub_queues_shrunk_key``: a producer may have pushed there while this worker
+        never saw that S)."""
+        if notice is None or notice == self._shrink_seen:
+            return
+        self._shrink_seen = notice
+        with contextlib.suppress(ValueError):
+            count = int(notice.split(b":")[0])
+            if self.model.sub_queues < count <= protocol.MAX_SUB_QUEUES:
+                self.claimer.reopen(count - 1)
+                log.info("model=%s drains sub-queues up to %d (lowered from it lately)",
+                         self.model.name, count)
 
     def _resize(self) -> None:
         """The model's ``sub_queues`` changed (live): claim over the new count."""
