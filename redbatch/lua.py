@@ -598,26 +598,32 @@ PRODUCER_SCRIPTS: Final = (ENQUEUE, ENQUEUE_LEVEL, ENQUEUE_OPEN, ENQUEUE_LEVEL_O
 # KEYS[5..]=(multi-level) the queues of the more urgent levels
 # ARGV[1]=marker and context ttl ms  ARGV[2]=context  ARGV[3]=entry  ARGV[4]=queue ttl ms
 # ARGV[5]=the stage's cap, of the entries at this level and above (0 or absent: none)
-# ARGV[6]=this level's own cap (0 or absent: none)
+# ARGV[6]=this level's own cap (0 or absent: none)  ARGV[7]='1': the last key is the
+# stage's closed marker (a version's stage: refused once its drain closed it)
 # A pipeline request enters a stage: deduplicated by its marker, so that a hand-off sent
 # again (its sender died before it could mark it done) is not queued twice; refused
 # (nothing written) while the caps leave no room, as ENQUEUE_LEVEL's.  Returns 1 if it
 # was queued, 0 if it was there already, -2 if its level's cap refused it, -1 if the
-# stage's cap did.
+# stage's cap did, -3 if the stage is closed.
 HANDOFF_SEND: Final = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local last = #KEYS
+if ARGV[7] == '1' then
+  if redis.call('EXISTS', KEYS[last]) == 1 then return -3 end
+  last = last - 1
+end
 local cap, level_cap = tonumber(ARGV[5] or '0'), tonumber(ARGV[6] or '0')
 local own = redis.call('LLEN', KEYS[3])
 if level_cap > 0 and own >= level_cap then return -2 end
 if cap > 0 then
-  for i = 5, #KEYS do own = own + redis.call('LLEN', KEYS[i]) end
+  for i = 5, last do own = own + redis.call('LLEN', KEYS[i]) end
   if own >= cap then return -1 end
 end
 redis.call('SET', KEYS[1], 'q', 'PX', ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
 redis.call('RPUSH', KEYS[3], ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
-if KEYS[4] then
+if last >= 4 then
   if redis.call('EXISTS', KEYS[4]) == 0 then redis.call('RPUSH', KEYS[4], 1) end
   redis.call('PEXPIRE', KEYS[4], ARGV[4])
 end

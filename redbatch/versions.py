@@ -18,7 +18,7 @@ most once a second per model): never once per request."""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
 UNVERSIONED = "1"  # the one version of a model served without versions (v2's "1")
+MAX_WEIGHT = 1e9  # a version's weight: 0..this
 RNG = random.Random()  # the weighted pick's; tests seed it
 
 
@@ -72,34 +73,42 @@ class Table:
         draining whose weight is not 0 (a version registered while another served
         has weight 0 until promoted: ``NEW_ROW``), else the highest not draining
         (numeric order when every version is a number), else None."""
+        return self.latest_of(frozenset())
+
+    def latest_of(self, dead: Collection[str]) -> str | None:
+        """``latest`` among the versions not in ``dead`` (those known to have no live
+        worker)."""
         pinned = self.versions.get(self.pinned_latest or "")
-        if pinned is not None and not pinned.draining:
+        if pinned is not None and not pinned.draining and self.pinned_latest not in dead:
             return self.pinned_latest
-        open_ = [v for v, row in self.versions.items() if not row.draining]
+        open_ = [v for v, row in self.versions.items() if not row.draining and v not in dead]
         promoted = [v for v in open_ if self.versions[v].weight != 0.0] or open_
         return max(promoted, key=_order_key(promoted)) if promoted else None
 
-    def weights(self) -> dict[str, float]:
+    def weights(self, dead: Collection[str] = frozenset()) -> dict[str, float]:
         """The versions that take unpinned traffic and their weights: those with a
-        weight above 0 that are not draining; else latest alone."""
+        weight above 0 that are not draining (nor in ``dead``: known to have no live
+        worker); else latest alone."""
         weighted = {v: row.weight for v, row in self.versions.items()
-                    if row.weight and not row.draining}
+                    if row.weight and not row.draining and v not in dead}
         if weighted:
             return weighted
-        latest = self.latest
+        latest = self.latest_of(dead)
         return {latest: 1.0} if latest is not None else {}
 
-    def pick(self, model: str, rng: random.Random = RNG) -> str:
-        """A version for a request that pins none, by weight."""
-        chosen = self.choose(rng)
+    def pick(self, model: str, rng: random.Random = RNG,
+             dead: Collection[str] = frozenset()) -> str:
+        """A version for a request that pins none, by weight (``dead``: left out)."""
+        chosen = self.choose(rng, dead)
         if chosen is None:
-            raise NoLiveWorkers(f"every version of model {model!r} is draining; "
-                                "retry shortly")
+            raise NoLiveWorkers(f"no version of model {model!r} is open with a live "
+                                "worker; retry shortly")
         return chosen
 
-    def choose(self, rng: random.Random = RNG) -> str | None:
+    def choose(self, rng: random.Random = RNG, dead: Collection[str] = frozenset()
+               ) -> str | None:
         """``pick``'s version, or None when there is none to pick."""
-        weights = self.weights()
+        weights = self.weights(dead)
         if len(weights) <= 1:
             return next(iter(weights), None)
         versions = list(weights)
@@ -201,7 +210,8 @@ def _row(data: Any) -> Version:
     if not isinstance(data, dict):
         return Version()
     weight = data.get("weight")
-    ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight >= 0
+    ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and \
+        0 <= weight <= MAX_WEIGHT  # (as ``check_weight``: an edit by hand past it is none)
     heir = data.get("heir")
     return Version(float(weight) if ok and weight is not None else None,
                    data.get("draining") is True, data.get("base") is True,
@@ -213,9 +223,9 @@ def _row(data: Any) -> Version:
 def check_weight(version: str, weight: Any) -> float:
     """A weight as stored: a number >= 0 (``InvalidKnob`` otherwise)."""
     ok = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-    if not ok or not 0 <= weight <= 1e9:
-        raise InvalidKnob(f"the weight of version {version!r} must be a number 0..1e9, "
-                          f"got {weight!r}")
+    if not ok or not 0 <= weight <= MAX_WEIGHT:
+        raise InvalidKnob(f"the weight of version {version!r} must be a number "
+                          f"0..{MAX_WEIGHT:g}, got {weight!r}")
     return float(weight) + 0.0  # never -0.0
 
 
@@ -286,12 +296,21 @@ def edited(table: Table, model: str, weights: Mapping[str, Any], latest: str | N
     if drain is not None:
         rows[drain] = replace(rows[drain], weight=0.0, draining=True)
     pinned = table.pinned_latest if latest is None else (latest or None)
-    if pinned is not None and rows[pinned].draining:
-        if latest:
-            raise InvalidKnob(f"version {pinned!r} of model {model!r} is draining: it "
-                              "cannot be latest (undrain it first)")
-        pinned = None  # the pinned latest drained: latest is the highest again
-    return Table(rows, pinned)
+    return Table(rows, _pinned(rows, pinned, model, latest))
+
+
+def _pinned(rows: dict[str, Version], pinned: str | None, model: str, latest: str | None
+            ) -> str | None:
+    """The pinned latest after a change: None once its row is gone (a base row whose
+    workers left, an edit by hand) or it drains (latest is the highest again);
+    ``InvalidKnob`` for a change that pins a draining version."""
+    row = rows.get(pinned or "")
+    if row is None or not row.draining:
+        return pinned if row is not None else None
+    if latest:
+        raise InvalidKnob(f"version {pinned!r} of model {model!r} is draining: it "
+                          "cannot be latest (undrain it first)")
+    return None
 
 
 def check_base(model: str) -> None:

@@ -231,6 +231,26 @@ async def test_a_hand_off_sent_twice_is_queued_once(redis_url: str,
     await client.aclose()
 
 
+async def test_a_hand_off_to_a_drained_version_is_refused(redis_url: str,
+                                                          raw_redis: redis.Redis) -> None:
+    """A stage that is a version closed by its drain takes nothing more (503): before,
+    the request waited in a queue no worker would come to, to its deadline."""
+    from redbatch.errors import NoLiveWorkers
+
+    client = redis.asyncio.Redis.from_url(redis_url)
+    link = LeanLink(client)
+    ctx = Context("calc", [], protocol.reply_key("calc", "c1"), protocol.now_ms() + 5000,
+                  protocol.now_ms())
+    assert await handoff.send(link, ONE, "dbl@2", "req-1", 3, ctx)  # open
+    raw_redis.set(protocol.closed_key("dbl@2"), 1)  # drained
+    with pytest.raises(NoLiveWorkers, match="drained"):
+        await handoff.send(link, ONE, "dbl@2", "req-2", 3, ctx)
+    assert raw_redis.llen(protocol.queue_key("dbl@2")) == 1
+    assert await handoff.send(link, ONE, "dbl", "req-3", 3, ctx)  # no version: no marker
+    await link.release()
+    await client.aclose()
+
+
 def dying_movers(monkeypatch: pytest.MonkeyPatch, deaths: int = 3) -> list[int]:
     """The first ``deaths`` mover steps that take records "die" after sending them on
     but before marking them done (their DONE never goes out); leases of 300 ms."""

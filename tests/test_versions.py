@@ -727,3 +727,54 @@ async def test_the_versions_of_a_model_without_versions_and_of_no_model(
                                          for r in doc["versions"]] == [("1", "plainm", 1)]
         resp = await http.get("/v1/models/nosuch/versions")
         assert resp.status_code == 404, resp.text
+
+
+def test_a_pick_leaves_out_the_versions_known_to_have_no_live_worker() -> None:
+    table = Table({"1": Version(50.0), "2": Version(50.0), "3": Version(0.0)})
+    assert {table.choose(random.Random(seed), dead={"2"}) for seed in range(20)} == {"1"}
+    assert table.choose(dead={"1", "2"}) == "3"  # latest of the rest: a canary serves
+    with pytest.raises(NoLiveWorkers, match="no version of model 'vm'"):
+        table.pick("vm", dead={"1", "2", "3"})
+
+
+async def test_a_version_with_a_weight_and_no_live_worker_takes_no_requests(
+        two: Client, redis_url: str, raw_redis: redis.Redis) -> None:
+    """Its share was answered 503 (16 of 40 requests at 50 %) while another version
+    served; a request that pins no version now goes to a version with a live worker."""
+    import orjson
+
+    raw_redis.hset(protocol.versions_key(MODEL), "1", orjson.dumps({"weight": 1.0}))
+    raw_redis.hset(protocol.versions_key(MODEL), "3", orjson.dumps({"weight": 1e6}))
+    await asyncio.sleep(1.1)  # the cached table is stale
+    assert [await two.predict(MODEL, 1, timeout_s=5) for _ in range(10)] == [101] * 10
+    async with gateway(redis_url) as http:
+        statuses = [(await http.post(f"/v1/models/{MODEL}/predict", json={"inputs": 1})
+                     ).status_code for _ in range(10)]
+    assert statuses == [200] * 10
+
+
+def test_a_change_after_the_pinned_latest_lost_its_row_unpins_it() -> None:
+    """A base row pinned as latest whose workers left is dropped from the table: a
+    change then raised ``KeyError`` (a 500 on PATCH, a traceback from the CLI)."""
+    table = Table({"2": Version(5.0)}, pinned_latest="1")
+    assert versions.edited(table, "bm", {"2": 7}, None, None, None) == \
+        Table({"2": Version(7.0)}, None)
+
+
+def test_a_weight_stored_past_the_limit_reads_as_none() -> None:
+    """As a change refuses it: two weights of 1e308 broke the weighted pick (500)."""
+    table = versions.decode({b"1": b'{"weight": 1e308}', b"2": b'{"weight": 1e308}'})
+    assert table.versions["1"].weight is None and table.choose() in {"1", "2"}
+
+
+async def test_a_draining_versions_v2_metadata_stays_readable_and_it_is_not_ready(
+        two: Client, redis_url: str) -> None:
+    """An operator watching a drain reads the version's metadata, config and
+    statistics (they were 503 while it drained); its ``ready`` is 503."""
+    await two.versions(MODEL, drain="2")
+    async with gateway(redis_url) as http:
+        for path in ("", "/config", "/stats"):
+            resp = await http.get(f"/v2/models/vm/versions/2{path}")
+            assert resp.status_code == 200, (path, resp.text)
+        assert (await http.get("/v2/models/vm/versions/2/ready")).status_code == 503
+        assert (await http.get("/v2/models/vm/versions/1/ready")).status_code == 200

@@ -489,20 +489,27 @@ class V2Api:
     async def server(self, request: Request) -> Response:
         return JSONResponse(server_metadata())
 
-    async def _versions(self, request: Request) -> tuple[ModelInfo, list[str] | None]:
+    async def _versions(self, request: Request, open_only: bool = False
+                        ) -> tuple[ModelInfo, list[str] | None]:
         """The info of the path's version (of ``latest`` when it names none), and the
-        model's versions (None: served without versions)."""
+        model's versions (None: served without versions); a draining version's too
+        (its metadata, config and statistics stay readable while it drains), unless
+        ``open_only`` (``NoLiveWorkers`` then)."""
         name, version = path_name(request)
         lookup_ms = protocol.now_ms() + round(1000 * self.gateway.core.config.default_timeout_s)
         table = await self.gateway.client.table(name, lookup_ms)
-        served = table.route(name, table.latest if version is None else version)
+        version = table.latest if version is None else version
+        if version is not None and version in table.versions and not open_only:
+            served = table.served(name, version)
+        else:
+            served = table.route(name, version)
         return await self.gateway.directory.get(served, lookup_ms), table.ordered() or None
 
     async def _model(self, request: Request) -> ModelInfo:
         return (await self._versions(request))[0]
 
     async def _served(self, request: Request) -> ModelInfo:
-        info = await self._model(request)
+        info = (await self._versions(request, open_only=True))[0]
         if not await self.gateway.client.live_workers(info.name):
             raise no_live_workers(info.name)
         return info

@@ -10,7 +10,7 @@ from typing import Any, Final
 from redis.exceptions import NoScriptError
 
 from redbatch import codec, defaults, lua, protocol
-from redbatch.errors import InvalidPayload, QueueFull, RedbatchError
+from redbatch.errors import InvalidPayload, NoLiveWorkers, QueueFull, RedbatchError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.levels import Levels
 from redbatch.pipelines.context import Context
@@ -74,9 +74,11 @@ def send_command(levels: Levels, stage: str, request_id: str, payload: Any, ctx:
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
     entry = stage_entry(stage, request_id, payload, ctx, level)
     level_cap = (levels.cap(level) or 0) if levels.many else 0
-    return Command(lua.HANDOFF_SEND, keys, [ttl_ms, ctx.to_json(), entry,
-                                            protocol.QUEUE_TTL_S * 1000, cap, level_cap],
-                   stage, ctx, request_id, level)
+    args = [ttl_ms, ctx.to_json(), entry, protocol.QUEUE_TTL_S * 1000, cap, level_cap]
+    if protocol.VERSION_SEP in stage:  # a version's stage: refused once drained
+        keys.append(protocol.closed_key(stage))
+        args.append("1")
+    return Command(lua.HANDOFF_SEND, keys, args, stage, ctx, request_id, level)
 
 
 def hop_cap(own: int | None) -> int:
@@ -85,12 +87,16 @@ def hop_cap(own: int | None) -> int:
     return defaults.MAX_QUEUE_LEN if own is None else min(defaults.MAX_QUEUE_LEN, own)
 
 
-REFUSED: Final = (-1, -2)  # HANDOFF_SEND's refusals: the stage's cap, its level's
+REFUSED: Final = (-1, -2, -3)  # HANDOFF_SEND's refusals: the stage's cap, its level's,
+# its drain (a version's stage, closed)
 
 
-def stage_full(command: Command, refused: int) -> QueueFull:
+def stage_full(command: Command, refused: int) -> RedbatchError:
     """The error of a send that its stage refused (``refused``: the script's answer,
     one of ``REFUSED``)."""
+    if refused == -3:
+        return NoLiveWorkers(f"pipeline stage {command.tag!r} is a drained version: "
+                             "nothing serves it")
     if refused == -2:
         return QueueFull(f"queue of pipeline stage {command.tag!r} at priority "
                          f"{command.level} is full (cap {command.args[5]})",

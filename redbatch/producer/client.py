@@ -248,7 +248,27 @@ class Client:
         table = self._admission.table_cached(model) if self._listeners is not None else None
         if table is None:  # stale or not started: read (once for every caller)
             table = await self.table(model, deadline_ms)
-        return table.route(model, version)
+        if version is not None or not table:
+            return table.route(model, version)
+        return await self._pick_live(model, table, deadline_ms)
+
+    async def _pick_live(self, model: str, table: versions.Table, deadline_ms: int | None
+                         ) -> str:
+        """The served name of a version picked by weight among those with a live worker
+        (a version none serves, weighted or latest, would fail its share of the
+        requests): the cached live counts first, then each pick's, read if stale."""
+        dead = self._dead_versions(model, table)
+        while True:
+            version = table.pick(model, dead=dead)
+            served = table.served(model, version)
+            if await self.live_workers(served, deadline_ms):
+                return served
+            dead.add(version)
+
+    def _dead_versions(self, model: str, table: versions.Table) -> set[str]:
+        """The versions whose cached live count is 0 (no I/O; stale ones not known)."""
+        return {v for v in table.versions
+                if self._admission.live_cached(table.served(model, v)) == 0}
 
     async def _served_version(self, name: str, deadline_ms: int | None) -> str:
         """``name`` (``<model>@<version>``), checked against its model's table like a
@@ -269,10 +289,11 @@ class Client:
 
     def cached_pick(self, model: str) -> str | None:
         """The version a request for ``model`` that pins none goes to, picked by weight
-        from the cached table (no I/O): None when the cache is stale, or the model has
-        no versions (the gateway labels its request metrics with it)."""
+        from the cached table (no I/O), leaving out the versions whose cached live count
+        is 0: None when the cache is stale, or the model has no versions (the gateway
+        labels its request metrics with it)."""
         table = self._admission.table_cached(model) if self._listeners is not None else None
-        return table.choose() if table else None
+        return table.choose(dead=self._dead_versions(model, table)) if table else None
 
     def has_versions(self, model: str) -> bool:
         """Whether ``model``'s cached table lists versions (no I/O; False when stale)."""
