@@ -292,15 +292,16 @@ async def configure(redis: aioredis.Redis, model: str, changes: Mapping[str, Any
     await _store(redis, model, checked, reset)
     before = effective(base, stored).get("sub_queues", 1)
     if values.get("sub_queues", 1) < before:
-        await _notice_shrink(redis, model, before)
+        await notice_shrink(redis, model, before)
     return {"overrides": overrides, "effective": values}
 
 
-async def _notice_shrink(redis: aioredis.Redis, model: str, before: int) -> None:
-    """``sub_queues`` went down from ``before``: a notice every worker drains by
-    (``sub_queues_shrunk_key``, at the most S of the notices still live), and the
-    queue depths count those sub-queues meanwhile (``sub_queues_draining_key``, as a
-    draining worker's beat writes it)."""
+async def notice_shrink(redis: aioredis.Redis, model: str, before: int) -> None:
+    """Sub-queues up to ``before`` may hold entries above the count (``sub_queues``
+    went down from it, or a worker returned a batch there): a notice every worker
+    drains by (``sub_queues_shrunk_key``, at the most S of the notices still live), and
+    the queue depths count those sub-queues meanwhile (``sub_queues_draining_key``, as
+    a draining worker's beat writes it)."""
     notice, draining = protocol.sub_queues_shrunk_key(model), \
         protocol.sub_queues_draining_key(model)
     held = await redis.mget(notice, draining)

@@ -412,6 +412,26 @@ async def test_held_items_meet_a_short_deadline(
     assert [r.error_code for r in answered(raw_redis)] == [""] * 12
 
 
+@pytest.mark.parametrize("small", [False, True])
+async def test_the_window_after_a_hold_closes_in_time_for_the_held_items(
+        make_runner: Callable[..., BatchRunner], raw_redis: redis.Redis, small: bool) -> None:
+    """The next batch's window counted only its new entries' deadlines: with
+    ``allow_small_batch`` off it stayed open to a later one's (the held items answered
+    ``deadline_exceeded`` 30 s on), and a window raised live meanwhile outlasted them."""
+    model = Model(MODEL, fn=Recorder(), spec=TOKENS, inline=True, policy=BatchPolicy(
+        max_batch_size=4, batch_wait_timeout_s=0.0, auto_batch=True, allow_small_batch=small))
+    runner = make_runner(model, precise=True)
+    raw_redis.rpush(protocol.queue_key(MODEL), *[entry(n, deadline_in_ms=1500)
+                                                 for n in (10, 100, 10, 100)])
+    await step(runner)
+    assert len(held(raw_redis)) == 4
+    if small:  # a window raised live once they are held
+        LiveKnobs(runner).update({b"batch_wait_timeout_s": b"8"})
+    raw_redis.rpush(protocol.queue_key(MODEL), entry(10, deadline_in_ms=30_000))
+    await step(runner)
+    assert [r.error_code for r in answered(raw_redis)] == [""] * 5
+
+
 # --- older workers of the model (no held lists) ------------------------------------------
 
 async def beat_as(conn: aioredis.Redis, runner: BatchRunner) -> bool:

@@ -311,3 +311,70 @@ async def test_entries_pushed_while_s_was_raised_and_lowered_unseen_are_drained(
         assert got is not None, f"sub-queue {index} was never drained"
         assert codec.decode(got[1])[protocol.F_PAYLOAD] == 2 * index
     raw.close()
+
+
+async def test_cancelled_requests_in_a_stolen_batch_are_skipped(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """A steal from another sub-queue found its cancelled set, then the window's claim
+    reset the flag: the cancelled requests were computed and answered."""
+    import redis as redis_sync
+
+    from redbatch import codec
+    from redbatch.worker.model import Model
+
+    computed: list[int] = []
+
+    def double(xs: list[int]) -> list[int]:
+        computed.extend(xs)
+        return [2 * x for x in xs]
+
+    worker = start_worker([Model("cx", fn=double, sub_queues=2, policy=BatchPolicy(
+        max_batch_size=8, batch_wait_timeout_s=0.0))])
+    await wait_live(redis_url, "cx")
+    await asyncio.sleep(0.5)  # ranked: its home sub-queue known
+    tag = protocol.sub_queue_tag("cx", (worker.runners[0].claimer.home + 1) % 2)
+    raw = redis_sync.Redis.from_url(redis_url)
+    now = protocol.now_ms()
+    raw.zadd(protocol.cancelled_key(tag), {f"c{i}": now + 60_000 for i in range(4)})
+    raw.rpush(protocol.queue_key(tag), *[codec.encode(protocol.Request(
+        f"c{i}", "cx", now, now + 30_000, protocol.reply_key(tag, "t"), i).to_wire())
+        for i in range(4)])
+    for _ in range(100):
+        if raw.llen(protocol.queue_key(tag)) == 0 and not raw.keys(
+                protocol.inflight_key(tag, "*")):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert computed == [] and raw.llen(protocol.reply_key(tag, "t")) == 0
+    raw.close()
+
+
+async def test_a_batch_returned_above_the_count_leaves_a_notice_for_every_worker(
+        redis_url: str) -> None:
+    """A worker stopping while it drained a sub-queue above a lowered count returns its
+    batch there: it drains that sub-queue again itself (``reopen``), but it is leaving,
+    and the others had finished draining: a shrink notice makes them drain it too
+    (before: the entries waited to their deadlines)."""
+    import redis as redis_sync
+    import redis.asyncio as aioredis
+
+    from redbatch import codec
+    from redbatch.worker.reaper import Reaper
+
+    tags = protocol.sub_queue_tags("shr", 3)
+    now = protocol.now_ms()
+    raw = redis_sync.Redis.from_url(redis_url)
+    raw.rpush(protocol.inflight_key(tags[2], "wA"), codec.encode(protocol.Request(
+        "r1", "shr", now, now + 30_000, protocol.reply_key(tags[2], "t"), 1).to_wire()))
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        reaper = Reaper(client, "shr", 3)
+        reaper.tags = lambda: tags  # this worker's view: it drained three
+        reaper.sub_queue_count = lambda: 1  # the count now
+        assert await reaper.reap("wA", force=True) == 1
+    finally:
+        await client.aclose()
+    assert raw.llen(protocol.queue_key(tags[2])) == 1
+    notice = raw.get(protocol.sub_queues_shrunk_key("shr"))
+    assert notice is not None and notice.startswith(b"3:")
+    raw.close()

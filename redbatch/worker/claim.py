@@ -129,6 +129,9 @@ class Claimer:
         self.unblock_guard = protocol.unblock_guard_key(self.tag)
         self.cancels = False  # the cancelled set existed at the last claim: look into it
         self.skipped = 0  # cancelled requests acked without computing
+        # the earliest deadline of items held over for this claim's batch (``hold``):
+        # its window closes in time for them too (set by the runner around the claim)
+        self.held_deadline_ms: int | None = None
         # claims and blocking pops: one connection (``link``: shared by the claimers of
         # one model's sub-queues, which claim one at a time)
         self._link = link or LeanLink(blocking or redis)
@@ -416,7 +419,11 @@ class Claimer:
         holds there too)."""
         if not items:
             return items
-        return await self._claiming(functools.partial(self._windowed, items), size)
+        cancels = self.cancels  # as ``claim_now`` found it: the window's claims add to it
+        try:
+            return await self._claiming(functools.partial(self._windowed, items), size)
+        finally:
+            self.cancels = self.cancels or cancels
 
     def _window_end_ms(self, items: list[bytes], size: int) -> int:
         """The policy's window, closed early by the most urgent request's slack.  A
@@ -429,14 +436,20 @@ class Claimer:
         return self._policy.window_end_ms(oldest_ms, claimed_ms, self._urgent_ms(items, size))
 
     def _urgent_ms(self, items: list[bytes], size: int) -> int | None:
-        """When the batch must run for its most urgent request (of ``items``) to be
-        answered in time: its deadline less the pass time and margins; None if no
-        deadline can be read."""
+        """When the batch must run for its most urgent request (of ``items``, and of
+        the items held over for it) to be answered in time: its deadline less the pass
+        time and margins; None if no deadline can be read."""
         deadlines = [d for d in map(peek_deadline_ms, items) if d is not None]
+        if self.held_deadline_ms is not None:
+            deadlines.append(self.held_deadline_ms)
         if not deadlines:
             return None
+        return self.urgent_by(min(deadlines), size)
+
+    def urgent_by(self, deadline_ms: int, size: int) -> int:
+        """When a batch of ``size`` must run to be answered by ``deadline_ms``."""
         pass_ms = self.pass_ms(size) or 0.0
-        return min(deadlines) - round(WINDOW_SAFETY * pass_ms) - WINDOW_MARGIN_MS
+        return deadline_ms - round(WINDOW_SAFETY * pass_ms) - WINDOW_MARGIN_MS
 
     def _closer(self, window_end_ms: int, new: list[bytes], size: int) -> int:
         """The window after ``new`` joined the batch (an urgent one closes it early; a

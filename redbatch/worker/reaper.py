@@ -43,7 +43,7 @@ from typing import Any, Final
 import orjson
 import redis.asyncio as aioredis
 
-from redbatch import codec, lua, protocol
+from redbatch import codec, knobs, lua, protocol
 from redbatch.errors import InvalidPayload, WorkerCrashed
 from redbatch.levels import ONE, Levels
 from redbatch.logs import utf8
@@ -95,10 +95,19 @@ class Reaper:
         # told the index of each sub-queue it put entries back into (the runner's
         # claimer drains one above the count again: ``ShardClaimer.reopen``)
         self.requeued: Callable[[int], None] = _nobody
+        self.sub_queue_count: Callable[[], int] = lambda: protocol.MAX_SUB_QUEUES
         self.max_attempts = max_attempts
         self.stats = stats
         self.dead_letters = dead_letters
         self._script = redis.register_script(lua.REAP)
+
+    async def _put_back(self, index: int) -> None:
+        """Entries went back into sub-queue ``index``: this worker drains it again if
+        it is at or above the count (``requeued``), and so does every other, by a shrink
+        notice (a worker returning its batch at a stop: the others finished draining)."""
+        self.requeued(index)
+        if index >= self.sub_queue_count():
+            await knobs.notice_shrink(self._redis, self.model, index + 1)
 
     def plan(self, raws: list[bytes], bump: bool, crashing: str | None = None,
              tag: str | None = None, elsewhere: bool = False) -> Plan:
@@ -237,7 +246,7 @@ class Reaper:
             if result < 0:
                 return result
             if plan.requeue:
-                self.requeued(index)
+                await self._put_back(index)
             total += result
             await self._done(worker_id, force, plan, (len(lists[index]), crashing),
                              forget=not force and tags[index] == self.model)

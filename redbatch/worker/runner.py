@@ -183,6 +183,7 @@ class BatchRunner:
                              same_slot=self._same_slot)
         self.reaper.tags = self._tags  # every sub-queue's in-flight list
         self.reaper.requeued = self.claimer.reopen  # entries put back above the count
+        self.reaper.sub_queue_count = lambda: self.claimer.count
         self._unacked = False
         self._claim_count = model.policy.max_batch_size  # entries per claim
         self._rows_per_entry = 1.0  # smoothed over recent claims
@@ -357,8 +358,16 @@ class BatchRunner:
             return await self.claimer.claim(self._claim_count)
         if self._stopping() or self.claimer.high != 1:
             return []
-        wait_s = max(self.model.policy.batch_wait_timeout_s, hold.MIN_WAIT_S)
-        return await self.claimer.claim_from(held.source, self._claim_count, wait_s)
+        source = held.source  # its window (and its wait) closes in time for them too
+        source.held_deadline_ms = min(item.request.deadline_ms for item in held.items)
+        urgent_s = (source.urgent_by(source.held_deadline_ms, self._claim_count)
+                    - protocol.now_ms()) / 1000
+        wait_s = min(max(self.model.policy.batch_wait_timeout_s, hold.MIN_WAIT_S),
+                     max(urgent_s, 0.0))
+        try:
+            return await self.claimer.claim_from(source, self._claim_count, wait_s)
+        finally:
+            source.held_deadline_ms = None
 
     def _decoded(self, raws: list[bytes], held: Held | None) -> Claimed:
         """The claimed batch, decoded, with the items ``held`` over by the one before."""
