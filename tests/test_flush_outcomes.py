@@ -107,9 +107,9 @@ async def test_a_submit_racing_close_fails_typed(raw_redis: redis.Redis,
     gate = asyncio.Event()
     level = client._level
 
-    async def held(model: str, priority: int) -> int:
+    async def held(model: str, priority: int, deadline_ms: int) -> int:
         await gate.wait()  # the request resumes once the close has begun
-        return await level(model, priority)
+        return await level(model, priority, deadline_ms)
 
     client._level = held  # type: ignore[method-assign]
     racing = asyncio.ensure_future(client.submit(MODEL, 1, timeout_s=30, priority=1))

@@ -53,7 +53,9 @@ def test_model_input_walks_deep_bodies_without_recursion() -> None:
     for _ in range(5_000):  # deeper than Python's recursion limit
         inner.append([])
         inner = inner[0]
-    assert model_input({"inputs": deep}, info) is deep
-    inner.append(TAGGED)
-    with pytest.raises(InvalidPayload, match="__tensor__"):
+    with pytest.raises(InvalidPayload, match="deeper than 32"):  # refused, not a crash
         model_input({"inputs": deep}, info)
+    shallow: list[Any] = [[[]] * 3] * 10  # 31 deep at most: taken
+    assert model_input({"inputs": shallow}, info) is shallow
+    with pytest.raises(InvalidPayload, match="__tensor__"):
+        model_input({"inputs": [[[TAGGED]]]}, info)
