@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from redbatch import levels, protocol, versions
+from redbatch import levels, lua, protocol, versions
 from redbatch.errors import InvalidKnob, UnknownModel
 from redbatch.pipelines.definition import meta_stages
 
@@ -301,25 +301,10 @@ async def notice_shrink(redis: aioredis.Redis, model: str, before: int) -> None:
     went down from it, or a worker returned a batch there): a notice every worker
     drains by (``sub_queues_shrunk_key``, at the most S of the notices still live), and
     the queue depths count those sub-queues meanwhile (``sub_queues_draining_key``, as
-    a draining worker's beat writes it)."""
-    notice, draining = protocol.sub_queues_shrunk_key(model), \
-        protocol.sub_queues_draining_key(model)
-    held = await redis.mget(notice, draining)
-    counts = [_count_of(raw) for raw in held]
-    high = max(before, *counts)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.set(notice, f"{high}:{protocol.now_ms()}", ex=protocol.SHRUNK_NOTICE_TTL_S)
-        pipe.set(draining, high, ex=protocol.SHRUNK_NOTICE_TTL_S)
-        await pipe.execute()
-
-
-def _count_of(raw: bytes | str | None) -> int:
-    """The sub-queue count a notice or a draining key holds (0: none, or unreadable)."""
-    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw or "0"
-    try:
-        return min(int(text.split(":")[0]), protocol.MAX_SUB_QUEUES)
-    except ValueError:
-        return 0
+    a draining worker's beat writes it); one script (``lua.NOTICE_SHRINK``)."""
+    keys = [protocol.sub_queues_shrunk_key(model), protocol.sub_queues_draining_key(model)]
+    await redis.register_script(lua.NOTICE_SHRINK)(keys=keys, args=[
+        before, protocol.now_ms(), protocol.SHRUNK_NOTICE_TTL_S, protocol.MAX_SUB_QUEUES])
 
 
 async def _store(redis: aioredis.Redis, model: str, checked: Mapping[str, Any],

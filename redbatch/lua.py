@@ -570,6 +570,24 @@ local held = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 redis.call('SET', KEYS[1], math.max(held, tonumber(ARGV[1])), 'PX', ARGV[2])
 """
 
+# KEYS[1]=the model's sub_queues_shrunk notice  KEYS[2]=its sub_queues_draining count
+# ARGV[1]=the sub-queues that may hold entries  ARGV[2]=now ms  ARGV[3]=ttl s
+# ARGV[4]=the most sub-queues a model may have.
+# A shrink notice (``knobs.notice_shrink``): both keys to the most of ARGV[1] and what
+# they hold (a notice reads ``<S>:<ms>``), the notice with a new time (every worker
+# drains by it once more).  Returns that S.
+NOTICE_SHRINK: Final = """
+local function count(raw)
+  return tonumber(string.match(raw or '', '^(%d+)') or '0') or 0
+end
+local high = math.max(tonumber(ARGV[1]), count(redis.call('GET', KEYS[1])),
+                      count(redis.call('GET', KEYS[2])))
+high = math.min(high, tonumber(ARGV[4]))
+redis.call('SET', KEYS[1], high .. ':' .. ARGV[2], 'EX', ARGV[3])
+redis.call('SET', KEYS[2], high, 'EX', ARGV[3])
+return high
+"""
+
 # KEYS[1]=workers zset  KEYS[2]=worker capacity hash  ARGV[1]=now ms.
 # What the autoscaling gauges need of a model's live workers (read at scrape time, never
 # on the request path), read-only: how many hold a live lease, the sum of their

@@ -274,9 +274,10 @@ def meta_key(model: str) -> str:
 def sub_queues_draining_key(model: str) -> str:
     """String: while workers drain the sub-queues above a model's shrunk count, the
     most sub-queues any of them still claims from (more than the count); queue depths
-    count that many (``levels.level_keys``).  Written by draining workers only, with
-    each heartbeat (``lua.PUBLISH_DRAINING``); expires ``DRAINING_TTL_BEATS``
-    heartbeat intervals after the last one's."""
+    count that many (``levels.level_keys``).  Written by draining workers, with each
+    heartbeat (``lua.PUBLISH_DRAINING``; it expires ``DRAINING_TTL_BEATS`` heartbeat
+    intervals after the last one's), and with a shrink notice (``lua.NOTICE_SHRINK``,
+    for ``SHRUNK_NOTICE_TTL_S`` until a drainer's beat writes it)."""
     return f"{PREFIX}:{{{model}}}:sub_queues_draining"
 
 

@@ -19,6 +19,7 @@ from redbatch.bench import stream as bench_stream
 from redbatch.errors import (
     InvalidPayload,
     ModelError,
+    QueueFull,
     RedbatchError,
     RedisUnavailable,
     WorkerCrashed,
@@ -267,16 +268,20 @@ def test_chunks_buffered_before_the_deadline_are_read_after_it() -> None:
 async def test_closing_a_stream_that_failed_on_the_client_side_cancels_it(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too many chunks left unread: the listener fails the stream here and cancels it
+    in Redis; the reader's error and its ``aclose`` send no second cancel."""
     await _live(start_worker, redis_url, monkeypatch)
+    monkeypatch.setattr(protocol, "STREAM_MAX_BUFFERED", 3)
     async with Client(redis_url) as client:
         stream = client.stream("counter", {"n": 10_000}, 20)
         assert await anext(stream) == "0"
-        assert stream._queue is not None
-        stream._queue.fail(RedbatchError("a failure on the client's side"))
-        with pytest.raises(RedbatchError, match="client's side"):
-            await anext(stream)
-        await stream.aclose()
-        assert raw_redis.zscore(protocol.cancelled_key("counter"), stream.request_id)
+        await _until(lambda: raw_redis.zscore(protocol.cancelled_key("counter"),
+                                              stream.request_id) is not None)
+        with pytest.raises(QueueFull, match="left unread"):
+            while True:
+                await anext(stream)
+        assert stream.ended
+        assert stream.close_soon() is None  # cancelled already: no second cancel
     marker = protocol.request_key("counter", stream.request_id)
     await _until(lambda: raw_redis.get(marker) == b"d")
 
@@ -362,6 +367,8 @@ class StreamsClient:
 
     def __init__(self) -> None:
         self._cancels: set[asyncio.Task[None]] = set()
+        self._redis: Any = object()  # (started)
+        self._loop: Any = None
 
     _cancel_soon = Client._cancel_soon  # the client's own cancel, on the fake's mark
     _mark_cancelled = Client._mark_cancelled

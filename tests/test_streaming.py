@@ -237,7 +237,7 @@ async def test_a_generate_answer_over_its_byte_limit_is_refused_and_cancelled(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """v2 ``generate`` gathers the chunks in the gateway: past ``GENERATE_MAX_BYTES``
-    (here 2 KB) it answers ``model_error`` naming ``generate_stream``, and the stream
+    (here 2 KB) it answers 400 naming ``generate_stream``, and the stream
     is cancelled (before: no limit, 300 MB gathered for one call)."""
     from redbatch import defaults
 
@@ -248,7 +248,7 @@ async def test_a_generate_answer_over_its_byte_limit_is_refused_and_cancelled(
         small = await http.post("/v2/models/counter/generate", json={"n": 3})
         assert small.status_code == 200 and small.json()["text_output"] == "012"
         big = await http.post("/v2/models/counter/generate", json={"n": 100_000})
-    assert big.status_code == 500 and "generate_stream" in big.text, big.text
+    assert big.status_code == 400 and "generate_stream" in big.text, big.text
     assert raw_redis.zcard(protocol.cancelled_key("counter")) == 1
 
 

@@ -34,7 +34,9 @@ from redbatch.errors import (
     BadRequest,
     DeadlineExceeded,
     ModelError,
+    NoLiveWorkers,
     RedbatchError,
+    UnknownModel,
     error_from_code,
 )
 from redbatch.pipelines.definition import meta_stages
@@ -110,7 +112,17 @@ class InferCore:
             plain = version is None and self.client.direct(model)
         if plain:  # its own name; a live worker
             return await self.directory.get(model, lookup_ms)
-        name = await self.client.route(model, version, lookup_ms)
+        if isinstance(version, Picked):  # the gateway's pick, by a table it had cached
+            try:
+                return await self._live_info(await self.client.route(
+                    model, version, lookup_ms), lookup_ms)
+            except (NoLiveWorkers, UnknownModel):
+                version = None  # it cannot serve: picked again, by live workers
+        return await self._live_info(await self.client.route(model, version, lookup_ms),
+                                     lookup_ms)
+
+    async def _live_info(self, name: str, lookup_ms: int) -> ModelInfo:
+        """The info of served name ``name`` once a live worker serves it."""
         info = await self.directory.get(name, lookup_ms)
         if not await self.client.live_workers(name, lookup_ms):
             raise no_live_workers(name)
@@ -164,7 +176,7 @@ class InferCore:
         plain = False
         if not version:  # a plain model has no version to pick (no table read)
             plain = self.client.direct(model)
-            version = None if plain else self.client.cached_pick(model)
+            version = None if plain else picked(self.client.cached_pick(model))
         response = await self.metered(
             model if version is None else protocol.served_name(model, version),
             self._respond(model, scope, receive, version, plain))
@@ -451,6 +463,16 @@ def _number(key: str, text: str) -> int | float:
 
 
 # --- answers --------------------------------------------------------------------
+class Picked(str):
+    """A version the gateway picked, by weight from its cached table, for a request
+    that pinned none (the caller's pin is a plain ``str``): ``served`` picks again, by
+    live workers, when it cannot serve (the table's live counts were stale)."""
+
+
+def picked(version: str | None) -> Picked | None:
+    return None if version is None else Picked(version)
+
+
 def tag_version(response: Response, name: str) -> None:
     """``x-redbatch-version`` on an error answered by a version (``name``: served)."""
     if protocol.VERSION_SEP in name:

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from redbatch import __version__, protocol, versions
 from redbatch.api import body, v2_masked, v2_named, v2_tensors
+from redbatch.api.core import Picked
 from redbatch.api.directory import ModelInfo, probe_deadline_ms
 from redbatch.api.errors import retry_headers, status_of
 from redbatch.api.v2_generate import GenerateApi, path_name
@@ -548,8 +549,8 @@ class V2Api:
         the served name of the version that answers when it is known: a request that
         pins none is pinned here to the version its cached table picks."""
         params, client = request.path_params, self.gateway.client
-        if params.get("version") is None and (picked := client.cached_pick(params["name"])):
-            params["version"] = picked
+        if params.get("version") is None and (pick := client.cached_pick(params["name"])):
+            params["version"] = Picked(pick)  # (``served`` picks again if it cannot serve)
         label = protocol.served_name(params["name"], params.get("version"))
         return await self.gateway.core.metered(label, self._guarded_infer(request))
 

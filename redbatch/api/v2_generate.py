@@ -108,13 +108,13 @@ class GenerateApi:
 
 async def _rest(stream: Stream, size: int) -> list[Any]:
     """The payloads of the stream's chunks still to come, those before them of
-    ``size`` bytes; ``ModelError`` once they come to over ``GENERATE_MAX_BYTES`` (one
-    JSON answer: the caller is told to stream it instead)."""
+    ``size`` bytes; ``BadRequest`` once they come to over ``GENERATE_MAX_BYTES`` (one
+    JSON answer: the caller is told to stream it instead; the model did no wrong)."""
     payloads = []
     async for chunk in stream:
         size += chunk.size
         if size > defaults.GENERATE_MAX_BYTES:
-            raise ModelError(f"the chunks come to over {defaults.GENERATE_MAX_BYTES} "
+            raise BadRequest(f"the chunks come to over {defaults.GENERATE_MAX_BYTES} "
                              "bytes, more than one generate answer holds: use "
                              "generate_stream")
         payloads.append(chunk.payload)

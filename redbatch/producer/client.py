@@ -178,10 +178,13 @@ class Client:
             await self._pipelines.aclose()
 
     def _cancel_soon(self, model: str, request_id: str, deadline_ms: int
-                     ) -> asyncio.Task[None]:
+                     ) -> asyncio.Task[None] | None:
         """Mark a request of ``model`` (its sub-queue) cancelled in Redis, off the
         caller's path: a task bounded by ``CANCEL_TIMEOUT_S`` (an error is logged),
-        which ``close`` waits for before the connection pool closes."""
+        which ``close`` waits for before the connection pool closes; none once the
+        client is closed (its close cancelled what was open)."""
+        if self._redis is None:
+            return None
         loop = asyncio.get_running_loop()  # (before the coroutine: none left unawaited)
         task = loop.create_task(self._mark_cancelled(model, request_id, deadline_ms))
         self._cancels.add(task)

@@ -127,8 +127,8 @@ class Stream:
         assert self._queue is not None
         try:
             chunk = await self._queue.get()
-        except RedbatchError:  # (the request is cancelled by the listener, or aclose)
-            self.done = True
+        except RedbatchError:  # cancelled already (by the listener, a stop, or aclose),
+            self.done = self.ended = True  # or past its deadline: none to cancel
             raise
         except asyncio.CancelledError:  # its reader gave up (a timeout, a task's cancel)
             self.close_soon()
@@ -165,11 +165,11 @@ class Stream:
         if self.ended or self._queue is None:
             return
         try:
-            asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
         except RuntimeError:  # none here (at exit, another thread): its deadline ends it
             return
-        with contextlib.suppress(Exception):  # (never raise out of a finalizer)
-            self.close_soon()
+        if loop is self._client._loop:  # later, not within a collection
+            loop.call_soon(self.close_soon)
 
     async def __aenter__(self) -> Stream:
         return self
