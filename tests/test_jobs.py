@@ -315,3 +315,51 @@ def test_url_of_an_rq_connection() -> None:
         for key in ("host", "port", "db", "username", "password", "path"):
             assert again.get(key) == kwargs.get(key), (url, key)
         conn.close()
+
+
+def test_a_jsonl_line_fails_alone_when_too_deep_or_not_utf8() -> None:
+    """A line nested past the parser's depth raised ``RecursionError`` and lost the
+    whole job; a UTF-16 file was read line by line as guessed encodings (a garbled
+    output marked a success, and a line that does not exist)."""
+    from redbatch.jobs.sources import BadRow, _jsonl_rows
+
+    lines = [b"1\n", b"[" * 100_000 + b"]" * 100_000 + b"\n", b"3\n",
+             '"\u20acuro"\n'.encode("utf-16"), '"caf\u00e9"\n'.encode()]
+    rows = list(_jsonl_rows(iter(lines)))
+    assert rows[0] == 1 and rows[2] == 3 and rows[4] == "caf\u00e9"
+    assert isinstance(rows[1], BadRow) and "invalid JSON" in str(rows[1])
+    assert isinstance(rows[3], BadRow) and "not UTF-8" in str(rows[3])
+    assert list(_jsonl_rows(iter([b'\xef\xbb\xbf"bom"\n']))) == ["bom"]  # UTF-8 with a BOM
+
+
+def test_the_output_is_written_through_a_fresh_file_never_a_planted_link(
+        tmp_path: Path) -> None:
+    """The temporary file had a predictable name (``<output>.tmp-<pid>``): a link
+    planted there made the job write over the file it pointed at."""
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out.jsonl"
+    (tmp_path / f"out.jsonl.tmp-{os.getpid()}").symlink_to(victim)
+    write_output(str(out), [1, 2])
+    assert victim.read_text() == "precious"
+    assert out.read_text() == '{"output": 1}\n{"output": 2}\n' and not out.is_symlink()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask  # as a plain open makes it
+
+
+def test_jobs_that_could_not_run_are_refused_at_submit(raw_redis: redis.Redis) -> None:
+    """An empty queue name (the job waited where no RQ worker looks), a source URL
+    with a password (stored in the job in clear), and chunks past the requests one
+    process may have waiting (every run failed ``QueueFull``)."""
+    from redbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="queue name"):
+        submit_bulk(raw_redis, "inc", [1], queue=" ")
+    with pytest.raises(BadSource, match="user or password"):
+        submit_bulk(raw_redis, "inc", "https://u:pw@example.com/in.jsonl")
+    with pytest.raises(ConfigError, match="at most 10000"):
+        BulkOptions(chunk_size=20_000)
+    assert Queue(BULK_QUEUE, connection=raw_redis).count == 0

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import tempfile
 from typing import IO, Any
 
 import numpy as np
@@ -34,9 +35,12 @@ def to_jsonable(value: Any) -> Any:
 def write_output(path: str, outputs: list[Any]) -> None:
     """Write ``outputs`` (values, or ``ItemError`` for failed items) to ``path``."""
     fmt = file_format(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as out:
+    tmp = ""
+    try:  # a fresh file beside it (O_EXCL: never a link someone planted there)
+        handle, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+                                       prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        os.fchmod(handle, 0o666 & ~_umask())  # (mkstemp's 0600: as a plain open would)
+        with os.fdopen(handle, "wb") as out:
             if fmt == "npy":
                 np.save(out, stack_outputs(outputs), allow_pickle=False)
             else:
@@ -45,8 +49,15 @@ def write_output(path: str, outputs: list[Any]) -> None:
     except (OSError, TypeError, ValueError) as exc:
         raise BadSource(f"cannot write the outputs to {path}: {exc}") from exc
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+        if tmp:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_jsonl(out: IO[bytes], outputs: list[Any]) -> None:

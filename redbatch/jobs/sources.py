@@ -78,6 +78,9 @@ def check_source(source: Any) -> Any:
     if isinstance(source, str | os.PathLike):
         name = os.fspath(source)
         file_format(name)
+        if is_url(name) and "@" in urlsplit(name).netloc:  # (RQ shows a job's arguments)
+            raise BadSource("a source URL may not hold a user or password: they would be "
+                            "stored in the job in clear; use a signed URL")
         return name if is_url(name) else os.path.abspath(os.path.expanduser(name))
     raise BadSource(f"source must be a list, an array, a path or an http(s) URL, not "
                     f"{type(source).__name__}")
@@ -138,12 +141,18 @@ def _jsonl_inputs(path: Path, stack: contextlib.ExitStack) -> Inputs:
 
 
 def _jsonl_rows(lines: Iterator[bytes]) -> Iterator[Any]:
+    """Each non-blank line's value; a line that is not UTF-8 JSON (json.loads of bytes
+    would guess UTF-16 or UTF-32 line by line), or that nests past the parser's depth,
+    fails alone."""
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
-        except ValueError as exc:
+            text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+            yield json.loads(text)
+        except UnicodeDecodeError as exc:
+            yield BadRow(f"line {number}: not UTF-8 ({exc.reason}): a .jsonl file is UTF-8")
+        except (ValueError, RecursionError) as exc:
             yield BadRow(f"line {number}: invalid JSON: {exc}")
 
 

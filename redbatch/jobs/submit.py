@@ -24,6 +24,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 from redbatch import defaults, protocol
+from redbatch.errors import ConfigError
 from redbatch.jobs.errors import UnknownJob
 from redbatch.jobs.progress import META_KEYS
 from redbatch.jobs.sources import check_output, check_source, describe
@@ -53,6 +54,8 @@ def submit_bulk(redis_conn: redis.Redis, model: str, source: Any, *,
     arguments without its passwords, which the RQ worker takes from its own
     ``$REDIS_URL``: ``urls.with_password``)."""
     protocol.check_model_name(model)
+    if not queue.strip():  # (RQ files it under "rq:queue:", where no worker looks)
+        raise ConfigError("the RQ queue name must not be empty")
     source = check_source(source)
     out = check_output(output)
     description = f"redbatch bulk: {model} <- {describe(source)}" + (f" -> {out}" if out else "")

@@ -86,6 +86,11 @@ class BulkOptions:
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.max_inflight_chunks < 1:
             raise ConfigError("chunk_size and max_inflight_chunks must be >= 1")
+        if self.chunk_size * self.max_inflight_chunks > defaults.MAX_WAITERS:
+            raise ConfigError(f"chunk_size x max_inflight_chunks must be at most "
+                              f"{defaults.MAX_WAITERS} (the requests one process may "
+                              f"have waiting), got {self.chunk_size} x "
+                              f"{self.max_inflight_chunks}")
         if self.low_water is not None and self.low_water < 0:
             raise ConfigError("low_water must be >= 0")
         if not all(0 <= value < math.inf for value in (self.max_wait_s,
