@@ -246,3 +246,41 @@ async def test_readiness_asks_of_the_latest_models_first(
         asked = time.monotonic()
         assert (await http.get("/readyz")).status_code == 200
         assert time.monotonic() - asked < 2 * defaults.PROBE_TIMEOUT_S  # (before: 6.5 s)
+
+
+async def test_a_registered_name_that_is_not_utf8_or_long_expired_is_left_out(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    """A name in ``rb:models`` that is not UTF-8 made ``/metrics``, ``/v1/models`` and
+    ``/readyz`` answer 500 (``/readyz`` is the readiness probe); a name whose metadata
+    expired long ago was read at every scrape, and is pruned by a heartbeat."""
+    now = protocol.now_ms()
+    raw_redis.zadd(protocol.MODELS_KEY, {b"\xff\xfe": now + 60_000,
+                                         "ancient": now - 2 * protocol.META_TTL_S * 1000})
+    start_worker([Model("fine", fn=lambda xs: xs)])
+    await wait_live(redis_url, "fine")
+    async with gateway(redis_url) as http:
+        for path in ("/metrics", "/v1/models", "/readyz", "/v2/health/ready"):
+            assert (await http.get(path)).status_code == 200, path
+        names = [m["name"] for m in (await http.get("/v1/models")).json()["models"]]
+    assert names == ["fine"]
+    for _ in range(40):
+        if raw_redis.zscore(protocol.MODELS_KEY, "ancient") is None:
+            break
+        await asyncio.sleep(0.05)
+    assert raw_redis.zscore(protocol.MODELS_KEY, "ancient") is None
+
+
+async def test_v2_stats_and_the_index_leave_out_a_model_whose_keys_cannot_be_read(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    """One model's workers key of another type made every model's statistics (and the
+    repository index) a 503 saying Redis was away."""
+    start_worker([Model("fine", fn=lambda xs: xs)])
+    await wait_live(redis_url, "fine")
+    raw_redis.zadd(protocol.MODELS_KEY, {"ghost": protocol.now_ms()})
+    raw_redis.set(protocol.workers_key("ghost"), "x")
+    async with gateway(redis_url) as http:
+        stats = await http.get("/v2/models/stats")
+        index = await http.post("/v2/repository/index", json={})
+    assert stats.status_code == 200, stats.text
+    assert [s["name"] for s in stats.json()["model_stats"]] == ["fine"]
+    assert index.status_code == 200 and [m["name"] for m in index.json()] == ["fine"]

@@ -17,10 +17,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import redis
 from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from redbatch import batch, defaults
+from redbatch import batch, defaults, protocol
 from redbatch.config import GatewayConfig, from_env
 from redbatch.errors import ConfigError
 from redbatch.worker.process import Worker
@@ -124,6 +125,34 @@ async def test_two_processes_share_the_port_and_one_set_of_counters(
     for child in children:  # one line each at shutdown, with its exit code
         assert re.search(rf"\(pid {child.pid}\) stopped with exit code (0|-15)\b",
                          proc.log()), proc.log()
+
+
+def level_depth(text: str, model: str, level: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "redbatch_queue_depth_level" and \
+                    sample.labels == {"model": model, "level": level}:
+                return sample.value
+    return None
+
+
+@pytest.mark.e2e
+async def test_a_level_gone_shows_no_old_depth_with_several_processes(
+        spawn: Callable[..., Proc], redis_url: str, raw_redis: redis.Redis) -> None:
+    """Each process removed the series of a level gone, but the files the processes
+    share kept its last value: the old backlog showed for ever."""
+    raw_redis.zadd(protocol.MODELS_KEY, {"lv": protocol.now_ms()})
+    raw_redis.set(protocol.meta_key("lv"),
+                  '{"name": "lv", "priority": {"levels": 3, "default": 2}}')
+    raw_redis.rpush(protocol.queue_key("lv", 3), *[b"x"] * 7)
+    proc, base = await asyncio.to_thread(start_gateway, spawn, redis_url)
+    texts = [await scrape(base) for _ in range(6)]  # (each process scrapes some)
+    assert 7.0 in [level_depth(t, "lv", "3") for t in texts]
+    raw_redis.set(protocol.meta_key("lv"), '{"name": "lv"}')  # one level now
+    texts = [await scrape(base) for _ in range(8)]
+    assert level_depth(texts[-1], "lv", "3") in (None, 0.0), texts[-1]
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(30) == 0, proc.log()
 
 
 @pytest.mark.e2e

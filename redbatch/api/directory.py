@@ -153,9 +153,16 @@ class ModelDirectory:
         async with translated(self._settings):
             return await self._model_names()
 
-    async def _model_names(self) -> list[str]:
-        raw: Any = await self._redis.zrange(protocol.MODELS_KEY, 0, -1)
-        return [name.decode() for name in raw]
+    async def _model_names(self, newest_first: bool = False) -> list[str]:
+        """The names a worker registered within ``META_TTL_S`` (an older one's metadata
+        expired: the name is pruned by the heartbeats), oldest heartbeat first; a name
+        that is not UTF-8 (written by something else) is left out."""
+        since = protocol.now_ms() - protocol.META_TTL_S * 1000
+        raw: Any = await (self._redis.zrange(protocol.MODELS_KEY, "+inf", since, desc=True,
+                                             byscore=True)  # (ZRANGE: in the ACL)
+                          if newest_first else
+                          self._redis.zrangebyscore(protocol.MODELS_KEY, since, "+inf"))
+        return [name for name in map(_text, raw) if name is not None]
 
     async def any_live_worker(self) -> bool:
         """Whether a worker of any model holds a live lease, asking of the models with
@@ -165,12 +172,18 @@ class ModelDirectory:
         async with deadline_bound(probe_deadline_ms(), "looking for a live worker"), \
                 translated(self._settings):
             now = protocol.now_ms()
-            raw: Any = await self._redis.zrange(protocol.MODELS_KEY, 0, -1, desc=True)
-            for name in (n.decode() for n in raw):
+            for name in await self._model_names(newest_first=True):
                 with contextlib.suppress(redis.ResponseError):  # (a key of another type)
                     if await self._redis.zcount(protocol.workers_key(name), now, "+inf"):
                         return True
         return False
+
+
+def _text(raw: bytes) -> str | None:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def by_model(names: list[str]) -> dict[str, list[str]]:

@@ -54,7 +54,8 @@ async def _refresh_one(gateway: Gateway, name: str) -> None:
     for level, depth in levels.items():
         metrics.QUEUE_DEPTH_LEVEL.labels(name, level).set(depth)
     for gone in LEVELS_SHOWN.get(name, set()) - set(levels):  # (levels changed)
-        metrics.QUEUE_DEPTH_LEVEL.remove(name, gone)
+        metrics.QUEUE_DEPTH_LEVEL.labels(name, gone).set(0)  # (what several processes
+        metrics.QUEUE_DEPTH_LEVEL.remove(name, gone)  # read: their files keep a value)
     LEVELS_SHOWN[name] = set(levels)
     metrics.LIVE_WORKERS.labels(name).set(rates.live)
     set_scaling(name, sum(depths), rates, gateway.fleet.growth)

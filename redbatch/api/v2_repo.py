@@ -9,9 +9,11 @@ model; they publish no failure counts, so ``fail`` is 0.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -20,6 +22,8 @@ from redbatch.api import body
 from redbatch.errors import BadRequest
 from redbatch.redis_conn import translated
 from redbatch.registry import live_workers
+
+log = logging.getLogger("redbatch.api")
 
 if TYPE_CHECKING:
     from redbatch.api.gateway import Gateway
@@ -89,14 +93,24 @@ class RepositoryApi:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def _workers(self, name: str) -> list[dict[str, Any]]:
+    async def _workers(self, name: str) -> list[dict[str, Any]] | None:
+        """The live workers of ``name``; None (logged) when its keys cannot be read (a
+        key of another type, written by something else: one model, not every one)."""
         async with translated(self.gateway.redis_settings):
-            return await live_workers(self.gateway.redis, name)
+            try:
+                return await live_workers(self.gateway.redis, name)
+            except redis.ResponseError as exc:
+                _unreadable(name, exc)
+                return None
 
-    async def _live(self, name: str) -> int:
+    async def _live(self, name: str) -> int | None:
         async with translated(self.gateway.redis_settings):
-            return int(await self.gateway.redis.zcount(protocol.workers_key(name),
-                                                       protocol.now_ms(), "+inf"))
+            try:
+                return int(await self.gateway.redis.zcount(protocol.workers_key(name),
+                                                           protocol.now_ms(), "+inf"))
+            except redis.ResponseError as exc:
+                _unreadable(name, exc)
+                return None
 
     async def index(self, request: Request) -> Response:
         raw = await body.read_body(dict(request.headers.raw), request.receive,
@@ -105,15 +119,20 @@ class RepositoryApi:
         models = []
         for name in await self.gateway.directory.model_names():
             live = await self._live(name)
-            if live or not ready_only:
+            if live is not None and (live or not ready_only):
                 models.append({**_named(name),
                                "state": "READY" if live else "UNAVAILABLE",
                                "reason": "" if live else "no live worker"})
         return JSONResponse(models)
 
     async def stats(self, request: Request, names: list[str]) -> Response:
-        return JSONResponse({"model_stats": [model_stats(name, await self._workers(name))
-                                             for name in names]})
+        read = [(name, await self._workers(name)) for name in names]
+        return JSONResponse({"model_stats": [model_stats(name, workers)
+                                             for name, workers in read if workers is not None]})
 
     async def all_stats(self, request: Request) -> Response:
         return await self.stats(request, await self.gateway.directory.model_names())
+
+
+def _unreadable(name: str, exc: Exception) -> None:
+    log.warning("model %r left out: its keys in Redis cannot be read (%s)", name, exc)

@@ -107,6 +107,8 @@ async def _beat(redis: aioredis.Redis, models: list[Model], worker_id: str,
         aware = _count_aware(pipe, models, now)
         _publish_draining(pipe, draining)
         pipe.zadd(protocol.MODELS_KEY, {m.name: now for m in models})
+        pipe.zremrangebyscore(protocol.MODELS_KEY, "-inf",  # (their metadata expired)
+                              now - protocol.META_TTL_S * 1000)
         pipe.expire(protocol.MODELS_KEY, protocol.META_TTL_S)
         results = await pipe.execute()
     return Beat({m.name: [w for w in _ids(results[i]) if w != worker_id]
