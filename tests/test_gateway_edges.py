@@ -134,7 +134,7 @@ async def test_one_unreadable_model_freezes_no_other_models_gauges(
         redis_url: str, raw_redis: redis.Redis) -> None:
     """``aaa``'s queue key holds a string and its capacity an infinite rate: ``bbb``'s
     depth still moves, and the scrape answers."""
-    raw_redis.zadd(protocol.MODELS_KEY, {"aaa": 1, "bbb": 2, "ccc": 3})
+    raw_redis.zadd(protocol.MODELS_KEY, dict.fromkeys(("aaa", "bbb", "ccc"), protocol.now_ms()))
     raw_redis.rpush(protocol.queue_key("bbb"), *[b"x"] * 5)
     async with gateway(redis_url) as http:
         assert 'redbatch_queue_depth{model="bbb"} 5.0' in (await http.get("/metrics")).text
@@ -151,7 +151,7 @@ async def test_one_unreadable_model_freezes_no_other_models_gauges(
 async def test_a_models_level_series_go_when_its_levels_do(
         redis_url: str, raw_redis: redis.Redis) -> None:
     """Redeployed with one level, a model kept its old levels' depth series forever."""
-    raw_redis.zadd(protocol.MODELS_KEY, {"lv": 1})
+    raw_redis.zadd(protocol.MODELS_KEY, {"lv": protocol.now_ms()})
     raw_redis.set(protocol.meta_key("lv"),
                   '{"name": "lv", "priority": {"levels": 3, "default": 2}}')
     for level, count in ((1, 4), (3, 7)):
