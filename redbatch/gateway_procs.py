@@ -40,8 +40,11 @@ STOP_GRACE_S = 30.0  # at least; more when requests may wait longer (``max_timeo
 STOP_MARGIN_S = 5.0  # beyond the longest deadline a request in flight may have
 
 
-class _Terminated(Exception):
-    """SIGTERM reached a gateway process: stop cleanly."""
+class _Terminated(BaseException):
+    """SIGTERM reached a gateway process: stop cleanly.  A ``BaseException``, as
+    ``KeyboardInterrupt``: one raised in a task of the event loop (the SIGTERM of a stop
+    that came while the process was still starting) ends the loop, where an
+    ``Exception`` would end that task alone, and the process would go on serving."""
 
 
 def _terminated(signum: int, frame: object) -> None:

@@ -363,3 +363,21 @@ def test_jobs_that_could_not_run_are_refused_at_submit(raw_redis: redis.Redis) -
     with pytest.raises(ConfigError, match="at most 10000"):
         BulkOptions(chunk_size=20_000)
     assert Queue(BULK_QUEUE, connection=raw_redis).count == 0
+
+
+def test_an_output_json_cannot_hold_is_that_items_error_line(tmp_path: Path) -> None:
+    """``{"output": NaN}`` is no JSON: such an item's line says why instead."""
+    out = tmp_path / "out.jsonl"
+    write_output(str(out), [1.5, float("nan"), [1, float("inf")]])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0] == {"output": 1.5}
+    assert [line["error"]["code"] for line in lines[1:]] == ["model_error"] * 2
+
+
+def test_a_missing_output_directory_fails_the_job_before_any_inference(
+        tmp_path: Path) -> None:
+    from redbatch.jobs.tasks import run_bulk
+
+    with pytest.raises(BadSource, match="directory does not exist"):
+        run_bulk("inc", [1, 2], str(tmp_path / "nodir" / "out.jsonl"),
+                 redis_url="redis://127.0.0.1:1/0")  # (never reached: no Redis there)

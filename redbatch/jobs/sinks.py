@@ -64,7 +64,12 @@ def _write_jsonl(out: IO[bytes], outputs: list[Any]) -> None:
     for value in outputs:
         line = ({"error": value.as_dict()} if isinstance(value, ItemError)
                 else {"output": value})
-        out.write(json.dumps(line, default=to_jsonable).encode() + b"\n")
+        try:
+            text = json.dumps(line, default=to_jsonable, allow_nan=False)
+        except ValueError:  # NaN or inf: no JSON holds it; the line says so
+            text = json.dumps({"error": ItemError(
+                "model_error", "the output holds NaN or inf, which JSON cannot").as_dict()})
+        out.write(text.encode() + b"\n")
 
 
 def stack_outputs(outputs: list[Any]) -> np.ndarray[Any, Any]:

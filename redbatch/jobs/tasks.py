@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -56,7 +57,7 @@ from redbatch.errors import (
     RedbatchError,
     RedisUnavailable,
 )
-from redbatch.jobs.errors import BulkJobFailed, ItemError
+from redbatch.jobs.errors import BadSource, BulkJobFailed, ItemError
 from redbatch.jobs.progress import Progress
 from redbatch.jobs.sinks import write_output
 from redbatch.jobs.sources import BadRow, check_output, open_source
@@ -117,6 +118,9 @@ def run_bulk(model: str, source: Any, output: str | None = None, *,
     protocol.check_model_name(model)
     opts = options or BulkOptions()
     out_path = check_output(output)
+    if out_path is not None and not os.path.isdir(os.path.dirname(out_path)):
+        raise BadSource(f"cannot write the outputs to {out_path}: its directory does not "
+                        "exist here (checked before any inference)")
     job = get_current_job()
     url = with_password(redis_url) or (url_of(job.connection) if job is not None else None)
     with open_source(source) as inputs:
