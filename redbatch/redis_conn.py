@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar, cast
 
@@ -275,6 +275,23 @@ async def drop_idle(client: aioredis.Redis) -> None:
         return
     with contextlib.suppress(Exception):
         await client.connection_pool.disconnect(inuse_connections=False)
+
+
+async def add_by_deadline(client: aioredis.Redis, key: str, deadlines: Mapping[str, int],
+                          keep: int) -> None:
+    """Add request ids (-> their deadlines, epoch ms) to the sorted set ``key``, in one
+    MULTI: the ids past their deadlines go, at most ``keep`` (the latest) stay, and the
+    set expires with its latest deadline plus the marker grace (a cancelled set, a
+    suspects set)."""
+    now = protocol.now_ms()
+    ttl_ms = protocol.marker_ttl_ms(max(deadlines.values()), now)
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.zremrangebyscore(key, "-inf", now)
+        pipe.zadd(key, dict(deadlines))
+        pipe.zremrangebyrank(key, 0, -keep - 1)
+        pipe.pexpire(key, ttl_ms, nx=True)  # a new set: expires with its latest deadline
+        pipe.pexpire(key, ttl_ms, gt=True)  # else only ever later
+        await pipe.execute()
 
 
 async def idempotent(client: aioredis.Redis, call: Callable[[], Awaitable[T]]) -> T:

@@ -419,12 +419,18 @@ def _listed(obj: Any) -> Any:
     raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
+def answer_head(info: ModelInfo, request_id: str | None) -> dict[str, Any]:
+    """An infer answer's model name, version and the request's ``id``, if it gave one."""
+    name, version = name_version(info)
+    head: dict[str, Any] = {"model_name": name, "model_version": version}
+    if request_id is not None:
+        head["id"] = request_id
+    return head
+
+
 def _named_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Response:
     """The answer of one input's rows with named outputs, as ``v2_named`` gives it."""
-    name, version = name_version(info)
-    doc: dict[str, Any] = {"model_name": name, "model_version": version}
-    if call.request_id is not None:
-        doc["id"] = call.request_id
+    doc = answer_head(info, call.request_id)
     replies = settle(len(call.tensor), parts)
     try:
         return v2_named.respond(doc, call.outputs, replies, info, _timing_headers(replies),
@@ -446,10 +452,7 @@ def infer_response(info: ModelInfo, call: InferCall, parts: list[Part]) -> Respo
     output: dict[str, Any] = {"name": info.output_name,
                               "datatype": V2_DATATYPES[arr.dtype.name],
                               "shape": list(arr.shape)}
-    name, version = name_version(info)
-    doc: dict[str, Any] = {"model_name": name, "model_version": version}
-    if call.request_id is not None:
-        doc["id"] = call.request_id
+    doc = answer_head(info, call.request_id)
     doc["outputs"] = [output]
     headers = _timing_headers(replies)
     if not call.outputs[info.output_name]:
@@ -590,10 +593,7 @@ class V2Api:
         header, binary = split_body(raw, headers)
         data = body.parse_json(header)
         params = mapping(data.get("parameters"), "'parameters'")
-        name, version = name_version(info)
-        doc: dict[str, Any] = {"model_name": name, "model_version": version}
-        if (request_id := _request_id(data)) is not None:
-            doc["id"] = request_id
+        doc = answer_head(info, _request_id(data))
         arrays = v2_named.input_arrays(data, info, binary)
         chosen = v2_named.chosen_outputs(data, params, info)
         deadline_ms = core.deadline_ms(info, arrived_ms, timeout_s(

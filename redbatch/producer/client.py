@@ -10,7 +10,6 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
-import redis
 import redis.asyncio as aioredis
 
 from redbatch import codec, defaults, knobs, lua, protocol, versions
@@ -30,7 +29,13 @@ from redbatch.producer.plain import PlainModels
 from redbatch.producer.replication import check_replicas
 from redbatch.producer.streams import CANCEL_TIMEOUT_S, ChunkQueue, Stream
 from redbatch.protocol import Request
-from redbatch.redis_conn import async_client, deadline_bound, is_stale, translated
+from redbatch.redis_conn import (
+    add_by_deadline,
+    async_client,
+    deadline_bound,
+    idempotent,
+    translated,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("redbatch.producer")
@@ -359,17 +364,11 @@ class Client:
         sub-queue the request went to, its future's ``tag``).  A request this client
         packed with others into one multi-row entry is computed with its pack (the
         worker sees the pack's id alone); its reply is dropped."""
-        now = protocol.now_ms()
-        if deadline_ms <= now:
+        if deadline_ms <= protocol.now_ms():
             return  # a worker answers an expired request without computing anyway
-        key, ttl_ms = protocol.cancelled_key(model), protocol.marker_ttl_ms(deadline_ms, now)
-        async with translated(self.settings), self.redis.pipeline(transaction=True) as pipe:
-            pipe.zremrangebyscore(key, "-inf", now)
-            pipe.zadd(key, {request_id: deadline_ms})
-            pipe.zremrangebyrank(key, 0, -protocol.CANCELLED_MAX - 1)
-            pipe.pexpire(key, ttl_ms, nx=True)  # a new set: expires with this deadline
-            pipe.pexpire(key, ttl_ms, gt=True)  # else only ever later
-            await pipe.execute()
+        async with translated(self.settings):
+            await add_by_deadline(self.redis, protocol.cancelled_key(model),
+                                  {request_id: deadline_ms}, protocol.CANCELLED_MAX)
 
     def stats(self) -> dict[str, int]:
         """Replies received by this process (over its listeners, stopped ones included),
@@ -665,7 +664,7 @@ class Client:
                     reply_to=listeners.reply_to(pipeline.name), deadline_ms=deadline_ms,
                     trace_id=trace_id, priority=level, fmt=self.fmt, rows=rows,
                     cap=await self._admission.cap(pipeline.first, deadline_ms, cap))
-                await _once_more_if_stale(send)
+                await idempotent(self.redis, send)  # (its marker dedupes a second push)
         except Exception as exc:
             listeners.fail(rid, exc, pipeline.name)
         except BaseException:  # a caller cancelled: its waiter goes too
@@ -769,13 +768,3 @@ def _rows(batch: Any) -> int:
                              f"first dimension, got {type(batch).__name__} of {rows}")
     return rows
 
-
-async def _once_more_if_stale(send: Callable[[], Awaitable[Any]]) -> None:
-    """``send``, once more on a fresh connection if its held one broke (Redis
-    restarted): the request's marker at the stage dedupes a push that went in."""
-    try:
-        await send()
-    except redis.ConnectionError as exc:
-        if not is_stale(exc):
-            raise
-        await send()

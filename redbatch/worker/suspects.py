@@ -19,25 +19,18 @@ from redis.exceptions import ResponseError
 
 from redbatch import protocol
 from redbatch.protocol import Request
+from redbatch.redis_conn import add_by_deadline
 
 log = logging.getLogger("redbatch.worker")
 
 
 async def record(redis: aioredis.Redis, tag: str, requests: Iterable[Request]) -> None:
     """Record ``requests`` as suspects of sub-queue ``tag`` until their deadlines (one
-    MULTI; the set expires with its latest deadline, trimmed as it grows)."""
+    MULTI, ``add_by_deadline``)."""
     marked = {r.id: r.deadline_ms for r in requests}
-    if not marked:
-        return
-    key, now = protocol.suspects_key(tag), protocol.now_ms()
-    ttl_ms = protocol.marker_ttl_ms(max(marked.values()), now)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.zremrangebyscore(key, "-inf", now)
-        pipe.zadd(key, marked)
-        pipe.zremrangebyrank(key, 0, -protocol.SUSPECTS_MAX - 1)
-        pipe.pexpire(key, ttl_ms, nx=True)  # a new set: expires with the latest deadline
-        pipe.pexpire(key, ttl_ms, gt=True)  # else only ever later
-        await pipe.execute()
+    if marked:
+        await add_by_deadline(redis, protocol.suspects_key(tag), marked,
+                              protocol.SUSPECTS_MAX)
 
 
 async def verify(redis: aioredis.Redis, tag: str, requests: Iterable[Request]) -> None:
