@@ -16,6 +16,7 @@ from redbatch.config import (
     GatewayConfig,
     RedisSettings,
     WorkerConfig,
+    check_gateway,
     from_env,
     seconds_flag,
     tls_unverified,
@@ -168,7 +169,9 @@ def cmd_gateway(args: argparse.Namespace, redis: RedisSettings) -> None:
     # uvicorn re-raises the signal that stopped it once it is done: SIGTERM's default
     # action would skip our exit path, so turn it into an exception.
     signal.signal(signal.SIGTERM, _terminated)
-    _serve_gateway(from_env(GatewayConfig, _overrides(args)), redis, _log_level(args))
+    config = from_env(GatewayConfig, _overrides(args))
+    check_gateway(config, redis)
+    _serve_gateway(config, redis, _log_level(args))
 
 
 def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
@@ -189,6 +192,7 @@ def cmd_up(args: argparse.Namespace, redis_url: str | None) -> None:
     try:  # (a bad REDBATCH_* setting stops the embedded Redis too)
         redis = given or RedisSettings.from_env(embedded.url if embedded else None)
         log.info("redis: %s", redis.safe_url)
+        check_gateway(gateway_config, redis)  # (before any worker starts)
         if not stop.is_set():
             _declare_pipelines(args, redis)
             _up(entries, gateway_config, redis, _log_level(args), stop)

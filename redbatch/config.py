@@ -36,10 +36,13 @@ ENCODE_HINT = ("percent-encode special characters in the password (/ as %2F, # a
 
 def redact_url(url: str) -> str:
     """``redis://user:secret@host`` -> ``redis://user:***@host``; a ``password=``
-    query parameter (``unix://`` URLs) and a ``sentinel_password=`` are masked too."""
+    query parameter (``unix://`` URLs) and a ``sentinel_password=`` are masked too, and
+    so is a user named without a password (``redis://secret@host``, where the ``:``
+    before a password was forgotten, is ``redis://***@host``)."""
     parts = urlsplit(url)
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"
+    if parts.password is not None or parts.username:
+        user = f"{parts.username or ''}:" if parts.password is not None else ""
+        netloc = f"{user}***@{parts.netloc.rpartition('@')[2]}"
         url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
     return re.sub(r"(?i)([?&](?:sentinel_)?password=)[^&#]*", r"\1***", url)
 
@@ -182,6 +185,15 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
 MAX_FLAG_S: Final = 86400.0  # a pause or poll interval given as a flag: at most a day
 
 
+def _seconds(name: str, value: float) -> None:
+    """A duration of a setting: finite, above 0 and at most ``MAX_FLAG_S`` (a day); a
+    larger one would overflow a socket's timeout (``OverflowError`` from the OS) or
+    never end."""
+    _positive(name, value)
+    if value > MAX_FLAG_S:
+        raise ConfigError(f"{name} must be at most {MAX_FLAG_S:g} s (a day), got {value!r}")
+
+
 def seconds_flag(text: str) -> float:
     """An argparse ``type`` for a flag in seconds: a number > 0 and at most a day
     (argparse then names the flag in its one-line error, exit 2)."""
@@ -276,8 +288,8 @@ class RedisSettings:
 
     def __post_init__(self) -> None:
         check_redis_url(self.url)
-        _positive("socket_timeout_s", self.socket_timeout_s)
-        _positive("connect_timeout_s", self.connect_timeout_s)
+        _seconds("socket_timeout_s", self.socket_timeout_s)
+        _seconds("connect_timeout_s", self.connect_timeout_s)
 
     @property
     def safe_url(self) -> str:
@@ -296,8 +308,16 @@ class RedisSettings:
     def from_env(cls, url: str | None = None, env: Mapping[str, str] | None = None
                  ) -> RedisSettings:
         env = os.environ if env is None else env
-        base = from_env(cls, {"url": url or env.get("REDIS_URL")}, env)
-        return base
+        own = {k: v for k, v in env.items() if k != f"{ENV_PREFIX}URL"}  # REDIS_URL's alone
+        return from_env(cls, {"url": url or env.get("REDIS_URL")}, own)
+
+
+def _check_address(host: str, port: int) -> None:
+    if not host.strip():  # (an empty one would listen on every interface)
+        raise ConfigError("host must name an interface (127.0.0.1, or 0.0.0.0 for every "
+                          "one), got an empty value")
+    if not 0 < port < 65536:
+        raise ConfigError(f"port must be 1-65535, got {port}")
 
 
 @dataclass(frozen=True)
@@ -325,14 +345,13 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_key", _stripped_key(self.api_key))
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"port must be 1-65535, got {self.port}")
+        _check_address(self.host, self.port)
         if not 1 <= self.gateway_processes <= 64:
             raise ConfigError(f"gateway_processes (--workers, --gateways) must be 1..64, "
                               f"got {self.gateway_processes}")
         for name in ("default_timeout_s", "max_timeout_s", "meta_refresh_s", "block_timeout_s",
                      "header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            _positive(name, getattr(self, name))
+            _seconds(name, getattr(self, name))
         for name in ("max_body_bytes", "max_queue_len", "max_waiters", "max_connections"):
             _positive(name, getattr(self, name))
         if self.max_header_bytes < 1024:
@@ -375,7 +394,7 @@ class WorkerConfig:
         if not 1 <= self.max_attempts <= MAX_ATTEMPT:
             raise ConfigError(f"max_attempts must be 1..{MAX_ATTEMPT}")
         for name in ("block_timeout_s", "heartbeat_interval_s", "lease_ttl_s", "grace_s"):
-            _positive(name, getattr(self, name))
+            _seconds(name, getattr(self, name))
         for name in ("replicas", "threads", "max_failed_starts", "dead_letter_ttl_s",
                      "dead_letter_max_bytes"):
             _at_least_one(name, getattr(self, name))
@@ -384,6 +403,13 @@ class WorkerConfig:
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N[,cuda:M], got "
                               f"{self.device!r}")
+
+
+def check_gateway(config: GatewayConfig, redis: RedisSettings) -> None:
+    """What each gateway process's client checks of its settings, checked once before
+    the port is bound or a process started: one message, not one per process."""
+    check_socket_timeout(redis, config.block_timeout_s)
+    config.replica_wait.check_budget(config.default_timeout_s, redis.socket_timeout_s)
 
 
 def check_socket_timeout(redis: RedisSettings, block_timeout_s: float) -> None:

@@ -172,11 +172,15 @@ def _check_priority(limits: dict[str, Any], where: str) -> None:
 def build(cls: type[T], values: dict[str, Any], where: str) -> T:
     """``cls(**values)`` with each key and type checked, errors prefixed by ``where``."""
     known = {f.name: str(f.type) for f in fields(cls) if f.init}  # type: ignore[arg-type]
+    secret = {f.name for f in fields(cls) if not f.repr}  # type: ignore[arg-type]
     _only(values, set(known), where)
     for key, value in values.items():
         kinds = TYPES.get(known[key], (object,))
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise ConfigError(f"{where}.{key}: must be {known[key]}, got {value!r}")
+            kind = type(value).__name__
+            shown = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}" if key in secret \
+                else repr(value)
+            raise ConfigError(f"{where}.{key}: must be {known[key]}, got {shown}")
     try:
         return cls(**values)
     except ConfigError as exc:

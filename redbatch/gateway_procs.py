@@ -81,9 +81,14 @@ def metrics_dir() -> Iterator[str]:
     """The user's ``PROMETHEUS_MULTIPROC_DIR`` (kept), else a private one (removed)."""
     given = os.environ.get(MULTIPROC_ENV)
     if given:
-        os.makedirs(given, exist_ok=True)
+        try:
+            os.makedirs(given, exist_ok=True)
+            kept = os.listdir(given)
+        except OSError as exc:
+            raise ConfigError(f"{MULTIPROC_ENV}={given}: not a directory this process can "
+                              f"use ({exc.strerror or exc})") from exc
         log.info("prometheus multiprocess dir: %s (from %s)", given, MULTIPROC_ENV)
-        if os.listdir(given):
+        if kept:
             log.warning("%s is not empty: the counts of earlier processes in it show in "
                         "/metrics too (empty it between runs)", MULTIPROC_ENV)
         yield given

@@ -6,6 +6,7 @@ with ``SO_REUSEPORT`` by the parent."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -48,6 +49,12 @@ class GatewayServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+# a host that does not resolve (create_server re-raises getaddrinfo's error as an
+# OSError of its number), or an address of another machine
+NOT_AN_ADDRESS = frozenset({errno.EADDRNOTAVAIL, socket.EAI_NONAME, socket.EAI_AGAIN,
+                            socket.EAI_FAIL, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)})
+
+
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The gateway's listening socket, or a ``ConfigError`` naming the address."""
     try:
@@ -55,8 +62,11 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
                                     reuse_port=reuse_port)
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise ConfigError(f"gateway cannot listen on {host}:{port}: {reason} (another "
-                          "process has the port? pick one with --port)") from exc
+        hint = (f"is {host!r} an address of this machine? pick one with --host"
+                if exc.errno in NOT_AN_ADDRESS
+                else "another process has the port? pick one with --port")
+        raise ConfigError(f"gateway cannot listen on {host}:{port}: {reason} ({hint})"
+                          ) from exc
 
 
 def bind_shared(host: str, port: int, count: int) -> list[socket.socket]:

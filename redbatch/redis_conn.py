@@ -228,9 +228,15 @@ def sync_client(settings: RedisSettings) -> redis.Redis:
                                                  **_options(settings, nodes)))
 
 
+UNAVAILABLE_DETAIL_CHARS = 300  # of redis-py's message (a Sentinel's quotes its client)
+
+
 def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable:
+    detail = str(exc).partition(" : <")[0]  # ("No master found for 'svc' : <Redis(<...)")
+    if len(detail) > UNAVAILABLE_DETAIL_CHARS:
+        detail = detail[:UNAVAILABLE_DETAIL_CHARS] + "..."
     return RedisUnavailable(f"redis at {settings.safe_url} unavailable: {type(exc).__name__}: "
-                            f"{exc}")
+                            f"{detail}")
 
 
 @asynccontextmanager

@@ -22,6 +22,7 @@ import torch
 
 from redbatch import Client, batch
 from redbatch.embedded import start_embedded
+from redbatch.errors import ConfigError
 from redbatch.worker.process import Worker
 from tests.conftest import (
     DEMO_NAMES,
@@ -158,6 +159,22 @@ def run_cli(*args: str, timeout_s: float = 60, **env: str) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
+@pytest.mark.parametrize("env", [
+    {"REDBATCH_SOCKET_TIMEOUT_S": "1.5"},  # not above the blocking timeout by 1 s
+    {"REDBATCH_WAIT_REPLICAS": "1", "REDBATCH_WAIT_TIMEOUT_MS": "9000",
+     "REDBATCH_SOCKET_TIMEOUT_S": "5"},  # a WAIT past the socket's timeout
+])
+def test_gateway_settings_that_do_not_hold_together_fail_once_before_binding(
+        env: dict[str, str]) -> None:
+    port = free_port()
+    result = run_cli("gateway", "--port", str(port), "--workers", "4",
+                     "--redis-url", f"redis://127.0.0.1:{free_port()}/0", **env)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "socket_timeout" in errors[0], result.stderr
+    assert "listening" not in result.stderr and "gateway process" not in result.stderr
+
+
 @pytest.mark.e2e
 def test_a_model_that_never_builds_stops_the_worker(redis_url: str) -> None:
     result = run_cli("worker", "tests.models_broken:broken", "--redis-url", redis_url,
@@ -197,7 +214,16 @@ def test_a_taken_port_is_one_clear_error(redis_url: str) -> None:
         result = run_cli("gateway", "--redis-url", redis_url, "--port", str(port))
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "pick one with --port" in result.stderr
     assert "listening" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("host", ["not a host", "192.0.2.1"])  # (TEST-NET-1: not ours)
+def test_a_host_that_is_not_ours_is_one_clear_error(host: str) -> None:
+    from redbatch.gateway_server import bind
+
+    with pytest.raises(ConfigError, match="pick one with --host"):
+        bind(host, free_port()).close()
 
 
 def test_listening_is_logged_once_the_port_is_bound(spawn: Callable[..., Proc],

@@ -31,10 +31,24 @@ def test_env_vars_and_overrides() -> None:
 @pytest.mark.parametrize("env", [
     {"REDBATCH_PORT": "eighty"}, {"REDBATCH_PORT": "0"}, {"REDBATCH_MAX_BODY_BYTES": "-1"},
     {"REDBATCH_DEFAULT_TIMEOUT_S": "100", "REDBATCH_MAX_TIMEOUT_S": "10"},
+    {"REDBATCH_HOST": ""}, {"REDBATCH_HOST": "  "},  # (else: every interface)
+    {"REDBATCH_KEEP_ALIVE_S": "1e10"}, {"REDBATCH_BLOCK_TIMEOUT_S": "1e300"},
 ])
 def test_bad_gateway_values_fail_loudly(env: dict[str, str]) -> None:
     with pytest.raises(ConfigError):
         from_env(GatewayConfig, None, env)
+
+
+@pytest.mark.parametrize("name", ["REDBATCH_SOCKET_TIMEOUT_S", "REDBATCH_CONNECT_TIMEOUT_S"])
+def test_a_redis_timeout_past_a_day_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="at most 86400 s"):  # (else: OverflowError later)
+        RedisSettings.from_env("redis://127.0.0.1:6379/0", env={name: "1e10"})
+
+
+def test_only_redis_url_names_the_redis() -> None:
+    settings = RedisSettings.from_env(env={"REDBATCH_URL": "redis://10.9.9.9:6379/0"})
+    assert settings.url == "redis://127.0.0.1:6379/0"  # (the default: REDIS_URL unset)
+    assert RedisSettings.from_env(env={"REDIS_URL": "redis://h:1/0"}).url == "redis://h:1/0"
 
 
 def test_error_names_the_variable() -> None:
@@ -44,6 +58,7 @@ def test_error_names_the_variable() -> None:
 
 @pytest.mark.parametrize("kwargs", [
     {"replicas": 0}, {"device": "tpu"}, {"lease_ttl_s": 1.0, "heartbeat_interval_s": 1.0},
+    {"grace_s": 1e12},
 ])
 def test_bad_worker_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
@@ -55,6 +70,8 @@ def test_password_never_in_repr_or_logs(caplog: pytest.LogCaptureFixture) -> Non
     assert "hunter2" not in repr(settings)
     assert settings.safe_url == "redis://user:***@db.example:6380/1"
     assert redact_url("redis://localhost:6379") == "redis://localhost:6379"
+    # a password whose ':' was forgotten reads as a user name: masked all the same
+    assert redact_url("redis://hunter2@db.example:6380/1") == "redis://***@db.example:6380/1"
     with caplog.at_level(logging.INFO):
         logging.getLogger("t").info("redis: %s", settings)
     assert "hunter2" not in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import pytest
 
 from redbatch import configfile
 from redbatch.errors import ConfigError
-from tests.conftest import Proc, free_port, redbatch_cmd, test_env, wait_http
+from tests.conftest import ROOT, Proc, free_port, redbatch_cmd, test_env, wait_http
 
 GOOD = """
 redis_url = "redis://127.0.0.1:{redis_port}/0"
@@ -90,19 +91,42 @@ def test_a_bad_file_names_the_field(tmp_path: Path, text: str, message: str) -> 
         configfile.load(write(tmp_path, text))
 
 
+@pytest.mark.parametrize("value", ["123456789", "['Hunter2Key']", "{k = 'Hunter2Key'}"])
+def test_a_key_of_the_wrong_type_is_named_without_its_value(tmp_path: Path, value: str) -> None:
+    path = write(tmp_path, f"[gateway]\napi_key = {value}\n[[models]]\ntarget='a:b'")
+    with pytest.raises(ConfigError, match=r"gateway\.api_key: must be str, got an? ") as err:
+        configfile.load(path)
+    assert "123456789" not in str(err.value) and "Hunter2Key" not in str(err.value)
+
+
+def documented_file(redis_port: int | None, port: int) -> str:
+    """The example of docs/configuration.md ("One file for everything"), on this
+    test's Redis and port."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    example = re.search(r"## One file for everything.*?```toml\n(.*?)```", text, re.S)
+    assert example, "docs/configuration.md lost its example file"
+    body = re.sub(r'(?m)^redis_url = "[^"]*"', f'redis_url = "redis://127.0.0.1:{redis_port}/0"',
+                  example.group(1))
+    return re.sub(r"(?m)^port = \d+", f"port = {port}", body)
+
+
 @pytest.mark.e2e
-def test_up_runs_the_file(spawn: Callable[..., Proc], redis_url: str, tmp_path: Path) -> None:
+def test_up_runs_the_documented_file(spawn: Callable[..., Proc], redis_url: str,
+                                     tmp_path: Path) -> None:
     port, redis_port = free_port(), urlsplit(redis_url).port
-    path = write(tmp_path, GOOD.format(redis_port=redis_port, port=port))
+    path = write(tmp_path, documented_file(redis_port, port))
     proc = spawn(redbatch_cmd("up", "-c", str(path)), name="up")
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/readyz", 90, proc)
     assert f"using redis_url of {path}" in proc.log()  # the file's Redis, not an embedded one
     resp = httpx.post(f"{base}/v1/models/adder/predict", json={"inputs": 1}, timeout=30)
     assert resp.json() == {"outputs": 2}
+    resp = httpx.post(f"{base}/v1/models/classify_text/predict", json={"text": "a b c"},
+                      timeout=30)  # the file's pipeline
+    assert resp.status_code == 200 and len(resp.json()["logits"]) == 4, resp.text
     models = {m["name"]: m for m in httpx.get(f"{base}/v1/models", timeout=10).json()["models"]}
-    assert models["mlp"]["policy"]["max_batch_size"] == 4  # the file's batching knobs
-    assert models["mlp"]["limits"] == {"max_queue_len": 1000, "default_timeout_s": 4}
+    assert models["mlp"]["policy"]["max_batch_size"] == 16  # the file's batching knobs
+    assert models["mlp"]["limits"] == {"max_queue_len": 1000, "default_timeout_s": 5}
     assert models["mlp"]["workers"][0]["device"] == "cpu"
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(60) == 0, proc.log()

@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -206,6 +207,11 @@ async def test_redis_down_is_503(redis_server_factory: Callable[[], RedisServer]
         resp = await client.post("/v1/models/vec/predict", json={"x": [1, 2, 3]})
         assert resp.status_code == 503 and error_code(resp) == "redis_unavailable"
         assert resp.headers["retry-after"] == "1"
+        port = str(urlsplit(server.url).port)  # Redis's address stays in the gateway log
+        assert port not in resp.text, resp.text
+        v2 = await client.post("/v2/models/vec/infer", json={"inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [3], "data": [1, 2, 3]}]})
+        assert v2.status_code == 503 and port not in v2.text, v2.text
         assert (await client.get("/readyz")).status_code == 503
         assert (await client.get("/healthz")).status_code == 200
 

@@ -225,3 +225,14 @@ def test_up_runs_several_gateways_beside_the_workers(spawn: Callable[..., Proc],
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running: {alive}"
     assert not path.exists()
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/under-it"])
+def test_a_metrics_dir_that_cannot_be_used_is_a_config_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    from redbatch.gateway_procs import MULTIPROC_ENV, metrics_dir
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path / where))
+    with pytest.raises(ConfigError, match=MULTIPROC_ENV), metrics_dir():
+        pass

@@ -113,3 +113,11 @@ def test_bulk_options_refuse_waits_without_end_and_levels_out_of_range(
     with pytest.raises(ConfigError):
         BulkOptions(**options)  # type: ignore[arg-type]
 
+
+
+def test_a_source_url_that_does_not_parse_is_refused_without_its_password() -> None:
+    from redbatch.jobs.sources import BadSource, check_source
+
+    with pytest.raises(BadSource, match="does not parse") as err:  # (NFKC: urlsplit refuses)
+        check_source("https://alice:s3cret\u2100@data.example.com/in.jsonl")
+    assert "s3cret" not in str(err.value)

@@ -132,3 +132,14 @@ async def test_close_all_closes_every_client_when_one_fails() -> None:
         await close_all(Fake("a", fails=True), Fake("b"), Fake("c"))
     assert sorted(closed) == ["a", "b", "c"]
     await close_all()  # nothing to close
+
+
+def test_an_unavailable_message_leaves_out_redis_pys_client_repr() -> None:
+    from redbatch.redis_conn import unavailable
+
+    settings = RedisSettings("redis+sentinel://127.0.0.1:26379/svc")
+    raised = Exception("No master found for 'svc' : <redis.asyncio.client.Redis("
+                       f"<ConnectionPool({'x' * 1000})>)>")
+    message = str(unavailable(settings, raised))
+    assert message.endswith("unavailable: Exception: No master found for 'svc'"), message
+    assert len(str(unavailable(settings, Exception("y" * 5000)))) < 400

@@ -13,6 +13,7 @@ import pytest
 
 from redbatch import Client, RedisSettings, RedisUnavailable, batch
 from redbatch.config import WorkerConfig
+from redbatch.errors import ConfigError
 from redbatch.worker.process import Worker
 from tests.conftest import RedisServer, free_port
 from tests.test_gateway import _wait_registered, gateway
@@ -54,6 +55,30 @@ async def test_wrong_password_is_a_typed_error_without_the_secret(acl_server: Re
     with pytest.raises(RedisUnavailable) as info:
         await asyncio.wait_for(Client(url, require_workers=False).start(), 10)
     assert SECRET not in str(info.value) and "***" in str(info.value)
+
+
+async def test_a_worker_refused_its_credentials_stops_with_a_config_error(
+        acl_server: RedisServer) -> None:
+    url = f"redis://app:wrong-{SECRET}@127.0.0.1:{acl_server.port}/0"
+    worker = Worker([plus], RedisSettings(url), CONFIG, device="cpu")
+    served: list[bool] = []
+    worker.on_serving = lambda: served.append(True)
+    with pytest.raises(ConfigError, match="refused this worker's credentials") as info:
+        await asyncio.wait_for(worker.run(asyncio.Event()), 10)  # (not retried forever)
+    assert SECRET not in str(info.value) and "***" in str(info.value) and not served
+
+
+async def test_a_worker_stopped_before_it_registers_never_says_it_serves(
+        caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()  # nothing listens: its registration retries until the stop
+    worker = Worker([plus], RedisSettings(f"redis://127.0.0.1:{port}/0"), CONFIG, device="cpu")
+    served: list[bool] = []
+    worker.on_serving = lambda: served.append(True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.5, stop.set)
+    caplog.set_level(logging.INFO, logger="redbatch")
+    await asyncio.wait_for(worker.run(stop), 10)
+    assert not served and "serving" not in caplog.text
 
 
 @pytest.fixture

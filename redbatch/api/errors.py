@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -65,9 +66,26 @@ def retry_headers(exc: errors.RedbatchError, status: int) -> dict[str, str] | No
     return {"Retry-After": str(max(1, math.ceil(retry_s)))}
 
 
+REDIS_DETAIL_EVERY_S = 5.0  # a Redis outage's detail: one log line per this, per process
+_redis_logged_at = [-math.inf]
+
+
+def public_message(exc: errors.RedbatchError) -> str:
+    """What a caller reads of ``exc``: its message, but for ``RedisUnavailable``, whose
+    message names the Redis address, user and options, a fixed one (the detail goes to
+    the gateway log, once per ``REDIS_DETAIL_EVERY_S``)."""
+    if not isinstance(exc, errors.RedisUnavailable):
+        return str(exc)
+    now = time.monotonic()
+    if now - _redis_logged_at[0] >= REDIS_DETAIL_EVERY_S:
+        _redis_logged_at[0] = now
+        log.warning("answering 503 redis_unavailable: %s", exc)
+    return "redis unavailable; see the gateway log"
+
+
 def from_exception(exc: errors.RedbatchError) -> JSONResponse:
     status = status_of(exc)
-    return error_response(status, exc.code, str(exc), retry_headers(exc, status))
+    return error_response(status, exc.code, public_message(exc), retry_headers(exc, status))
 
 
 async def on_redbatch_error(request: Request, exc: Exception) -> Response:

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from redbatch import protocol
 from redbatch.api import body
+from redbatch.api.errors import public_message
 from redbatch.errors import BadRequest, ModelError, RedbatchError
 from redbatch.producer.streams import Stream
 from redbatch.stream_wire import StreamChunk
@@ -55,7 +56,7 @@ def v1_shapes(output_name: str) -> tuple[Shape, Final]:
     def final(stream: Stream, error: RedbatchError | None) -> dict[str, Any]:
         event: dict[str, Any] = {"id": stream.request_id, "last": True}
         if error is not None:
-            event["error"] = {"code": error.code, "message": str(error)}
+            event["error"] = {"code": error.code, "message": public_message(error)}
         else:
             event["timings"] = stream.timings
         return event

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from redbatch import defaults, protocol
 from redbatch.api import body, streaming
+from redbatch.api.errors import public_message
 from redbatch.errors import BadRequest, InvalidPayload, ModelError, RedbatchError, UnknownModel
 from redbatch.producer.streams import Stream
 from redbatch.stream_wire import StreamChunk
@@ -40,7 +41,7 @@ def v2_shapes(name: str, version: str = VERSION) -> tuple[streaming.Shape, strea
 
     def final(stream: Stream, error: RedbatchError | None) -> dict[str, Any]:
         if error is not None:
-            return {"error": str(error), "code": error.code}
+            return {"error": public_message(error), "code": error.code}
         return {"model_name": name, "model_version": version, "text_output": "",
                 "last": True, "timings": stream.timings}
 

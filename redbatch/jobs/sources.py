@@ -48,7 +48,11 @@ def is_url(source: object) -> bool:
 
 def file_format(name: str) -> str:
     """``npy`` or ``jsonl`` from a file name or URL path, else ``BadSource``."""
-    suffix = Path(urlsplit(name).path if is_url(name) else name).suffix.lower()
+    try:
+        path = urlsplit(name).path if is_url(name) else name
+    except ValueError:  # (its message quotes the URL's user and password)
+        raise BadSource("the source URL does not parse") from None
+    suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
         raise BadSource(f"{describe(name)}: unknown format {suffix or '(no suffix)'!r}; "
                         f"use one of {sorted(FORMATS)}")

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redbatch import defaults, lua, metrics, protocol, supervised
 from redbatch.checks import worker_warnings
 from redbatch.config import RedisSettings, WorkerConfig, check_socket_timeout
-from redbatch.errors import RedbatchError
+from redbatch.errors import ConfigError, RedbatchError
 from redbatch.pipelines.definition import Pipeline
 from redbatch.pipelines.duty import PipelineDuty, check_declared
 from redbatch.redis_conn import (
@@ -45,6 +45,7 @@ T = TypeVar("T")
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
 BLOCKING_CLUSTER_CONNECTIONS = 4  # per node, for a model's blocking client on a cluster
+AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 LEAVE_TIMEOUT_S = 3.0  # returning the batch at shutdown: Redis gone must not hang the stop
 
 
@@ -61,6 +62,8 @@ async def _keep_going(name: str, step: Callable[[], Awaitable[object]],
                 return
             backoff_s = BACKOFF_START_S
             continue
+        except ConfigError:
+            raise
         except (*REDIS_ERRORS, RedbatchError) as exc:  # Redis down, or a lost lease
             log.warning("%s: %s: %s; retrying in %.2f s", name, type(exc).__name__, exc,
                         backoff_s)
@@ -140,7 +143,12 @@ class Worker:
         """Check the server (warnings logged once), load the scripts and take the lease
         before the first claim."""
         async def checks() -> None:
-            for warning in await worker_warnings(redis):
+            try:
+                warnings = await worker_warnings(redis)
+            except AUTH_ERRORS as exc:  # no retry mends a wrong password or user
+                raise ConfigError(f"redis at {self.redis_settings.safe_url} refused this "
+                                  f"worker's credentials: {str(exc).rstrip('.')}") from exc
+            for warning in warnings:
                 log.warning("%s", warning)
 
         async def first() -> None:
@@ -201,6 +209,8 @@ class Worker:
             await _sleep_or_stop(beating, self.config.heartbeat_interval_s)
 
         await self._register(redis, stop)
+        if stop.is_set():  # stopped before it could register: it never served
+            return True
         tasks = [asyncio.create_task(_keep_going(f"model={r.model.name}",
                                                  functools.partial(r.serve, stop), stop))
                  for r in self.runners]
