@@ -337,6 +337,7 @@ class GatewayConfig:
     max_header_bytes: int = defaults.MAX_HEADER_BYTES
     header_timeout_s: float = defaults.HEADER_TIMEOUT_S
     body_timeout_s: float = defaults.BODY_TIMEOUT_S
+    send_timeout_s: float = defaults.SEND_TIMEOUT_S  # an answer nobody reads: closed after
     keep_alive_s: float = defaults.KEEP_ALIVE_S  # an idle connection is closed after it
     max_connections: int = defaults.GATEWAY_MAX_CONNECTIONS
     gateway_processes: int = defaults.GATEWAY_PROCESSES  # sharing the port (gateway_procs)
@@ -350,7 +351,7 @@ class GatewayConfig:
             raise ConfigError(f"gateway_processes (--workers, --gateways) must be 1..64, "
                               f"got {self.gateway_processes}")
         for name in ("default_timeout_s", "max_timeout_s", "meta_refresh_s", "block_timeout_s",
-                     "header_timeout_s", "body_timeout_s", "keep_alive_s"):
+                     "header_timeout_s", "body_timeout_s", "send_timeout_s", "keep_alive_s"):
             _seconds(name, getattr(self, name))
         for name in ("max_body_bytes", "max_queue_len", "max_waiters", "max_connections"):
             _positive(name, getattr(self, name))

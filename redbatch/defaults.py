@@ -43,6 +43,7 @@ API_KEY: Final = ""  # the gateway's API key; empty: no auth
 MAX_HEADER_BYTES: Final = 64 * 1024  # request line and headers limit (431 above)
 HEADER_TIMEOUT_S: Final = 10.0  # a connection whose request head takes longer is closed
 BODY_TIMEOUT_S: Final = 30.0  # a connection whose body takes longer is closed
+SEND_TIMEOUT_S: Final = 30.0  # a client that reads nothing of its answer this long: closed
 # (above the idle timeouts of the clients and proxies in front: httpx 5 s, nginx's
 # upstream 60 s, AWS ALB 60 s; else one may send a request as the gateway closes)
 KEEP_ALIVE_S: Final = 75.0  # an idle keep-alive connection is closed after this long

@@ -34,6 +34,7 @@ GATEWAY = {"host": "HOST", "port": "PORT", "default_timeout_s": "DEFAULT_TIMEOUT
            "meta_refresh_s": "META_REFRESH_S", "block_timeout_s": "BLOCK_TIMEOUT_S",
            "api_key": "API_KEY", "max_header_bytes": "MAX_HEADER_BYTES",
            "header_timeout_s": "HEADER_TIMEOUT_S", "body_timeout_s": "BODY_TIMEOUT_S",
+           "send_timeout_s": "SEND_TIMEOUT_S",
            "keep_alive_s": "KEEP_ALIVE_S",
            "max_connections": "GATEWAY_MAX_CONNECTIONS",
            "gateway_processes": "GATEWAY_PROCESSES", "wait_replicas": "WAIT_REPLICAS",

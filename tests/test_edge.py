@@ -145,6 +145,25 @@ def test_slow_clients_are_closed_while_others_are_served(gateway: Gateway) -> No
     assert answers[25:] == [b""] * 5  # nothing asked, nothing answered: just closed
 
 
+def test_a_client_that_reads_nothing_of_its_answers_is_closed(gateway: Gateway) -> None:
+    port, proc = gateway(REDBATCH_SEND_TIMEOUT_S="1")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        size = len(http.get("/openapi.json").content)
+    count = 300  # answers far past the socket buffers of both ends
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: gw\r\n\r\n" * count)
+        time.sleep(3)  # reads nothing: the gateway's send waits on a full buffer
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            assert http.get("/healthz").status_code == 200  # the others are served
+        got: list[bytes] = []
+        sock.settimeout(20)
+        _read_all(sock, got)  # what the buffers held, then the end: it was closed
+    assert sum(map(len, got)) < count * size / 2, sum(map(len, got))
+    assert "read nothing of its answer for 1 s" in proc.log()
+
+
 @pytest.mark.timeout(120)
 def test_connections_past_the_limit_are_refused(gateway: Gateway) -> None:
     port, _ = gateway(REDBATCH_MAX_CONNECTIONS="4",

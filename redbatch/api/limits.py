@@ -8,7 +8,9 @@ copies) or keep a connection open by sending nothing, or a byte now and then.
 arrive and answers 431 past ``max_header_bytes``, without parsing more than one read
 past the cap; it closes a connection whose head has not arrived within
 ``header_timeout_s`` (a fresh connection that sends nothing included) or whose body has
-not arrived within ``body_timeout_s`` of its head; and it answers 503 to the requests of
+not arrived within ``body_timeout_s`` of its head, or whose client has read nothing of
+its answer for ``send_timeout_s`` (the transport's buffer full: uvicorn's send would wait
+on it for ever); and it answers 503 to the requests of
 a connection opened while ``max_connections`` are open.  A whole request arriving in
 one read (the usual case) costs no timer at all.
 
@@ -91,6 +93,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._discarding = False
         self._refusal_due = False  # a 431 waits for the answer in flight (pipelining)
         self._open: list[RequestResponseCycle] = []  # requests not answered yet
+        self._stall: asyncio.TimerHandle | None = None  # while writing is paused
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's 400 for what its parser refuses, in the gateway's JSON shape."""
@@ -110,6 +113,7 @@ class EdgeProtocol(HttpToolsProtocol):
         gone: with pipelining, the one being answered is an earlier one, which would
         then write to a closed transport (an ERROR) and never see the disconnect."""
         self._cancel()
+        self._unstall()
         for cycle in self._open:
             if not cycle.response_complete:
                 cycle.disconnected = True
@@ -174,6 +178,29 @@ class EdgeProtocol(HttpToolsProtocol):
     def _answering(self) -> bool:
         """Whether a request of this connection is still being answered."""
         return self.cycle is not None and not self.cycle.response_complete
+
+    # sends: an answer that its client does not read (writing paused) for send_timeout_s
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        """The client read nothing for ``send_timeout_s``: drop it (``connection_lost``
+        tells its requests, whose sends return; a stream's worker is cancelled)."""
+        self._stall = None
+        log.info("closing the connection from %s: it read nothing of its answer for %g s",
+                 self.client, self.limits.send_timeout_s)
+        self.transport.abort()
 
     # parser callbacks: track what the connection waits for
     def on_message_begin(self) -> None:
