@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from redbatch.errors import (
         BadRequest,
         BodyTooLarge,
+        ClientDisconnected,
         ConfigError,
         DeadlineExceeded,
         InvalidPayload,
@@ -42,9 +43,9 @@ def _version() -> str:
     except metadata.PackageNotFoundError:  # running from a source tree, not installed
         return "0.0.0+unknown"
 
-_ERRORS = ("BadRequest", "BodyTooLarge", "ConfigError", "DeadlineExceeded", "InvalidPayload",
-           "ModelError", "NoLiveWorkers", "QueueFull", "RedbatchError", "RedisUnavailable",
-           "UnknownModel", "WorkerCrashed")
+_ERRORS = ("BadRequest", "BodyTooLarge", "ClientDisconnected", "ConfigError",
+           "DeadlineExceeded", "InvalidPayload", "ModelError", "NoLiveWorkers", "QueueFull",
+           "RedbatchError", "RedisUnavailable", "UnknownModel", "WorkerCrashed")
 # Where each public name lives: imported on first access only.
 _HOMES: dict[str, str] = {
     **dict.fromkeys(("GatewayConfig", "RedisSettings", "WorkerConfig"), "redbatch.config"),
@@ -81,6 +82,7 @@ __all__ = [
     "BatchPolicy",
     "BodyTooLarge",
     "Client",
+    "ClientDisconnected",
     "ConfigError",
     "DeadlineExceeded",
     "GatewayConfig",

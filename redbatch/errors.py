@@ -63,6 +63,13 @@ class BadRequest(RedbatchError):
     code = "bad_request"
 
 
+class ClientDisconnected(BadRequest):
+    """The HTTP client went away before its answer (counted as ``cancelled``; the
+    request is marked cancelled, so a worker skips it)."""
+
+    code = "client_disconnected"
+
+
 class BodyTooLarge(RedbatchError):
     """An HTTP request body over the gateway's limit."""
 

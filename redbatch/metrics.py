@@ -44,7 +44,8 @@ WASTE_BUCKETS: Final = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0)
 # --- gateway ------------------------------------------------------------------------
 REQUESTS: Final = Counter(
     "redbatch_requests", "Predict requests answered by the gateway, by outcome: ok, "
-    "expired (504), rejected (503: queue full, no workers), invalid (4xx), error (5xx)",
+    "expired (504), rejected (503: queue full, no workers), invalid (4xx), cancelled "
+    "(the client went away first), error (5xx, and Redis unavailable)",
     ["model", "outcome"])
 REQUEST_DURATION: Final = Histogram(
     "redbatch_request_duration_seconds", "End-to-end latency of predict requests at the "
@@ -178,7 +179,7 @@ class GatewayMeters:
         found = self._children.get(model)
         if found is None:
             outcomes = {o: REQUESTS.labels(model, o)
-                        for o in ("ok", "expired", "rejected", "invalid", "error")}
+                        for o in OUTCOMES}
             found = (REQUEST_DURATION.labels(model), INFLIGHT.labels(model), outcomes)
             self._children[model] = found
         return found
@@ -192,8 +193,16 @@ class GatewayMeters:
         return found
 
 
-def outcome_of(status: int) -> str:
-    """The ``outcome`` label of a predict response's HTTP status."""
+OUTCOMES: Final = ("ok", "expired", "rejected", "invalid", "cancelled", "error")
+OUTCOME_OF_CODE: Final = {"redis_unavailable": "error", "client_disconnected": "cancelled"}
+
+
+def outcome_of(status: int, code: str | None = None) -> str:
+    """The ``outcome`` label of a predict response: by its error ``code`` where the
+    status alone misleads (Redis away is no back-pressure; a client gone sent nothing
+    invalid), else by its HTTP status."""
+    if code in OUTCOME_OF_CODE:
+        return OUTCOME_OF_CODE[code]
     if status == 200:
         return "ok"
     if status == 504:

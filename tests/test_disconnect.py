@@ -15,6 +15,7 @@ import orjson
 import pytest
 import redis
 import uvicorn
+from prometheus_client import REGISTRY
 
 from redbatch import GatewayConfig, Model, RedisSettings, batch, protocol
 from redbatch.api import create_app, streaming
@@ -87,16 +88,29 @@ async def test_disconnected_clients_free_their_waiters(start_worker: Callable[..
     try:
         async with served(redis_url, max_waiters=20, default_timeout_s=20) as http:
             await _wait_registered(http)
+            before = {o: outcomes("held", o) for o in ("cancelled", "invalid")}
             writers = [await send_and_leave(http, "held", i) for i in range(20)]
             await until(http, lambda stats: stats["waiting"] == 20)  # the waiters are full
             for writer in writers:
                 writer.close()
             await until(http, lambda stats: stats["waiting"] == 0)  # freed on disconnect
+            for _ in range(250):  # counted as the answers nobody reads are made
+                if outcomes("held", "cancelled") == before["cancelled"] + 20:
+                    break
+                await asyncio.sleep(0.02)
+            assert outcomes("held", "cancelled") == before["cancelled"] + 20
+            assert outcomes("held", "invalid") == before["invalid"]  # they sent nothing bad
             resp = await http.post("/v1/models/echo/predict", json={"inputs": 7})
             assert resp.status_code == 200, resp.text  # not 503 max_waiters
             assert (await http.get("/v1/stats")).json()["waiting"] == 0
     finally:
         release.set()
+
+
+def outcomes(model: str, outcome: str) -> float:
+    found = REGISTRY.get_sample_value("redbatch_requests_total",
+                                      {"model": model, "outcome": outcome})
+    return found or 0.0
 
 
 async def until(http: httpx.AsyncClient, done: Callable[[dict[str, int]], bool],

@@ -12,9 +12,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 from starlette.applications import Starlette
 
-from redbatch import GatewayConfig, Model, RedisSettings, TensorSpec, batch
+from redbatch import GatewayConfig, Model, RedisSettings, TensorSpec, batch, metrics
 from redbatch.api import create_app
 from redbatch.worker.process import Worker
 from tests.conftest import RedisServer
@@ -200,13 +201,22 @@ async def test_readyz_without_workers_is_503(redis_url: str) -> None:
     assert resp.status_code == 503 and error_code(resp) == "no_workers"
 
 
+def _unknown_outcomes(outcome: str) -> float:
+    found = REGISTRY.get_sample_value("redbatch_requests_total",
+                                      {"model": metrics.UNKNOWN_MODEL, "outcome": outcome})
+    return found or 0.0
+
+
 async def test_redis_down_is_503(redis_server_factory: Callable[[], RedisServer]) -> None:
     server = redis_server_factory()
+    counted = {o: _unknown_outcomes(o) for o in ("error", "rejected")}
     async with gateway(server.url) as client:
         server.kill()
         resp = await client.post("/v1/models/vec/predict", json={"x": [1, 2, 3]})
         assert resp.status_code == 503 and error_code(resp) == "redis_unavailable"
         assert resp.headers["retry-after"] == "1"
+        assert {o: _unknown_outcomes(o) for o in counted} == {  # Redis away: no back-
+            "error": counted["error"] + 1, "rejected": counted["rejected"]}  # pressure
         port = str(urlsplit(server.url).port)  # Redis's address stays in the gateway log
         assert port not in resp.text, resp.text
         v2 = await client.post("/v2/models/vec/infer", json={"inputs": [

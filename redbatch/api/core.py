@@ -32,6 +32,7 @@ from redbatch.api.errors import error_response, from_exception
 from redbatch.config import GatewayConfig
 from redbatch.errors import (
     BadRequest,
+    ClientDisconnected,
     DeadlineExceeded,
     ModelError,
     NoLiveWorkers,
@@ -301,7 +302,8 @@ class InferCore:
         if label != model:  # a name that may have become known meanwhile: labelled anew
             label = self._label(model)
             duration, _, outcomes = self.meters.get(label)
-        outcomes[metrics.outcome_of(response.status_code)].inc()
+        outcomes[metrics.outcome_of(response.status_code, getattr(response, "code", None))
+                 ].inc()
         if isinstance(response, streaming.StreamAnswer):
             self.meters.first_chunk(label).observe(time.perf_counter() - started)
             response.on_end = functools.partial(_ended, inflight, duration, started)
@@ -346,7 +348,7 @@ class InferCore:
         if message["type"] != "http.disconnect" or pending.future.done():
             return
         self.client.abandon(pending.request_id,
-                            BadRequest("the client disconnected before the reply"),
+                            ClientDisconnected("the client disconnected before the reply"),
                             pending.model)
         task = asyncio.create_task(self._mark_cancelled(pending))  # this one ends now
         self._watchers.add(task)

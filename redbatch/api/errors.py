@@ -32,10 +32,18 @@ STATUS[errors.BodyTooLarge] = 413
 STATUS[errors.UnsupportedMediaType] = 415
 
 
+class ErrorResponse(JSONResponse):
+    """A JSON error answer that keeps its error ``code`` (the outcome metric reads it)."""
+
+    def __init__(self, content: object, status: int, code: str,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, status_code=status, headers=headers)
+        self.code = code
+
+
 def error_response(status: int, code: str, message: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
-                        headers=headers)
+    return ErrorResponse({"error": {"code": code, "message": message}}, status, code, headers)
 
 
 def is_v2(path: str) -> bool:
@@ -48,8 +56,8 @@ def error_for(path: str, status: int, code: str, message: str,
     """The error in the shape of the API ``path`` belongs to: v2's ``{"error": message}``
     (tritonclient reads a string there), else v1's ``{"error": {"code", "message"}}``."""
     if is_v2(path):
-        return JSONResponse({"error": message}, status_code=status,
-                            headers={"x-redbatch-error-code": code, **(headers or {})})
+        return ErrorResponse({"error": message}, status, code,
+                             {"x-redbatch-error-code": code, **(headers or {})})
     return error_response(status, code, message, headers)
 
 
