@@ -158,6 +158,65 @@ async def test_stacked_inputs_with_a_free_dimension_and_no_max_len_pass_by_shape
     assert stats.passes == 3 and stats.pass_items == 8
 
 
+class RowSums:
+    """A torch module that records the shape of each pass."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def to(self, device: str) -> RowSums:
+        return self
+
+    def eval(self) -> RowSums:
+        return self
+
+    def __call__(self, batch: Any) -> Any:
+        self.shapes.append(tuple(batch.shape))
+        return batch.sum(dim=1)
+
+
+async def test_a_torch_model_with_a_free_dimension_passes_by_shape(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """``torch_model`` with a free dimension and no max_len: one pass per shape, not a
+    failed stack of them all bisected down to passes of one."""
+    module = RowSums()
+    policy = BatchPolicy(max_batch_size=16, batch_wait_timeout_s=0.3)
+    start_worker([torch_model("tshapes", lambda: module, TensorSpec("float32", (None,)),
+                              policy)])
+    await wait_live(redis_url, "tshapes")
+    lengths = (1, 2, 3, 4, 1, 2, 3, 4)
+    async with Client(redis_url) as client:  # one request each, in one batch window
+        outputs = await asyncio.gather(*(client.predict("tshapes", [1.0] * n, timeout_s=20)
+                                         for n in lengths))
+    assert outputs == [float(n) for n in lengths]
+    assert sorted(module.shapes) == [(2, 1), (2, 2), (2, 3), (2, 4)]
+
+
+async def test_an_unpadded_named_input_beside_a_padded_one_splits_a_bucket_by_its_shape(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """``ids`` (max_len: padded to its bucket) beside ``feat`` (a free dimension, no
+    max_len: never padded): a bucket runs one pass per shape of ``feat``, not a failed
+    stack bisected down to passes of one."""
+    calls: list[dict[str, tuple[int, ...]]] = []
+
+    def fn(arg: tuple[dict[str, Any], Any]) -> dict[str, Any]:
+        batch, lengths = arg
+        calls.append({k: v.shape for k, v in batch.items()})
+        return {"n": lengths, "f": batch["feat"].sum(axis=1)}
+
+    start_worker([Model("mixed", fn=fn, stack=True, outputs=["n", "f"],
+                        policy=BatchPolicy(max_batch_size=8, batch_wait_timeout_s=0.3),
+                        inputs={"ids": TensorSpec("int64", (None,), max_len=16),
+                                "feat": TensorSpec("float32", (None,))})])
+    await wait_live(redis_url, "mixed")
+    feats = (1, 2, 1, 2)
+    async with Client(redis_url) as client:
+        outputs = await asyncio.gather(*(client.predict(
+            "mixed", {"ids": [1, 2, 3], "feat": [1.0] * k}, timeout_s=20) for k in feats))
+    assert outputs == [{"n": 3, "f": float(k)} for k in feats]
+    assert sorted(c["feat"] for c in calls) == [(2, 1), (2, 2)], calls
+
+
 def lengths_of(batch: dict[str, Any]) -> dict[str, list[Any]]:
     return {"n": [len(row) for row in batch["x"]], "kind": [type(m).__name__
                                                          for m in batch["meta"]]}

@@ -85,6 +85,11 @@ class Forwarder:
         self._by_shape = model.stack and self._spec is None and ragged.free_dims(model)
         self._shaped = tuple(n for n, s in self._sig.inputs.items() if s is not None) \
             if self._sig else ()  # the named inputs a shape group is keyed on
+        # ... and, within a length bucket, the named inputs that are not padded (a free
+        # dimension, no max_len): a bucket's items stack only where those match
+        self._unpadded = tuple(n for n, s in self._sig.inputs.items() if s is not None
+                               and None in s.shape and not s.variable) \
+            if self._sig and model.stack else ()
         self._trims = self._pads and (bool(self._sig.per_token) if self._sig
                                       else per_token(model.output_spec))
         self._padding = [0, 0]  # padded and real lengths of padded passes since taken
@@ -135,9 +140,18 @@ class Forwarder:
             return results
         for length, indices in ragged.bucket_groups(inputs, self._bucketing(), self._length,
                                                     self._to_longest).items():
-            await run_into(results, inputs, indices,
-                           functools.partial(self._run_passes, length=length, limit=limit))
+            for group in self._unpadded_groups(inputs, indices):
+                await run_into(results, inputs, group,
+                               functools.partial(self._run_passes, length=length, limit=limit))
         return results
+
+    def _unpadded_groups(self, inputs: list[Any], indices: list[int]) -> list[list[int]]:
+        """A bucket's indices split by the shapes of its unpadded named inputs (a free
+        dimension without max_len), in claim order: one group where there are none."""
+        if not self._unpadded:
+            return [indices]
+        groups = ragged.shape_groups([inputs[i] for i in indices], self._unpadded)
+        return [[indices[j] for j in group] for group in groups.values()]
 
     @property
     def _to_longest(self) -> bool:

@@ -28,9 +28,12 @@ def resolve_device(device: str) -> str:
 
 
 def stack_inputs(items: Sequence[Any]) -> Any:
-    """Stack numpy arrays or tensors (one per request) into one batch tensor."""
+    """Stack numpy arrays or tensors (one per request) into one batch tensor (an array
+    the worker stacked already: as it is)."""
     import torch
 
+    if isinstance(items, np.ndarray):
+        return torch.from_numpy(items)
     if items and isinstance(items[0], torch.Tensor):
         return torch.stack(list(items))
     return torch.from_numpy(np.stack([np.asarray(item) for item in items]))
@@ -146,7 +149,10 @@ def torch_model(name: str, build: Callable[[], Any], spec: TensorSpec | None = N
         module = build().to(resolved).eval()
         return wrap(module, resolved)
 
+    # a spec with a free dimension but no max_len: the worker stacks, by shape (its
+    # items may differ in shape: a stack of them all would fail)
+    free = spec is not None and None in spec.shape
     return Model(name=name, loader=load, policy=policy or BatchPolicy(), spec=spec,
                  inputs=inputs, outputs=outputs, input_name=input_name,
-                 output_name=output_name, stack=spec is None or spec.variable,
+                 output_name=output_name, stack=spec is None or spec.variable or free,
                  output_spec=output_spec, batch_size_fn=batch_size_fn, oversize=oversize)
