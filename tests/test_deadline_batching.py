@@ -156,6 +156,25 @@ async def test_no_small_batch_waits_for_a_full_batch(start_worker: Callable[...,
     assert time.monotonic() - started > 0.5  # it did wait for more, while it could
 
 
+async def test_no_small_batch_counts_the_rows_of_multi_row_requests(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """A multi-row request of ``max_batch_size`` rows is a full batch: it runs at once,
+    not at its deadline; and single requests after packs still fill a batch of
+    ``max_batch_size`` items, not one of as many entries as the packs had."""
+    _, calls = await served(start_worker, redis_url, "rows", max_batch_size=8,
+                            batch_wait_timeout_s=0.01, allow_small_batch=False)
+    rows = np.arange(8, dtype=np.int64).reshape(8, 1)
+    async with Client(redis_url) as client:
+        for _ in range(3):
+            started = time.monotonic()
+            (packed,) = await client.submit_many("rows", [rows], batched=True, timeout_s=10)
+            assert [_plain(x) for x in await packed] == list(range(8))
+            assert time.monotonic() - started < 5, "a full batch waited for its deadline"
+        singles = [await client.submit("rows", i, timeout_s=10) for i in range(8)]
+        assert await asyncio.gather(*singles) == list(range(8))
+    assert calls[3:] == [list(range(8))]
+
+
 async def test_a_stopping_worker_runs_the_small_batch_it_holds(redis_url: str) -> None:
     calls: list[list[Any]] = []
     model = recording("held", calls, max_batch_size=8, allow_small_batch=False)

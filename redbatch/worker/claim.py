@@ -78,6 +78,12 @@ def peek_deadline_ms(raw: bytes) -> int | None:
     return _peek_int(raw, protocol.F_DEADLINE_MS)
 
 
+def peek_rows(raw: bytes) -> int:
+    """The items an entry brings: its ``rows`` (a multi-row request), else 1."""
+    rows = _peek_int(raw, protocol.F_ROWS)
+    return rows if rows is not None and rows > 1 else 1
+
+
 def _cold(size: int) -> float | None:
     return None
 
@@ -142,6 +148,7 @@ class Claimer:
         self._unblocks: set[asyncio.Task[Any]] = set()
         self._gain = 1.0  # requests a window wait added, smoothed; starts hopeful
         self._lone = 0
+        self._rows = 0  # the items (rows) of the batch a window fills, where it counts them
         self._drained = False  # the queue was empty at the last look: block at once
         self._moves = True  # the user may run LMOVE (checked at the first claim)
         # the user may run LPOS (checked once per worker, at its first claim): a batch
@@ -405,7 +412,9 @@ class Claimer:
     async def _windowed(self, items: list[bytes], size: int) -> list[bytes]:
         """A batch begun with ``items``, topped up through the policy's window (none for
         a full one, or a lone request in a quiet spell)."""
-        if len(items) >= size or not self._worth_waiting(len(items)):
+        self._rows = 0
+        self._count(items)
+        if self._full(items, size) or not self._worth_waiting(len(items)):
             return items  # full, or a lone request in a quiet spell: not even a top-up
         if self._policy.batch_wait_timeout_s > 0 or not self._policy.allow_small_batch:
             found = len(items)
@@ -467,9 +476,40 @@ class Claimer:
         self._lone += 1
         return self._gain >= GAIN_MIN or self._lone % PROBE_EVERY == 0
 
+    def _by_rows(self) -> bool:
+        """Whether a window counts its batch in items (a multi-row request's rows),
+        not entries: where it may wait long (``allow_small_batch`` off, or a window
+        longer than ``WINDOW_MARGIN_MS``), so that a batch full of rows runs at once,
+        and one whose claim took few entries (multi-row requests came before) fills
+        up to ``max_batch_size`` items."""
+        policy = self._policy
+        return not policy.allow_small_batch or \
+            policy.batch_wait_timeout_s * 1000 > WINDOW_MARGIN_MS
+
+    def _count(self, new: list[bytes]) -> None:
+        if self._by_rows():
+            self._rows += sum(map(peek_rows, new))
+
+    def _full(self, items: list[bytes], size: int) -> bool:
+        return self._rows >= self._policy.max_batch_size if self._by_rows() \
+            else len(items) >= size
+
+    def _room(self, items: list[bytes], size: int) -> int:
+        """Entries a top-up may still take: by the items still missing, at the batch's
+        own items per entry so far (multi-row requests: fewer entries)."""
+        if not self._by_rows():
+            return size - len(items)
+        missing = self._policy.max_batch_size - self._rows
+        return max(1, missing * len(items) // self._rows) if self._rows else missing
+
+    def _add(self, items: list[bytes], new: list[bytes]) -> None:
+        items.extend(new)
+        self._count(new)
+
     def _open(self, items: list[bytes], size: int) -> bool:
         """Keep filling: not full, and the worker is not stopping."""
-        return len(items) < size and not (self.stop is not None and self.stop.is_set())
+        return not self._full(items, size) and not (self.stop is not None
+                                                    and self.stop.is_set())
 
     def _relive(self, items: list[bytes], size: int, window_end_ms: int) -> tuple[int, int]:
         """The batch's size and window after a live change of the policy while its
@@ -479,6 +519,8 @@ class Claimer:
         if policy is self._policy:
             return size, window_end_ms
         self._policy = policy
+        self._rows = 0
+        self._count(items)  # (items are counted only where the new policy counts them)
         size = min(size, policy.max_batch_size)
         return size, min(window_end_ms, self._window_end_ms(items, size))
 
@@ -501,12 +543,12 @@ class Claimer:
                 return
             wake_at = min(window_end_ms, now + quiet_ms) if quiet_ms else window_end_ms
             remaining_s = min((window_end_ms - now) / 1000, self.block_timeout_s)
-            new = await self._block(remaining_s, size - len(items), wake_at)
+            new = await self._block(remaining_s, self._room(items, size), wake_at)
             if not new:
                 if wake_at < window_end_ms:
                     return
                 continue
-            items.extend(new)
+            self._add(items, new)
             window_end_ms = self._closer(window_end_ms, new, size)
 
     async def _fill_coarse(self, items: list[bytes], size: int, window_end_ms: int) -> None:
@@ -523,10 +565,10 @@ class Claimer:
                 return
             if remaining_s <= SERVER_TIMER_SLACK_S + MIN_BLOCK_S:
                 await asyncio.sleep(remaining_s)
-                items.extend(await self._take(size - len(items)))
+                self._add(items, await self._take(self._room(items, size)))
                 return
             new = await self._block(min(remaining_s - SERVER_TIMER_SLACK_S,
-                                        self.block_timeout_s), size - len(items))
+                                        self.block_timeout_s), self._room(items, size))
             if new:
-                items.extend(new)
+                self._add(items, new)
                 window_end_ms = self._closer(window_end_ms, new, size)
