@@ -45,6 +45,8 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from redbatch.redis_conn import remap_after
+
 
 class LeanLink:
     """Commands on one held connection of ``client``'s pool (see the module doc)."""
@@ -204,8 +206,9 @@ class ClusterLink(LeanLink):
             return await self._redirect(commands, redirected.replies, checked)
         except ResponseError:
             raise
-        except BaseException:
-            self._mapped = False  # the next call lets the client notice and remap
+        except BaseException as exc:
+            self._mapped = False  # the next call goes through the client...
+            remap_after(self._client, exc)  # ...which reads the slot map again
             raise
         finally:
             self._busy = False
@@ -228,10 +231,14 @@ class ClusterLink(LeanLink):
 
     async def _through_client(self, commands: tuple[tuple[Any, ...], ...], key: Any,
                               checked: bool) -> list[Any]:
-        if len(commands) == 1:
-            replies = [await self._client.execute_command(*commands[0])]
-        else:
-            replies = await self._client_pipeline(commands, key, checked)
+        try:
+            if len(commands) == 1:
+                replies = [await self._client.execute_command(*commands[0])]
+            else:
+                replies = await self._client_pipeline(commands, key, checked)
+        except BaseException as exc:
+            remap_after(self._client, exc)  # (a pipeline's error does not remap)
+            raise
         self._mapped = True
         return replies
 

@@ -176,6 +176,21 @@ def is_cluster(client: object) -> bool:
     return isinstance(client, RedisCluster)
 
 
+# what a node gone (a failover) raises: the slot map may be stale
+NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError,
+               redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError)
+
+
+def remap_after(client: object, exc: BaseException) -> None:
+    """After ``exc`` from a node of ``client``'s cluster, have the client read the slot
+    map again at its next command.  redis-py does so itself after one command's broken
+    connection, but not after a pipeline's (sent without retries, as here), nor after
+    one on a connection held outside it (``lean.ClusterLink``): a process whose other
+    calls kept succeeding would go on calling the dead primary for ever."""
+    if isinstance(client, RedisCluster) and isinstance(exc, NODE_ERRORS):
+        client._initialize = True  # redis-py's own flag, read by its next command
+
+
 def _timeouts(settings: RedisSettings) -> dict[str, Any]:
     return {"socket_timeout": settings.socket_timeout_s,
             "socket_connect_timeout": settings.connect_timeout_s}

@@ -37,3 +37,10 @@ def mlp_with_levels() -> list[Model]:
     from redbatch.demo import models
 
     return [dataclasses.replace(m, priority_levels=2) for m in models() if m.name == "mlp"]
+
+
+def two_primaries() -> list[Model]:
+    """``adder`` as ``a1`` and ``b2``: on a cluster made by ``redis-cli --cluster
+    create`` with 3 primaries, their slots (7785 and 15193, by CRC16 of the tag) are
+    owned by two different primaries."""
+    return [dataclasses.replace(adder, name=name) for name in ("a1", "b2")]

@@ -24,12 +24,14 @@ from redbatch.errors import ConfigError, RedbatchError
 from redbatch.pipelines.definition import Pipeline
 from redbatch.pipelines.duty import PipelineDuty, check_declared
 from redbatch.redis_conn import (
+    NODE_ERRORS,
     REDIS_ERRORS,
     async_client,
     cancel_requested,
     check_cancelled,
     close_all,
     is_cluster,
+    remap_after,
 )
 from redbatch.worker import heartbeat
 from redbatch.worker.drain import Drain
@@ -103,6 +105,7 @@ class Worker:
         self.drained = False  # stopped after draining its versions (redbatch.versions)
         self._stop = asyncio.Event()
         self._unranked: frozenset[str] = frozenset()  # too many live workers to rank
+        self._clients: tuple[aioredis.Redis, ...] = ()  # (while it runs)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop  # set by the heartbeat too, once its versions are drained
@@ -114,6 +117,7 @@ class Worker:
                                  max_connections=BLOCKING_CLUSTER_CONNECTIONS
                                  if is_cluster(redis) else 1) for _ in self.models]
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redbatch-forward")
+        self._clients = (redis, *blocking)
         clean = False
         try:
             self.runners = [self._runner(redis, m, b, executor)
@@ -211,10 +215,11 @@ class Worker:
         await self._register(redis, stop)
         if stop.is_set():  # stopped before it could register: it never served
             return True
-        tasks = [asyncio.create_task(_keep_going(f"model={r.model.name}",
-                                                 functools.partial(r.serve, stop), stop))
-                 for r in self.runners]
-        heart = asyncio.create_task(_keep_going("heartbeat", beat, beating))
+        tasks = [asyncio.create_task(_keep_going(
+            f"model={r.model.name}", functools.partial(self._remapping, r.serve, stop), stop))
+            for r in self.runners]
+        heart = asyncio.create_task(_keep_going(
+            "heartbeat", functools.partial(self._remapping, beat), beating))
         duty = asyncio.create_task(self._duty(redis).run(beating))  # hand-offs: till the end
         try:
             return await self._stop_after(redis, stop, beating, tasks, heart, duty)
@@ -222,6 +227,17 @@ class Worker:
             for task in (*tasks, heart, duty):
                 task.cancel()
             await asyncio.gather(*tasks, heart, duty, return_exceptions=True)
+
+    async def _remapping(self, step: Callable[..., Awaitable[object]], *args: Any) -> None:
+        """``step(*args)``; after a cluster node's error, every client of this worker
+        reads the slot map again (``remap_after``): a failover moved a model's slot, and
+        the calls that succeed meanwhile (other models, other nodes) would not tell."""
+        try:
+            await step(*args)
+        except NODE_ERRORS as exc:
+            for client in self._clients:
+                remap_after(client, exc)
+            raise
 
     async def _stop_after(self, redis: aioredis.Redis, stop: asyncio.Event,
                           beating: asyncio.Event, tasks: list[asyncio.Task[None]],
