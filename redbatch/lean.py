@@ -45,7 +45,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from redbatch.redis_conn import remap_after
+from redbatch.redis_conn import NODE_ERRORS, remap_after
 
 
 class LeanLink:
@@ -206,9 +206,12 @@ class ClusterLink(LeanLink):
             return await self._redirect(commands, redirected.replies, checked)
         except ResponseError:
             raise
-        except BaseException as exc:
+        except NODE_ERRORS as exc:
             self._mapped = False  # the next call goes through the client...
-            remap_after(self._client, exc)  # ...which reads the slot map again
+            await remap_after(self._client, exc)  # ...on a slot map read again
+            raise
+        except BaseException:
+            self._mapped = False  # the next call lets the client notice and remap
             raise
         finally:
             self._busy = False
@@ -236,8 +239,8 @@ class ClusterLink(LeanLink):
                 replies = [await self._client.execute_command(*commands[0])]
             else:
                 replies = await self._client_pipeline(commands, key, checked)
-        except BaseException as exc:
-            remap_after(self._client, exc)  # (a pipeline's error does not remap)
+        except NODE_ERRORS as exc:
+            await remap_after(self._client, exc)  # (a pipeline's error does not remap)
             raise
         self._mapped = True
         return replies

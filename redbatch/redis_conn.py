@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar, cast
@@ -181,14 +182,25 @@ NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError,
                redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError)
 
 
-def remap_after(client: object, exc: BaseException) -> None:
-    """After ``exc`` from a node of ``client``'s cluster, have the client read the slot
-    map again at its next command.  redis-py does so itself after one command's broken
-    connection, but not after a pipeline's (sent without retries, as here), nor after
-    one on a connection held outside it (``lean.ClusterLink``): a process whose other
-    calls kept succeeding would go on calling the dead primary for ever."""
-    if isinstance(client, RedisCluster) and isinstance(exc, NODE_ERRORS):
-        client._initialize = True  # redis-py's own flag, read by its next command
+_REMAPS: weakref.WeakKeyDictionary[RedisCluster, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+async def remap_after(client: object, exc: BaseException) -> None:
+    """After ``exc`` from a node of ``client``'s cluster, read the slot map again (one
+    read at a time per client; one that fails is left to the next error).  redis-py
+    does so itself after one command's broken connection, but not after a pipeline's
+    (sent without retries, as here), nor after one on a connection held outside it
+    (``lean.ClusterLink``): a process whose other calls kept succeeding would go on
+    calling the dead primary for ever.  (Not by redis-py's ``_initialize`` flag: while
+    it is set, ``aclose`` closes nothing.)"""
+    if not isinstance(client, RedisCluster) or not isinstance(exc, NODE_ERRORS):
+        return
+    lock = _REMAPS.setdefault(client, asyncio.Lock())
+    if lock.locked():
+        return  # (a read under way will do)
+    async with lock:
+        with contextlib.suppress(*REDIS_ERRORS):
+            await client.nodes_manager.initialize()
 
 
 def _timeouts(settings: RedisSettings) -> dict[str, Any]:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import redis
 
-from redbatch import DeadlineExceeded, protocol
+from redbatch import DeadlineExceeded, TensorSpec, protocol
 from redbatch.config import RedisSettings
 from redbatch.producer import Client
-from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
+from redbatch.worker.deadlines import drop_infeasible, fixed_plan, order_by_deadline
 from redbatch.worker.decode import Decoded, Item, Pack
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
@@ -69,6 +69,38 @@ async def test_a_request_that_cannot_make_its_deadline_is_not_computed(
         assert await client.predict("slow", 200, timeout_s=2) == 200
     assert calls == [[200]]  # 100 never reached the model
     assert expired_count(worker) == before + 1
+
+
+async def test_passes_cut_by_cost_decide_which_requests_are_computed(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """8 requests that cost a whole budget each run in 8 passes of ~200 ms, not one of
+    ``max_batch_size``: those whose pass cannot end by their deadline (450 ms away)
+    are answered ``deadline_exceeded`` uncomputed."""
+    seen: list[int] = []
+
+    def fn(arg: tuple[Any, Any]) -> Any:
+        padded, lengths = arg
+        time.sleep(0.2)
+        seen.extend(lengths.tolist())
+        return padded
+
+    worker = start_worker([Model(
+        "costly", fn=fn, stack=True, inline=False,
+        spec=TensorSpec("int64", (None,), max_len=64),
+        output_spec=TensorSpec("int64", (None,)),
+        policy=BatchPolicy(max_batch_size=8, batch_wait_timeout_s=0.05, max_batch_cost=8))])
+    await wait_live(redis_url, "costly")
+    async with Client(redis_url) as client:
+        for _ in range(PASS_WARMUP):  # the worker measures ~200 ms a pass
+            await client.predict("costly", [1, 2], timeout_s=5)
+        seen.clear()
+        before = expired_count(worker)
+        replies = await asyncio.gather(*(client.predict("costly", [5] * 7, timeout_s=0.45)
+                                         for _ in range(8)), return_exceptions=True)
+        await asyncio.sleep(0.5)  # (passes under way end)
+    assert all(isinstance(r, DeadlineExceeded) or r == [5] * 7 for r in replies), replies
+    assert expired_count(worker) - before >= 3  # passes 5 to 8 by the estimate, or more
+    assert len(seen) <= 5, seen  # before: all 8 computed, every caller gone
 
 
 async def test_a_request_claimed_during_a_long_pass_is_judged_again_before_its_own(
@@ -230,18 +262,39 @@ def test_a_late_multi_row_request_is_answered_whole() -> None:
                              Item(packed, "msgpack", 3, pack, 1)], packs=[pack])
     order_by_deadline(decoded, size=2)  # three items, two passes: the pack first
     assert [item.request.id for item in decoded.items] == ["p", "p", "a"]
-    assert drop_infeasible(decoded, 1_000, 2, lambda n: 300.0) == 1  # 100 ms < 150 + 5
+    assert drop_infeasible(decoded, 1_000, fixed_plan(3, 2), lambda n: 300.0) == 1  # 100 < 155
     assert [item.request.id for item in decoded.items] == ["a"]
     assert decoded.packs == []
     assert [(r.id, type(e)) for r, _f, e in decoded.early] == [("p", DeadlineExceeded)]
-    assert drop_infeasible(decoded, 1_000, 2, lambda n: None) == 0  # cold: nothing
+    assert drop_infeasible(decoded, 1_000, fixed_plan(1, 2), lambda n: None) == 0  # cold
 
 
 def test_the_pass_a_request_joins_decides() -> None:
     items = [Item(_request(f"r{i}", 1_000 + 400), "msgpack", i) for i in range(4)]
     decoded = Decoded(items=items)
     # 100 ms a pass, halved: the first pass ends by 1_055, the second by 1_105 ... < 1_400
-    assert drop_infeasible(decoded, 1_000, 2, lambda n: 100.0) == 0
+    assert drop_infeasible(decoded, 1_000, fixed_plan(4, 2), lambda n: 100.0) == 0
     decoded.items[3].request.deadline_ms = 1_080  # in the second pass: 1_105 > 1_080
-    assert drop_infeasible(decoded, 1_000, 2, lambda n: 100.0) == 1
+    assert drop_infeasible(decoded, 1_000, fixed_plan(4, 2), lambda n: 100.0) == 1
     assert [item.request.id for item in decoded.items] == ["r0", "r1", "r2"]
+
+
+def test_the_forwarders_own_passes_decide() -> None:
+    """Passes cut by buckets or costs, not by ``max_batch_size``: 8 items, one pass each
+    (a cost of a whole budget each), 100 ms a pass: the later passes cannot end by a
+    deadline 250 ms away, though 8 items fit one pass of ``max_batch_size``."""
+    items = [Item(_request(f"r{i}", 1_000 + 250), "msgpack", i) for i in range(8)]
+    decoded = Decoded(items=items)
+    assert drop_infeasible(decoded, 1_000, fixed_plan(8, 8), lambda n: 100.0) == 0
+    assert drop_infeasible(decoded, 1_000, list(range(8)), lambda n: 100.0) == 4
+    assert [item.request.id for item in decoded.items] == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_pass_of_dropped_requests_takes_no_time() -> None:
+    """The first pass holds only a request already late: it does not run, so the next
+    pass's request still makes it."""
+    decoded = Decoded(items=[Item(_request("late", 1_010), "msgpack", 0),
+                             Item(_request("next", 1_100), "msgpack", 1)])
+    # pass 0 ends by 1_055 (late: 1_010); pass 1 by 1_055 too, as pass 0 never runs
+    assert drop_infeasible(decoded, 1_000, [0, 1], lambda n: 100.0) == 1
+    assert [item.request.id for item in decoded.items] == ["next"]

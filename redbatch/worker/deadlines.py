@@ -28,36 +28,52 @@ def order_by_deadline(decoded: Decoded, size: int) -> None:
         decoded.items.sort(key=lambda item: item.request.deadline_ms)
 
 
-def drop_infeasible(decoded: Decoded, now_ms: int, size: int,
+def fixed_plan(count: int, size: int) -> list[int | None]:
+    """The pass of each of ``count`` items run in order, ``size`` a pass."""
+    return [i // size for i in range(count)]
+
+
+def drop_infeasible(decoded: Decoded, now_ms: int, plan: list[int | None],
                     estimate_ms: Callable[[int], float | None]) -> int:
     """Answer ``deadline_exceeded`` the requests (single or multi-row) that cannot
-    finish before their deadline, judged at their first item's pass (in the order of
-    ``decoded.items``); return how many."""
-    pass_ms = estimate_ms(min(size, len(decoded.items))) if decoded.items else None
-    if pass_ms is None or _all_in_time(decoded.items, now_ms, size, pass_ms):
+    finish before their deadline, judged at their first item's pass; return how many.
+    ``plan``: the pass of each of ``decoded.items`` (0 runs first; None: none), as the
+    forwarder cuts them (length buckets, shapes, costs, learned sizes); a pass left
+    with nothing but dropped requests takes no time."""
+    passes: dict[int, list[Item]] = {}
+    for item, index in zip(decoded.items, plan, strict=True):
+        if index is not None:
+            passes.setdefault(index, []).append(item)
+    times = [estimate_ms(len(passes[index])) for index in sorted(passes)]
+    if not passes or None in times:  # a cold worker drops nothing
         return 0
-    decided: dict[int, bool] = {}  # id(request) -> late
-    late: dict[int, Item] = {}
-    kept = 0  # items kept ahead of this one: its pass is kept // size
-    for item in decoded.items:
-        key = id(item.request)
-        if key not in decided:
-            finish_ms = now_ms + DROP_FACTOR * pass_ms * (kept // size + 1) + REPLY_MARGIN_MS
-            decided[key] = item.request.deadline_ms < finish_ms
-            if decided[key]:
-                late[key] = item
-        kept += not decided[key]
+    budgets = [DROP_FACTOR * ms for ms in times if ms is not None]
+    earliest = min(item.request.deadline_ms for item in decoded.items)
+    if earliest >= now_ms + sum(budgets) + REPLY_MARGIN_MS:  # the usual case: all in time
+        return 0
+    late = _late(passes, budgets, now_ms)
     if late:
         _answer_late(decoded, late, now_ms)
     return len(late)
 
 
-def _all_in_time(items: list[Item], now_ms: int, size: int, pass_ms: float) -> bool:
-    """Whether even the earliest deadline leaves time for every pass (the usual case:
-    one ``min`` instead of the per-request walk)."""
-    passes = -(-len(items) // size)
-    earliest = min(item.request.deadline_ms for item in items)
-    return earliest >= now_ms + DROP_FACTOR * pass_ms * passes + REPLY_MARGIN_MS
+def _late(passes: dict[int, list[Item]], budgets: list[float], now_ms: int
+          ) -> dict[int, Item]:
+    """id(request) -> its first item, for each request late at its first pass."""
+    decided: dict[int, bool] = {}
+    late: dict[int, Item] = {}
+    spent = 0.0  # the passes ahead that still run
+    for index, budget in zip(sorted(passes), budgets, strict=True):
+        finish_ms = now_ms + spent + budget + REPLY_MARGIN_MS
+        for item in passes[index]:
+            key = id(item.request)
+            if key not in decided:
+                decided[key] = item.request.deadline_ms < finish_ms
+                if decided[key]:
+                    late[key] = item
+        if not all(late.get(id(item.request)) is not None for item in passes[index]):
+            spent += budget
+    return late
 
 
 def _answer_late(decoded: Decoded, late: dict[int, Item], now_ms: int) -> None:

@@ -130,20 +130,49 @@ class Forwarder:
         model with a free dimension but no ``max_len`` has its inputs grouped by shape
         (``ragged.shape_groups``), since only inputs of one shape stack."""
         limit = cost.budget(self.model.policy, self.model.batch_size_fn)
-        if self._spec is None and not self._by_shape:
+        groups = self._groups(inputs)
+        if len(groups) == 1 and groups[0][0] is None:  # (one group of them all, in order)
             return await self._run_passes(inputs, None, limit)
         results: list[Any] = [None] * len(inputs)
-        if self._spec is None:  # free dimensions, no max_len: one group per shape
-            for indices in ragged.shape_groups(inputs, self._shaped).values():
-                await run_into(results, inputs, indices,
-                               functools.partial(self._run_passes, length=None, limit=limit))
-            return results
-        for length, indices in ragged.bucket_groups(inputs, self._bucketing(), self._length,
-                                                    self._to_longest).items():
-            for group in self._unpadded_groups(inputs, indices):
-                await run_into(results, inputs, group,
-                               functools.partial(self._run_passes, length=length, limit=limit))
+        for length, indices in groups:
+            await run_into(results, inputs, indices,
+                           functools.partial(self._run_passes, length=length, limit=limit))
         return results
+
+    @property
+    def several_passes(self) -> bool:
+        """Whether a batch may take several passes whatever its size: length buckets,
+        shapes, a cost budget or learned pass sizes."""
+        policy = self.model.policy
+        return bool(self._spec is not None or self._by_shape or policy.auto_batch
+                    or cost.budget(policy, self.model.batch_size_fn) is not None)
+
+    def plan(self, inputs: list[Any]) -> list[int | None]:
+        """The pass (0: the first) each input would run in, as ``run_batches`` cuts
+        them now; None for one refused by its cost (answered at once)."""
+        limit = cost.budget(self.model.policy, self.model.batch_size_fn)
+        plan: list[int | None] = [None] * len(inputs)
+        first = 0
+        for length, indices in self._groups(inputs):
+            passes, _errors = self._passes_of([inputs[i] for i in indices], length, limit)
+            for n, chunk in enumerate(passes):
+                for j in chunk:
+                    plan[indices[j]] = first + n
+            first += len(passes)
+        return plan
+
+    def _groups(self, inputs: list[Any]) -> list[tuple[int | None, list[int]]]:
+        """The inputs' groups, each run in passes of its own, in the order they run:
+        (bucket length or None, indices into ``inputs``)."""
+        if self._spec is None and not self._by_shape:
+            return [(None, list(range(len(inputs))))]
+        if self._spec is None:  # free dimensions, no max_len: one group per shape
+            return [(None, indices)
+                    for indices in ragged.shape_groups(inputs, self._shaped).values()]
+        return [(length, group)
+                for length, indices in ragged.bucket_groups(
+                    inputs, self._bucketing(), self._length, self._to_longest).items()
+                for group in self._unpadded_groups(inputs, indices)]
 
     def _unpadded_groups(self, inputs: list[Any], indices: list[int]) -> list[list[int]]:
         """A bucket's indices split by the shapes of its unpadded named inputs (a free
@@ -174,13 +203,26 @@ class Forwarder:
 
     async def _run_passes(self, inputs: list[Any], length: int | None, limit: float | None
                           ) -> list[Any]:
-        size = self._pass_size(length)
-        if limit is not None:
-            return await self._run_by_cost(inputs, length, limit, size)
-        results: list[Any] = []
-        for start in range(0, len(inputs), size):
-            results += await self._run_pass(inputs[start:start + size], length)
+        passes, errors = self._passes_of(inputs, length, limit)
+        results: list[Any] = [errors.get(i) for i in range(len(inputs))]
+        for chunk in passes:
+            await run_into(results, inputs, chunk,
+                           functools.partial(self._run_pass, length=length))
         return results
+
+    def _passes_of(self, inputs: list[Any], length: int | None, limit: float | None
+                   ) -> tuple[list[list[int]], dict[int, Exception]]:
+        """The indices of each pass over a group's ``inputs``: at most the pass size,
+        and with a cost budget at most ``limit`` cost (an item over it alone, or
+        refused: its error)."""
+        size = self._pass_size(length)
+        if limit is None:
+            return [list(range(start, min(start + size, len(inputs))))
+                    for start in range(0, len(inputs), size)], {}
+        costs = cost.item_costs(inputs, self.model.batch_size_fn, length)
+        kept, kept_costs, errors = cost.screen(costs, limit, self.model.oversize == "refuse",
+                                               self.model.name)
+        return [kept[start:end] for start, end in cost.cut(kept_costs, size, limit)], errors
 
     def _pass_size(self, length: int | None) -> int:
         """Most items in one of the bucket's passes: ``max_batch_size``, or with
@@ -223,18 +265,6 @@ class Forwarder:
         if not length or not padded or padded >= length:
             return ms
         return ms * length / (mean_tokens or padded)
-
-    async def _run_by_cost(self, inputs: list[Any], length: int | None, limit: float,
-                           size: int) -> list[Any]:
-        """Passes of at most ``limit`` cost; an item over it alone, or refused."""
-        costs = cost.item_costs(inputs, self.model.batch_size_fn, length)
-        kept, kept_costs, errors = cost.screen(costs, limit, self.model.oversize == "refuse",
-                                               self.model.name)
-        results: list[Any] = [errors.get(i) for i in range(len(inputs))]
-        for start, end in cost.cut(kept_costs, size, limit):
-            await run_into(results, inputs, kept[start:end],
-                           lambda subset: self._run_pass(subset, length))
-        return results
 
     def take_passes(self) -> list[int]:
         """The items of each pass ``run_batches`` made since the last call."""

@@ -235,8 +235,7 @@ class Worker:
         try:
             await step(*args)
         except NODE_ERRORS as exc:
-            for client in self._clients:
-                remap_after(client, exc)
+            await asyncio.gather(*(remap_after(c, exc) for c in self._clients))
             raise
 
     async def _stop_after(self, redis: aioredis.Redis, stop: asyncio.Event,

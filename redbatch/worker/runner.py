@@ -22,7 +22,13 @@ from redbatch.redis_conn import check_cancelled, is_cluster
 from redbatch.worker import hold, suspects
 from redbatch.worker.claim import Claimer
 from redbatch.worker.claim_levels import LevelClaimer
-from redbatch.worker.deadlines import drop_infeasible, order_by_deadline
+from redbatch.worker.deadlines import (
+    DROP_FACTOR,
+    REPLY_MARGIN_MS,
+    drop_infeasible,
+    fixed_plan,
+    order_by_deadline,
+)
 from redbatch.worker.decode import Decoded, Item, decode_batch
 from redbatch.worker.forward import Forwarder, run_into
 from redbatch.worker.hold import Held
@@ -472,17 +478,37 @@ class BatchRunner:
         """Earliest deadline first over the batch's passes; a request that cannot
         finish before its deadline, given the measured pass time, is answered now."""
         size = self.model.policy.max_batch_size
-        order_by_deadline(batch.decoded, size)
-        batch.late = drop_infeasible(batch.decoded, protocol.now_ms(), size,
-                                     self.stats.pass_times.estimate_ms)
+        order_by_deadline(batch.decoded, 1 if self._forwarder.several_passes else size)
+        batch.late = self._drop_late(batch.decoded)
 
     def _recheck_deadlines(self, batch: Claimed) -> None:
         """Just before the pass, answer ``deadline_exceeded`` the requests that can no
         longer finish in time: a batch claimed during another's pass (or waiting for a
         free forwarder) was judged when claimed, a pass ago."""
-        batch.late += drop_infeasible(batch.decoded, protocol.now_ms(),
-                                      self.model.policy.max_batch_size,
-                                      self.stats.pass_times.estimate_ms)
+        batch.late += self._drop_late(batch.decoded)
+
+    def _drop_late(self, decoded: Decoded) -> int:
+        """``drop_infeasible`` over the passes the forwarder would cut now (buckets,
+        shapes, costs, learned sizes); skipped while even one pass per item would end
+        in time (the usual case: no plan is made)."""
+        items, now_ms = decoded.items, protocol.now_ms()
+        worst_ms = self.stats.pass_times.estimate_ms(self.model.policy.max_batch_size)
+        if not items or worst_ms is None or min(
+                item.request.deadline_ms for item in items) >= now_ms + DROP_FACTOR * (
+                worst_ms * len(items)) + REPLY_MARGIN_MS:
+            return 0
+        return drop_infeasible(decoded, now_ms, self._plan(items),
+                               self.stats.pass_times.estimate_ms)
+
+    def _plan(self, items: list[Item]) -> list[int | None]:
+        """The pass of each item, as the forwarder would cut them now."""
+        size = self.model.policy.max_batch_size
+        if not self._forwarder.several_passes:
+            return fixed_plan(len(items), size)
+        try:
+            return self._forwarder.plan([item.value for item in items])
+        except Exception:  # (the pass itself will say what is wrong)
+            return fixed_plan(len(items), size)
 
     def _next_claim_count(self, batch: Claimed) -> int:
         """Entries to claim next so that about ``max_batch_size`` items come: fewer
