@@ -109,6 +109,44 @@ async def test_full_batch_runs_before_the_window_ends(aredis: aioredis.Redis) ->
     await later
 
 
+def packed(n: int, rows: int) -> bytes:
+    """A multi-row request of ``rows`` rows (the claim reads its ``rows`` alone)."""
+    now = protocol.now_ms()
+    wire = {"v": 1, "id": f"id{n}", "model": MODEL, "enqueue_ms": now,
+            "deadline_ms": now + 60_000, "reply_to": protocol.reply_key(MODEL, "c"),
+            "attempt": 0, "payload": [[n]] * rows, "rows": rows}
+    return codec.encode(wire)
+
+
+def rows_of(items: list[bytes]) -> int:
+    return sum(codec.decode(raw).get("rows", 1) for raw in items)
+
+
+async def test_a_window_counting_rows_stays_near_max_batch_size(aredis: aioredis.Redis
+                                                                ) -> None:
+    """A window that counts items begins with one single request, then packs of 8 rows
+    come: it takes about ``max_batch_size`` items (the claim's count of entries first),
+    not every pack there is."""
+    await push(aredis, entry(0))
+    later = asyncio.create_task(_push_after(aredis, 0.02, *(packed(i, 8) for i in
+                                                            range(1, 16))))
+    c = claimer(aredis, max_batch_size=32, batch_wait_timeout_s=0.08)
+    items = await c.claim(4)  # the runner's count of entries after packs of 8
+    await later
+    assert 25 <= rows_of(items) <= 32 + 8, rows_of(items)
+
+
+async def test_a_window_counting_rows_fills_up_after_a_pack(aredis: aioredis.Redis) -> None:
+    """A pack of 16 rows, then single requests: the window fills to ``max_batch_size``
+    items, not one entry more."""
+    await push(aredis, packed(0, 16))
+    later = asyncio.create_task(_push_after(aredis, 0.02, *(entry(i) for i in range(1, 16))))
+    c = claimer(aredis, max_batch_size=32, batch_wait_timeout_s=0.08)
+    items = await c.claim()
+    await later
+    assert rows_of(items) == 31 and await aredis.llen(protocol.queue_key(MODEL)) == 0
+
+
 async def test_window_is_measured_from_the_oldest_item(aredis: aioredis.Redis) -> None:
     await push(aredis, entry(0, enqueue_ms=protocol.now_ms() - 1000))
     later = asyncio.create_task(_push_after(aredis, 0.15, entry(1)))

@@ -16,7 +16,12 @@ import redis
 from redbatch import DeadlineExceeded, TensorSpec, protocol
 from redbatch.config import RedisSettings
 from redbatch.producer import Client
-from redbatch.worker.deadlines import drop_infeasible, fixed_plan, order_by_deadline
+from redbatch.worker.deadlines import (
+    drop_infeasible,
+    drop_late,
+    fixed_plan,
+    order_by_deadline,
+)
 from redbatch.worker.decode import Decoded, Item, Pack
 from redbatch.worker.model import Model
 from redbatch.worker.policy import BatchPolicy
@@ -286,7 +291,8 @@ def test_the_forwarders_own_passes_decide() -> None:
     items = [Item(_request(f"r{i}", 1_000 + 250), "msgpack", i) for i in range(8)]
     decoded = Decoded(items=items)
     assert drop_infeasible(decoded, 1_000, fixed_plan(8, 8), lambda n: 100.0) == 0
-    assert drop_infeasible(decoded, 1_000, list(range(8)), lambda n: 100.0) == 4
+    one_each = lambda items: list(range(len(items)))  # noqa: E731
+    assert drop_late(decoded, 1_000, one_each, lambda n: 100.0, rounds=8) == 4
     assert [item.request.id for item in decoded.items] == ["r0", "r1", "r2", "r3"]
 
 
@@ -296,5 +302,17 @@ def test_a_pass_of_dropped_requests_takes_no_time() -> None:
     decoded = Decoded(items=[Item(_request("late", 1_010), "msgpack", 0),
                              Item(_request("next", 1_100), "msgpack", 1)])
     # pass 0 ends by 1_055 (late: 1_010); pass 1 by 1_055 too, as pass 0 never runs
-    assert drop_infeasible(decoded, 1_000, [0, 1], lambda n: 100.0) == 1
+    assert drop_late(decoded, 1_000, lambda items: list(range(len(items))),
+                     lambda n: 100.0, rounds=8) == 1
     assert [item.request.id for item in decoded.items] == ["next"]
+
+
+def test_a_dropped_request_frees_its_place() -> None:
+    """Passes of 2: once the late one is gone, the other two share the first pass,
+    which ends in time for both (dropped requests do not keep their places)."""
+    decoded = Decoded(items=[Item(_request("late", 1_010), "msgpack", 0),
+                             Item(_request("a", 1_100), "msgpack", 1),
+                             Item(_request("b", 1_100), "msgpack", 2)])
+    assert drop_late(decoded, 1_000, lambda items: fixed_plan(len(items), 2),
+                     lambda n: 100.0, rounds=8) == 1
+    assert [item.request.id for item in decoded.items] == ["a", "b"]

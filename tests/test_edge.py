@@ -323,3 +323,46 @@ def test_edge_limits_are_validated_and_read_from_env() -> None:
                                           "REDBATCH_MAX_CONNECTIONS": "10"})
     assert (config.max_header_bytes, config.header_timeout_s, config.max_connections) == (
         8192, 2.5, 10)
+
+
+def test_a_client_that_reads_slowly_keeps_its_answer() -> None:
+    """The send timeout is for a client that reads nothing: one that reads a large
+    answer steadily, though for longer than the timeout, gets all of it."""
+    import uvicorn
+
+    from redbatch.api.limits import edge_protocol
+
+    body = b"x" * (12 << 20)  # past the kernel's socket buffers: the rest waits in the gateway
+
+    async def app(scope: dict[str, object], receive: object, send: Callable[..., object]
+                  ) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[misc]
+                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})  # type: ignore[misc]
+
+    port = free_port()
+    config = GatewayConfig(send_timeout_s=1.0)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                           http=edge_protocol(config), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        got, started = 0, time.monotonic()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: gw\r\n\r\n")
+            sock.settimeout(20)
+            while got < len(body) and (chunk := sock.recv(1 << 20)):
+                got += len(chunk)
+                time.sleep(0.02)  # steady, but the whole answer takes seconds
+        assert got >= len(body), got  # (head included: at least the body's bytes)
+        assert time.monotonic() - started > 1.0  # longer than the send timeout
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -94,6 +94,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._refusal_due = False  # a 431 waits for the answer in flight (pipelining)
         self._open: list[RequestResponseCycle] = []  # requests not answered yet
         self._stall: asyncio.TimerHandle | None = None  # while writing is paused
+        self._unsent = 0  # the write buffer's size when that timer was set
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's 400 for what its parser refuses, in the gateway's JSON shape."""
@@ -183,7 +184,11 @@ class EdgeProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
-            self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+            self._arm_stall()
+
+    def _arm_stall(self) -> None:
+        self._unsent = self.transport.get_write_buffer_size()
+        self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -196,8 +201,14 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _stalled(self) -> None:
         """The client read nothing for ``send_timeout_s``: drop it (``connection_lost``
-        tells its requests, whose sends return; a stream's worker is cancelled)."""
+        tells its requests, whose sends return; a stream's worker is cancelled).  One
+        that read some of it meanwhile (the buffer shrank) is given as long again."""
         self._stall = None
+        if self.transport.is_closing():
+            return
+        if self.transport.get_write_buffer_size() < self._unsent:
+            self._arm_stall()  # slow, but reading
+            return
         log.info("closing the connection from %s: it read nothing of its answer for %g s",
                  self.client, self.limits.send_timeout_s)
         self.transport.abort()

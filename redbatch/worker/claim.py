@@ -495,11 +495,15 @@ class Claimer:
             else len(items) >= size
 
     def _room(self, items: list[bytes], size: int) -> int:
-        """Entries a top-up may still take: by the items still missing, at the batch's
-        own items per entry so far (multi-row requests: fewer entries)."""
+        """Entries a top-up may still take: up to the claim's count of entries (the
+        runner's, fewer while multi-row requests come), at most the items still
+        missing; past that count, while items are still missing, as many as the
+        batch's own items per entry so far says."""
         if not self._by_rows():
             return size - len(items)
         missing = self._policy.max_batch_size - self._rows
+        if len(items) < size:  # the claim's own count first (multi-row: fewer entries)
+            return min(missing, size - len(items))
         return max(1, missing * len(items) // self._rows) if self._rows else missing
 
     def _add(self, items: list[bytes], new: list[bytes]) -> None:

@@ -38,8 +38,10 @@ def drop_infeasible(decoded: Decoded, now_ms: int, plan: list[int | None],
     """Answer ``deadline_exceeded`` the requests (single or multi-row) that cannot
     finish before their deadline, judged at their first item's pass; return how many.
     ``plan``: the pass of each of ``decoded.items`` (0 runs first; None: none), as the
-    forwarder cuts them (length buckets, shapes, costs, learned sizes); a pass left
-    with nothing but dropped requests takes no time."""
+    forwarder cuts them (length buckets, shapes, costs, learned sizes).  Only the
+    requests of the first pass that holds late ones are answered: every pass ahead of
+    it runs, so they are late for sure; the passes after it are cut again without
+    them, so the caller plans again and calls again (``drop_late``)."""
     passes: dict[int, list[Item]] = {}
     for item, index in zip(decoded.items, plan, strict=True):
         if index is not None:
@@ -47,33 +49,44 @@ def drop_infeasible(decoded: Decoded, now_ms: int, plan: list[int | None],
     times = [estimate_ms(len(passes[index])) for index in sorted(passes)]
     if not passes or None in times:  # a cold worker drops nothing
         return 0
-    budgets = [DROP_FACTOR * ms for ms in times if ms is not None]
-    earliest = min(item.request.deadline_ms for item in decoded.items)
-    if earliest >= now_ms + sum(budgets) + REPLY_MARGIN_MS:  # the usual case: all in time
-        return 0
-    late = _late(passes, budgets, now_ms)
+    late = _first_late(passes, [DROP_FACTOR * ms for ms in times if ms is not None], now_ms)
     if late:
         _answer_late(decoded, late, now_ms)
     return len(late)
 
 
-def _late(passes: dict[int, list[Item]], budgets: list[float], now_ms: int
-          ) -> dict[int, Item]:
-    """id(request) -> its first item, for each request late at its first pass."""
-    decided: dict[int, bool] = {}
-    late: dict[int, Item] = {}
-    spent = 0.0  # the passes ahead that still run
+def drop_late(decoded: Decoded, now_ms: int, plan: Callable[[list[Item]], list[int | None]],
+              estimate_ms: Callable[[int], float | None], rounds: int) -> int:
+    """``drop_infeasible`` again on a new plan of the items left, until nothing more is
+    late (at most ``rounds`` times: past them, a late request is computed anyway)."""
+    dropped = 0
+    for _ in range(rounds):
+        found = drop_infeasible(decoded, now_ms, plan(decoded.items), estimate_ms)
+        if not found:
+            break
+        dropped += found
+    return dropped
+
+
+def _first_late(passes: dict[int, list[Item]], budgets: list[float], now_ms: int
+                ) -> dict[int, Item]:
+    """id(request) -> its first item, for the late requests of the first pass that
+    holds any (judged at their first item's pass)."""
+    seen: set[int] = set()
+    spent = 0.0  # the passes ahead, all of which run
     for index, budget in zip(sorted(passes), budgets, strict=True):
         finish_ms = now_ms + spent + budget + REPLY_MARGIN_MS
+        late: dict[int, Item] = {}
         for item in passes[index]:
             key = id(item.request)
-            if key not in decided:
-                decided[key] = item.request.deadline_ms < finish_ms
-                if decided[key]:
+            if key not in seen:
+                seen.add(key)
+                if item.request.deadline_ms < finish_ms:
                     late[key] = item
-        if not all(late.get(id(item.request)) is not None for item in passes[index]):
-            spent += budget
-    return late
+        if late:
+            return late
+        spent += budget
+    return {}
 
 
 def _answer_late(decoded: Decoded, late: dict[int, Item], now_ms: int) -> None:

@@ -154,7 +154,8 @@ class Forwarder:
         plan: list[int | None] = [None] * len(inputs)
         first = 0
         for length, indices in self._groups(inputs):
-            passes, _errors = self._passes_of([inputs[i] for i in indices], length, limit)
+            passes, _errors = self._passes_of([inputs[i] for i in indices], length, limit,
+                                              planned=True)
             for n, chunk in enumerate(passes):
                 for j in chunk:
                     plan[indices[j]] = first + n
@@ -210,12 +211,13 @@ class Forwarder:
                            functools.partial(self._run_pass, length=length))
         return results
 
-    def _passes_of(self, inputs: list[Any], length: int | None, limit: float | None
-                   ) -> tuple[list[list[int]], dict[int, Exception]]:
+    def _passes_of(self, inputs: list[Any], length: int | None, limit: float | None,
+                   planned: bool = False) -> tuple[list[list[int]], dict[int, Exception]]:
         """The indices of each pass over a group's ``inputs``: at most the pass size,
         and with a cost budget at most ``limit`` cost (an item over it alone, or
-        refused: its error)."""
-        size = self._pass_size(length)
+        refused: its error).  ``planned``: for ``plan``, the learned size without its
+        exploration, nothing recorded."""
+        size = self._pass_size(length, planned)
         if limit is None:
             return [list(range(start, min(start + size, len(inputs))))
                     for start in range(0, len(inputs), size)], {}
@@ -224,12 +226,15 @@ class Forwarder:
                                                self.model.name)
         return [kept[start:end] for start, end in cost.cut(kept_costs, size, limit)], errors
 
-    def _pass_size(self, length: int | None) -> int:
+    def _pass_size(self, length: int | None, planned: bool = False) -> int:
         """Most items in one of the bucket's passes: ``max_batch_size``, or with
-        ``auto_batch`` the size learned for the bucket (at most that)."""
+        ``auto_batch`` the size learned for the bucket (at most that; ``planned``:
+        without exploration, nothing recorded)."""
         policy = self.model.policy
         if not policy.auto_batch:
             return policy.max_batch_size
+        if planned:
+            return self.sizer.target(length, policy.max_batch_size)
         return self.sizer.size(length, policy.max_batch_size)
 
     async def _run_pass(self, chunk: list[Any], length: int | None) -> list[Any]:

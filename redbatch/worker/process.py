@@ -143,9 +143,9 @@ class Worker:
                       DeadLetters(self.config.dead_letter_ttl_s,
                                   self.config.dead_letter_max_bytes))
 
-    async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> None:
+    async def _register(self, redis: aioredis.Redis, stop: asyncio.Event) -> bool:
         """Check the server (warnings logged once), load the scripts and take the lease
-        before the first claim."""
+        before the first claim; return whether it took it (else: stopped first)."""
         async def checks() -> None:
             try:
                 warnings = await worker_warnings(redis)
@@ -160,9 +160,12 @@ class Worker:
                            lua.REAP, *heartbeat.BEAT_SCRIPTS):
                 await redis.script_load(script)
             await self._beat(redis)
+            registered.append(True)
 
+        registered: list[bool] = []
         await _keep_going("checks", checks, stop, once=True)
         await _keep_going("register", first, stop, once=True)
+        return bool(registered)
 
     async def _beat(self, redis: aioredis.Redis) -> None:
         fields = {r.model.name: heartbeat.published({**self._info, **r.published()}, r.stats)
@@ -212,8 +215,10 @@ class Worker:
             await self._beat(redis)
             await _sleep_or_stop(beating, self.config.heartbeat_interval_s)
 
-        await self._register(redis, stop)
-        if stop.is_set():  # stopped before it could register: it never served
+        registered = await self._register(redis, stop)
+        if stop.is_set():  # stopped at its start: it never served
+            if registered:  # (a stop during its first beat, or its versions drained)
+                await self._leave(redis)
             return True
         tasks = [asyncio.create_task(_keep_going(
             f"model={r.model.name}", functools.partial(self._remapping, r.serve, stop), stop))

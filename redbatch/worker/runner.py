@@ -25,7 +25,7 @@ from redbatch.worker.claim_levels import LevelClaimer
 from redbatch.worker.deadlines import (
     DROP_FACTOR,
     REPLY_MARGIN_MS,
-    drop_infeasible,
+    drop_late,
     fixed_plan,
     order_by_deadline,
 )
@@ -56,6 +56,7 @@ class LeaseLost(RedbatchError):
 
 PREFETCH_MAX_MS = 50.0  # prefetch the next batch only while recent passes were shorter
 ROWS_SMOOTHING = 0.5  # weight of the last claim in the rows-per-entry estimate
+DROP_ROUNDS = 8  # plans of a batch that hopeless requests are dropped from, at most
 
 
 @dataclass(slots=True)
@@ -497,8 +498,8 @@ class BatchRunner:
                 item.request.deadline_ms for item in items) >= now_ms + DROP_FACTOR * (
                 worst_ms * len(items)) + REPLY_MARGIN_MS:
             return 0
-        return drop_infeasible(decoded, now_ms, self._plan(items),
-                               self.stats.pass_times.estimate_ms)
+        return drop_late(decoded, now_ms, self._plan, self.stats.pass_times.estimate_ms,
+                         DROP_ROUNDS)
 
     def _plan(self, items: list[Item]) -> list[int | None]:
         """The pass of each item, as the forwarder would cut them now."""
