@@ -74,3 +74,15 @@ async def _until_served(producer: Client) -> list[Exception]:
             errors.append(exc)
             await asyncio.sleep(0.1)
     raise AssertionError(f"not served again within {RECOVER_S} s: {errors[-3:]}")
+
+
+async def test_a_dead_sentinel_listed_first_costs_no_retries(redis_sentinel: SentinelEngine
+                                                            ) -> None:
+    """One sentinel of three down, listed first: a new client asks it once and moves on
+    to the next (redis-py's default retry spent about 3.5 s on it, past deadlines)."""
+    redis_sentinel.sentinels[0].kill()
+    settings = RedisSettings(redis_sentinel.url, socket_timeout_s=3.0, connect_timeout_s=0.5)
+    started = time.monotonic()
+    async with Client(settings=settings, require_workers=False) as client:
+        assert await client.redis.ping()
+    assert time.monotonic() - started < 1.5
