@@ -131,14 +131,19 @@ async def test_a_lost_lease_is_noticed_and_nothing_is_lost(
     assert raw_redis.llen(key) == 0 and raw_redis.llen(protocol.queue_key(model.name)) == 0
 
 
-async def test_one_slow_pass_sends_the_next_ones_to_the_thread() -> None:
+async def test_one_slow_pass_sends_the_next_ones_to_the_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     slow = [False]
+    from redbatch.worker import forward
+
+    inline_ms = 100.0  # (above a trivial pass's hop to the thread under a loaded CI)
+    monkeypatch.setattr(forward, "AUTO_INLINE_MS", inline_ms)
 
     def fn(xs: list[int]) -> list[int]:
         calls.append(threading.current_thread().name)
         if slow[0]:
-            time.sleep(AUTO_INLINE_MS * 2 / 1000)
+            time.sleep(inline_ms * 2 / 1000)
         return xs
 
     with ThreadPoolExecutor(1, thread_name_prefix="fwd") as pool:
