@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -183,25 +185,29 @@ NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError,
                redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError)
 
 
-_REMAPS: weakref.WeakKeyDictionary[RedisCluster, asyncio.Lock] = weakref.WeakKeyDictionary()
+REMAP_GAP_S: Final = 0.5  # a cluster client's slot map is read again at most this often
+_REMAPS: weakref.WeakKeyDictionary[RedisCluster, tuple[asyncio.Lock, list[float]]] = \
+    weakref.WeakKeyDictionary()
 
 
 async def remap_after(client: object, exc: BaseException) -> None:
     """After ``exc`` from a node of ``client``'s cluster, read the slot map again (one
-    read at a time per client; one that fails is left to the next error).  redis-py
-    does so itself after one command's broken connection, but not after a pipeline's
+    read at a time per client, and none within ``REMAP_GAP_S`` of the last: an error
+    seen by several layers reads it once; a read that fails is left to the next error).
+    redis-py does so itself after one command's broken connection, but not after a pipeline's
     (sent without retries, as here), nor after one on a connection held outside it
     (``lean.ClusterLink``): a process whose other calls kept succeeding would go on
     calling the dead primary for ever.  (Not by redis-py's ``_initialize`` flag: while
     it is set, ``aclose`` closes nothing.)"""
     if not isinstance(client, RedisCluster) or not isinstance(exc, NODE_ERRORS):
         return
-    lock = _REMAPS.setdefault(client, asyncio.Lock())
-    if lock.locked():
-        return  # (a read under way will do)
+    lock, last = _REMAPS.setdefault(client, (asyncio.Lock(), [-math.inf]))
+    if lock.locked() or time.monotonic() - last[0] < REMAP_GAP_S:
+        return  # (a read under way, or just done, will do)
     async with lock:
         with contextlib.suppress(*REDIS_ERRORS):
             await client.nodes_manager.initialize()
+        last[0] = time.monotonic()
 
 
 def _timeouts(settings: RedisSettings) -> dict[str, Any]:

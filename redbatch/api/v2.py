@@ -29,7 +29,7 @@ from redbatch import __version__, protocol, versions
 from redbatch.api import body, v2_masked, v2_named, v2_tensors
 from redbatch.api.core import Picked
 from redbatch.api.directory import ModelInfo, probe_deadline_ms
-from redbatch.api.errors import ErrorResponse, public_message, retry_headers, status_of
+from redbatch.api.errors import error_for, public_message, retry_headers, status_of
 from redbatch.api.v2_generate import GenerateApi, path_name
 from redbatch.api.v2_repo import RepositoryApi
 from redbatch.api.v2_tensors import (
@@ -68,9 +68,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 def v2_error(exc: RedbatchError) -> JSONResponse:
     """``{"error": message}`` with the gateway's status for ``exc`` (422 -> 400)."""
     status = status_of(exc)
-    headers = {"x-redbatch-error-code": exc.code, **(retry_headers(exc, status) or {})}
-    return ErrorResponse({"error": public_message(exc)}, 400 if status == 422 else status,
-                         exc.code, headers)
+    return error_for("/v2", 400 if status == 422 else status, exc.code, public_message(exc),
+                     retry_headers(exc, status))
 
 
 def _v2_errors(handler: Handler) -> Handler:

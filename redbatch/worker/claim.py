@@ -412,8 +412,7 @@ class Claimer:
     async def _windowed(self, items: list[bytes], size: int) -> list[bytes]:
         """A batch begun with ``items``, topped up through the policy's window (none for
         a full one, or a lone request in a quiet spell)."""
-        self._rows = 0
-        self._count(items)
+        self._recount(items)
         if self._full(items, size) or not self._worth_waiting(len(items)):
             return items  # full, or a lone request in a quiet spell: not even a top-up
         if self._policy.batch_wait_timeout_s > 0 or not self._policy.allow_small_batch:
@@ -486,6 +485,10 @@ class Claimer:
         return not policy.allow_small_batch or \
             policy.batch_wait_timeout_s * 1000 > WINDOW_MARGIN_MS
 
+    def _recount(self, items: list[bytes]) -> None:
+        self._rows = 0
+        self._count(items)
+
     def _count(self, new: list[bytes]) -> None:
         if self._by_rows():
             self._rows += sum(map(peek_rows, new))
@@ -523,8 +526,7 @@ class Claimer:
         if policy is self._policy:
             return size, window_end_ms
         self._policy = policy
-        self._rows = 0
-        self._count(items)  # (items are counted only where the new policy counts them)
+        self._recount(items)  # (items are counted only where the new policy counts them)
         size = min(size, policy.max_batch_size)
         return size, min(window_end_ms, self._window_end_ms(items, size))
 

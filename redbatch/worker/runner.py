@@ -503,13 +503,10 @@ class BatchRunner:
 
     def _plan(self, items: list[Item]) -> list[int | None]:
         """The pass of each item, as the forwarder would cut them now."""
-        size = self.model.policy.max_batch_size
-        if not self._forwarder.several_passes:
-            return fixed_plan(len(items), size)
         try:
             return self._forwarder.plan([item.value for item in items])
         except Exception:  # (the pass itself will say what is wrong)
-            return fixed_plan(len(items), size)
+            return fixed_plan(len(items), self.model.policy.max_batch_size)
 
     def _next_claim_count(self, batch: Claimed) -> int:
         """Entries to claim next so that about ``max_batch_size`` items come: fewer
