@@ -177,7 +177,8 @@ def tls_unverified(url: str) -> bool:
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     """A finite number above 0 (or 0 itself, with ``allow_zero``): NaN and infinity are
     refused, as they would pass every comparison's check or none."""
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}"
                           f", got {value!r}")
 
@@ -411,6 +412,18 @@ def check_gateway(config: GatewayConfig, redis: RedisSettings) -> None:
     the port is bound or a process started: one message, not one per process."""
     check_socket_timeout(redis, config.block_timeout_s)
     config.replica_wait.check_budget(config.default_timeout_s, redis.socket_timeout_s)
+
+
+def check_client(block_timeout_s: float, listener_idle_s: float, max_queue_len: int,
+                 max_waiters: int) -> None:
+    """A ``Client``'s own limits: durations as settings take them (``_seconds``), caps
+    whole numbers >= 1."""
+    _seconds("block_timeout_s", block_timeout_s)
+    _seconds("listener_idle_s", listener_idle_s)
+    for name, value in (("max_queue_len", max_queue_len), ("max_waiters", max_waiters)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        _at_least_one(name, value)
 
 
 def check_socket_timeout(redis: RedisSettings, block_timeout_s: float) -> None:

@@ -117,6 +117,7 @@ STREAM_MAX_BUFFERED_BYTES: Final = 32 << 20  # ... and their bytes (on the wire)
 # A streaming entry's marker (``request_key``): ``q`` queued, ``s<n>`` once chunks
 # 0..n-1 went out, ``d`` once its final message went out.
 STREAMED_PREFIX: Final = "s"
+MAX_REQUEST_ID_CHARS: Final = 128  # a request's id: 1 to this many characters
 
 
 # --- keys ---------------------------------------------------------------------
@@ -654,8 +655,23 @@ def _warn_bad_trace_id() -> None:
 
 
 def _checked_id(request_id: str) -> str:
-    if not 1 <= len(request_id) <= 128:
+    if not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
         raise InvalidPayload("field 'id' must be 1-128 characters")
+    return request_id
+
+
+def check_request_id(request_id: Any) -> str:
+    """A caller's own request id, as a worker will take it: 1-128 characters of text
+    that encodes as UTF-8; else ``InvalidPayload`` (before anything is enqueued)."""
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise InvalidPayload(f"request_id must be a str of 1-{MAX_REQUEST_ID_CHARS} "
+                             f"characters, got {type(request_id).__name__} "
+                             f"{repr(request_id)[:40]}")
+    try:
+        request_id.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidPayload("request_id must encode as UTF-8 (it holds a lone "
+                             "surrogate)") from exc
     return request_id
 
 

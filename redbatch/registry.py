@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
 
 from redbatch import defaults, lua, protocol, versions
+from redbatch.errors import RedbatchError
 from redbatch.levels import ONE, Levels, from_summary
 from redbatch.redis_conn import idempotent
+
+T = TypeVar("T")
 
 
 async def live_workers(redis: aioredis.Redis, model: str) -> list[dict[str, Any]]:
@@ -79,6 +82,20 @@ class LiveSummary:
         return self.at + refresh_s
 
 
+async def shared(flight: asyncio.Future[T]) -> T:
+    """The result of a read that several callers await, shielded: a caller's
+    cancellation spares the others'.  The read cancelled under a caller that nobody
+    cancelled (its client closing: ``aclose``) is ``RedbatchError`` for that caller,
+    not a cancellation it never asked for."""
+    try:
+        return await asyncio.shield(flight)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if flight.cancelled() and (task is None or not task.cancelling()):
+            raise RedbatchError("the client closed while this call read Redis") from None
+        raise
+
+
 MAX_SUMMARIES = 4096  # models whose live summary a process keeps (unknown names first out)
 
 
@@ -111,7 +128,7 @@ class LiveCache:
             flight = asyncio.ensure_future(self._read(model))
             self._flights[model] = flight
             flight.add_done_callback(lambda done: self._landed(model, done))
-        return await asyncio.shield(flight)  # a caller's cancellation spares the others'
+        return await shared(flight)
 
     async def aclose(self) -> None:
         """Cancel the reads in flight (their callers may have gone: a shielded read

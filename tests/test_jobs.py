@@ -352,14 +352,15 @@ def test_the_output_is_written_through_a_fresh_file_never_a_planted_link(
 
 def test_jobs_that_could_not_run_are_refused_at_submit(raw_redis: redis.Redis) -> None:
     """An empty queue name (the job waited where no RQ worker looks), a source URL
-    with a password (stored in the job in clear), and chunks past the requests one
+    with a password, its scheme in any case (stored in the job in clear), and chunks past the requests one
     process may have waiting (every run failed ``QueueFull``)."""
     from redbatch.errors import ConfigError
 
     with pytest.raises(ConfigError, match="queue name"):
         submit_bulk(raw_redis, "inc", [1], queue=" ")
-    with pytest.raises(BadSource, match="user or password"):
-        submit_bulk(raw_redis, "inc", "https://u:pw@example.com/in.jsonl")
+    for scheme in ("https", "HTTPS", "Http"):  # (any case: it was taken as a file path)
+        with pytest.raises(BadSource, match="user or password"):
+            submit_bulk(raw_redis, "inc", f"{scheme}://u:pw@example.com/in.jsonl")
     with pytest.raises(ConfigError, match="at most 10000"):
         BulkOptions(chunk_size=20_000)
     assert Queue(BULK_QUEUE, connection=raw_redis).count == 0

@@ -43,7 +43,8 @@ class Inputs:
 
 
 def is_url(source: object) -> bool:
-    return isinstance(source, str) and source.startswith(("http://", "https://"))
+    """An http(s) URL, its scheme in any case (``HTTPS://`` too: never a file path)."""
+    return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
 
 
 def file_format(name: str) -> str:

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redbatch import defaults, protocol
 from redbatch.pipelines.definition import Pipeline, parse_registry
 from redbatch.redis_conn import idempotent
+from redbatch.registry import shared
 
 log = logging.getLogger("redbatch.pipelines")
 MAX_MODEL_NAMES = 10_000  # names known to be no pipeline kept at most (then forgotten)
@@ -52,7 +53,7 @@ class PipelineBook:
         never = self._read_at == -float("inf")
         if never or self._due():
             try:
-                await asyncio.shield(self._start_read())
+                await shared(self._start_read())
             except Exception:
                 if never and self._read_at == -float("inf"):
                     raise

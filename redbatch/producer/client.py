@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 from redbatch import codec, defaults, knobs, lua, protocol, versions
 from redbatch.checks import check_eviction
 from redbatch.codec import Format
-from redbatch.config import RedisSettings, ReplicaWait, check_socket_timeout
+from redbatch.config import RedisSettings, ReplicaWait, check_client, check_socket_timeout
 from redbatch.errors import ConfigError, InvalidPayload, QueueFull, RedbatchError
 from redbatch.lean import LeanLink
 from redbatch.pipelines.book import PipelineBook
@@ -82,6 +83,7 @@ class Client:
                  listener_idle_s: float = defaults.LISTENER_IDLE_S,
                  replica_wait: ReplicaWait | None = None) -> None:
         self.settings = settings or RedisSettings.from_env(url)
+        check_client(block_timeout_s, listener_idle_s, max_queue_len, max_waiters)
         check_socket_timeout(self.settings, block_timeout_s)
         if not 0 < default_timeout_s <= max_timeout_s <= protocol.MAX_TIMEOUT_S:
             raise ConfigError("need 0 < default_timeout_s <= max_timeout_s <= "
@@ -108,14 +110,24 @@ class Client:
         self._enqueuer: Enqueuer | None = None
         self._start_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
+        self._closed = False  # ``close`` was called, and ``start`` not since
         self._cancels: set[asyncio.Task[None]] = set()  # streams' cancels under way
 
     # --- life cycle ---------------------------------------------------------
     async def start(self) -> None:
         """Connect (failing fast with ``RedisUnavailable``); each model's reply listener
-        starts with its first request."""
+        starts with its first request.  A closed client starts again (on any loop)."""
+        self._closed = False
+        await self._open()
+
+    async def _open(self) -> None:
+        """``start``, as a request (or an admin call) does it when the client is not
+        started yet: ``RedbatchError`` once ``close`` was called (a request racing the
+        close, or made after it, never opens a new connection pool that nobody closes)."""
         self._check_loop()
         async with self._start_lock:
+            if self._closed:
+                raise RedbatchError("the client is closed (start it again to use it)")
             if self._listeners is not None:
                 return
             # each running reply listener (one per model in use) holds a connection: room
@@ -148,20 +160,22 @@ class Client:
     def _check_loop(self) -> None:
         """``RedbatchError`` when a started client is used from another event loop than
         the one that started it (its connections, listeners and tasks live there);
-        a closed client starts again on any loop."""
+        a closed client may be started again on any loop (``start``)."""
         loop = asyncio.get_running_loop()
         if self._loop is None or self._loop is loop:
             return
         if self._listeners is not None:
             raise RedbatchError("this Client was started on another event loop: use one "
-                                "Client per loop, or close it before using it on another")
+                                "Client per loop, or close it and start it again there")
         self._loop, self._start_lock = None, asyncio.Lock()  # (closed: start afresh)
 
     async def close(self) -> None:
         # every task on the pool ends before it closes: one that went on would take a
         # connection of the closed pool and leave it open; the pool closes even if
         # ending one of them failed (behind Sentinel, its sentinels' links with it);
-        # a start under way (a request's) ends first, so that close closes what it made
+        # a start under way (a request's) ends first, so that close closes what it made;
+        # requests refuse to start it again (``_open``) until ``start`` is called
+        self._closed = True
         async with self._start_lock:
             try:
                 await self._end_tasks()
@@ -221,6 +235,7 @@ class Client:
     async def live_workers(self, model: str, deadline_ms: int | None = None) -> int:
         """Live workers of ``model`` (cached for a second); a look-up in Redis (and a
         start) ends by ``deadline_ms`` (``DeadlineExceeded``)."""
+        protocol.check_model_name(model)
         if self._listeners is not None and (live := self._admission.live_cached(model)) \
                 is not None:
             return live
@@ -238,7 +253,7 @@ class Client:
         """``read(model)`` from the registry (starting the client if needed), ending by
         ``deadline_ms``, with Redis errors translated."""
         async with deadline_bound(deadline_ms, f"looking up the workers of {model!r}"):
-            await self.start()
+            await self._open()
             async with translated(self.settings):
                 return await read(model)
 
@@ -328,7 +343,7 @@ class Client:
         two seconds, and they outlive worker restarts.  Returns ``{"overrides": ...,
         "effective": ...}``; with no knobs and no reset, changes nothing.  A bad knob
         or value raises ``InvalidKnob`` (a ``ConfigError``) and stores nothing."""
-        await self.start()
+        await self._open()
         async with translated(self.settings):
             if not values and not reset:
                 return await knobs.show(self.redis, model)
@@ -342,7 +357,7 @@ class Client:
         version (no new traffic; its workers stop once its queue is empty) or
         ``undrain`` it.  Gateways and clients apply a change within about a second.
         Returns what ``GET /v1/models/{model}/versions`` shows."""
-        await self.start()
+        await self._open()
         changes = {"latest": latest, "drain": drain, "undrain": undrain}
         async with translated(self.settings):
             table = None
@@ -396,6 +411,9 @@ class Client:
     def deadline_ms(self, timeout_s: float | None) -> int:
         """Absolute deadline: ``timeout_s`` (default if None), capped at the maximum."""
         chosen = self.default_timeout_s if timeout_s is None else timeout_s
+        if isinstance(chosen, bool) or not isinstance(chosen, int | float) or \
+                math.isnan(chosen):
+            raise InvalidPayload(f"timeout_s must be a number of seconds, got {chosen!r}")
         chosen = min(max(chosen, 0.0), self.max_timeout_s)
         return protocol.now_ms() + round(chosen * 1000)
 
@@ -448,9 +466,10 @@ class Client:
         self._check_loop()
         if self._listeners is None:
             async with deadline_bound(deadline_ms, "connecting to Redis"):
-                await self.start()
+                await self._open()
         listeners = self._listeners
-        assert listeners is not None
+        if listeners is None:  # (closed meanwhile)
+            raise RedbatchError("client is closing")
         protocol.check_model_name(model)
         self._check_room(listeners, count)
         if self.require_workers:
@@ -465,7 +484,12 @@ class Client:
                             defaults.RETRY_AFTER_S)
 
     def _deadline(self, timeout_s: float | None, deadline_ms: int | None) -> int:
-        return self.deadline_ms(timeout_s) if deadline_ms is None else deadline_ms
+        if deadline_ms is None:
+            return self.deadline_ms(timeout_s)
+        if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int):
+            raise InvalidPayload(f"deadline_ms must be epoch milliseconds (an int), got "
+                                 f"{deadline_ms!r}")
+        return deadline_ms
 
     async def submit(self, model: str, inputs: Any, timeout_s: float | None = None, *,
                      reply: bool = False, request_id: str | None = None, trace_id: str = "",
@@ -484,6 +508,7 @@ class Client:
         out of its range: ``InvalidPayload``); ``version``: the model's version to run
         (None: by its routing table's weights, ``redbatch.versions``)."""
         deadline = self._deadline(timeout_s, deadline_ms)
+        _check_call(model, [request_id] if request_id is not None else None, max_queue_len)
         if version is None and self.direct(model):  # the plain path: no look-up awaited
             return await self._submit_direct(model, inputs, reply=reply,
                                              request_id=request_id, trace_id=trace_id,
@@ -553,9 +578,10 @@ class Client:
         multi-row request; its future resolves to the rows' outputs (or
         its ``Reply``, whose ``row_errors`` name the failed rows).  ``priority`` and
         ``version``: as for ``submit``, for every input."""
-        if not inputs:
+        if not _rows_of(inputs):
             return []
         deadline = self._deadline(timeout_s, deadline_ms)
+        _check_call(model, request_ids, max_queue_len)
         direct = self._plain_ready(model, version, len(inputs))
         model, listeners, pipeline = (model, direct, None) if direct is not None \
             else await self._resolve(model, version, len(inputs), deadline)
@@ -754,6 +780,24 @@ def _in_order(futures: list[RequestFuture[Any]], groups: dict[str, list[int]]
     for future, index in zip(futures, (i for g in groups.values() for i in g), strict=True):
         ordered[index] = future
     return ordered
+
+
+def _rows_of(inputs: Any) -> int:
+    """How many inputs a ``submit_many`` got: a list, a tuple or an array of them (a
+    mapping, a string or a generator is refused with ``InvalidPayload``)."""
+    if isinstance(inputs, str | bytes | Mapping) or not isinstance(inputs, Sequence | np.ndarray):
+        raise InvalidPayload(f"inputs must be a list (or a tuple, or an array) of inputs, "
+                             f"got {type(inputs).__name__}")
+    return len(inputs)
+
+
+def _check_call(model: str, request_ids: Sequence[str] | None, cap: int | None) -> None:
+    """A call's own arguments, before any look-up: ``InvalidPayload`` naming the bad one."""
+    protocol.check_model_name(model)
+    for request_id in request_ids or ():
+        protocol.check_request_id(request_id)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise InvalidPayload(f"max_queue_len must be a whole number >= 1, got {cap!r}")
 
 
 def _rows(batch: Any) -> int:

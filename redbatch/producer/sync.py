@@ -48,7 +48,18 @@ class SyncClient:
             if self._closed:
                 coro.close()
                 raise RedbatchError("the client is closed")
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            return asyncio.run_coroutine_threadsafe(self._settled(coro), self._loop)
+
+    async def _settled(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``, whose cancellation by ``close`` (a call still starting, or still
+        waiting, when the loop's tasks are cancelled) is ``RedbatchError`` for its
+        caller, as the client's own close gives the calls it ends."""
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if not self._closed:
+                raise  # (its caller cancelled it)
+            raise RedbatchError("the client closed before the reply arrived") from None
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         future = self._schedule(coro)
