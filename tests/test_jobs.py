@@ -352,8 +352,8 @@ def test_the_output_is_written_through_a_fresh_file_never_a_planted_link(
 
 def test_jobs_that_could_not_run_are_refused_at_submit(raw_redis: redis.Redis) -> None:
     """An empty queue name (the job waited where no RQ worker looks), a source URL
-    with a password, its scheme in any case (stored in the job in clear), and chunks past the requests one
-    process may have waiting (every run failed ``QueueFull``)."""
+    with a password, its scheme in any case (stored in the job in clear), and chunks
+    past the requests one process may have waiting (every run failed ``QueueFull``)."""
     from redbatch.errors import ConfigError
 
     with pytest.raises(ConfigError, match="queue name"):

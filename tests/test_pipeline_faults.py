@@ -101,6 +101,50 @@ async def test_an_input_too_large_for_the_next_stage_is_refused_alone(
     assert raw_redis.llen(small) == 0
 
 
+async def test_a_final_reply_over_an_entrys_limit_is_a_model_error(
+        client: aioredis.Redis, raw_redis: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last stage's reply fitted; with the stages' timings added the final one did
+    not: the caller's client dropped it and waited out its deadline."""
+    monkeypatch.setattr(protocol, "MAX_ENTRY_BYTES", 1000)
+    big, small = protocol.reply_key("calc", "big"), protocol.reply_key("calc", "small")
+    await put(client, "dbl", "big", ctx_json(big), payload="x" * 990)
+    await put(client, "dbl", "small", ctx_json(small), payload=8)
+    await hand_on(client, "dbl")
+    refused = got(raw_redis, big)
+    assert refused.error_code == "model_error"
+    assert "over the 1000-byte limit" in refused.error_message
+    assert got(raw_redis, small).payload == 8
+
+
+def test_a_pipeline_naming_a_pipeline_as_a_stage_is_refused() -> None:
+    """Its hand-offs went to the other pipeline's name, a queue nothing serves: every
+    request waited out its deadline."""
+    nested = Pipeline("nested", ["inc", "calc"])
+    with pytest.raises(ConfigError, match="stage 'calc' is a pipeline"):
+        Worker([inc()], RedisSettings(), FAST_WORKER, pipelines=[CALC, nested])
+
+
+async def test_a_stored_pipeline_naming_a_pipeline_is_not_served(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    from redbatch.errors import NoLiveWorkers, UnknownModel
+    from redbatch.pipelines.definition import registry_mapping
+
+    nested = Pipeline("nested", ["inc", "calc"])
+    raw_redis.hset(protocol.PIPELINES_KEY, mapping=registry_mapping([CALC, nested]))
+    stop = asyncio.Event()
+    task = asyncio.create_task(Worker([inc()], RedisSettings(redis_url), FAST_WORKER).run(stop))
+    try:
+        await wait_live(redis_url, "calc", timeout_s=5)  # (both in the same tick)
+        assert raw_redis.zcard(protocol.workers_key("nested")) == 0
+        async with Client(redis_url) as client:
+            with pytest.raises((NoLiveWorkers, UnknownModel)):
+                await client.predict("nested", 1, timeout_s=5)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
 async def test_a_refusal_raised_for_a_whole_group_is_retried_command_by_command(
         client: aioredis.Redis, raw_redis: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -167,6 +167,26 @@ async def test_a_stage_error_names_the_stage(workers: Workers, redis_url: str) -
         assert await client.predict("calc", 1, timeout_s=5) == 4
 
 
+async def test_a_row_a_stage_before_the_last_fails_stops_its_requests_rows(
+        workers: Workers, redis_url: str) -> None:
+    """The good rows' outputs were the failing stage's (``inc``'s 2 and 3 for 1 and 2),
+    given to the caller as the pipeline's answer."""
+    workers.start([inc(), dbl(Counted())], [CALC])
+    await wait_live(redis_url, "calc")
+    async with Client(redis_url) as client:
+        (whole,) = await client.submit_many("calc", [[1, 2, 3]], timeout_s=5, batched=True)
+        assert list(await whole) == [4, 6, 8]
+        (rows,) = await client.submit_many("calc", [[1, 2, -1]], timeout_s=5, batched=True,
+                                           reply=True)
+        reply = await rows
+    assert reply.payload == [None, None, None]
+    assert "stage 'inc' failed" in reply.row_errors[2][1]
+    assert "no -1 here" in reply.row_errors[2][1]
+    for row in (0, 1):
+        assert reply.row_errors[row][0] == "model_error"
+        assert "not computed further: row(s) 2 of this request" in reply.row_errors[row][1]
+
+
 async def test_deadline_priority_and_trace_travel_to_the_next_stage(
         workers: Workers, redis_url: str, raw_redis: redis.Redis) -> None:
     counted = Counted()
@@ -332,6 +352,11 @@ async def test_a_pipeline_stored_in_redis_is_served_and_shown_by_status(
     console.print(pipeline_status.table([calc]))
     text = console.export_text()
     assert "1. inc" in text and "2. dbl" in text
+    raw_redis.set(protocol.outbox_key("inc"), b"garbage")  # (it used to fail the whole read)
+    (calc,) = pipeline_status.read(raw_redis, snap)
+    assert [s.handoff_backlog for s in calc.stages] == [None, 0]
+    console.print(pipeline_status.table([calc]))
+    raw_redis.delete(protocol.outbox_key("inc"))
 
 
 def test_the_configuration_file_declares_pipelines(tmp_path: Any) -> None:

@@ -945,3 +945,31 @@ async def test_a_stream_given_up_on_this_side_is_cancelled_in_redis(
         last = client.stream("counter", {"n": 500}, 20)
         assert await anext(last) == "0"
     assert cancelled(last.request_id)
+
+
+def _oversized(batch: Any) -> Any:
+    """Per member: ``"chunk"`` yields a chunk over an entry's limit, ``"error"`` an
+    exception whose message is, anything else one small chunk."""
+    too_many = "x" * (protocol.MAX_ENTRY_BYTES + 10)
+    yield [too_many if v == "chunk" else ValueError(too_many) if v == "error" else "small"
+           for v in batch]
+
+
+async def test_a_chunk_or_error_over_an_entrys_limit_ends_its_stream_with_a_model_error(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """The chunk went out all the same (the caller's client dropped it, then failed
+    the stream on the gap: 'chunk 1 came where 0 was due'; over HTTP a 500); the error
+    message's final message never arrived (the caller waited out its deadline and the
+    grace)."""
+    from redbatch.worker.model import Model
+
+    start_worker([Model("oversized", fn=_oversized, policy=stream_models.policy(4, 0.0))])
+    await wait_live(redis_url, "oversized")
+    async with Client(redis_url) as client:
+        for value, what in (("chunk", "chunk"), ("error", "final message")):
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ModelError, match=f"gave a {what} of .* over the"):
+                async for _chunk in client.stream("oversized", value, 10):
+                    pass
+            assert asyncio.get_running_loop().time() - started < 5
+        assert [c async for c in client.stream("oversized", "ok", 10)] == ["small"]

@@ -23,6 +23,7 @@ from redbatch.worker.model import Model
 
 log = logging.getLogger("redbatch.pipelines")
 STALE_LEASES_MS = 60_000  # a pipeline's lapsed leases are dropped this long after
+STOP_TIMEOUT_S = 3.0  # at a stop: the movers' last steps, then the leave, each at most
 
 
 class PipelineDuty:
@@ -46,25 +47,51 @@ class PipelineDuty:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Look at the registry every ``interval_s`` until ``stop``; then the movers
-        finish their last step and this worker leaves its pipelines."""
+        finish their last step and this worker leaves its pipelines.  Cancelled (a stop
+        that a stalled Redis held too long), the movers are cancelled at once: their
+        records stay under their leases, and the pipelines' leases expire."""
         mover_stop = asyncio.Event()
         try:
-            while not stop.is_set():
-                check_cancelled()  # (a cancel that redis-py swallowed)
-                try:
-                    await self.tick(mover_stop)
-                except REDIS_ERRORS as exc:
-                    log.warning("pipelines: %s: %s", type(exc).__name__, exc)
-                except Exception:  # a bug, or a bad value in Redis: the next tick again
-                    log.exception("pipelines: the duty's tick failed")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._interval_s)
-        finally:
+            await self._ticks(stop, mover_stop)
             mover_stop.set()
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await self._movers_end()
+        finally:  # (a cancel's: these run to their end, each bounded)
+            await self._movers_end(0.0)
             await self._live.aclose()
-            with contextlib.suppress(Exception):
-                await self._leave()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._leave(), STOP_TIMEOUT_S)
+
+    async def _ticks(self, stop: asyncio.Event, mover_stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            check_cancelled()  # (a cancel that redis-py swallowed)
+            try:
+                await self.tick(mover_stop)
+            except REDIS_ERRORS as exc:
+                log.warning("pipelines: %s: %s", type(exc).__name__, exc)
+            except Exception:  # a bug, or a bad value in Redis: the next tick again
+                log.exception("pipelines: the duty's tick failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._interval_s)
+
+    async def _movers_end(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """The movers' last steps, for ``timeout_s`` at most (a stalled Redis must not
+        hold the worker's stop): those still running then are cancelled, their records
+        left under their leases for the stage's other workers."""
+        tasks = list(self._tasks.values())
+        if not tasks:
+            return
+        pending = set(tasks)
+        try:
+            if timeout_s > 0:
+                _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        finally:  # (the duty cancelled meanwhile: its movers end with it, none left running)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if pending and timeout_s > 0:
+            log.warning("pipelines: %d hand-off(s) did not finish their last step in "
+                        "%.0f s; their records are left to the stage's other workers",
+                        len(pending), timeout_s)
 
     async def tick(self, mover_stop: asyncio.Event) -> None:
         """Store the declared pipelines, start the movers of new stages, renew the
@@ -75,7 +102,7 @@ class PipelineDuty:
         known = parse_registry(await self._redis.hgetall(protocol.PIPELINES_KEY))
         self._revive(mover_stop)
         for pipe in known.values():
-            if self._servable(pipe):
+            if self._servable(pipe, known):
                 for stage in pipe.models:
                     if stage in self._models and stage not in self.movers:
                         self._start(stage, mover_stop)
@@ -99,10 +126,10 @@ class PipelineDuty:
                 log.error("stage=%s: its hand-off ended (%r); started again", stage, error)
                 self._start(stage, stop)
 
-    def _servable(self, pipe: Pipeline) -> bool:
+    def _servable(self, pipe: Pipeline, known: dict[str, Pipeline]) -> bool:
         """False (logged once) if a stage of ``pipe`` is served here in a way a pipeline
-        cannot route to (``unservable``)."""
-        problem = unservable(pipe, list(self._models.values()))
+        cannot route to (``unservable``), or is a pipeline (``nested_stage``)."""
+        problem = unservable(pipe, list(self._models.values())) or nested_stage(pipe, known)
         if problem and pipe.name not in self._refused:
             self._refused.add(pipe.name)
             log.error("pipeline %r is not served by this worker: %s", pipe.name, problem)
@@ -190,9 +217,21 @@ def is_model_meta(raw: bytes) -> bool:
 
 def check_declared(pipelines: list[Pipeline], models: list[Model]) -> None:
     """``ConfigError`` if ``models`` cannot serve a stage of ``pipelines``."""
+    names = {pipe.name: pipe for pipe in pipelines}
     for pipe in pipelines:
-        if problem := unservable(pipe, models) or streamed_stage(pipe, models):
+        if problem := unservable(pipe, models) or streamed_stage(pipe, models) or \
+                nested_stage(pipe, names):
             raise ConfigError(f"pipeline {pipe.name!r}: {problem}")
+
+
+def nested_stage(pipe: Pipeline, pipelines: dict[str, Pipeline]) -> str:
+    """Why a stage of ``pipe`` cannot be run ("" if none): one that names a pipeline
+    (of ``pipelines``) gets its hand-offs in a queue that nothing serves."""
+    for stage in pipe.models:
+        if stage in pipelines:
+            return (f"stage {stage!r} is a pipeline: a stage must be a model (list the "
+                    f"other pipeline's stages instead)")
+    return ""
 
 
 def streamed_stage(pipe: Pipeline, models: list[Model]) -> str:

@@ -4,13 +4,14 @@ by its marker in the pipeline's slot)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final
 
 from redis.exceptions import NoScriptError
 
 from redbatch import codec, defaults, lua, protocol
-from redbatch.errors import InvalidPayload, NoLiveWorkers, QueueFull, RedbatchError
+from redbatch.errors import InvalidPayload, ModelError, NoLiveWorkers, QueueFull, RedbatchError
 from redbatch.lean import LeanLink, script_sha
 from redbatch.levels import Levels
 from redbatch.pipelines.context import Context
@@ -130,13 +131,45 @@ def final_wire(reply: Reply, ctx: Context, stage: str) -> dict[str, Any]:
     return wire
 
 
+def rows_stopped(reply: Reply) -> Reply:
+    """The pipeline's answer to a multi-row request some of whose rows a stage before
+    the last failed: the request ends there, and no row's output is given (each is that
+    stage's, not the pipeline's); the failed rows keep their errors, the others say
+    that they were not computed further."""
+    if not isinstance(reply.payload, list):  # (a multi-row reply's payload is its rows)
+        return Reply(reply.id, False, error_code=ModelError.code, timings=reply.timings,
+                     error_message=next(iter(reply.row_errors.values()))[1])
+    failed = sorted(reply.row_errors)
+    named = ", ".join(map(str, failed[:8])) + (", ..." if len(failed) > 8 else "")
+    stopped = (ModelError.code, f"not computed further: row(s) {named} of this request "
+                                "failed here, and its other rows stop with them")
+    rows = len(reply.payload)
+    return dataclasses.replace(reply, payload=[None] * rows, row_errors={
+        row: reply.row_errors.get(row, stopped) for row in range(rows)})
+
+
 def deliver_command(request_id: str, wire: dict[str, Any], ctx: Context) -> Command:
     """Push the final reply to the caller, at most once: the script answers 0 if the
     request had its reply already."""
     keys = [protocol.request_key(ctx.pipeline, request_id), ctx.reply_to]
     ttl_ms = protocol.marker_ttl_ms(ctx.deadline_ms, protocol.now_ms())
-    return Command(lua.HANDOFF_DELIVER, keys,
-                   [ttl_ms, codec.encode(wire, ctx.fmt), protocol.REPLY_TTL_S], ctx.pipeline)
+    data = codec.encode(wire, ctx.fmt)
+    if len(data) > protocol.MAX_ENTRY_BYTES:  # no reader would take it: say so instead
+        data = codec.encode(_too_large(wire, len(data)), ctx.fmt)
+    return Command(lua.HANDOFF_DELIVER, keys, [ttl_ms, data, protocol.REPLY_TTL_S],
+                   ctx.pipeline)
+
+
+def _too_large(wire: dict[str, Any], size: int) -> dict[str, Any]:
+    """In place of a final reply over ``MAX_ENTRY_BYTES`` (the last stage's reply fits,
+    its stages' timings and messages added may not): ``model_error`` saying so."""
+    failed = Reply(str(wire[protocol.F_ID]), False, error_code=ModelError.code,
+                   error_message=f"the pipeline's reply takes {size} bytes, over the "
+                                 f"{protocol.MAX_ENTRY_BYTES}-byte limit (send fewer rows "
+                                 "per request)").to_wire()
+    failed[protocol.F_STAGES] = wire.get(protocol.F_STAGES, [])
+    failed[protocol.F_TIMINGS] = wire.get(protocol.F_TIMINGS, failed[protocol.F_TIMINGS])
+    return failed
 
 
 def refusal_commands(request_id: str, raw: bytes, exc: Exception, stage: str

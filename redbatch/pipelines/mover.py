@@ -154,6 +154,8 @@ class Mover:
         parts; a request past its deadline is answered ``deadline_exceeded`` here,
         never computed further."""
         if not reply.ok or reply.row_errors or not ctx.route:  # the final reply
+            if reply.row_errors and ctx.route:  # (this stage's outputs are not the answer)
+                reply = handoff.rows_stopped(reply)
             done = ctx.passed(self.stage, reply.timings)
             return [handoff.deliver_command(
                 reply.id, handoff.final_wire(reply, done, self.stage), ctx)]

@@ -71,8 +71,11 @@ class ChunkQueue:
         when none comes in time."""
         wait_s = (self.deadline_ms + protocol.STREAM_GRACE_MS - protocol.now_ms()) / 1000
         try:
-            item = self._queue.get_nowait() if not self._queue.empty() else \
-                await asyncio.wait_for(self._queue.get(), max(0.0, wait_s))
+            if not self._queue.empty():
+                item = self._queue.get_nowait()
+            else:  # (not ``wait_for``: on Python 3.11 it may swallow the caller's cancel
+                async with asyncio.timeout(max(0.0, wait_s)):  # when a chunk comes then)
+                    item = await self._queue.get()
         except TimeoutError:
             raise DeadlineExceeded(f"stream {self.request_id}: no message before its "
                                    "deadline") from None

@@ -257,11 +257,8 @@ class Worker:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         beating.set()
-        await heart
-        try:
-            await duty
-        except Exception:  # never the end of a clean exit
-            log.exception("pipelines: the duty failed")
+        await asyncio.gather(_ended(heart, LEAVE_TIMEOUT_S, "the heartbeat"),
+                             _ended(duty, LEAVE_TIMEOUT_S, "the pipelines' duty"))
         await self._leave(redis)
         return not pending
 
@@ -288,6 +285,20 @@ class Worker:
         for reaper in self._reapers.values():
             await reaper.reap(self.worker_id, force=True)
         await heartbeat.leave(redis, self.models, self.worker_id)
+
+
+async def _ended(task: asyncio.Task[None], timeout_s: float, what: str) -> None:
+    """``task``'s end at a stop, waited for ``timeout_s`` at most (a stalled Redis must
+    not hold the stop), then cancelled; a failure is logged, never the end of a clean
+    exit.  (The duty's cancel still lets its movers end, each step bounded.)"""
+    _done, pending = await asyncio.wait([task], timeout=timeout_s)
+    if pending:
+        log.warning("%s had not ended %.0f s after the batch loops (Redis stalled?): "
+                    "cancelled", what, timeout_s)
+        task.cancel()
+    (result,) = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(result, Exception):
+        log.error("%s failed", what, exc_info=result)
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

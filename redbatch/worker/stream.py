@@ -246,7 +246,16 @@ class StreamRunner(BatchRunner):
             chunk.error_code, chunk.error_message = error.code, str(error)
         self.stats.entries += 1
         self.stats.items += 1
-        return Message(member, codec.encode(chunk.to_wire(), member.fmt), True, member.seq)
+        data = codec.encode(chunk.to_wire(), member.fmt)
+        if len(data) > protocol.MAX_ENTRY_BYTES:  # (an error's message of many MiB)
+            chunk.error_code, chunk.error_message = ModelError.code, self._too_large(
+                "final message", len(data))
+            data = codec.encode(chunk.to_wire(), member.fmt)
+        return Message(member, data, True, member.seq)
+
+    def _too_large(self, what: str, size: int) -> str:
+        return (f"model {self.model.name!r} gave a {what} of {size} bytes, over the "
+                f"{protocol.MAX_ENTRY_BYTES}-byte limit of an entry")
 
     def chunk(self, member: Member, item: Any) -> Message | None:
         """A chunk for the member's caller (its final error, if it cannot be encoded;
@@ -257,6 +266,8 @@ class StreamRunner(BatchRunner):
         except InvalidPayload as exc:
             return self.final(member, ModelError(f"model {self.model.name!r} yielded a "
                                                  f"chunk that cannot be encoded: {exc}"))
+        if len(data) > protocol.MAX_ENTRY_BYTES:  # no reader would take it: say so instead
+            return self.final(member, ModelError(self._too_large("chunk", len(data))))
         member.seq += 1
         if member.seq <= member.sent:
             return self._replayed(member, data)
