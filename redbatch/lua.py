@@ -663,9 +663,19 @@ return 1
 # KEYS[1]=a stage's outbox  KEYS[2]=its hand-off set
 # ARGV[1]=max records  ARGV[2]=now (epoch ms)  ARGV[3]=lease ms
 # Takes hand-off records under a lease: first those whose lease expired (their taker
-# died), then new ones from the outbox's head.  Returns the records.
+# died), then new ones from the outbox's head.  Returns the records, then the names of
+# the keys it deleted: a key of another type of value (no record can be read from it,
+# and it would fail every take, and every reply pushed to the outbox, for good).
 HANDOFF_TAKE: Final = f"""
 local n, now = tonumber(ARGV[1]), tonumber(ARGV[2])
+local dropped = {{}}
+for i, kind in ipairs({{'list', 'zset'}}) do
+  local found = redis.call('TYPE', KEYS[i])['ok']
+  if found ~= kind and found ~= 'none' then
+    redis.call('DEL', KEYS[i])
+    dropped[#dropped + 1] = KEYS[i]
+  end
+end
 local items = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, n)
 if #items < n then
   local fresh = redis.call('LPOP', KEYS[1], n - #items) or {{}}
@@ -673,7 +683,7 @@ if #items < n then
 end
 for i = 1, #items do redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), items[i]) end
 if #items > 0 then redis.call('EXPIRE', KEYS[2], {protocol.INFLIGHT_TTL_S}) end
-return items
+return {{items, dropped}}
 """
 
 # KEYS[1]=a stage's hand-off set  KEYS[1+i]=record i's context at the stage

@@ -117,6 +117,25 @@ async def test_a_final_reply_over_an_entrys_limit_is_a_model_error(
     assert got(raw_redis, small).payload == 8
 
 
+@pytest.mark.parametrize("key", ["outbox", "handoff"])
+async def test_a_stage_key_of_another_type_is_deleted_not_fatal_for_good(
+        client: aioredis.Redis, raw_redis: redis.Redis, key: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``SET rb:{inc}:handoff x`` (or the outbox) failed every take (WRONGTYPE, retried
+    forever): every request of the pipeline waited out its deadline, for good."""
+    bad = protocol.outbox_key("inc") if key == "outbox" else protocol.handoff_key("inc")
+    raw_redis.set(bad, b"x")
+    mover = Mover(client, "inc", LiveCache(client), None, 0.1)
+    with caplog.at_level(logging.ERROR, "redbatch.pipelines"):
+        assert await mover.step() == 0
+    assert raw_redis.exists(bad) == 0
+    assert "held another type of value" in caplog.text
+    reply_to = protocol.reply_key("calc", "after")
+    await put(client, "inc", "after", ctx_json(reply_to))
+    await hand_on(client, "inc")
+    assert got(raw_redis, reply_to).payload == 1
+
+
 def test_a_pipeline_naming_a_pipeline_as_a_stage_is_refused() -> None:
     """Its hand-offs went to the other pipeline's name, a queue nothing serves: every
     request waited out its deadline."""

@@ -119,7 +119,12 @@ class Mover:
             if isinstance(reply, Exception):
                 raise reply
         self.done = None
-        return list(replies[-1])
+        records, dropped = replies[-1]
+        for key in dropped:
+            log.error("stage=%s: deleted %s, which held another type of value (no record "
+                      "could be read from it, and every hand-off failed)", self.stage,
+                      key.decode(errors="replace") if isinstance(key, bytes) else key)
+        return list(records)
 
     async def _run(self, commands: list[handoff.Command]) -> None:
         """One slot's commands; a Redis refusal of a request's own keys (another type
