@@ -11,6 +11,7 @@ override stores only what someone changed; the effective values are the model's 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import sys
 from collections.abc import Mapping
@@ -18,10 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from redis.exceptions import ResponseError
 
 from redbatch import levels, lua, protocol, versions
 from redbatch.errors import InvalidKnob, UnknownModel
 from redbatch.pipelines.definition import meta_stages
+
+log = logging.getLogger("redbatch.knobs")
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -252,18 +256,36 @@ async def _load(redis: aioredis.Redis, model: str) -> tuple[dict[str, Any], dict
         pipe.get(protocol.meta_key(model))
         pipe.hgetall(protocol.config_key(model))
         pipe.hgetall(protocol.versions_key(model))
-        meta, raw, served = await pipe.execute()
+        meta, raw, served = await pipe.execute(raise_on_error=False)
+    if isinstance(meta, ResponseError) or isinstance(raw, ResponseError):
+        raise _unreadable(model, meta if isinstance(meta, Exception) else raw)
     if not meta:
-        names = [protocol.served_name(model, v) for v in versions.decode(served).versions]
+        names = [] if isinstance(served, Exception) else [
+            protocol.served_name(model, v) for v in versions.decode(served).versions]
         raise UnknownModel(f"unknown model {model!r}: no worker serves it" + (
             f"; its versions are models of their own: {', '.join(sorted(names))}"
             if names else ""))
-    data = orjson.loads(meta)
-    base = {**model_defaults(data),
+    try:
+        return _own_values(orjson.loads(meta)), decode_stored(raw)[0]
+    except (ValueError, TypeError, AttributeError) as exc:  # (a meta of another shape)
+        raise _unreadable(model, exc) from exc
+
+
+def _own_values(data: dict[str, Any]) -> dict[str, Any]:
+    """A model's own knob values, as its metadata publishes them."""
+    return {**model_defaults(data),
             "priority_levels": levels.from_section(data.get("priority")).count,
             "streaming": data.get(protocol.F_STREAMING) is True,
             "stages": meta_stages(data)}
-    return base, decode_stored(raw)[0]
+
+
+def _unreadable(model: str, exc: Exception) -> UnknownModel:
+    """A model whose metadata or stored knobs cannot be read (another type of value, not
+    JSON): unknown, as the models' listing leaves it out; the detail is logged."""
+    log.warning("model %r: its metadata or knobs in Redis cannot be read (%s: %s)", model,
+                type(exc).__name__, exc)
+    return UnknownModel(f"unknown model {model!r}: its keys in Redis cannot be read "
+                        "(see the log)")
 
 
 async def show(redis: aioredis.Redis, model: str) -> dict[str, Any]:

@@ -165,15 +165,28 @@ def stalled(server: RedisServer) -> Iterator[list[float]]:
 V2_INFER = {"inputs": [{"name": "inputs", "shape": [1], "datatype": "INT64", "data": [1]}]}
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/models/stalled/predict", {"inputs": 1}),
-                                             ("/v2/models/stalled/infer", V2_INFER)])
+TIMEOUT_HEADER = {"x-redbatch-timeout-ms": "1000"}
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers"), [
+    ("POST", "/v1/models/stalled/predict", {"inputs": 1}, TIMEOUT_HEADER),
+    ("POST", "/v2/models/stalled/infer", V2_INFER, TIMEOUT_HEADER),
+    # the caller's timeout in its body or query (they bounded nothing before the model's
+    # look-up: a 503 after the 10 s socket timeout)
+    ("POST", "/v1/models/stalled/predict", {"inputs": 1, "timeout_ms": 1000}, {}),
+    ("GET", "/v1/models/stalled/predict?inputs=1&timeout_ms=1000", None, {}),
+    ("POST", "/v2/models/stalled/infer", {**V2_INFER, "parameters": {"timeout": 1_000_000}},
+     {}),
+])
 async def test_gateway_answers_by_the_deadline_while_redis_is_stalled(
-        redis_server_factory: Callable[..., RedisServer], path: str, body: Any) -> None:
+        redis_server_factory: Callable[..., RedisServer], method: str, path: str, body: Any,
+        headers: dict[str, str]) -> None:
     server = redis_server_factory()
     _register(server, "stalled")
     async with gateway(server.url, meta_refresh_s=0.1) as http:
+        await asyncio.sleep(0.2)  # (the model's info cached at the start is stale)
         with stalled(server) as elapsed:
-            resp = await http.post(path, json=body, headers={"x-redbatch-timeout-ms": "1000"})
+            resp = await http.request(method, path, json=body, headers=headers)
     assert resp.status_code == 504 and "deadline" in resp.text, resp.text
     assert elapsed[0] < 1.8, elapsed  # the deadline, not the 10 s socket timeout
 
@@ -189,10 +202,27 @@ async def test_readiness_answers_503_in_time_while_redis_is_stalled(
         assert (await http.get("/readyz")).status_code == 200
         await asyncio.sleep(1.2)  # the model's cached live workers are stale
         with stalled(server) as elapsed:
-            statuses = [(await http.get(path)).status_code for path in (
+            answers = [await http.get(path) for path in (
                 "/readyz", "/v2/health/ready", "/v2/models/stalled/ready")]
-    assert statuses == [503, 503, 503], statuses
+    assert [a.status_code for a in answers] == [503, 503, 503], answers
+    # (its code was deadline_exceeded, which protocol.md gives 504)
+    assert answers[0].json()["error"]["code"] == "redis_unavailable"
     assert elapsed[0] < 3 * 1.2, elapsed  # three probes of at most 0.8 s each
+
+
+async def test_a_metrics_scrape_answers_in_time_while_redis_is_stalled(
+        redis_server_factory: Callable[..., RedisServer]) -> None:
+    """It answered after the 10 s socket timeout: Prometheus's default scrape timeout,
+    the scrape failed."""
+    server = redis_server_factory()
+    _register(server, "stalled")
+    server.client().zadd(protocol.MODELS_KEY, {"stalled": protocol.now_ms()})
+    async with gateway(server.url, meta_refresh_s=0.1) as http:
+        assert (await http.get("/metrics")).status_code == 200
+        with stalled(server) as elapsed:
+            resp = await http.get("/metrics")
+    assert resp.status_code == 200 and "redbatch_queue_depth" in resp.text
+    assert elapsed[0] < 2.0 + 1.0, elapsed  # (``metrics_view.READ_TIMEOUT_S``, and slack)
 
 
 async def test_a_gateway_starts_in_time_on_a_stalled_redis(

@@ -94,6 +94,12 @@ async def test_a_key_with_white_space_around_it_and_a_401s_request_id(
     async with gateway(redis_url, api_key="sekrit\n") as http:
         resp = await http.post("/v1/models/m/predict", json={"inputs": 1})
         assert resp.status_code == 401 and resp.headers["x-request-id"]
+        # a bad X-Request-ID without the key: a 401 of its own id (it was a text 500)
+        resp = await http.post("/v1/models/m/predict", json={"inputs": 1},
+                               headers={"X-Request-ID": "bad id!"})
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["code"] == "unauthorized"
+        assert resp.headers["x-request-id"] not in ("", "bad id!")
         resp = await http.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
         assert resp.status_code == 200
 

@@ -175,6 +175,39 @@ async def test_bad_values_get_422_and_store_nothing(
     assert not raw_redis.exists(protocol.config_key("strict"))
 
 
+async def test_a_model_whose_metadata_cannot_be_read_is_unknown_to_the_admin_routes(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Its metadata not JSON, not an object, or of another type: 500 ``internal`` (the
+    connection closed), or 503; a repeated key hid a refused value."""
+    raw_redis.set(protocol.meta_key("badjson"), b"notjson")
+    raw_redis.set(protocol.meta_key("badlist"), b"[1]")
+    raw_redis.rpush(protocol.meta_key("badtype"), b"x")
+    async with gateway(redis_url) as http:
+        for model in ("badjson", "badlist", "badtype"):
+            path = f"/v1/models/{model}/config"
+            for resp in (await http.get(path),
+                         await http.patch(path, json={"max_batch_size": 8})):
+                assert resp.status_code == 404, (model, resp.text)
+                assert resp.json()["error"]["code"] == "unknown_model"
+        assert not raw_redis.exists(protocol.config_key("badjson"))
+        resp = await http.patch("/v1/models/badjson/config",
+                                content=b'{"max_batch_size": 0, "max_batch_size": 16}')
+        assert resp.status_code == 400 and "appears twice" in resp.text
+
+
+async def test_a_repeated_key_in_an_admin_body_is_refused(
+        start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
+    start_worker([recording("twice", [])])
+    await wait_live(redis_url, "twice")
+    async with gateway(redis_url) as http:
+        for path, text in (("config", b'{"max_batch_size": 0, "max_batch_size": 16}'),
+                           ("versions", b'{"latest": "1", "latest": "1"}')):
+            resp = await http.patch(f"/v1/models/twice/{path}", content=text)
+            assert resp.status_code == 400, resp.text
+            assert "'max_batch_size' appears twice" in resp.text or "'latest'" in resp.text
+    assert not raw_redis.exists(protocol.config_key("twice"))
+
+
 async def test_patch_needs_the_api_key_when_one_is_set(
         start_worker: Callable[..., Worker], redis_url: str, raw_redis: redis.Redis) -> None:
     start_worker([recording("guarded", [])])

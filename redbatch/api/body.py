@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -82,6 +83,23 @@ def parse_json(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BadRequest(f"body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def refuse_duplicate_keys(body: bytes) -> None:
+    """400 naming a key that one JSON object of ``body`` (parsed already) holds twice:
+    for an admin body, where a later key would hide an earlier value that is refused
+    (``{"max_batch_size": 0, "max_batch_size": 16}``)."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _value in items]
+        if len(set(keys)) < len(keys):
+            twice = next(key for key in keys if keys.count(key) > 1)
+            raise BadRequest(f"key {twice!r} appears twice in one JSON object")
+        return dict(items)
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except RecursionError:
+        raise BadRequest("JSON nested too deep") from None
 
 
 def model_input(data: dict[str, Any], info: ModelInfo) -> Any:

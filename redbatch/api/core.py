@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import urllib.parse
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -101,16 +101,22 @@ class InferCore:
 
     # --- the steps -------------------------------------------------------------
     async def served(self, model: str, headers: body.Headers, arrived_ms: int,
-                     version: str | None = None, plain: bool | None = None) -> ModelInfo:
+                     version: str | None = None, plain: bool | None = None,
+                     asked_s: Callable[[], float] | None = None) -> ModelInfo:
         """The info of the model (of the version pinned, else picked by its routing
         table: ``Client.route``) once a live worker serves it; the look-ups end by the
-        header's timeout (else the gateway's default) from arrival.  ``plain``: the
-        request's verdict ``Client.direct``, when its caller took it (None: taken here)."""
+        header's timeout (else the gateway's default) from arrival, or by the caller's
+        own timeout in its body (``asked_s``, read only when Redis is to be read: a
+        stalled Redis answers a call that asked for 2 s with a 504 at 2 s).  ``plain``:
+        the request's verdict ``Client.direct``, when its caller took it (None: taken
+        here)."""
         config = self.config
-        lookup_ms = arrived_ms + round(1000 * body.timeout_s(
-            headers, {}, config.default_timeout_s, config.max_timeout_s))
         if plain is None:
             plain = version is None and self.client.direct(model)
+        lookup_s = body.timeout_s(headers, {}, config.default_timeout_s, config.max_timeout_s)
+        if asked_s is not None and not (plain and self.directory.cached(model)):
+            lookup_s = min(lookup_s, asked_s())
+        lookup_ms = arrived_ms + round(1000 * lookup_s)
         if plain:  # its own name; a live worker
             return await self.directory.get(model, lookup_ms)
         if isinstance(version, Picked):  # the gateway's pick, by a table it had cached
@@ -133,6 +139,11 @@ class InferCore:
         """A v2 request's body (v1's ``predict`` calls ``body.read_body`` itself: one
         call less per request, so an override of this one does not reach v1)."""
         return await body.read_body(headers, receive, self.config.max_body_bytes)
+
+    def _asked_s(self, headers: body.Headers, data: dict[str, Any]) -> float:
+        """The caller's own timeout (header or ``timeout_ms``), else the gateway's."""
+        return body.timeout_s(headers, data, self.config.default_timeout_s,
+                              self.config.max_timeout_s)
 
     def model_default_s(self, info: ModelInfo) -> float:
         """The deadline of a request that sets none: the model's own default if it has
@@ -223,13 +234,20 @@ class InferCore:
         # (a timeout header is checked by ``served`` before the body is read, as always)
         info = self.directory.cached(model) if plain and body.TIMEOUT_HEADER not in headers \
             else None
-        if info is None:
-            info = await self.served(model, headers, arrived_ms, version, plain)
-        raw = await body.read_body(headers, receive, self.config.max_body_bytes)
+        data = None
+        if info is None:  # a look-up: a POST's body first (its ``timeout_ms`` bounds it)
+            if query is None:
+                data = body.parse_json(await body.read_body(headers, receive,
+                                                            self.config.max_body_bytes))
+            asked = data if data is not None else query_timeout(query or b"")
+            info = await self.served(model, headers, arrived_ms, version, plain,
+                                     lambda: self._asked_s(headers, asked))
+        if data is None:
+            raw = await body.read_body(headers, receive, self.config.max_body_bytes)
+            data = body.parse_json(raw) if query is None else query_input(query, raw, info)
         # judged again (a cached verdict): a pipeline, version or sub-queue that came
         # during a slow upload sends the request down the full path (``Client.submit``)
         plain = plain and self.client.direct(model)
-        data = body.parse_json(raw) if query is None else query_input(query, raw, info)
         if info.meta.get(protocol.F_STREAMING):
             if query is not None:
                 raise BadRequest(f"model {info.name!r} is a streaming model: call it with "
@@ -397,6 +415,20 @@ def _query_fields(info: ModelInfo) -> int:
     each named input) as repeated keys, and a few more (its mask, ``timeout_ms``)."""
     inputs = len(info.signature.inputs) if info.signature is not None else 1
     return protocol.MAX_QUERY_VALUES * inputs + 8
+
+
+def query_timeout(query: bytes) -> dict[str, Any]:
+    """A GET's ``timeout_ms``, read from its query string before the model's info (the
+    look-ups end by it too); {} without one, or when the query cannot be read (its
+    400 comes with its input's)."""
+    if body.TIMEOUT_FIELD.encode() not in query:
+        return {}
+    try:
+        pairs = urllib.parse.parse_qsl(query.decode("latin-1"), errors="strict")
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    values = [value for key, value in pairs if key == body.TIMEOUT_FIELD]
+    return {body.TIMEOUT_FIELD: values[0]} if len(values) == 1 else {}
 
 
 def query_input(query: bytes, raw_body: bytes, info: ModelInfo) -> dict[str, Any]:

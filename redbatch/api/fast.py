@@ -21,6 +21,7 @@ from redbatch import metrics, protocol
 from redbatch.api import auth, body, metrics_view
 from redbatch.api.core import RawResponse
 from redbatch.api.errors import error_response
+from redbatch.errors import BadRequest
 
 if TYPE_CHECKING:
     from redbatch.api.gateway import Gateway
@@ -46,9 +47,8 @@ class GatewayApp(Starlette):
             await super().__call__(scope, receive, send)
             return
         refused = auth.refusal(scope, self.api_key)
-        if refused is not None:  # (named as every predict answer is)
-            refused.headers["x-request-id"] = \
-                body.trace_id(dict(scope["headers"])) or protocol.new_request_id()
+        if refused is not None:  # (named as every predict answer is: its own id when the
+            refused.headers["x-request-id"] = _named(scope)  # caller's is no good)
             await refused(scope, receive, send)
             return
         gateway: Gateway = self.state.gateway
@@ -65,3 +65,12 @@ class GatewayApp(Starlette):
         body = await metrics_view.exposition(self.state.gateway)
         response = RawResponse(200, [(b"content-type", metrics.CONTENT_TYPE.encode())], body)
         await response(scope, receive, send)
+
+
+def _named(scope: Scope) -> str:
+    """The request id of an answer refused before the request was read: the caller's
+    ``X-Request-ID`` if it is a good one, else a new id (the 401 stands, not a 400)."""
+    try:
+        return body.trace_id(dict(scope["headers"])) or protocol.new_request_id()
+    except BadRequest:
+        return protocol.new_request_id()

@@ -13,7 +13,7 @@ from redbatch.api.core import InferCore
 from redbatch.api.directory import ModelDirectory
 from redbatch.api.errors import error_response
 from redbatch.config import GatewayConfig, RedisSettings
-from redbatch.errors import ConfigError, RedbatchError
+from redbatch.errors import ConfigError, RedbatchError, RedisUnavailable
 from redbatch.producer.client import Client
 from redbatch.redis_conn import async_client, deadline_bound
 from redbatch.scaling import FleetReader
@@ -79,7 +79,8 @@ class Gateway:
             live = await self.directory.any_live_worker()
         except RedbatchError as exc:  # open without the key: the address stays in the log
             log.warning("not ready: %s", exc)
-            return error_response(503, exc.code, "redis unavailable", {"Retry-After": "1"})
+            return error_response(503, RedisUnavailable.code, "redis unavailable",
+                                  {"Retry-After": "1"})  # (a stalled read's deadline too)
         if not live:
             return error_response(503, "no_workers", "redis is reachable but no worker is live",
                                   {"Retry-After": "1"})

@@ -42,8 +42,9 @@ def admin_routes(gateway: Gateway, path: str, show: Show, change: Change) -> lis
     async def changed(request: Request) -> Response:
         headers = dict(request.headers.raw)
         body.check_content_type(headers)
-        data = body.parse_json(await body.read_body(headers, request.receive,
-                                                    gateway.config.max_body_bytes))
+        raw = await body.read_body(headers, request.receive, gateway.config.max_body_bytes)
+        data = body.parse_json(raw)
+        body.refuse_duplicate_keys(raw)
         async with translated(gateway.redis_settings):
             return JSONResponse(await change(gateway.redis, request.path_params["model"],
                                              data))

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from redbatch import metrics, scaling
+from redbatch import metrics, protocol, scaling
 from redbatch.errors import RedbatchError, RedisUnavailable
 from redbatch.levels import by_level, queue_depths, read_meta
-from redbatch.redis_conn import translated
+from redbatch.redis_conn import deadline_bound, translated
 
 if TYPE_CHECKING:
     from redbatch.api.gateway import Gateway
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("redbatch.api")
 
 
+READ_TIMEOUT_S = 2.0  # a scrape's reads of Redis end by then (the gauges keep their values)
 LEVELS_SHOWN: dict[str, set[str]] = {}  # model -> the levels whose depth series exist
 
 
@@ -74,9 +75,13 @@ def set_scaling(name: str, backlog: int, rates: scaling.FleetRates,
 
 
 async def exposition(gateway: Gateway) -> bytes:
-    """The scrape body; without Redis the gauges keep their last values."""
+    """The scrape body; without Redis (or past ``READ_TIMEOUT_S`` reading it: a stalled
+    Redis must not fail the scrape, 10 s by default in Prometheus) the gauges keep
+    their last values."""
     try:
-        await refresh_gauges(gateway)
+        async with deadline_bound(protocol.now_ms() + round(1000 * READ_TIMEOUT_S),
+                                  "reading the queue depths"):
+            await refresh_gauges(gateway)
     except RedbatchError as exc:
         log.warning("metrics: could not read queue depths: %s", exc)
     return metrics.exposition()

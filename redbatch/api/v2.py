@@ -39,6 +39,7 @@ from redbatch.api.v2_tensors import (
     shape_of,
     tensor_data,
 )
+from redbatch.config import GatewayConfig
 from redbatch.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -322,6 +323,16 @@ def timeout_s(headers: body.Headers, params: dict[str, Any], default_s: float,
     return min(chosen, float(raw) / 1e6)
 
 
+def asked_timeout_s(raw: bytes, headers: body.Headers, config: GatewayConfig) -> float:
+    """The deadline a call asks for before its model's info is known (the look-ups end
+    by it): ``parameters.timeout`` or the header, else the gateway's default; the JSON
+    is parsed for it only when it mentions a timeout."""
+    header, _binary = split_body(raw, headers)
+    params = mapping(body.parse_json(header).get("parameters"), "'parameters'") \
+        if b'"timeout"' in header else {}
+    return timeout_s(headers, params, config.default_timeout_s, config.max_timeout_s)
+
+
 def parse_infer(raw: bytes, headers: body.Headers, info: ModelInfo, default_s: float,
                 max_s: float) -> InferCall:
     header, binary = split_body(raw, headers)
@@ -563,11 +574,12 @@ class V2Api:
         headers = dict(request.headers.raw)
         body.check_content_type(headers, body.INFER_MEDIA_TYPES)  # (no cross-site form)
         name, version = path_name(request)
-        info = await core.served(name, headers, arrived_ms, version)
+        raw = await core.read(headers, request.receive)  # (first: its timeout bounds the
+        info = await core.served(name, headers, arrived_ms, version,  # look-ups too)
+                                 asked_s=lambda: asked_timeout_s(raw, headers, core.config))
         if info.meta.get(protocol.F_STREAMING):
             raise BadRequest(f"model {name!r} streams its answers: use its generate_stream "
                              "endpoint (or generate, for the chunks joined in one answer)")
-        raw = await core.read(headers, request.receive)
         if info.signature is not None:
             return await self._infer_named(info, raw, headers, arrived_ms)
         call = parse_infer(raw, headers, info, core.model_default_s(info),
