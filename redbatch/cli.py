@@ -149,11 +149,11 @@ def _stop_event() -> threading.Event:
 
 
 def cmd_worker(args: argparse.Namespace, redis: RedisSettings) -> None:
-    from redbatch.worker.loader import load_models
+    from redbatch.worker.loader import check_target
     from redbatch.worker.pool import Pool
 
     config = from_env(WorkerConfig, _overrides(args))
-    load_models(args.target)  # fail here, loudly, rather than in every replica
+    check_target(args.target)  # fail here, loudly, rather than in every replica
     pool = Pool(args.target, redis, config, _log_level(args))
     stop = _stop_event()
     pool.start()
@@ -256,11 +256,11 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
         log_level: str, stop: threading.Event) -> None:
     """Workers (supervised) in the background, the gateway in the foreground, until
     ``stop`` (a signal, or a pool that gave up)."""
-    from redbatch.worker.loader import load_models
+    from redbatch.worker.loader import check_target
     from redbatch.worker.pool import Pool
 
     for target, _, _ in entries:
-        load_models(target)  # fail here, loudly, rather than in every replica
+        check_target(target)  # fail here, loudly, rather than in every replica
     pools = [Pool(target, redis, config, log_level, overrides)
              for target, config, overrides in entries]
     supervisors = []
@@ -343,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, os.getcwd())
     try:
         setup_logging(args.log_level)
-        return _dispatch(args, args.redis_url or os.environ.get("REDIS_URL"))
+        # (an empty REDIS_URL is unset: ``up`` starts its embedded Redis)
+        return _dispatch(args, args.redis_url or os.environ.get("REDIS_URL") or None)
     except RedbatchError as exc:
         log.error("%s", exc)
         return 2

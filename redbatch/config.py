@@ -310,7 +310,8 @@ class RedisSettings:
                  ) -> RedisSettings:
         env = os.environ if env is None else env
         own = {k: v for k, v in env.items() if k != f"{ENV_PREFIX}URL"}  # REDIS_URL's alone
-        return from_env(cls, {"url": url or env.get("REDIS_URL")}, own)
+        # (an empty REDIS_URL is unset, as a shell's ``REDIS_URL= cmd`` means)
+        return from_env(cls, {"url": url or env.get("REDIS_URL") or None}, own)
 
 
 def _check_address(host: str, port: int) -> None:

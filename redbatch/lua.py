@@ -669,16 +669,19 @@ return 1
 HANDOFF_TAKE: Final = f"""
 local n, now = tonumber(ARGV[1]), tonumber(ARGV[2])
 local dropped = {{}}
-for i, kind in ipairs({{'list', 'zset'}}) do
-  local found = redis.call('TYPE', KEYS[i])['ok']
-  if found ~= kind and found ~= 'none' then
-    redis.call('DEL', KEYS[i])
-    dropped[#dropped + 1] = KEYS[i]
+local function read(key, ...)  -- a key of another type is deleted (then read as empty)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply['err'] then
+    if not string.find(reply['err'], 'WRONGTYPE', 1, true) then error(reply['err']) end
+    redis.call('DEL', key)
+    dropped[#dropped + 1] = key
+    return {{}}
   end
+  return reply
 end
-local items = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, n)
+local items = read(KEYS[2], 'ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, n)
 if #items < n then
-  local fresh = redis.call('LPOP', KEYS[1], n - #items) or {{}}
+  local fresh = read(KEYS[1], 'LPOP', KEYS[1], n - #items) or {{}}
   for i = 1, #fresh do items[#items + 1] = fresh[i] end
 end
 for i = 1, #items do redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), items[i]) end

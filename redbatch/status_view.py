@@ -98,8 +98,12 @@ def table(statuses: dict[str, status.ModelStatus]) -> Table:
                 "* changed live (redbatch config)")
     auto = (AUTO_COLUMN,) if any(s.auto_sizes for s in statuses.values()) else ()
     live = (LIVE_COLUMN,) if any(_unshown(s) for s in statuses.values()) else ()
+    names = max((len(name) for name in statuses), default=5)
     for column in COLUMNS[:5] + auto + live + COLUMNS[5:]:
-        out.add_column(column, justify="left" if column == "model" else "right")
+        if column == "model":  # whole, however narrow the output (a pipe: 80 columns)
+            out.add_column(column, justify="left", no_wrap=True, min_width=names)
+        else:
+            out.add_column(column, justify="right")
     for s in statuses.values():
         out.add_row(s.model, _queue(s), _devices(s), _num(s.items_per_s),
                     _batching(s), *(_auto(s) for _ in auto), *(_live(s) for _ in live),

@@ -44,3 +44,16 @@ def two_primaries() -> list[Model]:
     create`` with 3 primaries, their slots (7785 and 15193, by CRC16 of the tag) are
     owned by two different primaries."""
     return [dataclasses.replace(adder, name=name) for name in ("a1", "b2")]
+
+
+FACTORY_CALLS: list[int] = []  # ``counted_factory``'s calls in this process
+
+
+def counted_factory() -> list[Model]:
+    """``adder`` from a factory that counts its calls (the pool's own process must not
+    call it: ``loader.check_target``)."""
+    FACTORY_CALLS.append(1)
+    return [adder]
+
+
+not_models = [1, 2]  # (a target that names no model)

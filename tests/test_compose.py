@@ -577,6 +577,13 @@ def test_compose_services(compose: dict[str, Any]) -> None:
         assert config.device == device
         # SIGTERM waits grace_s for in-flight batches: compose must not SIGKILL sooner.
         assert duration_s(services[name]["stop_grace_period"]) > config.grace_s
+    # the gateway answers what it holds for up to its longest deadline, and a margin
+    from redbatch.gateway_procs import STOP_MARGIN_S
+
+    gateway = effective_configs(command_argv(services["gateway"]),
+                                environment(services["gateway"]))[GatewayConfig]
+    assert duration_s(services["gateway"]["stop_grace_period"]) > \
+        gateway.max_timeout_s + STOP_MARGIN_S
 
 
 def test_every_published_port_is_on_localhost(compose: dict[str, Any]) -> None:

@@ -49,6 +49,8 @@ def test_only_redis_url_names_the_redis() -> None:
     settings = RedisSettings.from_env(env={"REDBATCH_URL": "redis://10.9.9.9:6379/0"})
     assert settings.url == "redis://127.0.0.1:6379/0"  # (the default: REDIS_URL unset)
     assert RedisSettings.from_env(env={"REDIS_URL": "redis://h:1/0"}).url == "redis://h:1/0"
+    # an empty one is unset (it was refused: "the Redis URL must start with redis://")
+    assert RedisSettings.from_env(env={"REDIS_URL": ""}).url == "redis://127.0.0.1:6379/0"
 
 
 def test_error_names_the_variable() -> None:

@@ -366,26 +366,32 @@ async def test_first_requests_after_a_redis_restart_succeed(
     assert statuses[1:] == [200] * 7, statuses  # one warm-up at most, not a run of 503s
 
 
-@pytest.mark.parametrize("pipelines", [False, True])
+@pytest.mark.parametrize(("pipelines", "grace_s"), [(False, 0.5), (True, 0.5), (False, 30.0)])
 async def test_a_worker_stops_in_bounded_time_while_redis_is_stalled(
-        redis_server_factory: Callable[..., RedisServer], pipelines: bool) -> None:
+        redis_server_factory: Callable[..., RedisServer], pipelines: bool,
+        grace_s: float) -> None:
     """With pipeline stages to hand on, the stop waited on the duty's tick and the
     movers' last steps with no bound: it took over 40 s (each Redis call's socket
-    timeout, and retries) while Redis stayed stalled."""
+    timeout, and retries) while Redis stayed stalled.  An idle batch loop's claim
+    held the stop for the 10 s socket timeout, within a long grace."""
     from redbatch.pipelines import Pipeline
+    from redbatch.worker.process import LEAVE_TIMEOUT_S, STUCK_CLAIM_S
 
     server = redis_server_factory()
     stop = asyncio.Event()
     config = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=1.0,
-                          grace_s=0.5)  # (the batch loops: cancelled 0.5 s after the stop)
+                          grace_s=grace_s)
     worker = Worker([echo], RedisSettings(server.url), config,
                     pipelines=[Pipeline("twice", ["echo", "echo2"])] if pipelines else None)
     task = asyncio.create_task(worker.run(stop))
     await wait_live(server.url, "twice" if pipelines else "echo")
+    await asyncio.sleep(0.3)  # (the batch loop in its blocking claim)
     with stalled(server):
         stop.set()
         started = time.monotonic()
         await asyncio.wait([task], timeout=25)
         took = time.monotonic() - started
     assert task.done(), "the worker did not stop"
-    assert took < 0.5 + 2 * 3.0 + 2.0  # grace, heartbeat and duty side by side, leave; slack
+    loops_s = min(grace_s, 0.2 + STUCK_CLAIM_S)  # the batch loop's end
+    # then the heartbeat and the duty side by side, then the leave; 2 s of slack
+    assert took < loops_s + 2 * LEAVE_TIMEOUT_S + 2.0, took

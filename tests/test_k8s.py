@@ -279,6 +279,16 @@ def test_workers_request_one_gpu_and_drain_on_stop() -> None:
     assert grace > float(env["REDBATCH_GRACE_S"])
 
 
+def test_a_gateway_pod_outlives_its_longest_requests_at_a_stop() -> None:
+    """Kubernetes killed it at 30 s (no grace set) while it may answer for 65 s."""
+    from redbatch.config import GatewayConfig
+    from redbatch.gateway_procs import STOP_MARGIN_S
+
+    gateway = deployment("gateway")
+    grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > GatewayConfig().max_timeout_s + STOP_MARGIN_S
+
+
 def test_scaledobjects_scale_the_workers_on_a_model_queue() -> None:
     worker = deployment("worker")
     objects = of_kind("ScaledObject")

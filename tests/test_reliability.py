@@ -156,7 +156,9 @@ def test_sigterm_finishes_the_batch_then_exits(spawn: Callable[..., Proc], redis
 async def test_sigterm_past_the_grace_returns_the_batch(
         spawn: Callable[..., Proc], redis_url: str, raw_redis: redis.Redis,
         start_worker: Callable[..., Worker]) -> None:
-    proc = spawn_slow(spawn, redis_url, SLOW_FORWARD_S="3", REDBATCH_GRACE_S="0.3")
+    """...and the replica exits then: it waited for the pass still running in its
+    forward thread (the interpreter joins it), until the pool killed it 5 s later."""
+    proc = spawn_slow(spawn, redis_url, SLOW_FORWARD_S="20", REDBATCH_GRACE_S="0.3")
     reply_to = protocol.reply_key("slow", "grace-test")
     raw_redis.rpush(protocol.queue_key("slow"), raw_request("slow", 9, reply_to)[1])
     await asyncio.to_thread(wait_for, lambda: inflight_total(raw_redis, "slow") > 0, 30,
@@ -164,11 +166,14 @@ async def test_sigterm_past_the_grace_returns_the_batch(
     os.killpg(proc.popen.pid, signal.SIGTERM)
     await asyncio.to_thread(wait_for, lambda: "returned the batch" in proc.log(), 10,
                             "the batch to be returned")
+    returned = time.monotonic()
     assert raw_redis.llen(protocol.queue_key("slow")) == 1
     start_worker([fast_slow], config=TAKEOVER)
     reply = await asyncio.to_thread(read_reply, raw_redis, reply_to)
     assert reply.ok and reply.payload == 9
     await asyncio.to_thread(proc.popen.wait, 30)
+    assert time.monotonic() - returned < 4.0, proc.log()  # (the pool kills at 5.3 s)
+    assert "killing it" not in proc.log()
     await asyncio.sleep(0.3)
     assert raw_redis.llen(reply_to) == 0
 

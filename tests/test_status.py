@@ -137,3 +137,13 @@ def test_status_leaves_out_a_model_whose_keys_are_odd_and_shows_the_rest(
     table = subprocess.run(redbatch_cmd(*args), capture_output=True, text=True,
                            env={**test_env(), "COLUMNS": "200"}, timeout=30, check=False)
     assert table.returncode == 0 and "badknob" in table.stdout, table.stderr
+
+
+def test_the_table_keeps_model_names_whole_on_a_narrow_output() -> None:
+    """Printed to a pipe (80 columns), names came out as ``dou…``: a grep of the output
+    for a model found nothing."""
+    names = ["doubler", "a-rather-long-model-name@12"]
+    console = Console(width=80, record=True)
+    console.print(status_view.table({n: ModelStatus(n, 0, 0) for n in names}))
+    text = console.export_text()
+    assert all(name in text for name in names), text

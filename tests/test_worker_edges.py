@@ -378,3 +378,24 @@ async def test_a_batch_returned_above_the_count_leaves_a_notice_for_every_worker
     notice = raw.get(protocol.sub_queues_shrunk_key("shr"))
     assert notice is not None and notice.startswith(b"3:")
     raw.close()
+
+
+def test_a_pool_checks_its_target_without_calling_a_factory() -> None:
+    """The pool's process called the factory (it may load weights or set up a GPU)
+    before each replica called it again; the loader's doc says only workers do."""
+    from redbatch.errors import ConfigError
+    from redbatch.worker.loader import check_target, load_target
+    from tests import models_for_tests
+
+    before = len(models_for_tests.FACTORY_CALLS)
+    check_target("tests.models_for_tests:counted_factory")
+    assert len(models_for_tests.FACTORY_CALLS) == before
+    assert [m.name for m in load_target("tests.models_for_tests:counted_factory")[0]] == [
+        "adder"]
+    assert len(models_for_tests.FACTORY_CALLS) == before + 1
+    check_target("tests.models_for_tests:adder")
+    for bad, match in (("tests.models_for_tests:not_models", "is not a Model"),
+                       ("tests.models_for_tests:nothing", "no attribute"),
+                       ("tests.nowhere:x", "cannot import")):
+        with pytest.raises(ConfigError, match=match):
+            check_target(bad)

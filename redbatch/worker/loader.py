@@ -20,6 +20,20 @@ def load_models(target: str) -> list[Model]:
 def load_target(target: str) -> tuple[list[Model], list[Pipeline]]:
     """The models of ``target`` (as ``load_models``), and the pipelines its list
     declares beside them (``Pipeline`` objects)."""
+    return _as_models(_resolve(target), target)
+
+
+def check_target(target: str) -> None:
+    """``ConfigError`` unless ``target`` names models, a list of them, or a factory of
+    them, checked where a pool starts, before any replica: a factory is not called
+    here (it may load weights, or set up a GPU: only the worker processes call it)."""
+    obj = _resolve(target)
+    if not (callable(obj) and not isinstance(obj, Model)):
+        _as_models(obj, target)
+
+
+def _resolve(target: str) -> Any:
+    """The object that ``MODULE:OBJECT`` names."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"worker target {target!r} must look like MODULE:OBJECT")
@@ -32,7 +46,7 @@ def load_target(target: str) -> tuple[list[Model], list[Pipeline]]:
         if not hasattr(obj, part):
             raise ConfigError(f"{module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    return _as_models(obj, target)
+    return obj
 
 
 def _as_models(obj: Any, target: str) -> tuple[list[Model], list[Pipeline]]:

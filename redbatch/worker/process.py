@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
 BLOCKING_CLUSTER_CONNECTIONS = 4  # per node, for a model's blocking client on a cluster
 AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
+STUCK_CLAIM_S = 1.0  # at a stop: a claim this long past its pop's timeout is ended
 LEAVE_TIMEOUT_S = 3.0  # returning the batch at shutdown: Redis gone must not hang the stop
 
 
@@ -103,6 +105,7 @@ class Worker:
         self._drain = Drain(lambda: [r.model for r in self.runners] or self.models,
                             self.worker_id)
         self.drained = False  # stopped after draining its versions (redbatch.versions)
+        self.stopped_clean = True  # False: a batch loop was cancelled past the grace
         self._stop = asyncio.Event()
         self._unranked: frozenset[str] = frozenset()  # too many live workers to rank
         self._clients: tuple[aioredis.Redis, ...] = ()  # (while it runs)
@@ -125,7 +128,7 @@ class Worker:
             _apply_torch_threads(self.config.threads)  # loaders may have imported torch
             self._reapers = {r.model.name: r.reaper for r in self.runners}
             self._live = {r.model.name: LiveKnobs(r) for r in self.runners}
-            clean = await self._serve(redis, stop)
+            clean = self.stopped_clean = await self._serve(redis, stop)
         finally:
             executor.shutdown(wait=clean, cancel_futures=True)
             await close_all(redis, *blocking)
@@ -252,15 +255,33 @@ class Worker:
                  ",".join(m.name for m in self.models), self.device)
         self.on_serving()
         await stop.wait()
-        _done, pending = await asyncio.wait(tasks, timeout=self.config.grace_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        pending = await self._loops_end(tasks)
         beating.set()
         await asyncio.gather(_ended(heart, LEAVE_TIMEOUT_S, "the heartbeat"),
                              _ended(duty, LEAVE_TIMEOUT_S, "the pipelines' duty"))
         await self._leave(redis)
         return not pending
+
+    async def _loops_end(self, tasks: list[asyncio.Task[None]]) -> set[asyncio.Task[None]]:
+        """The batch loops' end after a stop, within the grace (those still running then
+        are cancelled, and returned); a loop that waits on a claim with no batch of its
+        own past the pop's timeout and ``STUCK_CLAIM_S`` (a stalled Redis) is cancelled
+        at once: nothing it holds is lost (``Runner.stuck_claiming``)."""
+        ends_at = time.monotonic() + self.config.grace_s
+        stuck_after_s = self.config.block_timeout_s + STUCK_CLAIM_S
+        pending = set(tasks)
+        while pending and (left_s := ends_at - time.monotonic()) > 0:
+            _done, pending = await asyncio.wait(pending, timeout=min(left_s, 0.1))
+            for runner, task in zip(self.runners, tasks, strict=True):
+                if task in pending and runner.stuck_claiming(stuck_after_s):
+                    log.warning("model=%s: its claim did not end %.1f s after it began "
+                                "(Redis stalled?): stopped", runner.model.name, stuck_after_s)
+                    task.cancel()
+                    pending.discard(task)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return pending
 
     def _duty(self, redis: aioredis.Redis) -> PipelineDuty:
         """The pipelines' part: hand-offs of the stages served here (``redbatch.pipelines``)."""
@@ -278,7 +299,7 @@ class Worker:
         except (*REDIS_ERRORS, TimeoutError) as exc:
             log.warning("worker %s could not return its batch or deregister (%s); its lease "
                         "will expire and another worker will reap it", self.worker_id,
-                        exc or type(exc).__name__)
+                        str(exc) or type(exc).__name__)
         log.info("worker %s stopped", self.worker_id)
 
     async def _return_and_deregister(self, redis: aioredis.Redis) -> None:
@@ -363,6 +384,19 @@ def run_worker_process(target: str, redis: RedisSettings, config: WorkerConfig, 
         if on_drained is not None:
             on_drained()
         sys.exit(defaults.DRAINED_EXIT_CODE)
+    if not worker.stopped_clean:
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """End the process now: a pass cancelled past the grace still runs in the forward
+    thread (its batch went back to the queue), and the interpreter's exit would wait
+    for it (``concurrent.futures`` joins its threads) until the pool's SIGKILL."""
+    log.warning("a forward pass still runs past the stop's grace: exiting without it")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def serve_metrics(port: int) -> None:

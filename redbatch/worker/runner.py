@@ -8,6 +8,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,6 +198,9 @@ class BatchRunner:
         self._busy = False  # the last claim came back full
         self._steady = 0  # entries of the last claim (several in a row: busy too)
         self._held: Held | None = None  # items held over for the next batch (``hold``)
+        # when (monotonic) the loop began to wait on a claim with no batch of its own in
+        # hand (``stuck_claiming``); None while it holds or runs one
+        self._idle_claim_since: float | None = None
         self._shrink_seen: bytes | None = None  # the last shrink notice drained by
         # every live worker of the model knows held lists, as the last heartbeat read
         # (``heartbeat.Beat.held_aware``): none before the first
@@ -238,7 +242,8 @@ class BatchRunner:
                     await _settle(publishing)  # its error, if any, now: not at the next batch
                     publishing = None
                 prefetched = claiming is not None  # (claimed during the pass before)
-                batch = await (claiming or self._take())
+                batch = await self._claimed(claiming or self._take(),
+                                            publishing is None and self._held is None)
                 early = self._claims_early()
                 claiming = self._prefetch() if early and not stop.is_set() else None
                 if claiming is not None and self._forwarder.inline:
@@ -270,7 +275,8 @@ class BatchRunner:
                 check_cancelled()
                 await slots.acquire()
                 tasks = _check_done(tasks)
-                batch = None if stop.is_set() else await self._take()
+                batch = None if stop.is_set() else await self._claimed(self._take(),
+                                                                       not tasks)
                 if batch is None:
                     slots.release()
                     continue
@@ -279,6 +285,24 @@ class BatchRunner:
         finally:
             for task in tasks:
                 await _settle(task, abandon=True)
+
+    async def _claimed(self, claim: Awaitable[Claimed | None], idle: bool
+                       ) -> Claimed | None:
+        """``claim``'s batch; ``idle``: this loop holds no batch meanwhile (a wait that
+        ``stuck_claiming`` may end at a stop)."""
+        self._idle_claim_since = time.monotonic() if idle else None
+        try:
+            return await claim
+        finally:
+            self._idle_claim_since = None
+
+    def stuck_claiming(self, after_s: float) -> bool:
+        """Whether the loop has waited on a claim longer than ``after_s`` with no batch
+        of its own: a stop may cancel it then (a stalled Redis held the pop past its
+        timeout; what the claim took is in this worker's in-flight list, which its
+        leave, or a reaper once its lease expires, puts back in the queue)."""
+        since = self._idle_claim_since
+        return since is not None and time.monotonic() - since > after_s
 
     async def _launch(self, batch: Claimed, tasks: list[asyncio.Task[None]],
                       slots: asyncio.Semaphore) -> list[asyncio.Task[None]]:
