@@ -513,3 +513,25 @@ async def test_an_output_comes_back_in_its_declared_datatype_and_flags_are_check
                  "binary_data")):
             resp = await http.post("/v2/models/sums/infer", json={**body, **extra})
             assert resp.status_code == 400 and named in resp.text, resp.text
+
+
+async def test_a_nan_output_is_null_in_json_and_itself_as_binary_data(
+        start_worker: Callable[..., Worker], redis_url: str) -> None:
+    """As http.md and v2.md say: JSON has no NaN (nor infinities)."""
+    from tests.conftest import wait_live
+
+    nans = Model("nans", fn=lambda xs: [x * np.float32("nan") for x in xs],
+                 spec=TensorSpec("float32", (2,)), input_name="x", output_name="y",
+                 policy=WINDOW)
+    start_worker([nans])
+    await wait_live(redis_url, "nans")
+    async with gateway(redis_url) as gw:
+        resp = await gw.post("/v1/models/nans/predict", json={"x": [1.0, 2.0]})
+        assert resp.status_code == 200 and resp.json() == {"y": [None, None]}, resp.text
+        body = infer_body("x", "FP32", [1, 2], [1.0, 2.0])
+        resp = await gw.post("/v2/models/nans/infer", json=body)
+        assert resp.status_code == 200 and resp.json()["outputs"][0]["data"] == [None, None]
+        resp = await gw.post("/v2/models/nans/infer", json={
+            **body, "parameters": {"binary_data_output": True}})
+        size = int(resp.headers["inference-header-content-length"])
+        assert np.isnan(np.frombuffer(resp.content[size:], dtype="<f4")).all()
