@@ -35,7 +35,10 @@ class Levels:
         ``InvalidPayload`` naming it when it is not an integer in range."""
         if priority is None or (type(priority) is int and priority == 0):
             return self.default
-        if type(priority) is not int or not 1 <= priority <= self.count:
+        if type(priority) is not int:
+            raise InvalidPayload(f"priority must be an integer (1..{self.count} for model "
+                                 f"{model!r}; 0 or none: its default), got {priority!r}")
+        if not 1 <= priority <= self.count:
             raise InvalidPayload(
                 f"priority {priority!r} is out of range for model {model!r}: its levels "
                 f"are 1..{self.count} (1 most urgent; 0 or none: its default, "

@@ -180,8 +180,9 @@ class TensorSpec:
     def _check_kind(self, arr: np.ndarray[Any, Any]) -> None:
         if arr.dtype.kind not in "biuf":
             raise InvalidPayload(f"input must be numbers, got {arr.dtype.kind!r} data")
-        if self._np_dtype.kind in "iub" and arr.dtype.kind == "f":
+        if self._np_dtype.kind in "iub" and arr.dtype.kind == "f" and arr.size:
             raise InvalidPayload(f"input must be integers for dtype {self.dtype}")
+        # (an empty list reads as floats: its shape or length check names what is wrong)
 
     def _check_range(self, arr: np.ndarray[Any, Any], cast: np.ndarray[Any, Any]) -> None:
         kind = cast.dtype.kind

@@ -84,6 +84,14 @@ def test_check_masked_counts_the_real_length_against_max_len() -> None:
         spec.check_masked([0.5, 1.0], [1, 1])
 
 
+def test_an_empty_input_is_named_as_such_not_as_floats() -> None:
+    """``[]`` reads as a float array: it was refused as "must be integers"."""
+    with pytest.raises(InvalidPayload, match="length 0"):
+        TensorSpec("int64", (None,), max_len=4).check([])
+    with pytest.raises(InvalidPayload, match=r"shape \(0,\) does not match"):
+        TensorSpec("int64", (4,)).check([])
+
+
 def test_a_mask_needs_a_variable_length_and_a_field_name() -> None:
     with pytest.raises(ConfigError, match="variable length"):
         TensorSpec("int64", (3,), mask="attention_mask")

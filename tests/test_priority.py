@@ -260,8 +260,8 @@ async def test_a_full_low_level_is_503_while_the_urgent_one_flows(
     ({"X-Redbatch-Priority": "3"}, None, "priority 3"),
     ({"X-Redbatch-Priority": "-1"}, None, "priority -1"),
     ({}, {"priority": 9}, "parameters.priority"),
-    ({}, {"priority": "1"}, "parameters.priority"),
-    ({}, {"priority": True}, "parameters.priority"),
+    ({}, {"priority": "1"}, "parameters.priority: priority must be an integer"),
+    ({}, {"priority": True}, "parameters.priority: priority must be an integer"),
 ])
 async def test_a_bad_priority_is_400_naming_it(
         capped: tuple[httpx.AsyncClient, threading.Event], headers: dict[str, Any],
