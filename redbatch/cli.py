@@ -261,6 +261,7 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
 
     for target, _, _ in entries:
         check_target(target)  # fail here, loudly, rather than in every replica
+    _check_port(gateway_config)
     pools = [Pool(target, redis, config, log_level, overrides)
              for target, config, overrides in entries]
     supervisors = []
@@ -280,6 +281,14 @@ def _up(entries: list[Entry], gateway_config: GatewayConfig, redis: RedisSetting
             supervisor.join(5)
         _stop_all(pools)
     _raise_failure(pools)
+
+
+def _check_port(config: GatewayConfig) -> None:
+    """A taken port (or an address not of this machine) is one ``ConfigError`` before
+    any worker starts (a bind, closed at once: the gateway binds it again)."""
+    from redbatch import gateway_server
+
+    gateway_server.bind(config.host, config.port).close()
 
 
 def _raise_failure(pools: list[Any]) -> None:

@@ -218,6 +218,19 @@ def test_a_taken_port_is_one_clear_error(redis_url: str) -> None:
     assert "listening" not in result.stderr and "Traceback" not in result.stderr
 
 
+def test_up_on_a_taken_port_fails_before_any_worker_starts(redis_url: str) -> None:
+    """A replica started, reached "serving" (claiming from a shared Redis), then
+    stopped: the port was bound after the workers started."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("up", "--redis-url", redis_url, "--port", str(port))
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "started worker" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("host", ["not a host", "192.0.2.1"])  # (TEST-NET-1: not ours)
 def test_a_host_that_is_not_ours_is_one_clear_error(host: str) -> None:
     from redbatch.gateway_server import bind

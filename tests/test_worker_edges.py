@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -399,3 +400,18 @@ def test_a_pool_checks_its_target_without_calling_a_factory() -> None:
                        ("tests.nowhere:x", "cannot import")):
         with pytest.raises(ConfigError, match=match):
             check_target(bad)
+
+
+def test_a_target_whose_module_fails_is_one_config_error_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own code raising at import, or a syntax error: a 30-line traceback, exit 1."""
+    from redbatch.errors import ConfigError
+    from redbatch.worker.loader import check_target
+
+    (tmp_path / "raising_mod.py").write_text('raise RuntimeError("no weights at /x")\n')
+    (tmp_path / "broken_mod.py").write_text("def f(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="RuntimeError: no weights at /x"):
+        check_target("raising_mod:models")
+    with pytest.raises(ConfigError, match=r"SyntaxError: .*broken_mod\.py, line 1"):
+        check_target("broken_mod:models")

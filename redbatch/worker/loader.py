@@ -41,6 +41,9 @@ def _resolve(target: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # its own code failed (a SyntaxError too): one line, and how
+        raise ConfigError(f"importing {module_name!r} failed: {type(exc).__name__}: "  # to see
+                          f"{exc} (python -c 'import {module_name}' shows where)") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
