@@ -75,7 +75,8 @@ DEVICE: Final = "auto"  # auto, cpu, cuda or cuda:N[,cuda:M]
 THREADS: Final = 1  # CPU threads per worker process
 MAX_ATTEMPTS: Final = 3  # worker crashes a request may cause before it is dead-lettered
 GRACE_S: Final = 30.0  # on SIGTERM, a worker's time to finish its batch
-POOL_STOP_MARGIN_S: Final = 5.0  # a pool SIGKILLs replicas alive grace_s + this after SIGTERM
+POOL_STOP_MARGIN_S: Final = 8.0  # a pool SIGKILLs replicas alive grace_s + this after SIGTERM
+# (a replica past its grace: 3 s for its heartbeat and duty, 3 s to leave, with Redis stalled)
 POOL_TICK_S: Final = 0.5  # a pool's supervisor looks at its replicas at least this often
 GATEWAY_PROCS_TICK_S: Final = 0.2  # a multi-process gateway looks at its processes this often
 METRICS_PORT: Final = 0  # Prometheus /metrics of replica i on METRICS_PORT + i; 0: off

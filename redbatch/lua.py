@@ -672,7 +672,7 @@ local dropped = {{}}
 local function read(key, ...)  -- a key of another type is deleted (then read as empty)
   local reply = redis.pcall(...)
   if type(reply) == 'table' and reply['err'] then
-    if not string.find(reply['err'], 'WRONGTYPE', 1, true) then error(reply['err']) end
+    if not string.find(reply['err'], 'WRONGTYPE', 1, true) then error(reply) end
     redis.call('DEL', key)
     dropped[#dropped + 1] = key
     return {{}}

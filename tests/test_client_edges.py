@@ -169,6 +169,14 @@ async def test_a_calls_bad_argument_is_invalid_payload_before_anything_is_queued
     assert not [k for k in raw_redis.scan_iter("rb:{m*") if b"queue" in k]
 
 
+async def test_a_streams_bad_cap_is_invalid_payload(redis_url: str) -> None:
+    """``max_queue_len="5"`` raised a raw ``TypeError``; 0 a ``QueueFull``."""
+    async with Client(redis_url, require_workers=False) as client:
+        for cap in ("5", 0):
+            with pytest.raises(InvalidPayload, match="max_queue_len must be"):
+                client.stream("m", 1, max_queue_len=cap)  # type: ignore[arg-type]
+
+
 async def test_predict_many_refuses_what_is_not_a_list_of_inputs(redis_url: str) -> None:
     async with Client(redis_url, require_workers=False) as client:
         for bad in ({"a": 1}, (x for x in range(3)), "abc"):

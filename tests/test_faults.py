@@ -177,6 +177,8 @@ TIMEOUT_HEADER = {"x-redbatch-timeout-ms": "1000"}
     ("GET", "/v1/models/stalled/predict?inputs=1&timeout_ms=1000", None, {}),
     ("POST", "/v2/models/stalled/infer", {**V2_INFER, "parameters": {"timeout": 1_000_000}},
      {}),
+    ("POST", "/v2/models/stalled/generate", {"inputs": 1, "parameters": {"timeout_ms": 1000}},
+     {}),
 ])
 async def test_gateway_answers_by_the_deadline_while_redis_is_stalled(
         redis_server_factory: Callable[..., RedisServer], method: str, path: str, body: Any,
@@ -366,10 +368,11 @@ async def test_first_requests_after_a_redis_restart_succeed(
     assert statuses[1:] == [200] * 7, statuses  # one warm-up at most, not a run of 503s
 
 
-@pytest.mark.parametrize(("pipelines", "grace_s"), [(False, 0.5), (True, 0.5), (False, 30.0)])
+@pytest.mark.parametrize(("pipelines", "grace_s", "streaming"), [
+    (False, 0.5, False), (True, 0.5, False), (False, 30.0, False), (False, 30.0, True)])
 async def test_a_worker_stops_in_bounded_time_while_redis_is_stalled(
         redis_server_factory: Callable[..., RedisServer], pipelines: bool,
-        grace_s: float) -> None:
+        grace_s: float, streaming: bool) -> None:
     """With pipeline stages to hand on, the stop waited on the duty's tick and the
     movers' last steps with no bound: it took over 40 s (each Redis call's socket
     timeout, and retries) while Redis stayed stalled.  An idle batch loop's claim
@@ -381,10 +384,13 @@ async def test_a_worker_stops_in_bounded_time_while_redis_is_stalled(
     stop = asyncio.Event()
     config = WorkerConfig(block_timeout_s=0.2, heartbeat_interval_s=0.2, lease_ttl_s=1.0,
                           grace_s=grace_s)
-    worker = Worker([echo], RedisSettings(server.url), config,
+    from tests.stream_models import counter
+
+    model = counter() if streaming else echo
+    worker = Worker([model], RedisSettings(server.url), config,
                     pipelines=[Pipeline("twice", ["echo", "echo2"])] if pipelines else None)
     task = asyncio.create_task(worker.run(stop))
-    await wait_live(server.url, "twice" if pipelines else "echo")
+    await wait_live(server.url, "twice" if pipelines else model.name)
     await asyncio.sleep(0.3)  # (the batch loop in its blocking claim)
     with stalled(server):
         stop.set()

@@ -483,3 +483,24 @@ async def test_a_pipeline_never_takes_a_served_models_name(
     await asyncio.gather(*duty._tasks.values())
     assert raw_redis.get(protocol.meta_key("calc")) == model_meta
     assert raw_redis.zscore(protocol.workers_key("calc"), "w1") is None
+
+
+async def test_a_worker_with_long_blocking_waits_leaves_its_pipelines_at_a_stop(
+        redis_url: str, raw_redis: redis.Redis) -> None:
+    """Its movers' idle waits (``block_timeout_s``, 3.5 s here) held their last steps
+    past the stop's 3 s for the duty: the duty was cancelled before it left, and the
+    pipeline's lease stayed listed for ``lease_ttl_s``."""
+    import dataclasses
+    import time
+
+    config = dataclasses.replace(FAST_WORKER, block_timeout_s=3.5)
+    stop = asyncio.Event()
+    worker = Worker([inc()], RedisSettings(redis_url), config, pipelines=[CALC])
+    task = asyncio.create_task(worker.run(stop))
+    await wait_live(redis_url, "calc", timeout_s=5)
+    await asyncio.sleep(0.5)  # (the movers in their idle waits)
+    stop.set()
+    started = time.monotonic()
+    await asyncio.wait_for(task, 15)
+    assert time.monotonic() - started < 3.5 + 1.5  # (the batch loop's own claim: 3.5 s)
+    assert raw_redis.zscore(protocol.workers_key("calc"), worker.worker_id) is None

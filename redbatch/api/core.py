@@ -140,7 +140,7 @@ class InferCore:
         call less per request, so an override of this one does not reach v1)."""
         return await body.read_body(headers, receive, self.config.max_body_bytes)
 
-    def _asked_s(self, headers: body.Headers, data: dict[str, Any]) -> float:
+    def asked_s(self, headers: body.Headers, data: dict[str, Any]) -> float:
         """The caller's own timeout (header or ``timeout_ms``), else the gateway's."""
         return body.timeout_s(headers, data, self.config.default_timeout_s,
                               self.config.max_timeout_s)
@@ -231,7 +231,8 @@ class InferCore:
         once the body is read, its request straight to the model's queue while the
         verdict holds (``Client._submit_direct``), else down the full path."""
         arrived_ms = protocol.now_ms()
-        # (a timeout header is checked by ``served`` before the body is read, as always)
+        # (the model's info cached: the body is read after it; else first, so that its
+        # ``timeout_ms`` bounds the look-ups, a malformed body's 400 coming first then)
         info = self.directory.cached(model) if plain and body.TIMEOUT_HEADER not in headers \
             else None
         data = None
@@ -241,7 +242,7 @@ class InferCore:
                                                             self.config.max_body_bytes))
             asked = data if data is not None else query_timeout(query or b"")
             info = await self.served(model, headers, arrived_ms, version, plain,
-                                     lambda: self._asked_s(headers, asked))
+                                     lambda: self.asked_s(headers, asked))
         if data is None:
             raw = await body.read_body(headers, receive, self.config.max_body_bytes)
             data = body.parse_json(raw) if query is None else query_input(query, raw, info)

@@ -95,13 +95,14 @@ class GenerateApi:
         name, version = path_name(request)  # /v2/models/{name}[/versions/{v}]/...
         headers: body.Headers = dict(request.scope["headers"])
         trace = body.trace_id(headers)
-        info = await core.served(name, headers, arrived_ms, version)
+        body.check_content_type(headers)
+        data = body.parse_json(await core.read(headers, request.receive))  # (first: its
+        params = data.pop("parameters", None)  # timeout bounds the look-ups too)
+        data = {**params, **data} if isinstance(params, dict) else data
+        info = await core.served(name, headers, arrived_ms, version,
+                                 asked_s=lambda: core.asked_s(headers, data))
         if not info.meta.get(protocol.F_STREAMING):
             raise BadRequest(f"model {name!r} does not stream: use its infer endpoint")
-        body.check_content_type(headers)
-        data = body.parse_json(await core.read(headers, request.receive))
-        params = data.pop("parameters", None)
-        data = {**params, **data} if isinstance(params, dict) else data
         return await core.stream(info, data, headers, arrived_ms, trace,
                                  v2_shapes(name, served_version(info.name)), sse,
                                  request.receive)

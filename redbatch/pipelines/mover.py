@@ -53,7 +53,7 @@ class Mover:
             check_cancelled()  # (a cancel that redis-py swallowed ends the hand-off too)
             try:
                 if not await self.step() and not stop.is_set():
-                    await self._wait()
+                    await self._wait(stop)
                 backoff_s = 0.05
             except Exception as exc:
                 _log_failure(self.stage, exc, backoff_s)
@@ -71,11 +71,21 @@ class Mover:
             log.warning("stage=%s: hand-off records left for the other workers (%s)",
                         self.stage, exc)
 
-    async def _wait(self) -> None:
+    async def _wait(self, stop: asyncio.Event) -> None:
         """Until the outbox holds a record (a rotation onto itself: nothing taken), or
-        ``wait_s`` (then expired leases are looked at again)."""
-        await self._blocking.blmove(self._outbox, self._outbox,
-                                    self._wait_s, "LEFT", "RIGHT")  # type: ignore[arg-type]
+        ``wait_s`` (then expired leases are looked at again), or ``stop`` (the rotation
+        is then cancelled: the last step comes at once, not after ``wait_s``)."""
+        rotation = asyncio.ensure_future(self._blocking.blmove(
+            self._outbox, self._outbox, self._wait_s, "LEFT", "RIGHT"))  # type: ignore[arg-type]
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({rotation, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (rotation, stopping):
+                task.cancel()
+            await asyncio.gather(rotation, stopping, return_exceptions=True)
+        if not rotation.cancelled() and (error := rotation.exception()) is not None:
+            raise error
 
     async def step(self) -> int:
         """Take up to ``HANDOFF_TAKE`` records and hand them on (one write per slot they

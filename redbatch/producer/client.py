@@ -741,8 +741,9 @@ class Client:
         client.stream(model, x)`` (``chunks=True``: numbered ``StreamChunk``s).  The
         deadline bounds the whole stream; ``Stream.aclose`` cancels it.  ``version``:
         as for ``submit`` (``Stream.model``: the served name it went to)."""
-        return Stream(self, model, inputs, self._deadline(timeout_s, deadline_ms),
-                      trace_id, max_queue_len, chunks, version)
+        deadline = self._deadline(timeout_s, deadline_ms)
+        _check_call(model, None, max_queue_len)
+        return Stream(self, model, inputs, deadline, trace_id, max_queue_len, chunks, version)
 
     async def _open_stream(self, model: str, inputs: Any, deadline_ms: int,
                           trace_id: str = "", max_queue_len: int | None = None

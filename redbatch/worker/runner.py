@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Awaitable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -49,6 +49,7 @@ from redbatch.worker.shards import ShardClaimer
 from redbatch.worker.stats import WorkerStats
 
 log = logging.getLogger("redbatch.worker")
+T = TypeVar("T")
 
 
 class LeaseLost(RedbatchError):
@@ -286,8 +287,7 @@ class BatchRunner:
             for task in tasks:
                 await _settle(task, abandon=True)
 
-    async def _claimed(self, claim: Awaitable[Claimed | None], idle: bool
-                       ) -> Claimed | None:
+    async def _claimed(self, claim: Awaitable[T], idle: bool) -> T:
         """``claim``'s batch; ``idle``: this loop holds no batch meanwhile (a wait that
         ``stuck_claiming`` may end at a stop)."""
         self._idle_claim_since = time.monotonic() if idle else None

@@ -128,7 +128,9 @@ class StreamRunner(BatchRunner):
                 check_cancelled()  # (a cancel that redis-py swallowed)
                 if self.model.policy is not self._claimer_policy:
                     self._use_policy()  # a live knob change reaches the first claims too
-                raws = await self.queue_claimer.claim(self.model.policy.max_batch_size)
+                raws = await self._claimed(  # (a stop may end it: ``stuck_claiming``)
+                    self.queue_claimer.claim(self.model.policy.max_batch_size),
+                    not self.deferred)
                 if raws:
                     await StreamLoop(self, stop).run(raws)
                 await self._run_suspects(stop)
