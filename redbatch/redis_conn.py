@@ -273,8 +273,9 @@ def unavailable(settings: RedisSettings, exc: BaseException) -> RedisUnavailable
     detail = str(exc).partition(" : <")[0]  # ("No master found for 'svc' : <Redis(<...)")
     if len(detail) > UNAVAILABLE_DETAIL_CHARS:
         detail = detail[:UNAVAILABLE_DETAIL_CHARS] + "..."
-    return RedisUnavailable(f"redis at {settings.safe_url} unavailable: {type(exc).__name__}: "
-                            f"{detail}")
+    what = "refused a command" if isinstance(exc, redis.ResponseError) else "unavailable"
+    return RedisUnavailable(f"redis at {settings.safe_url} {what}: {type(exc).__name__}: "
+                            f"{detail}")  # (a refusal: a key of another type, an ACL, ...)
 
 
 @asynccontextmanager

@@ -165,7 +165,7 @@ def sample(client: redis.Redis, interval_s: float) -> dict[str, ModelStatus]:
     """Every model's status, with items/s measured over ``interval_s`` (workers publish
     their counters once a heartbeat, 1 s by default: sample 2 s or more for steady
     figures)."""
-    before = _read_all(client)
+    before = _read_all(client, warn=False)  # (a model left out is named once, below)
     started = time.monotonic()
     time.sleep(interval_s)
     elapsed = time.monotonic() - started
@@ -180,17 +180,18 @@ def sample(client: redis.Redis, interval_s: float) -> dict[str, ModelStatus]:
     return now
 
 
-def _read_all(client: redis.Redis) -> dict[str, ModelStatus]:
+def _read_all(client: redis.Redis, *, warn: bool = True) -> dict[str, ModelStatus]:
     """Every model's status; a model whose keys in Redis cannot be read (a field that
     is no number, metadata that is no JSON object, a key of another type: written by
-    something else) is left out, with a warning naming it."""
+    something else) is left out, with a warning naming it (``warn``)."""
     statuses: dict[str, ModelStatus] = {}
     for model in model_names(client):
         try:
             statuses[model] = read_model(client, model)
         except (ValueError, TypeError, AttributeError, KeyError, redis.ResponseError) as exc:
-            log.warning("model %r left out: its keys in Redis cannot be read (%s: %s)",
-                        model, type(exc).__name__, exc)
+            if warn:
+                    log.warning("model %r left out: its keys in Redis cannot be read (%s: %s)",
+                            model, type(exc).__name__, exc)
     return statuses
 
 

@@ -143,3 +143,16 @@ def test_an_unavailable_message_leaves_out_redis_pys_client_repr() -> None:
     message = str(unavailable(settings, raised))
     assert message.endswith("unavailable: Exception: No master found for 'svc'"), message
     assert len(str(unavailable(settings, Exception("y" * 5000)))) < 400
+
+
+def test_a_refused_command_is_not_called_redis_unavailable() -> None:
+    """``redbatch config m`` on a key of another type said "redis ... unavailable"."""
+    import redis
+
+    from redbatch.redis_conn import unavailable
+
+    settings = RedisSettings("redis://127.0.0.1:6379/0")
+    wrong = redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind")
+    assert "refused a command: ResponseError: WRONGTYPE" in str(unavailable(settings, wrong))
+    assert "unavailable: ConnectionError" in str(
+        unavailable(settings, redis.ConnectionError("refused")))

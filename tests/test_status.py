@@ -134,6 +134,7 @@ def test_status_leaves_out_a_model_whose_keys_are_odd_and_shows_the_rest(
     assert {"fine", "badinfo", "badknob"} <= set(shown)
     assert "badcount" not in shown and "badmeta" not in shown
     assert "left out" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.count("model 'badmeta' left out") == 1  # (was: once per sample)
     table = subprocess.run(redbatch_cmd(*args), capture_output=True, text=True,
                            env={**test_env(), "COLUMNS": "200"}, timeout=30, check=False)
     assert table.returncode == 0 and "badknob" in table.stdout, table.stderr
