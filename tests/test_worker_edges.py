@@ -415,3 +415,34 @@ def test_a_target_whose_module_fails_is_one_config_error_line(
         check_target("raising_mod:models")
     with pytest.raises(ConfigError, match=r"SyntaxError: .*broken_mod\.py, line 1"):
         check_target("broken_mod:models")
+
+
+async def test_a_stop_during_an_open_window_runs_what_it_holds(redis_url: str) -> None:
+    """A claim whose window opened over ``block_timeout_s`` + 1 s before the stop was
+    taken for one stalled at the stop ("Redis stalled?"): cancelled, its batch went
+    back to the queue, and its callers waited for another worker, past their
+    deadline when none came in time."""
+    from redbatch import Client, batch
+    from redbatch.config import RedisSettings, WorkerConfig
+
+    computed: list[list[int]] = []
+
+    @batch(name="held_open", max_batch_size=8, allow_small_batch=False,
+           batch_wait_timeout_s=0.0)
+    def held_open(xs: list[int]) -> list[int]:
+        computed.append(list(xs))
+        return [x * 10 for x in xs]
+
+    config = WorkerConfig(block_timeout_s=1.0, heartbeat_interval_s=0.2, lease_ttl_s=2.0,
+                          grace_s=30.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(Worker([held_open], RedisSettings(redis_url), config).run(stop))
+    await wait_live(redis_url, "held_open")
+    async with Client(redis_url) as client:
+        calls = [asyncio.ensure_future(client.predict("held_open", i, timeout_s=25))
+                 for i in range(3)]
+        await asyncio.sleep(2.5)  # the window open (not full: it waits for more)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert sorted(x for batch_ in computed for x in batch_) == [0, 1, 2]
+        assert await asyncio.wait_for(asyncio.gather(*calls), 5) == [0, 10, 20]

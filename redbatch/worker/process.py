@@ -265,16 +265,18 @@ class Worker:
     async def _loops_end(self, tasks: list[asyncio.Task[None]]) -> set[asyncio.Task[None]]:
         """The batch loops' end after a stop, within the grace (those still running then
         are cancelled, and returned); a loop that waits on a claim with no batch of its
-        own past the pop's timeout and ``STUCK_CLAIM_S`` (a stalled Redis) is cancelled
-        at once: nothing it holds is lost (``Runner.stuck_claiming``)."""
-        ends_at = time.monotonic() + self.config.grace_s
+        own past the pop's timeout and ``STUCK_CLAIM_S`` after the stop (a stalled
+        Redis: a stopping window closes within the pop's timeout) is cancelled then:
+        nothing it holds is lost (``Runner.stuck_claiming``)."""
+        stopped_at = time.monotonic()
+        ends_at = stopped_at + self.config.grace_s
         stuck_after_s = self.config.block_timeout_s + STUCK_CLAIM_S
         pending = set(tasks)
         while pending and (left_s := ends_at - time.monotonic()) > 0:
             _done, pending = await asyncio.wait(pending, timeout=min(left_s, 0.1))
             for runner, task in zip(self.runners, tasks, strict=True):
-                if task in pending and runner.stuck_claiming(stuck_after_s):
-                    log.warning("model=%s: its claim did not end %.1f s after it began "
+                if task in pending and runner.stuck_claiming(stuck_after_s, stopped_at):
+                    log.warning("model=%s: its claim did not end %.1f s after the stop "
                                 "(Redis stalled?): stopped", runner.model.name, stuck_after_s)
                     task.cancel()
                     pending.discard(task)

@@ -296,13 +296,15 @@ class BatchRunner:
         finally:
             self._idle_claim_since = None
 
-    def stuck_claiming(self, after_s: float) -> bool:
-        """Whether the loop has waited on a claim longer than ``after_s`` with no batch
-        of its own: a stop may cancel it then (a stalled Redis held the pop past its
-        timeout; what the claim took is in this worker's in-flight list, which its
-        leave, or a reaper once its lease expires, puts back in the queue)."""
+    def stuck_claiming(self, after_s: float, stopped_at: float) -> bool:
+        """Whether the loop has waited on a claim with no batch of its own for longer
+        than ``after_s`` since the stop came (``stopped_at``, monotonic): a stopping
+        claim closes its window within its pop's timeout, so a stop may cancel it then
+        (a stalled Redis held the pop; what the claim took is in this worker's
+        in-flight list, which its leave, or a reaper once its lease expires, puts back
+        in the queue).  A window open before the stop runs what it holds."""
         since = self._idle_claim_since
-        return since is not None and time.monotonic() - since > after_s
+        return since is not None and time.monotonic() - max(since, stopped_at) > after_s
 
     async def _launch(self, batch: Claimed, tasks: list[asyncio.Task[None]],
                       slots: asyncio.Semaphore) -> list[asyncio.Task[None]]:
