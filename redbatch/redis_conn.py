@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
@@ -141,7 +141,13 @@ class BlockingSentinelPool(ShieldedRelease, SentinelConnectionPool,
 
 class ShieldedSentinel(Sentinel):
     """redis-py's ``Sentinel`` whose links to the sentinels use ``ShieldedPool``: the
-    lookups of every reconnect go through them, many at once after a failover."""
+    lookups of every reconnect go through them, many at once after a failover.  Its
+    ``discover_master`` moves the sentinel that answered to the front as redis-py's
+    does, but by where that sentinel is at the moment of the move: redis-py's swap
+    used the index its loop had before an ``await``, so two lookups at once (after a
+    failover, every connection's) could write one sentinel twice and drop another
+    from the list (never asked again, and never closed: its open link a
+    ``ResourceWarning``).  ``aclose`` closes every sentinel link made."""
 
     def __init__(self, sentinels: Any, **kwargs: Any) -> None:
         init: Any = super().__init__  # (untyped in redis-py)
@@ -151,6 +157,27 @@ class ShieldedSentinel(Sentinel):
             client.connection_pool = ShieldedPool(connection_class=old.connection_class,
                                                   max_connections=old.max_connections,
                                                   **old.connection_kwargs)
+        self._links: list[Any] = list(self.sentinels)
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        errors = []
+        for sentinel in list(self.sentinels):  # (a copy: other lookups reorder it)
+            try:
+                masters: Any = await sentinel.sentinel_masters()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                errors.append(f"{sentinel} - {exc!r}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                at = self.sentinels.index(sentinel)  # (where it is now: no await since)
+                self.sentinels[0], self.sentinels[at] = sentinel, self.sentinels[0]
+                forced: Any = getattr(self, "_force_master_ip", None)
+                return (forced if forced is not None else state["ip"]), state["port"]
+        detail = f" : {', '.join(errors)}" if errors else ""
+        raise MasterNotFoundError(f"No master found for {service_name!r}{detail}")
+
+    async def aclose(self) -> None:
+        await close_all(*self._links)
 
 
 class SentinelRedis(aioredis.Redis):

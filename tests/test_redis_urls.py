@@ -4,6 +4,7 @@ never shown; plain URLs keep their single-node client."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -156,3 +157,43 @@ def test_a_refused_command_is_not_called_redis_unavailable() -> None:
     assert "refused a command: ResponseError: WRONGTYPE" in str(unavailable(settings, wrong))
     assert "unavailable: ConnectionError" in str(
         unavailable(settings, redis.ConnectionError("refused")))
+
+
+async def test_lookups_at_once_never_drop_a_sentinel_from_the_list() -> None:
+    """redis-py's ``discover_master`` swapped by an index read before its ``await``:
+    two lookups at once (every connection's, after a failover) wrote one sentinel
+    twice and dropped another, never asked again nor closed (an open link's
+    ``ResourceWarning``, seen in the Sentinel failover ledger)."""
+    import redis
+
+    from redbatch.redis_conn import ShieldedSentinel
+
+    gate = asyncio.Event()
+    closed: list[str] = []
+
+    class Link:
+        def __init__(self, name: str, up: bool) -> None:
+            self.name, self.up = name, up
+
+        async def sentinel_masters(self) -> dict[str, Any]:
+            if not self.up:
+                raise redis.ConnectionError("down")
+            await gate.wait()
+            return {"svc": {"is_master": True, "is_sdown": False, "is_odown": False,
+                            "num-other-sentinels": 2, "ip": "10.0.0.9", "port": 6379}}
+
+        async def aclose(self) -> None:
+            closed.append(self.name)
+
+    sentinel = ShieldedSentinel([("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.1", 3)])
+    links = [Link("s0", False), Link("s1", False), Link("s2", True)]
+    sentinel.sentinels[:] = links
+    sentinel._links = list(links)
+    lookups = [asyncio.create_task(sentinel.discover_master("svc")) for _ in range(2)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.gather(*lookups) == [("10.0.0.9", 6379)] * 2
+    assert sorted(link.name for link in sentinel.sentinels) == ["s0", "s1", "s2"]
+    assert sentinel.sentinels[0].name == "s2"
+    await sentinel.aclose()
+    assert sorted(closed) == ["s0", "s1", "s2"]
