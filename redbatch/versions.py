@@ -378,14 +378,27 @@ async def _unversioned(redis: aioredis.Redis, model: str) -> dict[str, Any]:
     """A model served without versions: its one row (version "1"), as ``/v1/models``
     lists it; ``UnknownModel`` for a name that nothing serves (no metadata)."""
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.exists(protocol.meta_key(model))
+        pipe.get(protocol.meta_key(model))
         pipe.zcount(protocol.workers_key(model), protocol.now_ms(), "+inf")
-        known, live = await pipe.execute()
-    if not known:
-        raise UnknownModel(f"unknown model {model!r}: no version and no worker serves it")
+        meta, live = await pipe.execute(raise_on_error=False)
+    if not meta or not _readable_meta(meta) or isinstance(live, Exception):
+        raise UnknownModel(f"unknown model {model!r}: no version and no worker serves it"
+                           + ("" if not meta else " (its keys in Redis cannot be read)"))
     row = unversioned_row(model, int(live), 0)
     del row["queue_depth"]  # (as the rows of a table of versions)
     return {"model": model, "latest": UNVERSIONED, "pinned_latest": None, "versions": [row]}
+
+
+def _readable_meta(meta: Any) -> bool:
+    """Whether a model's metadata (a GET's answer) is a JSON object: one that is not
+    (another type of key, not JSON) leaves the model unknown, as the models' listing
+    leaves it out."""
+    if isinstance(meta, Exception):
+        return False
+    try:
+        return isinstance(orjson.loads(meta), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def unversioned_row(model: str, live_workers: int, queue_depth: int) -> dict[str, Any]:

@@ -186,7 +186,8 @@ async def test_a_model_whose_metadata_cannot_be_read_is_unknown_to_the_admin_rou
         for model in ("badjson", "badlist", "badtype"):
             path = f"/v1/models/{model}/config"
             for resp in (await http.get(path),
-                         await http.patch(path, json={"max_batch_size": 8})):
+                         await http.patch(path, json={"max_batch_size": 8}),
+                         await http.get(f"/v1/models/{model}/versions")):  # (was: 200)
                 assert resp.status_code == 404, (model, resp.text)
                 assert resp.json()["error"]["code"] == "unknown_model"
         assert not raw_redis.exists(protocol.config_key("badjson"))
