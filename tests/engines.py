@@ -264,8 +264,12 @@ class SentinelEngine:
 
     @staticmethod
     def _ready(sentinel: Node) -> bool:
+        """It knows the replica and the other sentinels, and holds the primary healthy
+        (flags ``master`` alone: a client's lookup refuses a primary flagged down or
+        disconnected, which a loaded machine's fresh set-up showed once)."""
         info = sentinel.ask("SENTINEL", "MASTER", SERVICE)  # (parsed by redis-py)
-        return int(info[b"num-slaves"]) >= 1 and int(info[b"num-other-sentinels"]) >= 2
+        return int(info[b"num-slaves"]) >= 1 and int(info[b"num-other-sentinels"]) >= 2 \
+            and info[b"flags"] == b"master"
 
     @property
     def url(self) -> str:
