@@ -206,28 +206,20 @@ def test_cuda_on_a_host_without_it_fails_at_once() -> None:
     assert "Traceback" not in result.stderr and "started worker" not in result.stderr
 
 
-def test_a_taken_port_is_one_clear_error(redis_url: str) -> None:
+@pytest.mark.parametrize("command", ["gateway", "up"])
+def test_a_taken_port_is_one_clear_error(redis_url: str, command: str) -> None:
+    """``up`` too, before any worker starts (a replica started, reached "serving",
+    claiming from a shared Redis, then stopped: the port was bound after the
+    workers started)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_cli("gateway", "--redis-url", redis_url, "--port", str(port))
+        result = run_cli(command, "--redis-url", redis_url, "--port", str(port))
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "pick one with --port" in result.stderr
     assert "listening" not in result.stderr and "Traceback" not in result.stderr
-
-
-def test_up_on_a_taken_port_fails_before_any_worker_starts(redis_url: str) -> None:
-    """A replica started, reached "serving" (claiming from a shared Redis), then
-    stopped: the port was bound after the workers started."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = run_cli("up", "--redis-url", redis_url, "--port", str(port))
-    assert result.returncode == 2, result.stderr
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "started worker" not in result.stderr, result.stderr
 
 
